@@ -1,0 +1,183 @@
+"""The library of accepted kernels: source files plus a JSON manifest, and dispatch over them.
+
+Each accepted kernel is a self-contained module (the candidate's source, byte for byte) stored
+as `<op>_<source hash>.py` beside `manifest.json`. Dispatch picks, for a call's
+(op, GPU architecture, dtype, shape bucket), the fastest accepted kernel, else the library's
+hand-written default, else the plain PyTorch reference when Triton cannot run at all.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+PACKAGE_LIBRARY = Path(__file__).parent / "library"
+ARCH_INTERPRETER = "interpreter"
+
+
+def interpret_enabled() -> bool:
+    """Triton kernels run in the interpreter (on CPU tensors) when TRITON_INTERPRET=1."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def device_arch(device: torch.device) -> str:
+    """`sm_90` for an H100/H200; `interpreter` for interpreted Triton; `cpu` otherwise."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor}"
+    return ARCH_INTERPRETER if interpret_enabled() else "cpu"
+
+
+def triton_usable(device: torch.device) -> bool:
+    return device.type == "cuda" or interpret_enabled()
+
+
+@dataclass(kw_only=True)
+class LibraryEntry:
+    """One accepted kernel. `median_us` (geometric mean over its timing shapes) orders entries
+    of the same key; interpreted entries are only ever dispatched on the interpreter."""
+
+    kernel_id: str
+    op: str
+    entry: str
+    source_file: str
+    source_hash: str
+    arch: str
+    dtype: str
+    buckets: list[str]
+    median_us: float | None
+    interpreted: bool
+    evidence: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    registered_at: str = ""
+
+
+class KernelLibrary:
+    """A folder of accepted kernels. Writes are atomic (temp file, then rename)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self._modules: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / MANIFEST
+
+    def entries(self) -> list[LibraryEntry]:
+        if not self.manifest_path.exists():
+            return []
+        try:
+            raw = json.loads(self.manifest_path.read_text())
+            return [LibraryEntry(**e) for e in raw["kernels"]]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"library manifest {self.manifest_path} is unreadable: {exc}") from exc
+
+    def add(self, *, op: str, entry: str, source: str, arch: str, dtype: str, buckets: list[str],
+            median_us: float | None, interpreted: bool, evidence: dict, provenance: dict) -> LibraryEntry:
+        source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
+        kernel_id = f"{op}_{source_hash}"
+        new = LibraryEntry(
+            kernel_id=kernel_id, op=op, entry=entry, source_file=f"{kernel_id}.py",
+            source_hash=source_hash, arch=arch, dtype=dtype, buckets=sorted(buckets),
+            median_us=median_us, interpreted=interpreted, evidence=evidence, provenance=provenance,
+            registered_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        )
+        with self._lock:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _atomic_write(self.root / new.source_file, source)
+            # Re-registering the same source for the same key replaces the old evidence.
+            kept = [e for e in self.entries()
+                    if not (e.kernel_id == kernel_id and e.arch == arch and e.dtype == dtype)]
+            manifest = {"version": 1, "kernels": [asdict(e) for e in kept + [new]]}
+            _atomic_write(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
+        return new
+
+    def best(self, op: str, arch: str, dtype: str, bucket: str) -> LibraryEntry | None:
+        matches = [e for e in self.entries()
+                   if e.op == op and e.arch == arch and e.dtype == dtype and bucket in e.buckets]
+        if not matches:
+            return None
+        # Fastest first; entries without a timing (never on a GPU) rank after timed ones.
+        return min(matches, key=lambda e: (e.median_us is None, e.median_us or 0.0, e.registered_at))
+
+    def load(self, entry: LibraryEntry) -> Callable[..., torch.Tensor]:
+        """The entry function of an accepted kernel's module (imported once per process)."""
+        with self._lock:
+            module = self._modules.get(entry.kernel_id)
+            if module is None:
+                path = self.root / entry.source_file
+                name = f"recforge_library_{entry.kernel_id}"
+                spec = importlib.util.spec_from_file_location(name, path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                # Triton reads a kernel's source through inspect, which needs the module listed.
+                sys.modules[name] = module
+                spec.loader.exec_module(module)
+                self._modules[entry.kernel_id] = module
+        return getattr(module, entry.entry)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str  # "library:<kernel_id>", "default" or "reference"
+    fn: Callable[..., torch.Tensor]
+
+
+class Dispatcher:
+    """Resolves each call to an implementation and remembers what it chose (for tests,
+    logs and the model's reports)."""
+
+    def __init__(self) -> None:
+        self._library = KernelLibrary(os.environ.get("RECFORGE_LIBRARY", PACKAGE_LIBRARY))
+        self._defaults: dict[str, Callable[..., torch.Tensor]] = {}
+        self._references: dict[str, Callable[..., torch.Tensor]] = {}
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.last: dict[str, str] = {}
+
+    @property
+    def library(self) -> KernelLibrary:
+        return self._library
+
+    def use_library(self, root: str | os.PathLike) -> KernelLibrary:
+        self._library = KernelLibrary(root)
+        return self._library
+
+    def register_op(self, op: str, *, default: Callable, reference: Callable) -> None:
+        self._defaults[op] = default
+        self._references[op] = reference
+
+    def resolve(self, op: str, *, device: torch.device, dtype: str, bucket: str) -> Implementation:
+        if not triton_usable(device):
+            impl = Implementation("reference", self._references[op])
+        else:
+            entry = self._library.best(op, device_arch(device), dtype, bucket)
+            if entry is not None:
+                impl = Implementation(f"library:{entry.kernel_id}", self._library.load(entry))
+            else:
+                impl = Implementation("default", self._defaults[op])
+        self.calls[(op, impl.name)] += 1
+        self.last[op] = impl.name
+        return impl
+
+
+DISPATCHER = Dispatcher()

@@ -1,0 +1,27 @@
+"""A candidate kernel: a self-contained module's source plus where it came from."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, computed_field
+
+
+def source_hash(source: str) -> str:
+    """Content hash naming a candidate everywhere: store, scratch directories, library."""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+class Candidate(BaseModel):
+    problem: str
+    source: str
+    entry: str
+    knobs: dict[str, Any] = Field(default_factory=dict)
+    origin: Literal["template", "llm", "human", "library"] = "human"
+    parent_id: str | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def id(self) -> str:
+        return source_hash(self.source)

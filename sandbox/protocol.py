@@ -1,0 +1,117 @@
+"""The evaluation protocol, in one place for every backend: what a candidate must satisfy to be
+called correct, and how it is timed.
+
+Rules (each enforced below, where it is written):
+- inputs are generated here with seeds drawn from the OS, fresh for every trial, after the
+  candidate is imported, so it cannot know them;
+- the reference runs on its own clones of the inputs;
+- the candidate must leave its inputs unchanged;
+- its output must be a new tensor (no storage shared with an input) of the reference's exact
+  shape, dtype and device;
+- memory the candidate may allocate from is poisoned with NaN first, so an element it never
+  writes fails the comparison;
+- closeness is judged relative to the output's magnitude (see `Tolerance`), so zeros do not
+  pass on small outputs, and NaN or inf where the reference is finite fails.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+import torch
+from pydantic import BaseModel
+
+from sandbox.result import ShapeCheck
+from search_space.problem import Inputs, Problem, Shape, Tolerance
+
+POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
+
+
+class EvalRequest(BaseModel):
+    """What the parent asks a worker to do with one candidate."""
+
+    problem: str
+    candidate_id: str
+    source_file: str
+    entry: str
+    check: bool = True
+    trials: int = 2
+    timing: bool = True
+    baselines: list[str] = []  # names among "reference", "reference.compile", problem baselines
+    input_sets: int = 3
+
+
+def fresh_seed() -> int:
+    return secrets.randbits(62)
+
+
+def poison_allocator(device: torch.device, nbytes: int) -> None:
+    """Fill memory the next allocations are likely to reuse with NaN bytes.
+
+    On CUDA the caching allocator hands a freed block to the next request of a similar size,
+    so a block filled and freed here is what `torch.empty` in the candidate returns."""
+    if nbytes <= 0:
+        return
+    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    block.fill_(POISON_BYTE)
+    del block
+
+
+def _storages(inputs: Inputs) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in inputs.tensors() if t.numel() > 0}
+
+
+def compare(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]:
+    """Closeness of `out` to `ref` under `tol`; the details say where and by how much."""
+    if not isinstance(out, torch.Tensor):
+        return False, {"message": f"returned {type(out).__name__}, expected a Tensor"}
+    if out.shape != ref.shape or out.dtype != ref.dtype or out.device != ref.device:
+        return False, {"message": f"returned {tuple(out.shape)} {out.dtype} on {out.device}, expected "
+                                  f"{tuple(ref.shape)} {ref.dtype} on {ref.device}"}
+    if ref.numel() == 0:
+        return True, {}
+    out64, ref64 = out.double(), ref.double()
+    diff = (out64 - ref64).abs()
+    rms = ref64.pow(2).mean().sqrt().item()
+    scale = max(rms, 1e-6)
+    bound = tol.atol * scale + tol.rtol * ref64.abs()
+    bad = ~(diff <= bound)  # NaN compares false, so NaN counts as bad
+    norm_rel = ((out64 - ref64).norm() / max(ref64.norm().item(), 1e-12)).item()
+    worst = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
+    worst_index = list(torch.unravel_index(torch.tensor(worst), ref.shape))
+    details = {
+        "max_abs_err": float(torch.nan_to_num(diff, nan=float("inf")).max()),
+        "norm_rel_err": norm_rel,
+        "worst_index": [int(i) for i in worst_index],
+    }
+    if bad.any():
+        n_bad = int(bad.sum())
+        details["message"] = (f"{n_bad} of {ref.numel()} elements outside tolerance; worst at "
+                              f"{details['worst_index']}: got {out64.flatten()[worst].item():.6g}, "
+                              f"expected {ref64.flatten()[worst].item():.6g}")
+        return False, details
+    if not norm_rel <= tol.norm_rtol:
+        details["message"] = f"relative error norm {norm_rel:.3g} exceeds {tol.norm_rtol:.3g}"
+        return False, details
+    return True, details
+
+
+def check_shape(problem: Problem, fn: Callable, shape: Shape, trial: int,
+                device: torch.device) -> ShapeCheck:
+    """Run one correctness trial of `fn` on fresh inputs of `shape`. Exceptions propagate."""
+    inputs = problem.make_inputs(shape, fresh_seed(), device)
+    pristine = inputs.clone()
+    ref = problem.reference(*pristine.clone().args, **pristine.clone().kwargs)
+    poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
+    out = fn(*inputs.args, **inputs.kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    base = {"shape": shape.name, "dtype": shape.dtype, "trial": trial}
+    for got, want in zip(inputs.tensors(), pristine.tensors(), strict=True):
+        if not torch.equal(got, want):
+            return ShapeCheck(**base, ok=False, message="the candidate modified its inputs")
+    if isinstance(out, torch.Tensor) and out.numel() > 0 and out.untyped_storage().data_ptr() in _storages(inputs):
+        return ShapeCheck(**base, ok=False, message="the output shares memory with an input")
+    ok, details = compare(out, ref, problem.tolerance(shape.dtype))
+    return ShapeCheck(**base, ok=ok, **details)

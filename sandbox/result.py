@@ -1,0 +1,108 @@
+"""Typed results that cross the worker's process boundary as JSON."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+
+class Status(StrEnum):
+    OK = "ok"
+    STATIC_REJECTED = "static_rejected"
+    COMPILE_ERROR = "compile_error"
+    RUNTIME_ERROR = "runtime_error"
+    TIMEOUT = "timeout"
+    WRONG = "wrong"
+    SUSPICIOUS = "suspicious"
+
+
+class ShapeCheck(BaseModel):
+    """Outcome of comparing a candidate with the reference on one check shape and trial."""
+
+    shape: str
+    dtype: str
+    trial: int
+    ok: bool
+    max_abs_err: float | None = None
+    norm_rel_err: float | None = None
+    worst_index: list[int] | None = None
+    message: str = ""
+
+
+class TimingStats(BaseModel):
+    """Per-call times in microseconds over `reps` timed calls."""
+
+    median_us: float
+    p20_us: float
+    p80_us: float
+    reps: int
+
+    @property
+    def spread(self) -> float:
+        """(p80 - p20) / median: the relative noise of this measurement."""
+        return (self.p80_us - self.p20_us) / self.median_us if self.median_us else 0.0
+
+
+class ShapeTiming(BaseModel):
+    shape: str
+    dtype: str
+    bucket: str
+    candidate: TimingStats
+    baselines: dict[str, TimingStats] = Field(default_factory=dict)
+    flops: float
+    bytes: float
+    achieved_gbps: float
+    roofline_fraction: float | None = None
+
+
+class DeviceInfo(BaseModel):
+    name: str
+    arch: str
+    torch: str
+    triton: str
+    python: str
+    interpreted: bool
+
+
+class EvalResult(BaseModel):
+    status: Status
+    problem: str
+    candidate_id: str
+    message: str = ""
+    checks: list[ShapeCheck] = Field(default_factory=list)
+    timings: list[ShapeTiming] = Field(default_factory=list)
+    device: DeviceInfo | None = None
+    log_tail: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def interpreted(self) -> bool:
+        return self.device is not None and self.device.interpreted
+
+    def geomean_us(self) -> float | None:
+        """Geometric mean of the candidate's median time over the timing shapes."""
+        if not self.timings:
+            return None
+        prod = 1.0
+        for t in self.timings:
+            prod *= t.candidate.median_us
+        return prod ** (1.0 / len(self.timings))
+
+    def speedups(self, baselines: dict[str, dict[str, TimingStats]] | None = None) -> dict[str, float]:
+        """Geometric-mean speedup over each baseline, from this result's own baseline timings
+        or from `baselines` (shape key -> name -> stats) measured earlier on the same device."""
+        ratios: dict[str, list[float]] = {}
+        for t in self.timings:
+            known = dict(t.baselines)
+            if baselines:
+                known = baselines.get(f"{t.shape}/{t.dtype}", {}) | known
+            for name, stats in known.items():
+                ratios.setdefault(name, []).append(stats.median_us / t.candidate.median_us)
+        out = {}
+        for name, values in ratios.items():
+            prod = 1.0
+            for v in values:
+                prod *= v
+            out[name] = prod ** (1.0 / len(values))
+        return out

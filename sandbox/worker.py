@@ -1,0 +1,151 @@
+"""The evaluation worker: `python -m sandbox.worker REQUEST.json RESULT.json`.
+
+Runs in its own process (started by a backend, which owns the timeout, the process group and
+the scratch directory). Imports only torch, triton, pydantic, search_space and sandbox: it runs
+on GPU hosts that hold none of the agent's dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import platform
+import sys
+import time
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import torch
+import triton
+
+from sandbox.hardware import roofline_seconds
+from sandbox.protocol import EvalRequest, check_shape, fresh_seed
+from sandbox.result import DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
+from sandbox.timing import benchmark
+from search_space.problem import Problem, get_problem
+
+LOG_TAIL_CHARS = 4000
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name, arch = torch.cuda.get_device_name(device), f"sm_{major}{minor}"
+    else:
+        name, arch = platform.processor() or "cpu", "interpreter"
+    return DeviceInfo(name=name, arch=arch, torch=torch.__version__, triton=triton.__version__,
+                      python=platform.python_version(), interpreted=device.type != "cuda")
+
+
+def load_candidate(path: Path, entry: str):
+    spec = importlib.util.spec_from_file_location("candidate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["candidate"] = module  # triton's source inspection looks modules up here
+    spec.loader.exec_module(module)
+    fn = getattr(module, entry, None)
+    if not callable(fn):
+        raise AttributeError(f"the module defines no callable {entry!r}")
+    return fn
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources"})
+
+
+def _providers(problem: Problem, names: list[str]) -> dict:
+    known = {"reference": problem.reference, **problem.baselines}
+    out = {}
+    for name in names:
+        if name == "reference.compile":
+            out[name] = torch.compile(problem.reference, dynamic=False)
+        elif name in known:
+            out[name] = known[name]
+        else:
+            raise ValueError(f"unknown baseline {name!r}; known: {sorted(known) + ['reference.compile']}")
+    return out
+
+
+def time_shapes(problem: Problem, fn, request: EvalRequest, device: torch.device,
+                arch: str) -> list[ShapeTiming]:
+    shapes = problem.timing_shapes if device.type == "cuda" else problem.interpreted_timing_shapes
+    baselines = _providers(problem, request.baselines)
+    timings = []
+    for shape in shapes:
+        arg_sets = []
+        for _ in range(request.input_sets if device.type == "cuda" else 1):
+            inputs = problem.make_inputs(shape, fresh_seed(), device)
+            arg_sets.append((inputs.args, inputs.kwargs))
+        cand = benchmark(fn, arg_sets, device=device)
+        base = {name: benchmark(b, arg_sets, device=device) for name, b in baselines.items()}
+        flops, nbytes = problem.flops(shape), problem.bytes(shape)
+        bound = roofline_seconds(arch, flops, nbytes)
+        timings.append(ShapeTiming(
+            shape=shape.name, dtype=shape.dtype, bucket=problem.bucket(shape), candidate=cand,
+            baselines=base, flops=flops, bytes=nbytes,
+            achieved_gbps=nbytes / (cand.median_us * 1e-6) / 1e9,
+            roofline_fraction=None if bound is None else bound / (cand.median_us * 1e-6),
+        ))
+        del arg_sets
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return timings
+
+
+def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
+    t0 = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = device_info(device)
+    problem = get_problem(request.problem)
+    base = {"problem": request.problem, "candidate_id": request.candidate_id, "device": info}
+
+    def done(status: Status, message: str = "", **kw) -> EvalResult:
+        return EvalResult(status=status, message=message, log_tail=log.getvalue()[-LOG_TAIL_CHARS:],
+                          wall_s=time.perf_counter() - t0, **base, **kw)
+
+    try:
+        fn = load_candidate(Path(request.source_file), request.entry)
+    except Exception as exc:  # the candidate's own code: anything can come out of it
+        return done(Status.COMPILE_ERROR, f"import failed: {type(exc).__name__}: {exc}",
+                    log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
+
+    checks: list[ShapeCheck] = []
+    if request.check:
+        for shape in problem.check_shapes:
+            for trial in range(request.trials):
+                try:
+                    result = check_shape(problem, fn, shape, trial, device)
+                except Exception as exc:
+                    status = Status.COMPILE_ERROR if _is_compile_error(exc) else Status.RUNTIME_ERROR
+                    return done(status, f"{shape.describe()}: {type(exc).__name__}: {exc}"[:2000],
+                                checks=checks, log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
+                checks.append(result)
+                if not result.ok:
+                    return done(Status.WRONG, f"{shape.describe()}: {result.message}", checks=checks)
+    timings: list[ShapeTiming] = []
+    if request.timing:
+        try:
+            timings = time_shapes(problem, fn, request, device, info.arch)
+        except Exception as exc:
+            return done(Status.RUNTIME_ERROR, f"timing: {type(exc).__name__}: {exc}"[:2000],
+                        checks=checks, log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
+    return done(Status.OK, checks=checks, timings=timings)
+
+
+def main(argv: list[str]) -> int:
+    request_path, result_path = Path(argv[0]), Path(argv[1])
+    request = EvalRequest.model_validate_json(request_path.read_text())
+    log = io.StringIO()
+    with redirect_stdout(log), redirect_stderr(log):
+        result = evaluate(request, log)
+    # Written last and atomically: a result file exists only if the worker finished.
+    tmp = result_path.with_suffix(".tmp")
+    tmp.write_text(result.model_dump_json())
+    tmp.replace(result_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,9 @@
+"""Problems (op signature, reference, inputs, tolerances, roofline counts) and variant spaces.
+
+Everything here imports only torch: the sandbox worker loads problems on GPU hosts that hold
+nothing but torch and triton.
+"""
+
+from search_space.problem import Problem, Shape, Tolerance, get_problem, problem_names
+
+__all__ = ["Problem", "Shape", "Tolerance", "get_problem", "problem_names"]

@@ -1,0 +1,231 @@
+"""Pooled embedding-bag lookup: the first and most common op of every ads model.
+
+    out[b, :] = reduce_{i in [offsets[b], offsets[b+1])} psw[i] * weight[indices[i], :]
+
+with reduce = sum or mean (mean of an empty bag is 0, like torch.nn.functional.embedding_bag;
+per-sample weights only with sum, also like torch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from search_space import workload
+from search_space.problem import Inputs, Problem, Shape, Tolerance
+from search_space.template import Knob, KnobTemplate
+
+ENTRY = "embedding_bag"
+INDEX_BYTES = 8  # int64 indices and offsets
+
+
+def reference(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    mode: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch, accumulated in fp32 (fp64 if given fp64), returned in weight's dtype."""
+    acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    num_bags = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_index = torch.repeat_interleave(torch.arange(num_bags, device=weight.device), lengths)
+    rows = weight.index_select(0, indices).to(acc_dtype)  # [nnz, D]
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.to(acc_dtype)[:, None]
+    out = torch.zeros(num_bags, weight.shape[1], dtype=acc_dtype, device=weight.device)
+    out.index_add_(0, bag_of_index, rows)
+    if mode == "mean":
+        out = out / lengths.clamp(min=1).to(acc_dtype)[:, None]
+    return out.to(weight.dtype)
+
+
+def torch_embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
+    """torch.nn.functional.embedding_bag with our offsets convention (B+1 entries)."""
+    return F.embedding_bag(
+        indices,
+        weight,
+        offsets[:-1],
+        mode=mode,
+        per_sample_weights=per_sample_weights,
+        include_last_offset=False,
+    )
+
+
+def bag_lengths(num_bags: int, max_len: int, alpha: float, generator: torch.Generator,
+                device: torch.device) -> torch.Tensor:
+    """Truncated power-law lengths in [1, max_len]: P(L) proportional to L^-alpha."""
+    probs = torch.arange(1, max_len + 1, dtype=torch.float32, device=device).pow(-alpha)
+    return torch.multinomial(probs / probs.sum(), num_bags, replacement=True, generator=generator) + 1
+
+
+def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
+    """Inputs for one call. Params: num_rows, dim, num_bags, and either `lengths` (explicit
+    list) or `max_len` (power law); optional mode, weighted, duplicates."""
+    p = shape.params
+    # Generated on the target device: a 4e6-row table is a second of CPU time per input set.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if "lengths" in p:
+        lengths = torch.tensor(p["lengths"], dtype=torch.int64, device=device)
+    else:
+        lengths = bag_lengths(p["num_bags"], p["max_len"], workload.BAG_LENGTH_ALPHA, gen, device)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    nnz = int(offsets[-1])
+    # Few distinct ids make bags repeat rows: a backward must add, not overwrite.
+    id_range = min(4, p["num_rows"]) if p.get("duplicates") else p["num_rows"]
+    indices = torch.randint(0, id_range, (nnz,), generator=gen, device=device)
+    weight = torch.randn(p["num_rows"], p["dim"], generator=gen, device=device).to(shape.torch_dtype)
+    kwargs: dict = {"mode": p.get("mode", "sum"), "per_sample_weights": None}
+    if p.get("weighted"):
+        psw = torch.rand(nnz, generator=gen, device=device)
+        kwargs["per_sample_weights"] = psw.to(shape.torch_dtype)
+    moved = (weight, indices, offsets)
+    return Inputs(args=tuple(moved), kwargs=kwargs)
+
+
+def _mean_bag_length(shape: Shape) -> float:
+    p = shape.params
+    if "lengths" in p:
+        return sum(p["lengths"]) / max(len(p["lengths"]), 1)
+    support = range(1, p["max_len"] + 1)
+    norm = sum(l ** -workload.BAG_LENGTH_ALPHA for l in support)
+    return sum(l ** (1 - workload.BAG_LENGTH_ALPHA) for l in support) / norm
+
+
+def _num_bags(shape: Shape) -> int:
+    p = shape.params
+    return len(p["lengths"]) if "lengths" in p else p["num_bags"]
+
+
+def flops(shape: Shape) -> float:
+    """One add per gathered element (plus one multiply when weighted)."""
+    nnz = _num_bags(shape) * _mean_bag_length(shape)
+    per_elem = 2 if shape.params.get("weighted") else 1
+    return nnz * shape.params["dim"] * per_elem
+
+
+def bytes_moved(shape: Shape) -> float:
+    """Minimum traffic: every gathered row read once per occurrence, indices and offsets read,
+    per-sample weights read, output written once. Rows are 256 to 512 B, so the gather has no
+    sector waste to count."""
+    elem = torch.empty((), dtype=shape.torch_dtype).element_size()
+    num_bags = _num_bags(shape)
+    nnz = num_bags * _mean_bag_length(shape)
+    dim = shape.params["dim"]
+    total = nnz * dim * elem + nnz * INDEX_BYTES + (num_bags + 1) * INDEX_BYTES
+    if shape.params.get("weighted"):
+        total += nnz * elem
+    return total + num_bags * dim * elem
+
+
+def bucket(shape: Shape) -> str:
+    return dim_bucket(shape.params["dim"])
+
+
+def dim_bucket(dim: int) -> str:
+    """Shape bucket of an embedding-bag call: the embedding dim rounded up to a power of two."""
+    return f"d{max(16, 1 << math.ceil(math.log2(max(dim, 1))))}"
+
+
+def _s(name: str, dtype: str, **params) -> Shape:
+    return Shape(name=name, dtype=dtype, params=params)
+
+
+CHECK_SHAPES = tuple(
+    shape
+    for dtype in ("fp32", "bf16")
+    for shape in (
+        _s("mixed-empty", dtype, num_rows=1000, dim=64, lengths=[3, 0, 1, 7, 0, 0, 12, 5, 1, 0, 2]),
+        _s("single-bag", dtype, num_rows=50, dim=32, lengths=[9]),
+        _s("all-empty", dtype, num_rows=10, dim=16, lengths=[0, 0, 0, 0, 0]),
+        _s("no-bags", dtype, num_rows=10, dim=16, lengths=[]),
+        _s("dim-48", dtype, num_rows=300, dim=48, num_bags=29, max_len=40),
+        _s("dim-100-mean", dtype, num_rows=300, dim=100, num_bags=17, max_len=30, mode="mean"),
+        _s("long-bag", dtype, num_rows=5000, dim=64, lengths=[1, 1031, 0, 4, 257]),
+        _s("weighted", dtype, num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True),
+        _s("duplicates", dtype, num_rows=100, dim=64, lengths=[6, 9, 1, 33], duplicates=True),
+        _s("dim-200", dtype, num_rows=64, dim=200, num_bags=5, max_len=120),
+    )
+)
+
+TIMING_SHAPES = (
+    _s("b64k-d128-1m", "fp32", num_rows=1_000_000, dim=128, num_bags=65_536, max_len=120),
+    _s("b64k-d128-1m", "bf16", num_rows=1_000_000, dim=128, num_bags=65_536, max_len=120),
+    _s("b256k-d64-4m", "bf16", num_rows=4_000_000, dim=64, num_bags=262_144, max_len=120),
+    _s("b256k-d64-4m-weighted", "bf16", num_rows=4_000_000, dim=64, num_bags=262_144,
+       max_len=120, weighted=True),
+)
+
+# Interpreted Triton on a CPU runs a few thousand elements per second: timings there only
+# show that the timing path works and are labelled as interpreted.
+INTERPRETED_TIMING_SHAPES = (
+    _s("interp-b32-d64", "fp32", num_rows=2000, dim=64, num_bags=32, max_len=24),
+)
+
+TOLERANCES = {
+    "fp32": Tolerance(atol=1e-5, rtol=1e-5, norm_rtol=1e-5),
+    # bf16 output rounding alone is 2^-9 relative; sums of up to ~1000 rows add a little.
+    "bf16": Tolerance(atol=1.6e-2, rtol=1.6e-2, norm_rtol=8e-3),
+    "fp16": Tolerance(atol=2e-3, rtol=2e-3, norm_rtol=1e-3),
+}
+
+KNOBS = (
+    Knob("BLOCK_D", (16, 32, 64, 128, 256), default=64,
+         help="embedding columns per program; a program covers ceil(D / BLOCK_D) of a bag"),
+    Knob("BLOCK_L", (4, 8, 16, 32, 64), default=16,
+         help="indices gathered per inner step: more rows in flight per program"),
+    Knob("BAGS_PER_PROGRAM", (1, 2, 4, 8), default=1,
+         help="bags handled by one program, one after another"),
+    Knob("ACC_2D", (False, True), default=False,
+         help="accumulate a [BLOCK_L, BLOCK_D] tile and reduce once at the end"),
+    Knob("EVICT_ROWS", ("", "evict_first"), default="",
+         help="cache policy of the gathered rows (streamed once unless ids repeat)"),
+    Knob("num_warps", (1, 2, 4, 8), default=4, help="warps per program"),
+    Knob("num_stages", (1, 2, 3), default=1, help="software pipelining depth of the index loop"),
+)
+
+
+def _knob_constraints(knobs: dict) -> str | None:
+    tile = knobs["BLOCK_L"] * knobs["BLOCK_D"]
+    if tile > 8192:
+        return f"BLOCK_L * BLOCK_D = {tile} > 8192 elements: the tile spills registers"
+    if tile < 32 * knobs["num_warps"]:
+        return f"BLOCK_L * BLOCK_D = {tile} is smaller than {knobs['num_warps']} warps of 32 lanes"
+    return None
+
+
+TEMPLATE = KnobTemplate(
+    problem="embedding_bag",
+    template_file="embedding_bag.py.tmpl",
+    entry=ENTRY,
+    knobs=KNOBS,
+    constraint=_knob_constraints,
+)
+
+PROBLEM = Problem(
+    name="embedding_bag",
+    op_family="embedding",
+    entry=ENTRY,
+    signature=(
+        "embedding_bag(weight: Tensor[num_rows, D], indices: int64 Tensor[nnz], "
+        "offsets: int64 Tensor[B + 1], *, mode: 'sum' | 'mean' = 'sum', "
+        "per_sample_weights: Tensor[nnz] | None = None) -> Tensor[B, D]"
+    ),
+    description=__doc__,
+    check_shapes=CHECK_SHAPES,
+    timing_shapes=TIMING_SHAPES,
+    interpreted_timing_shapes=INTERPRETED_TIMING_SHAPES,
+    tolerances=TOLERANCES,
+    make_inputs=make_inputs,
+    reference=reference,
+    baselines={"torch.embedding_bag": torch_embedding_bag},
+    flops=flops,
+    bytes=bytes_moved,
+    bucket=bucket,
+    template="embedding_bag",
+)

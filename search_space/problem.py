@@ -1,0 +1,109 @@
+"""The `Problem` contract shared by the sandbox, the agent, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shape:
+    """One input configuration of a problem: a name for reports plus the generator's params."""
+
+    name: str
+    dtype: str
+    params: Mapping[str, Any]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def describe(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.params.items())
+        return f"{self.name} [{self.dtype}; {inner}]"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tolerance:
+    """Closeness rule: |out - ref| <= atol * rms(ref) + rtol * |ref| element-wise.
+
+    atol is relative to the output's root-mean-square so that returning zeros cannot pass on
+    outputs of small magnitude, and `norm_rtol` bounds ||out - ref|| / ||ref|| as a whole.
+    """
+
+    atol: float
+    rtol: float
+    norm_rtol: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inputs:
+    """Positional and keyword arguments of one call, as the entry function takes them."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        values = list(self.args) + list(self.kwargs.values())
+        return [v for v in values if isinstance(v, torch.Tensor)]
+
+    def clone(self) -> Inputs:
+        def c(v: Any) -> Any:
+            return v.clone() if isinstance(v, torch.Tensor) else v
+
+        return Inputs(args=tuple(c(a) for a in self.args), kwargs={k: c(v) for k, v in self.kwargs.items()})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """An op to optimize: what a candidate must compute, on which inputs, and how well.
+
+    `reference` is plain PyTorch computed in fp32 (or better); `baselines` are the production
+    implementations a kernel is compared with (eager PyTorch ops), timed like the candidate.
+    """
+
+    name: str
+    op_family: str
+    entry: str
+    signature: str
+    description: str
+    check_shapes: tuple[Shape, ...]
+    timing_shapes: tuple[Shape, ...]
+    interpreted_timing_shapes: tuple[Shape, ...]
+    tolerances: Mapping[str, Tolerance]
+    make_inputs: Callable[[Shape, int, torch.device], Inputs]
+    reference: Callable[..., torch.Tensor]
+    baselines: Mapping[str, Callable[..., torch.Tensor]]
+    flops: Callable[[Shape], float]
+    bytes: Callable[[Shape], float]
+    bucket: Callable[[Shape], str]
+    template: str | None = None
+
+    def tolerance(self, dtype: str) -> Tolerance:
+        if dtype not in self.tolerances:
+            raise ValueError(f"problem {self.name!r} has no tolerance for dtype {dtype!r}")
+        return self.tolerances[dtype]
+
+
+_PROBLEM_MODULES = {"embedding_bag": "search_space.embedding_bag"}
+
+
+def problem_names() -> list[str]:
+    return sorted(_PROBLEM_MODULES)
+
+
+def get_problem(name: str) -> Problem:
+    """The problem called `name`; ValueError naming the known ones otherwise."""
+    if name not in _PROBLEM_MODULES:
+        raise ValueError(f"unknown problem {name!r}; known problems: {', '.join(problem_names())}")
+    return importlib.import_module(_PROBLEM_MODULES[name]).PROBLEM

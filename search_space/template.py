@@ -1,0 +1,76 @@
+"""Kernel templates: a module source with knob placeholders, its knob space and constraints.
+
+A template renders to the complete source of a self-contained candidate module (imports only
+torch, triton, triton.language and math), so a rendered template and a kernel written by an
+LLM or a person go through exactly the same screen, sandbox and registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    choices: tuple[Any, ...]
+    default: Any
+    help: str = ""
+
+    def __post_init__(self) -> None:
+        assert self.default in self.choices, f"default of knob {self.name} not among its choices"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KnobTemplate:
+    problem: str
+    template_file: str
+    entry: str
+    knobs: tuple[Knob, ...]
+    constraint: Callable[[dict[str, Any]], str | None]
+
+    def defaults(self) -> dict[str, Any]:
+        return {k.name: k.default for k in self.knobs}
+
+    def validate(self, knobs: dict[str, Any]) -> dict[str, Any]:
+        """Knob values completed with defaults; ValueError naming the offending knob."""
+        by_name = {k.name: k for k in self.knobs}
+        unknown = sorted(set(knobs) - set(by_name))
+        if unknown:
+            raise ValueError(f"unknown knob(s) {unknown} for template {self.problem!r}; "
+                             f"knobs are {sorted(by_name)}")
+        full = self.defaults() | dict(knobs)
+        for name, value in full.items():
+            if value not in by_name[name].choices:
+                raise ValueError(f"knob {name}={value!r} is not one of {by_name[name].choices}")
+        reason = self.constraint(full)
+        if reason is not None:
+            raise ValueError(f"knobs violate a constraint: {reason}")
+        return full
+
+    def source_template(self) -> str:
+        return resources.files("search_space").joinpath("templates", self.template_file).read_text()
+
+    def render(self, knobs: dict[str, Any]) -> str:
+        """Complete module source for these knob values (validated first)."""
+        full = self.validate(knobs)
+        return string.Template(self.source_template()).substitute({k: repr(v) for k, v in full.items()})
+
+
+def source_hash(source: str) -> str:
+    """Content hash identifying a candidate's source everywhere (store, cache, library)."""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def get_template(problem: str) -> KnobTemplate:
+    from search_space.problem import get_problem  # late: problem modules import this one
+
+    get_problem(problem)  # clear error for unknown names
+    module = importlib.import_module(f"search_space.{problem}")
+    return module.TEMPLATE
