@@ -1,0 +1,124 @@
+"""Starting, resuming and inspecting campaigns.
+
+A campaign's home (RECFORGE_HOME, default ./.recforge) holds `store.db` (candidates, results,
+budgets spent) and `checkpoints.db` (LangGraph's SQLite checkpointer: where the loop is).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from langgraph.checkpoint.sqlite import SqliteSaver
+
+from agent.config import CampaignConfig
+from agent.graph import compile_graph
+from agent.proposers import SearchProposer
+from agent.state import CampaignContext, CampaignState, Events, _QuietEvents
+from agent.store import Store
+from kernels.registry import DISPATCHER, KernelLibrary
+from sandbox.local import LocalBackend
+from search_space.template import get_template
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("RECFORGE_HOME", ".recforge"))
+
+
+@dataclass(frozen=True)
+class CampaignOutcome:
+    campaign_id: str
+    status: str
+    stop_reason: str | None
+    best: dict[str, str]
+    registered: list[str]
+    report: Path
+    library: Path
+
+
+class CampaignError(RuntimeError):
+    """A campaign that cannot be started or resumed; the message says why and what to do."""
+
+
+class Campaigns:
+    def __init__(self, home: str | os.PathLike | None = None) -> None:
+        self.home = Path(home) if home else default_home()
+        self.store = Store(self.home / "store.db")
+        self.checkpoints = self.home / "checkpoints.db"
+
+    def start(self, config: CampaignConfig, events: Events | None = None) -> CampaignOutcome:
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        campaign_id = f"{config.name}-{stamp}-{secrets.token_hex(2)}"
+        self.store.create_campaign(campaign_id, config.name, config.model_dump_json())
+        return self._run(campaign_id, config, events, fresh=True)
+
+    def resume(self, campaign_id: str, events: Events | None = None) -> CampaignOutcome:
+        row = self.store.campaign(campaign_id)
+        if row is None:
+            known = ", ".join(c.id for c in self.store.campaigns()[:5]) or "none"
+            raise CampaignError(f"no campaign {campaign_id!r} in {self.home}; recent: {known}")
+        config = CampaignConfig.model_validate_json(row.config_json)
+        return self._run(campaign_id, config, events, fresh=False)
+
+    def library_for(self, config: CampaignConfig) -> KernelLibrary:
+        return KernelLibrary(config.library) if config.library else DISPATCHER.library
+
+    def _run(self, campaign_id: str, config: CampaignConfig, events: Events | None,
+             fresh: bool) -> CampaignOutcome:
+        row = self.store.campaign(campaign_id)
+        assert row is not None
+        ctx = CampaignContext(
+            campaign_id=campaign_id, config=config, store=self.store,
+            backend=LocalBackend(timeout_s=config.sandbox.timeout_s,
+                                 scratch_root=self.home / "scratch"),
+            library=self.library_for(config),
+            proposers={p: SearchProposer(get_template(p), sampler=config.proposer.sampler,
+                                         seed=config.proposer.seed) for p in config.problems},
+            report_dir=str(config.output_dir / campaign_id),
+            events=events or _QuietEvents(),
+            wall_offset_s=row.wall_s, segment_start=time.monotonic(),
+        )
+        if not _cuda_present():
+            # reference.compile on a CPU costs a C++ build per shape and times nothing useful.
+            ctx.config = config.model_copy(deep=True)
+            ctx.config.sandbox.baselines = [b for b in config.sandbox.baselines if b != "reference.compile"]
+        run_config = {"configurable": {"thread_id": campaign_id}, "recursion_limit": 1_000_000}
+        self.store.set_status(campaign_id, "running")
+        with SqliteSaver.from_conn_string(str(self.checkpoints)) as saver:
+            graph = compile_graph(saver)
+            snapshot = graph.get_state(run_config)
+            started = bool(snapshot.values)
+            if started and not snapshot.next:
+                raise CampaignError(f"campaign {campaign_id} already finished "
+                                    f"({row.stop_reason or row.status}); see `recforge campaign status {campaign_id}`")
+            initial: CampaignState | None = None
+            if fresh or not started:
+                initial = {"campaign_id": campaign_id, "iteration": 0, "best": {}, "pending": [],
+                           "registered": [], "stop_reason": None}
+            try:
+                final = graph.invoke(initial, run_config, context=ctx)
+            except KeyboardInterrupt:
+                self.store.set_wall(campaign_id, ctx.wall_s())
+                self.store.set_status(campaign_id, "interrupted", "interrupted by the user")
+                raise
+            except Exception as exc:
+                self.store.set_wall(campaign_id, ctx.wall_s())
+                self.store.set_status(campaign_id, "failed", f"{type(exc).__name__}: {exc}")
+                raise
+        self.store.set_wall(campaign_id, ctx.wall_s())
+        self.store.set_status(campaign_id, "finished", final.get("stop_reason"))
+        return CampaignOutcome(
+            campaign_id=campaign_id, status="finished", stop_reason=final.get("stop_reason"),
+            best=final.get("best", {}), registered=final.get("registered", []),
+            report=Path(ctx.report_dir) / "report.md", library=ctx.library.root,
+        )
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

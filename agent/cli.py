@@ -1,0 +1,225 @@
+"""The `recforge` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sandbox.result import EvalResult
+
+app = typer.Typer(help="recforge: agentic Triton kernel optimization for ads ranking models.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+campaign_app = typer.Typer(help="Run, resume and inspect optimization campaigns.", no_args_is_help=True)
+sandbox_app = typer.Typer(help="Evaluate a candidate kernel in the sandbox.", no_args_is_help=True)
+library_app = typer.Typer(help="The library of accepted kernels.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+app.add_typer(campaign_app, name="campaign")
+app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(library_app, name="library")
+app.add_typer(bench_app, name="bench")
+
+console = Console()
+err = Console(stderr=True)
+
+HomeOption = Annotated[Path | None, typer.Option("--home", help="campaign home (default $RECFORGE_HOME or ./.recforge)")]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(code)
+
+
+class _ProgressEvents:
+    def __init__(self, progress: Progress, task) -> None:
+        self.progress, self.task = progress, task
+
+    def evaluated(self, result: EvalResult, best_speedup: float | None) -> None:
+        best = f"best {best_speedup:.2f}x" if best_speedup else "no correct candidate yet"
+        self.progress.update(self.task, advance=1,
+                             description=f"{result.problem}: {result.status.value:<15} {best}")
+
+    def message(self, text: str) -> None:
+        self.progress.console.print(text)
+
+
+def _run_with_progress(start, total: int, done: int):
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("evaluating", total=total, completed=done)
+        return start(_ProgressEvents(progress, task))
+
+
+def _print_outcome(outcome) -> None:
+    console.print(f"campaign [bold]{outcome.campaign_id}[/] finished: {outcome.stop_reason}")
+    for problem, cid in outcome.best.items():
+        console.print(f"  best {problem}: candidate {cid}")
+    for kernel_id in outcome.registered:
+        console.print(f"  registered [green]{kernel_id}[/] in {outcome.library}")
+    console.print(f"result: {outcome.library / 'manifest.json'}")
+    console.print(f"report: {outcome.report}")
+
+
+@campaign_app.command("run")
+def campaign_run(config: Annotated[Path, typer.Argument(help="campaign TOML file")], home: HomeOption = None) -> None:
+    """Start a campaign from a TOML config."""
+    from agent.campaign import CampaignError, Campaigns
+    from agent.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    campaigns = Campaigns(home)
+    try:
+        outcome = _run_with_progress(lambda ev: campaigns.start(cfg, ev), cfg.budget.max_evaluations, 0)
+    except CampaignError as exc:
+        raise fail(str(exc)) from None
+    _print_outcome(outcome)
+
+
+@campaign_app.command("resume")
+def campaign_resume(campaign_id: str, home: HomeOption = None) -> None:
+    """Continue a stopped or killed campaign from its last checkpoint."""
+    from agent.campaign import CampaignError, Campaigns
+    from agent.config import CampaignConfig
+
+    campaigns = Campaigns(home)
+    row = campaigns.store.campaign(campaign_id)
+    if row is None:
+        raise fail(f"no campaign {campaign_id!r} in {campaigns.home}; `recforge campaign list` shows them")
+    total = CampaignConfig.model_validate_json(row.config_json).budget.max_evaluations
+    done = campaigns.store.count_evaluations(campaign_id)
+    try:
+        outcome = _run_with_progress(lambda ev: campaigns.resume(campaign_id, ev), total, done)
+    except CampaignError as exc:
+        raise fail(str(exc)) from None
+    _print_outcome(outcome)
+
+
+@campaign_app.command("list")
+def campaign_list(home: HomeOption = None) -> None:
+    """Campaigns in this home, newest first."""
+    from agent.campaign import Campaigns
+
+    campaigns = Campaigns(home)
+    table = Table("id", "status", "evaluations", "wall s", "stop reason", "created")
+    for c in campaigns.store.campaigns():
+        table.add_row(c.id, c.status, str(campaigns.store.count_evaluations(c.id)),
+                      f"{c.wall_s:.0f}", c.stop_reason or "", c.created_at)
+    console.print(table)
+
+
+@campaign_app.command("status")
+def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
+    """Evaluations, statuses and best candidates of one campaign."""
+    from collections import Counter
+
+    from agent.campaign import Campaigns
+
+    campaigns = Campaigns(home)
+    row = campaigns.store.campaign(campaign_id)
+    if row is None:
+        raise fail(f"no campaign {campaign_id!r} in {campaigns.home}; `recforge campaign list` shows them")
+    rows = campaigns.store.evaluations(campaign_id)
+    console.print(f"[bold]{row.id}[/]: {row.status} {row.stop_reason or ''}; wall {row.wall_s:.0f} s")
+    counts = Counter(r.result.status.value for r in rows)
+    console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
+    scored = sorted((r for r in rows if r.score_us is not None), key=lambda r: r.score_us)
+    for r in scored[:5]:
+        tag = " (interpreted)" if r.result.interpreted else ""
+        console.print(f"  {r.candidate.id} {r.score_us:.1f} us{tag} knobs {json.dumps(r.candidate.knobs)}")
+    for problem, _, kernel_id, library in campaigns.store.accepted(campaign_id):
+        console.print(f"  accepted {problem}: {kernel_id} in {library}")
+
+
+@sandbox_app.command("eval")
+def sandbox_eval(
+    problem: Annotated[str, typer.Option(help="problem name, e.g. embedding_bag")],
+    source: Annotated[Path, typer.Option(help="candidate module source file")],
+    entry: Annotated[str | None, typer.Option(help="entry function (default: the problem's)")] = None,
+    timeout: Annotated[float, typer.Option(help="hard wall-clock limit in seconds")] = 300.0,
+    timing: Annotated[bool, typer.Option(help="time the candidate after checking it")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="print the EvalResult as JSON")] = False,
+) -> None:
+    """Check and time one candidate in an isolated worker process."""
+    from sandbox import Candidate, LocalBackend, Status
+    from search_space import get_problem
+
+    try:
+        prob = get_problem(problem)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if not source.is_file():
+        raise fail(f"source file {source} does not exist")
+    try:
+        text = source.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise fail(f"cannot read {source}: {exc}") from None
+    candidate = Candidate(problem=prob.name, source=text, entry=entry or prob.entry, origin="human")
+    result = LocalBackend(timeout_s=timeout).evaluate(candidate, timing=timing)
+    if as_json:
+        print(result.model_dump_json(indent=2))
+    else:
+        console.print(f"{candidate.id}: [bold]{result.status.value}[/] {result.message}")
+        for t in result.timings:
+            tag = " (interpreted)" if result.interpreted else ""
+            console.print(f"  {t.shape} {t.dtype}: {t.candidate.median_us:.1f} us{tag}, {t.achieved_gbps:.0f} GB/s")
+    if result.status != Status.OK:
+        if not as_json:
+            err.print(f"[red]candidate not accepted:[/] {result.status.value}: {result.message}")
+        raise typer.Exit(1)
+
+
+@library_app.command("list")
+def library_list(library: Annotated[Path | None, typer.Option(help="library folder (default: the package's)")] = None) -> None:
+    """Accepted kernels with their keys and evidence."""
+    from kernels.registry import DISPATCHER, KernelLibrary
+
+    lib = KernelLibrary(library) if library else DISPATCHER.library
+    try:
+        entries = lib.entries()
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    table = Table("kernel", "op", "arch", "dtype", "buckets", "median us", "campaign", "registered",
+                  title=f"kernel library {lib.root}")
+    for e in entries:
+        median = "n/a" if e.median_us is None else f"{e.median_us:.1f}" + (" (interp.)" if e.interpreted else "")
+        table.add_row(e.kernel_id, e.op, e.arch, e.dtype, ",".join(e.buckets), median,
+                      str(e.provenance.get("campaign", "")), e.registered_at)
+    console.print(table)
+    if not entries:
+        console.print("no accepted kernels yet: dispatch uses the default kernels")
+
+
+@bench_app.command("ops")
+def bench_ops(
+    op: Annotated[str, typer.Option(help="op to benchmark, e.g. embedding_bag")],
+    library: Annotated[Path | None, typer.Option(help="library whose best kernel to include")] = None,
+    output: Annotated[Path | None, typer.Option(help="append result rows to this JSON-lines file")] = None,
+) -> None:
+    """Time reference, torch.compile, eager PyTorch, default and best registered kernels."""
+    from evals.bench_ops import run_op_benchmark
+
+    try:
+        rows = run_op_benchmark(op, library=library, console=console)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if output:
+        with output.open("a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+def main() -> None:  # pragma: no cover - console script entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

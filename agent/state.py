@@ -1,0 +1,68 @@
+"""Campaign graph state (checkpointed after every node) and the per-run context (not).
+
+The state holds only small, serializable facts about where the loop is; candidates, results and
+budgets spent live in the store, which outlives any process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, TypedDict
+
+from agent.config import CampaignConfig
+from agent.proposers import SearchProposer
+from agent.store import Store
+from kernels.registry import KernelLibrary
+from sandbox.candidate import Candidate
+from sandbox.result import EvalResult
+
+
+class CampaignState(TypedDict, total=False):
+    campaign_id: str
+    iteration: int
+    problem: str | None
+    pending: list[str]  # candidate ids proposed and not yet evaluated
+    best: dict[str, str]  # problem -> candidate id of the current best
+    stop_reason: str | None
+    registered: list[str]  # kernel ids added to the library by this campaign
+
+
+class Backend(Protocol):
+    name: str
+
+    def evaluate(self, candidate: Candidate, *, check: bool = True, timing: bool = True,
+                 baselines: list[str] | None = None, trials: int = 2) -> EvalResult: ...
+
+
+class Events(Protocol):
+    """What the loop reports as it goes (the CLI draws progress bars from it)."""
+
+    def evaluated(self, result: EvalResult, best_speedup: float | None) -> None: ...
+
+    def message(self, text: str) -> None: ...
+
+
+class _QuietEvents:
+    def evaluated(self, result: EvalResult, best_speedup: float | None) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+
+@dataclass(kw_only=True)
+class CampaignContext:
+    campaign_id: str
+    config: CampaignConfig
+    store: Store
+    backend: Backend
+    library: KernelLibrary
+    proposers: dict[str, SearchProposer]
+    report_dir: str
+    events: Events = field(default_factory=_QuietEvents)
+    wall_offset_s: float = 0.0  # spent by earlier runs of this campaign
+    segment_start: float = field(default_factory=time.monotonic)
+
+    def wall_s(self) -> float:
+        return self.wall_offset_s + time.monotonic() - self.segment_start

@@ -1,0 +1,139 @@
+"""The kernel library and the dispatcher's fallback chain: library kernel, else the hand-written
+default, else the PyTorch reference where Triton cannot run."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.embedding_bag import embedding_bag_forward
+from kernels.registry import ARCH_INTERPRETER, DISPATCHER, KernelLibrary, LibraryEntry
+from search_space.embedding_bag import TEMPLATE, reference
+
+OP = "embedding_bag"
+CPU = torch.device("cpu")
+
+
+def _add(library: KernelLibrary, source: str, *, dtype: str = "fp32", buckets=("d64",),
+         median_us: float | None = 10.0, arch: str = ARCH_INTERPRETER) -> LibraryEntry:
+    return library.add(op=OP, entry="embedding_bag", source=source, arch=arch, dtype=dtype,
+                       buckets=list(buckets), median_us=median_us, interpreted=True,
+                       evidence={"checks": 20}, provenance={"origin": "template"})
+
+
+def _resolve(dtype: str = "fp32", bucket: str = "d64", device: torch.device = CPU) -> str:
+    return DISPATCHER.resolve(OP, device=device, dtype=dtype, bucket=bucket).name
+
+
+# --- fallback chain -------------------------------------------------------------------------
+
+
+def test_empty_library_gives_default_under_interpreter(empty_library,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    impl = DISPATCHER.resolve(OP, device=CPU, dtype="fp32", bucket="d64")
+    assert impl.name == "default"
+    assert impl.fn is embedding_bag_forward
+
+
+def test_no_triton_gives_reference(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    impl = DISPATCHER.resolve(OP, device=CPU, dtype="fp32", bucket="d64")
+    assert impl.name == "reference"
+    assert impl.fn is reference
+
+
+def test_no_triton_ignores_the_library(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
+    _add(empty_library, TEMPLATE.render({}))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _resolve() == "reference"
+
+
+def test_library_kernel_for_matching_key_else_default(empty_library,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    added = _add(empty_library, TEMPLATE.render({"BLOCK_D": 32}), buckets=["d64", "d128"])
+    assert added.kernel_id.startswith(f"{OP}_")
+    assert _resolve("fp32", "d64") == f"library:{added.kernel_id}"
+    assert _resolve("fp32", "d128") == f"library:{added.kernel_id}"
+    assert _resolve("fp32", "d256") == "default"  # other bucket
+    assert _resolve("bf16", "d64") == "default"  # other dtype
+
+
+def test_library_kernel_for_another_arch_is_not_used(empty_library,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _add(empty_library, TEMPLATE.render({}), arch="sm_90")
+    assert _resolve() == "default"
+
+
+def test_op_runs_the_library_kernel(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end: the op dispatches to the stored module, which computes the right thing."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    added = _add(empty_library, TEMPLATE.render({"BLOCK_L": 8, "ACC_2D": True}))
+    weight = torch.randn(40, 64)
+    indices = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
+    offsets = torch.tensor([0, 1, 1, 20])
+    out = ops.embedding_bag(weight, indices, offsets)
+    assert DISPATCHER.last[OP] == f"library:{added.kernel_id}"
+    torch.testing.assert_close(out, reference(weight.double(), indices, offsets).float())
+
+
+# --- the library itself ---------------------------------------------------------------------
+
+
+def test_best_picks_lowest_median(tmp_path: Path) -> None:
+    library = KernelLibrary(tmp_path)
+    untimed = _add(library, TEMPLATE.render({"BLOCK_L": 4, "BLOCK_D": 32}), median_us=None)
+    slow = _add(library, TEMPLATE.render({"BLOCK_L": 8}), median_us=9.0)
+    fast = _add(library, TEMPLATE.render({"BLOCK_L": 32}), median_us=2.5)
+    other_bucket = _add(library, TEMPLATE.render({"BLOCK_L": 64}), median_us=1.0, buckets=["d16"])
+    assert len({e.kernel_id for e in (untimed, slow, fast, other_bucket)}) == 4
+    assert library.best(OP, ARCH_INTERPRETER, "fp32", "d64") == fast
+    assert library.best(OP, ARCH_INTERPRETER, "fp32", "d16") == other_bucket
+    assert library.best(OP, ARCH_INTERPRETER, "bf16", "d64") is None
+    assert library.best(OP, "sm_90", "fp32", "d64") is None
+
+
+def test_best_ranks_untimed_after_timed(tmp_path: Path) -> None:
+    library = KernelLibrary(tmp_path)
+    _add(library, TEMPLATE.render({"BLOCK_L": 4, "BLOCK_D": 32}), median_us=None)
+    timed = _add(library, TEMPLATE.render({"BLOCK_L": 8}), median_us=500.0)
+    assert library.best(OP, ARCH_INTERPRETER, "fp32", "d64") == timed
+
+
+def test_manifest_round_trips(tmp_path: Path) -> None:
+    source = TEMPLATE.render({})
+    first = _add(KernelLibrary(tmp_path), source, buckets=["d64", "d128"])
+    second = _add(KernelLibrary(tmp_path), source, dtype="bf16", median_us=3.0)
+    reopened = KernelLibrary(tmp_path)
+    assert reopened.entries() == [first, second]
+    assert (tmp_path / first.source_file).read_text() == source
+    assert json.loads(reopened.manifest_path.read_text())["version"] == 1
+    assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temp files
+
+
+def test_re_adding_replaces_the_entry(tmp_path: Path) -> None:
+    library = KernelLibrary(tmp_path)
+    source = TEMPLATE.render({})
+    _add(library, source, median_us=9.0)
+    again = _add(library, source, median_us=4.0)
+    assert library.entries() == [again]
+
+
+def test_missing_manifest_is_an_empty_library(tmp_path: Path) -> None:
+    assert KernelLibrary(tmp_path / "nowhere").entries() == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", '{"version": 1}', '{"kernels": [{"kernel_id": "x"}]}', '{"kernels": 3}'],
+    ids=["not-json", "no-kernels", "missing-fields", "kernels-not-a-list"],
+)
+def test_corrupt_manifest_names_the_file(tmp_path: Path, text: str) -> None:
+    library = KernelLibrary(tmp_path)
+    library.manifest_path.write_text(text)
+    with pytest.raises(ValueError, match="manifest.json"):
+        library.entries()

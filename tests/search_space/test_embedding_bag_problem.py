@@ -1,0 +1,219 @@
+"""The embedding-bag problem: reference on hand-computed numbers, inputs, roofline counts,
+and the knob template's rendering and validation."""
+
+import ast
+
+import pytest
+import torch
+
+from search_space import get_problem
+from search_space.embedding_bag import (
+    CHECK_SHAPES,
+    KNOBS,
+    TEMPLATE,
+    dim_bucket,
+    reference,
+    torch_embedding_bag,
+)
+from search_space.problem import Shape
+
+PROBLEM = get_problem("embedding_bag")
+CPU = torch.device("cpu")
+
+# Four rows of two columns and three bags: {0, 2, 2}, {} and {3, 1}.
+WEIGHT = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
+INDICES = torch.tensor([0, 2, 2, 3, 1])
+OFFSETS = torch.tensor([0, 3, 3, 5])
+PSW = torch.tensor([0.5, 1.0, -1.0, 2.0, 0.25])
+
+
+# --- reference ------------------------------------------------------------------------------
+
+
+def test_reference_sum_by_hand() -> None:
+    out = reference(WEIGHT, INDICES, OFFSETS, mode="sum")
+    # bag 0: w0 + w2 + w2 = [1+5+5, 2+6+6]; bag 1 is empty; bag 2: w3 + w1 = [7+3, 8+4].
+    expected = torch.tensor([[11.0, 14.0], [0.0, 0.0], [10.0, 12.0]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_reference_mean_by_hand_empty_bag_is_zero() -> None:
+    out = reference(WEIGHT, INDICES, OFFSETS, mode="mean")
+    # The sums above divided by the bag lengths 3, 0 -> 0 (not NaN), and 2.
+    expected = torch.tensor([[11.0 / 3, 14.0 / 3], [0.0, 0.0], [5.0, 6.0]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_reference_per_sample_weights_by_hand() -> None:
+    out = reference(WEIGHT, INDICES, OFFSETS, mode="sum", per_sample_weights=PSW)
+    # bag 0: 0.5 * [1, 2] + 1 * [5, 6] - 1 * [5, 6] = [0.5, 1];
+    # bag 2: 2 * [7, 8] + 0.25 * [3, 4] = [14.75, 17.0].
+    expected = torch.tensor([[0.5, 1.0], [0.0, 0.0], [14.75, 17.0]])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_reference_matches_torch_embedding_bag(mode: str) -> None:
+    torch.testing.assert_close(
+        reference(WEIGHT, INDICES, OFFSETS, mode=mode),
+        torch_embedding_bag(WEIGHT, INDICES, OFFSETS, mode=mode),
+    )
+
+
+def test_reference_returns_weight_dtype() -> None:
+    out = reference(WEIGHT.bfloat16(), INDICES, OFFSETS, mode="sum")
+    assert out.dtype == torch.bfloat16
+    assert reference(WEIGHT.double(), INDICES, OFFSETS).dtype == torch.float64
+
+
+# --- inputs ---------------------------------------------------------------------------------
+
+
+def _shape(dtype: str = "fp32", **params) -> Shape:
+    return Shape(name="t", dtype=dtype, params=params)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_make_inputs_explicit_lengths(dtype: str) -> None:
+    lengths = [3, 0, 1, 7, 0]
+    shape = _shape(dtype, num_rows=20, dim=8, lengths=lengths, weighted=True)
+    inputs = PROBLEM.make_inputs(shape, 0, CPU)
+    weight, indices, offsets = inputs.args
+    psw = inputs.kwargs["per_sample_weights"]
+    nnz = sum(lengths)
+    assert weight.shape == (20, 8) and weight.dtype == shape.torch_dtype
+    assert offsets.shape == (len(lengths) + 1,) and offsets.dtype == torch.int64
+    assert offsets.tolist() == [0, 3, 3, 4, 11, 11]
+    assert indices.shape == (nnz,) and indices.dtype == torch.int64
+    assert 0 <= int(indices.min()) and int(indices.max()) < 20
+    assert psw.shape == (nnz,) and psw.dtype == shape.torch_dtype
+    assert inputs.kwargs["mode"] == "sum"
+
+
+def test_make_inputs_power_law_lengths() -> None:
+    shape = _shape(num_rows=100, dim=16, num_bags=50, max_len=12, mode="mean")
+    inputs = PROBLEM.make_inputs(shape, 3, CPU)
+    _, indices, offsets = inputs.args
+    lengths = offsets.diff()
+    assert offsets.shape == (51,) and int(offsets[0]) == 0
+    assert int(lengths.min()) >= 1 and int(lengths.max()) <= 12
+    assert indices.numel() == int(offsets[-1])
+    assert inputs.kwargs == {"mode": "mean", "per_sample_weights": None}
+
+
+def test_make_inputs_duplicates_repeat_rows() -> None:
+    shape = _shape(num_rows=100, dim=16, lengths=[40, 40], duplicates=True)
+    indices = PROBLEM.make_inputs(shape, 0, CPU).args[1]
+    assert int(indices.max()) < 4  # few distinct ids, so every bag repeats rows
+
+
+def test_make_inputs_empty_bag_list() -> None:
+    inputs = PROBLEM.make_inputs(_shape(num_rows=10, dim=16, lengths=[]), 0, CPU)
+    _, indices, offsets = inputs.args
+    assert offsets.tolist() == [0] and indices.numel() == 0
+
+
+@pytest.mark.parametrize("shape", CHECK_SHAPES, ids=lambda s: f"{s.name}-{s.dtype}")
+def test_make_inputs_deterministic_per_seed(shape: Shape) -> None:
+    first = PROBLEM.make_inputs(shape, 1234, CPU).tensors()
+    again = PROBLEM.make_inputs(shape, 1234, CPU).tensors()
+    other = PROBLEM.make_inputs(shape, 1235, CPU).tensors()
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    # The table always has elements, so a different seed must give a different table.
+    assert not torch.equal(first[0], other[0])
+
+
+# --- roofline counts ------------------------------------------------------------------------
+
+
+def test_flops_and_bytes_weighted_fp32_by_hand() -> None:
+    shape = _shape("fp32", num_rows=1000, dim=10, lengths=[2, 0, 3], weighted=True)
+    # nnz = 5, B = 3, D = 10, 4-byte elements, 8-byte indices and offsets.
+    assert PROBLEM.flops(shape) == 5 * 10 * 2  # a multiply and an add per gathered element
+    expected_bytes = (
+        5 * 10 * 4  # gathered rows: 200
+        + 5 * 8  # indices: 40
+        + 4 * 8  # offsets (B + 1): 32
+        + 5 * 4  # per-sample weights: 20
+        + 3 * 10 * 4  # output: 120
+    )
+    assert expected_bytes == 412
+    assert PROBLEM.bytes(shape) == pytest.approx(expected_bytes)
+
+
+def test_flops_and_bytes_unweighted_bf16_by_hand() -> None:
+    shape = _shape("bf16", num_rows=1000, dim=10, lengths=[2, 0, 3])
+    assert PROBLEM.flops(shape) == 5 * 10
+    # rows 5*10*2 + indices 5*8 + offsets 4*8 + output 3*10*2 = 100 + 40 + 32 + 60.
+    assert PROBLEM.bytes(shape) == pytest.approx(232)
+
+
+def test_flops_and_bytes_no_bags() -> None:
+    shape = _shape("fp32", num_rows=10, dim=16, lengths=[])
+    assert PROBLEM.flops(shape) == 0
+    assert PROBLEM.bytes(shape) == pytest.approx(8)  # the single offset
+
+
+@pytest.mark.parametrize(
+    ("dim", "bucket"), [(1, "d16"), (10, "d16"), (16, "d16"), (48, "d64"), (64, "d64"),
+                        (100, "d128"), (200, "d256")],
+)
+def test_dim_bucket(dim: int, bucket: str) -> None:
+    assert dim_bucket(dim) == bucket
+    assert PROBLEM.bucket(_shape(num_rows=4, dim=dim, lengths=[1])) == bucket
+
+
+def test_every_check_dtype_has_a_tolerance() -> None:
+    for shape in CHECK_SHAPES:
+        PROBLEM.tolerance(shape.dtype)
+    with pytest.raises(ValueError, match="fp64"):
+        PROBLEM.tolerance("fp64")
+
+
+# --- template -------------------------------------------------------------------------------
+
+
+def test_render_defaults() -> None:
+    source = TEMPLATE.render({})
+    assert "$" not in source  # every placeholder substituted
+    tree = ast.parse(source)
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert PROBLEM.entry in functions
+    for knob in KNOBS:
+        assert f'"{knob.name}": {knob.default!r},' in source
+
+
+def test_render_with_knobs() -> None:
+    source = TEMPLATE.render({"BLOCK_D": 128, "EVICT_ROWS": "evict_first", "ACC_2D": True})
+    assert '"BLOCK_D": 128,' in source
+    assert "\"EVICT_ROWS\": 'evict_first'," in source
+    assert '"ACC_2D": True,' in source
+
+
+@pytest.mark.parametrize(
+    ("knobs", "named"),
+    [
+        ({"BLOCK_X": 64}, "BLOCK_X"),  # unknown knob
+        ({"BLOCK_D": 48}, "BLOCK_D"),  # not among the choices
+        ({"num_stages": 4}, "num_stages"),
+        ({"EVICT_ROWS": "evict_last"}, "EVICT_ROWS"),
+        ({"BLOCK_L": 64, "BLOCK_D": 256}, "BLOCK_L * BLOCK_D"),  # tile spills registers
+        ({"BLOCK_L": 4, "BLOCK_D": 16, "num_warps": 8}, "BLOCK_L * BLOCK_D"),  # tile < warps
+    ],
+    ids=["unknown", "block-d-choice", "stages-choice", "evict-choice", "tile-too-big",
+         "tile-too-small"],
+)
+def test_render_rejects_invalid_knobs(knobs: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named.replace("*", r"\*")):
+        TEMPLATE.render(knobs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="KnobTemplate.validate tests choices with `in`, so 0 == False and 1.0 == 1 pass "
+    "and render as '0' / '1.0' (BAGS_PER_PROGRAM=1.0 then fails at launch)",
+)
+@pytest.mark.parametrize("knobs", [{"ACC_2D": 0}, {"BAGS_PER_PROGRAM": 1.0}], ids=str)
+def test_render_rejects_values_equal_to_a_choice_of_another_type(knobs: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(knobs))):
+        TEMPLATE.render(knobs)
