@@ -26,9 +26,19 @@ app.add_typer(library_app, name="library")
 app.add_typer(bench_app, name="bench")
 
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 HomeOption = Annotated[Path | None, typer.Option("--home", help="campaign home (default $RECFORGE_HOME or ./.recforge)")]
+
+
+def _interpret_without_gpu() -> None:
+    """Without a GPU, run Triton kernels in the interpreter; must precede triton's import."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -205,6 +215,7 @@ def bench_ops(
     output: Annotated[Path | None, typer.Option(help="append result rows to this JSON-lines file")] = None,
 ) -> None:
     """Time reference, torch.compile, eager PyTorch, default and best registered kernels."""
+    _interpret_without_gpu()
     from evals.bench_ops import run_op_benchmark
 
     try:

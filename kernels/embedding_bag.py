@@ -4,8 +4,8 @@ Forward:  out[b, :] = reduce_{i in [offsets[b], offsets[b+1])} psw[i] * weight[i
 Backward: grad_weight[indices[i], :] += psw[i] * grad_out[b, :] (/ len(b) for mean)
           grad_psw[i] = <grad_out[b, :], weight[indices[i], :]>
 
-The forward gathers a [BLOCK_L, BLOCK_D] tile of rows per step (many independent 16-byte
-loads in flight hide HBM latency on random rows) and reduces in fp32. The backward scatters
+The forward advances a few bags together and gathers a [BLOCK_B, BLOCK_L, BLOCK_D] tile of
+rows per step (many independent loads in flight hide HBM latency on random rows), in fp32. The backward scatters
 with fp32 atomics into a dense fp32 gradient: ids repeat within and across bags.
 """
 
@@ -21,29 +21,40 @@ def _embedding_bag_fwd_kernel(
     weight_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr,
     stride_weight_row, stride_out_row,
     num_bags, dim,
-    HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, ACC_3D: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    bag = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = cols < dim
-    start = tl.load(offsets_ptr + bag).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-    # A 2D accumulator defers the cross-row reduction to one tl.sum after the loop.
-    acc_LD = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    for pos0 in range(start, end, BLOCK_L):
-        pos = pos0 + tl.arange(0, BLOCK_L)
-        pos_mask = pos < end
-        rows = tl.load(indices_ptr + pos, mask=pos_mask, other=0).to(tl.int64)
-        vals_LD = tl.load(weight_ptr + rows[:, None] * stride_weight_row + cols[None, :],
-                          mask=pos_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    # BLOCK_B bags advance together, BLOCK_L positions each per step: one step issues
+    # BLOCK_B * BLOCK_L independent row gathers, which is what hides HBM latency on random
+    # rows. Bags that are done mask their loads off (no traffic) until the longest finishes.
+    bags_B = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bag_mask_B = bags_B < num_bags
+    cols_D = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask_D = cols_D < dim
+    start_B = tl.load(offsets_ptr + bags_B, mask=bag_mask_B, other=0).to(tl.int64)
+    len_B = tl.load(offsets_ptr + bags_B + 1, mask=bag_mask_B, other=0).to(tl.int64) - start_B
+    acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    acc_BLD = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
+    for step in range(0, tl.max(len_B, axis=0), BLOCK_L):
+        j_L = step + tl.arange(0, BLOCK_L)
+        pos_BL = start_B[:, None] + j_L[None, :]
+        mask_BL = j_L[None, :] < len_B[:, None]
+        rows_BL = tl.load(indices_ptr + pos_BL, mask=mask_BL, other=0).to(tl.int64)
+        vals_BLD = tl.load(weight_ptr + rows_BL[:, :, None] * stride_weight_row + cols_D[None, None, :],
+                           mask=mask_BL[:, :, None] & col_mask_D[None, None, :], other=0.0)
+        vals_BLD = vals_BLD.to(tl.float32)
         if HAS_PSW:
-            vals_LD *= tl.load(psw_ptr + pos, mask=pos_mask, other=0.0).to(tl.float32)[:, None]
-        acc_LD += vals_LD
-    acc_D = tl.sum(acc_LD, axis=0)
+            vals_BLD *= tl.load(psw_ptr + pos_BL, mask=mask_BL, other=0.0).to(tl.float32)[:, :, None]
+        if ACC_3D:
+            acc_BLD += vals_BLD
+        else:
+            acc_BD += tl.sum(vals_BLD, axis=1)
+    if ACC_3D:
+        acc_BD = tl.sum(acc_BLD, axis=1)
     if MODE_MEAN:
-        acc_D = acc_D / tl.maximum(end - start, 1).to(tl.float32)
-    tl.store(out_ptr + bag * stride_out_row + cols, acc_D.to(out_ptr.dtype.element_ty), mask=col_mask)
+        acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
+    tl.store(out_ptr + bags_B[:, None] * stride_out_row + cols_D[None, :],
+             acc_BD.to(out_ptr.dtype.element_ty), mask=bag_mask_B[:, None] & col_mask_D[None, :])
 
 
 @triton.jit
@@ -77,6 +88,16 @@ def _embedding_bag_bwd_kernel(
 def _block_d(dim: int) -> int:
     # A whole row per program up to 128 columns: one index load serves the full row.
     return min(triton.next_power_of_2(max(dim, 16)), 128)
+
+
+def _forward_config(dim: int, element_size: int) -> dict:
+    """Launch parameters of the forward, from a sweep on an H200 (BENCHMARKS.md, 2026-11-30):
+    2-byte rows of more than 64 columns gather best as whole 256-byte rows, 4 bags x 8 ids per
+    step; everything else as 64-column slices, 2 bags x 4 ids, with the 3D accumulator."""
+    if element_size == 2 and dim > 64:
+        return {"BLOCK_B": 4, "BLOCK_L": 8, "BLOCK_D": 128, "ACC_3D": False, "num_warps": 2}
+    block_d = min(triton.next_power_of_2(max(dim, 16)), 64)
+    return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
 
 
 def _check(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
@@ -113,15 +134,15 @@ def embedding_bag_forward(
     out = torch.empty((num_bags, dim), dtype=weight.dtype, device=weight.device)
     if num_bags == 0 or dim == 0:
         return out
-    block_d = _block_d(dim)
+    cfg = _forward_config(dim, weight.element_size())
     has_psw = per_sample_weights is not None
-    _embedding_bag_fwd_kernel[(num_bags, triton.cdiv(dim, block_d))](
+    grid = (triton.cdiv(num_bags, cfg["BLOCK_B"]), triton.cdiv(dim, cfg["BLOCK_D"]))
+    _embedding_bag_fwd_kernel[grid](
         weight, indices, offsets, per_sample_weights if has_psw else weight, out,
         weight.stride(0), out.stride(0),
         num_bags, dim,
         HAS_PSW=has_psw, MODE_MEAN=mode == "mean",
-        BLOCK_L=16, BLOCK_D=block_d,
-        num_warps=4,
+        num_stages=1, **cfg,
     )
     return out
 

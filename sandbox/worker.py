@@ -102,8 +102,10 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
     base = {"problem": request.problem, "candidate_id": request.candidate_id, "device": info}
 
     def done(status: Status, message: str = "", **kw) -> EvalResult:
-        return EvalResult(status=status, message=message, log_tail=log.getvalue()[-LOG_TAIL_CHARS:],
-                          wall_s=time.perf_counter() - t0, **base, **kw)
+        # Failure paths pass their traceback as log_tail; it replaces the captured output.
+        kw.setdefault("log_tail", log.getvalue()[-LOG_TAIL_CHARS:])
+        return EvalResult(status=status, message=message, wall_s=time.perf_counter() - t0,
+                          **base, **kw)
 
     try:
         fn = load_candidate(Path(request.source_file), request.entry)

@@ -1,15 +1,22 @@
-"""Shared test setup: interpreted Triton on CPU-only machines, GPU-test skipping, `device`."""
+"""Shared test setup: interpreted Triton on CPU-only machines, GPU-test skipping, fixtures."""
+
+from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+import pytest
 import torch
 
-# Must run before anything imports triton: the interpreter is chosen when triton loads, and
-# without a GPU it is the only way the kernels run at all.
+# Must run before anything imports triton (torch does not): triton picks the interpreter when
+# it loads, and without a GPU the interpreter is the only way the kernels run at all.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+if TYPE_CHECKING:
+    from kernels.registry import KernelLibrary
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -17,7 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
 
 
@@ -28,7 +35,7 @@ def device() -> torch.device:
 
 
 @pytest.fixture
-def empty_library(tmp_path):
+def empty_library(tmp_path: Path) -> Iterator[KernelLibrary]:
     """Points the dispatcher at a fresh, empty kernel library; restores the original after."""
     import kernels.ops  # noqa: F401  (registers the ops with the dispatcher)
     from kernels import DISPATCHER

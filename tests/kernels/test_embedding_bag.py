@@ -11,7 +11,7 @@ from kernels.embedding_bag import embedding_bag_forward
 from kernels.registry import DISPATCHER
 from sandbox.protocol import compare
 from search_space import get_problem
-from search_space.embedding_bag import CHECK_SHAPES, reference
+from search_space.embedding_bag import CHECK_SHAPES, TIMING_SHAPES, reference
 from search_space.problem import Inputs, Shape
 
 PROBLEM = get_problem("embedding_bag")
@@ -26,16 +26,19 @@ def _upcast(inputs: Inputs) -> Inputs:
             return v.detach().double()
         return v
 
-    return Inputs(args=tuple(up(a) for a in inputs.args),
-                  kwargs={k: up(v) for k, v in inputs.kwargs.items()})
+    return Inputs(
+        args=tuple(up(a) for a in inputs.args), kwargs={k: up(v) for k, v in inputs.kwargs.items()}
+    )
 
 
 def assert_matches(out: torch.Tensor, ref64: torch.Tensor, dtype: str, what: str) -> None:
     """`out` within the problem's tolerance for `dtype` of the fp64 `ref64` (the sandbox's rule);
     the failure says which element, by how much, and how many."""
     ok, details = compare(out.double(), ref64, PROBLEM.tolerance(dtype))
-    assert ok, (f"{what}: {details['message']} (max abs err {details.get('max_abs_err', 0):.3g}, "
-                f"relative error norm {details.get('norm_rel_err', 0):.3g})")
+    assert ok, (
+        f"{what}: {details['message']} (max abs err {details.get('max_abs_err', 0):.3g}, "
+        f"relative error norm {details.get('norm_rel_err', 0):.3g})"
+    )
 
 
 def _inputs(shape: Shape, device: torch.device, seed: int = 0) -> Inputs:
@@ -52,6 +55,13 @@ def test_forward_matches_fp64_reference(shape: Shape, device: torch.device) -> N
     ref64 = reference(*_upcast(inputs).args, **_upcast(inputs).kwargs)
     assert out.dtype == shape.torch_dtype
     assert_matches(out, ref64, shape.dtype, f"forward on {shape.describe()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", TIMING_SHAPES, ids=[f"{s.name}-{s.dtype}" for s in TIMING_SHAPES])
+def test_forward_and_grads_on_production_sizes(shape: Shape, empty_library) -> None:
+    """Millions of rows and 64k+ bags: int64 row offsets and fp32 atomics at real contention."""
+    _check_op_and_grads(shape, torch.device("cuda"))
 
 
 # --- backward through the op ----------------------------------------------------------------
@@ -87,19 +97,24 @@ def _check_op_and_grads(shape: Shape, device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("shape", CHECK_SHAPES, ids=SHAPE_IDS)
-def test_op_backward_matches_fp64_reference(shape: Shape, device: torch.device,
-                                            empty_library) -> None:
+def test_op_backward_matches_fp64_reference(
+    shape: Shape, device: torch.device, empty_library
+) -> None:
     _check_op_and_grads(shape, device)
     assert DISPATCHER.last["embedding_bag"] == "default"
 
 
-FALLBACK_SHAPES = [s for s in CHECK_SHAPES if s.dtype == "fp32"
-                   and s.name in {"mixed-empty", "dim-100-mean", "weighted", "duplicates"}]
+FALLBACK_SHAPES = [
+    s
+    for s in CHECK_SHAPES
+    if s.dtype == "fp32" and s.name in {"mixed-empty", "dim-100-mean", "weighted", "duplicates"}
+]
 
 
 @pytest.mark.parametrize("shape", FALLBACK_SHAPES, ids=lambda s: s.name)
-def test_op_without_triton_falls_back_to_torch(shape: Shape, empty_library,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_op_without_triton_falls_back_to_torch(
+    shape: Shape, empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """CPU tensors without the interpreter: forward is the reference, backward plain PyTorch."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     _check_op_and_grads(shape, torch.device("cpu"))
@@ -119,7 +134,10 @@ def _small(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 BAD_CALLS = {
     "bad-mode": (lambda w, i, o: ((w, i, o), {"mode": "max"}), "mode"),
     "psw-with-mean": (
-        lambda w, i, o: ((w, i, o), {"mode": "mean", "per_sample_weights": torch.ones_like(w[:3, 0])}),
+        lambda w, i, o: (
+            (w, i, o),
+            {"mode": "mean", "per_sample_weights": torch.ones_like(w[:3, 0])},
+        ),
         "per_sample_weights",
     ),
     "psw-wrong-length": (
@@ -169,9 +187,14 @@ def test_compiled_matches_eager(shape_name: str, device: torch.device, empty_lib
         return pooled, (pooled * pooled).sum()
 
     results = {}
-    for name, fn in [("eager", pooled_loss),
-                     ("compiled", torch.compile(pooled_loss, backend="aot_eager", fullgraph=True))]:
-        leaves = [weight.clone().requires_grad_(), None if psw is None else psw.clone().requires_grad_()]
+    for name, fn in [
+        ("eager", pooled_loss),
+        ("compiled", torch.compile(pooled_loss, backend="aot_eager", fullgraph=True)),
+    ]:
+        leaves = [
+            weight.clone().requires_grad_(),
+            None if psw is None else psw.clone().requires_grad_(),
+        ]
         pooled, loss = fn(leaves[0], indices, offsets, leaves[1])
         loss.backward()
         results[name] = [pooled.detach()] + [t.grad for t in leaves if t is not None]
@@ -183,8 +206,12 @@ def test_compiled_matches_eager(shape_name: str, device: torch.device, empty_lib
 # --- property over random jagged lengths ----------------------------------------------------
 
 
-@settings(max_examples=15, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(
     lengths=st.lists(st.integers(0, 70), max_size=12),  # zeros included, 16-index steps crossed
     num_rows=st.integers(1, 300),
@@ -195,12 +222,29 @@ def test_compiled_matches_eager(shape_name: str, device: torch.device, empty_lib
     duplicates=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_property_random_jagged_lengths(device: torch.device, lengths: list[int], num_rows: int,
-                                        dim: int, dtype: str, mode: str, weighted: bool,
-                                        duplicates: bool, seed: int) -> None:
-    shape = Shape(name="hypothesis", dtype=dtype,
-                  params={"num_rows": num_rows, "dim": dim, "lengths": lengths, "mode": mode,
-                          "weighted": weighted and mode == "sum", "duplicates": duplicates})
+def test_property_random_jagged_lengths(
+    device: torch.device,
+    lengths: list[int],
+    num_rows: int,
+    dim: int,
+    dtype: str,
+    mode: str,
+    weighted: bool,
+    duplicates: bool,
+    seed: int,
+) -> None:
+    shape = Shape(
+        name="hypothesis",
+        dtype=dtype,
+        params={
+            "num_rows": num_rows,
+            "dim": dim,
+            "lengths": lengths,
+            "mode": mode,
+            "weighted": weighted and mode == "sum",
+            "duplicates": duplicates,
+        },
+    )
     inputs = _inputs(shape, device, seed)
     out = embedding_bag_forward(*inputs.args, **inputs.kwargs)
     ref64 = reference(*_upcast(inputs).args, **_upcast(inputs).kwargs)

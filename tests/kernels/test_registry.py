@@ -9,18 +9,40 @@ import torch
 
 from kernels import ops
 from kernels.embedding_bag import embedding_bag_forward
-from kernels.registry import ARCH_INTERPRETER, DISPATCHER, KernelLibrary, LibraryEntry
+from kernels.registry import (
+    ARCH_INTERPRETER,
+    DISPATCHER,
+    KernelLibrary,
+    LibraryEntry,
+    device_arch,
+)
 from search_space.embedding_bag import TEMPLATE, reference
 
 OP = "embedding_bag"
 CPU = torch.device("cpu")
 
 
-def _add(library: KernelLibrary, source: str, *, dtype: str = "fp32", buckets=("d64",),
-         median_us: float | None = 10.0, arch: str = ARCH_INTERPRETER) -> LibraryEntry:
-    return library.add(op=OP, entry="embedding_bag", source=source, arch=arch, dtype=dtype,
-                       buckets=list(buckets), median_us=median_us, interpreted=True,
-                       evidence={"checks": 20}, provenance={"origin": "template"})
+def _add(
+    library: KernelLibrary,
+    source: str,
+    *,
+    dtype: str = "fp32",
+    buckets=("d64",),
+    median_us: float | None = 10.0,
+    arch: str = ARCH_INTERPRETER,
+) -> LibraryEntry:
+    return library.add(
+        op=OP,
+        entry="embedding_bag",
+        source=source,
+        arch=arch,
+        dtype=dtype,
+        buckets=list(buckets),
+        median_us=median_us,
+        interpreted=True,
+        evidence={"checks": 20},
+        provenance={"origin": "template"},
+    )
 
 
 def _resolve(dtype: str = "fp32", bucket: str = "d64", device: torch.device = CPU) -> str:
@@ -30,8 +52,9 @@ def _resolve(dtype: str = "fp32", bucket: str = "d64", device: torch.device = CP
 # --- fallback chain -------------------------------------------------------------------------
 
 
-def test_empty_library_gives_default_under_interpreter(empty_library,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_empty_library_gives_default_under_interpreter(
+    empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     impl = DISPATCHER.resolve(OP, device=CPU, dtype="fp32", bucket="d64")
     assert impl.name == "default"
@@ -51,8 +74,9 @@ def test_no_triton_ignores_the_library(empty_library, monkeypatch: pytest.Monkey
     assert _resolve() == "reference"
 
 
-def test_library_kernel_for_matching_key_else_default(empty_library,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_library_kernel_for_matching_key_else_default(
+    empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     added = _add(empty_library, TEMPLATE.render({"BLOCK_D": 32}), buckets=["d64", "d128"])
     assert added.kernel_id.startswith(f"{OP}_")
@@ -62,8 +86,9 @@ def test_library_kernel_for_matching_key_else_default(empty_library,
     assert _resolve("bf16", "d64") == "default"  # other dtype
 
 
-def test_library_kernel_for_another_arch_is_not_used(empty_library,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_library_kernel_for_another_arch_is_not_used(
+    empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _add(empty_library, TEMPLATE.render({}), arch="sm_90")
     assert _resolve() == "default"
@@ -137,3 +162,12 @@ def test_corrupt_manifest_names_the_file(tmp_path: Path, text: str) -> None:
     library.manifest_path.write_text(text)
     with pytest.raises(ValueError, match="manifest.json"):
         library.entries()
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_uses_entries_of_its_own_arch_only(empty_library) -> None:
+    cuda = torch.device("cuda")
+    _add(empty_library, TEMPLATE.render({"BLOCK_L": 8}), arch=ARCH_INTERPRETER, median_us=1.0)
+    assert _resolve(device=cuda) == "default"  # interpreted timings say nothing about a GPU
+    added = _add(empty_library, TEMPLATE.render({}), arch=device_arch(cuda), median_us=50.0)
+    assert _resolve(device=cuda) == f"library:{added.kernel_id}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -50,14 +50,6 @@ def model(device: torch.device) -> Recommender:
 @pytest.fixture
 def batch(device: torch.device) -> Batch:
     return make_synthetic_batch(CONFIG, BATCH_SIZE, seed=1, device=device)
-
-
-@pytest.fixture
-def library(tmp_path) -> Iterator[KernelLibrary]:
-    """An empty kernel library for one test; the previous one is active again afterwards."""
-    previous = DISPATCHER.library.root
-    yield DISPATCHER.use_library(tmp_path / "library")
-    DISPATCHER.use_library(previous)
 
 
 @pytest.fixture
@@ -138,7 +130,7 @@ def test_serve_matches_eager_forward(model: Recommender, batch: Batch, compile: 
 
 @pytest.mark.usefixtures("cheap_compile")
 def test_registered_kernel_replaces_default_in_training_and_serving(
-    model: Recommender, batch: Batch, library: KernelLibrary, device: torch.device
+    model: Recommender, batch: Batch, empty_library: KernelLibrary, device: torch.device
 ) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     default = Counter({(OP, "default"): NUM_FEATURES})
@@ -153,7 +145,7 @@ def test_registered_kernel_replaces_default_in_training_and_serving(
     source = eb_problem.TEMPLATE.render(
         {"BLOCK_D": 32, "BLOCK_L": 8, "BAGS_PER_PROGRAM": 2, "ACC_2D": True}
     )
-    entry = library.add(
+    entry = empty_library.add(
         op=OP,
         entry=eb_problem.ENTRY,
         source=source,

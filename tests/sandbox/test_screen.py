@@ -7,7 +7,7 @@ from sandbox.screen import screen
 from search_space.embedding_bag import ENTRY, TEMPLATE
 
 # A minimal module the screen accepts; each case below adds one offending line to it.
-KERNEL = '''\
+KERNEL = """\
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +22,7 @@ def _kernel(x_ptr, n, BLOCK: tl.constexpr):
 def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
     {body}
     return torch.empty(0)
-'''
+"""
 BODY_LINE = KERNEL.splitlines().index("    {body}") + 1  # where the offending line goes
 
 
@@ -58,17 +58,31 @@ def test_rendered_template_passes() -> None:
         (_with_body("g = getattr(torch, 'cuda')"), "builtins", BODY_LINE, "getattr()"),
         (_with_body("torch.cuda.synchronize()"), "attributes", BODY_LINE, ".synchronize"),
         (_with_body("s = torch.cuda.Stream()"), "attributes", BODY_LINE, ".Stream"),
-        (_with_body("e = torch.cuda.Event(enable_timing=True)"), "attributes", BODY_LINE,
-         ".Event"),
+        (_with_body("e = torch.cuda.Event(enable_timing=True)"), "attributes", BODY_LINE, ".Event"),
         (_with_body("torch.manual_seed(0)"), "attributes", BODY_LINE, ".manual_seed"),
         (_with_body("c = torch._C"), "attributes", BODY_LINE, "._C"),
         (_with_body("b = __builtins__"), "attributes", BODY_LINE, "__builtins__"),
-        (_with_body("k = (1).__class__.__subclasses__()"), "attributes", BODY_LINE,
-         ".__class__"),
+        (_with_body("k = (1).__class__.__subclasses__()"), "attributes", BODY_LINE, ".__class__"),
     ],
-    ids=["import-os", "import-os-path", "from-subprocess", "relative-import", "import-list",
-         "import-in-function", "open", "exec", "dunder-import", "getattr", "synchronize",
-         "stream", "event", "manual-seed", "torch-C", "builtins-name", "subclasses"],
+    ids=[
+        "import-os",
+        "import-os-path",
+        "from-subprocess",
+        "relative-import",
+        "import-list",
+        "import-in-function",
+        "open",
+        "exec",
+        "dunder-import",
+        "getattr",
+        "synchronize",
+        "stream",
+        "event",
+        "manual-seed",
+        "torch-C",
+        "builtins-name",
+        "subclasses",
+    ],
 )
 def test_rule_violations_are_rejected(source: str, rule: str, line: int, detail: str) -> None:
     violations = screen(source, ENTRY)

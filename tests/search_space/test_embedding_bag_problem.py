@@ -85,7 +85,7 @@ def test_make_inputs_explicit_lengths(dtype: str) -> None:
     assert offsets.shape == (len(lengths) + 1,) and offsets.dtype == torch.int64
     assert offsets.tolist() == [0, 3, 3, 4, 11, 11]
     assert indices.shape == (nnz,) and indices.dtype == torch.int64
-    assert 0 <= int(indices.min()) and int(indices.max()) < 20
+    assert int(indices.min()) >= 0 and int(indices.max()) < 20
     assert psw.shape == (nnz,) and psw.dtype == shape.torch_dtype
     assert inputs.kwargs["mode"] == "sum"
 
@@ -155,8 +155,8 @@ def test_flops_and_bytes_no_bags() -> None:
 
 
 @pytest.mark.parametrize(
-    ("dim", "bucket"), [(1, "d16"), (10, "d16"), (16, "d16"), (48, "d64"), (64, "d64"),
-                        (100, "d128"), (200, "d256")],
+    ("dim", "bucket"),
+    [(1, "d16"), (10, "d16"), (16, "d16"), (48, "d64"), (64, "d64"), (100, "d128"), (200, "d256")],
 )
 def test_dim_bucket(dim: int, bucket: str) -> None:
     assert dim_bucket(dim) == bucket
@@ -200,8 +200,14 @@ def test_render_with_knobs() -> None:
         ({"BLOCK_L": 64, "BLOCK_D": 256}, "BLOCK_L * BLOCK_D"),  # tile spills registers
         ({"BLOCK_L": 4, "BLOCK_D": 16, "num_warps": 8}, "BLOCK_L * BLOCK_D"),  # tile < warps
     ],
-    ids=["unknown", "block-d-choice", "stages-choice", "evict-choice", "tile-too-big",
-         "tile-too-small"],
+    ids=[
+        "unknown",
+        "block-d-choice",
+        "stages-choice",
+        "evict-choice",
+        "tile-too-big",
+        "tile-too-small",
+    ],
 )
 def test_render_rejects_invalid_knobs(knobs: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named.replace("*", r"\*")):
@@ -213,7 +219,9 @@ def test_render_rejects_invalid_knobs(knobs: dict, named: str) -> None:
     reason="KnobTemplate.validate tests choices with `in`, so 0 == False and 1.0 == 1 pass "
     "and render as '0' / '1.0' (BAGS_PER_PROGRAM=1.0 then fails at launch)",
 )
-@pytest.mark.parametrize("knobs", [{"ACC_2D": 0}, {"BAGS_PER_PROGRAM": 1.0}], ids=str)
+@pytest.mark.parametrize(
+    "knobs", [{"ACC_2D": 0}, {"BAGS_PER_PROGRAM": 1.0}], ids=["acc-2d-int", "bags-float"]
+)
 def test_render_rejects_values_equal_to_a_choice_of_another_type(knobs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(knobs))):
         TEMPLATE.render(knobs)

@@ -1,0 +1,114 @@
+"""Op benchmarks: every provider of an op timed the same way, side by side, in one process.
+
+Throughput is on the problem's minimum bytes (`Problem.bytes`: each gathered row read once per
+occurrence, indices and offsets read, output written once):
+
+    achieved GB/s      = min_bytes / median_time
+    fraction of copy   = achieved bandwidth / device-to-device copy bandwidth measured in
+                         this same run (bytes read plus written)
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from rich.console import Console
+from rich.table import Table
+
+from kernels.registry import DISPATCHER, KernelLibrary, device_arch
+from sandbox.protocol import compare, fresh_seed
+from sandbox.timing import benchmark
+from search_space import get_problem
+from search_space.problem import Problem
+
+COPY_BYTES = 2 * 1024**3
+
+
+def measure_copy_bandwidth(device: torch.device) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(COPY_BYTES // 2, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    stats = benchmark(lambda: dst.copy_(src), [((), {})], device=device, max_reps=50)
+    del src, dst
+    torch.cuda.empty_cache()
+    return COPY_BYTES / (stats.median_us * 1e-6)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def _providers(problem: Problem, library: KernelLibrary, device: torch.device, shape) -> dict[str, Callable]:
+    from kernels import ops  # noqa: F401 - registers the op's default with the dispatcher
+
+    providers: dict[str, Callable] = {"reference": problem.reference}
+    if device.type == "cuda":
+        providers["reference.compile"] = torch.compile(problem.reference, dynamic=False)
+    providers.update(problem.baselines)
+    providers["default kernel"] = DISPATCHER._defaults[problem.name]
+    entry = library.best(problem.name, device_arch(device), shape.dtype, problem.bucket(shape))
+    if entry is not None:
+        providers["best registered"] = library.load(entry)
+    return providers
+
+
+def run_op_benchmark(op: str, *, library: str | Path | None = None,
+                     console: Console | None = None) -> list[dict]:
+    problem = get_problem(op)
+    console = console or Console()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lib = KernelLibrary(library) if library else DISPATCHER.library
+    interpreted = device.type != "cuda"
+    shapes = problem.interpreted_timing_shapes if interpreted else problem.timing_shapes
+    copy_bw = measure_copy_bandwidth(device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    versions = f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
+    commit = _git_commit()
+    title = f"{op} on {gpu}; {versions}; commit {commit}"
+    if copy_bw:
+        title += f"; measured copy bandwidth {copy_bw / 1e12:.2f} TB/s"
+    table = Table("shape", "dtype", "provider", "median us", "p20-p80 us", "GB/s", "of copy BW",
+                  "vs torch", "check", title=title)
+    rows = []
+    for shape in shapes:
+        arg_sets = [(i.args, i.kwargs) for i in
+                    (problem.make_inputs(shape, fresh_seed(), device) for _ in range(1 if interpreted else 3))]
+        args, kwargs = arg_sets[0]
+        ref = problem.reference(*args, **kwargs)
+        nbytes = problem.bytes(shape)
+        results = {}
+        for name, fn in _providers(problem, lib, device, shape).items():
+            ok, details = compare(fn(*args, **kwargs), ref, problem.tolerance(shape.dtype))
+            results[name] = (benchmark(fn, arg_sets, device=device), ok, details.get("message", ""))
+        torch_us = next((s.median_us for n, (s, _, _) in results.items() if n.startswith("torch.")), None)
+        for name, (stats, ok, msg) in results.items():
+            gbps = nbytes / (stats.median_us * 1e-6) / 1e9
+            frac = gbps * 1e9 / copy_bw if copy_bw else None
+            speedup = torch_us / stats.median_us if torch_us else None
+            table.add_row(shape.name, shape.dtype, name, f"{stats.median_us:.1f}",
+                          f"{stats.p20_us:.1f}-{stats.p80_us:.1f}", f"{gbps:.0f}",
+                          f"{100 * frac:.0f}%" if frac else "n/a",
+                          f"{speedup:.2f}x" if speedup else "n/a", "ok" if ok else f"WRONG {msg[:40]}")
+            rows.append({"op": op, "provider": name, "shape": shape.name, "dtype": shape.dtype,
+                         "p50_us": stats.median_us, "p20_us": stats.p20_us, "p80_us": stats.p80_us,
+                         "gbps": gbps, "copy_fraction": frac, "speedup_vs_torch": speedup,
+                         "correct": ok, "gpu": gpu, "versions": versions, "commit": commit,
+                         "interpreted": interpreted})
+        del arg_sets, args, kwargs, ref
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    console.print(table)
+    if interpreted:
+        console.print("[yellow]interpreted Triton on a CPU: these timings say nothing about GPU speed[/]")
+    return rows

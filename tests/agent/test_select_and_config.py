@@ -1,0 +1,85 @@
+"""Selection by a margin beyond timing noise; config validation; the offline proposer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from agent import nodes
+from agent.config import ConfigError, load_config, parse_config
+from agent.proposers import SearchProposer
+from agent.store import Store
+from sandbox.candidate import Candidate
+from sandbox.result import EvalResult, ShapeTiming, Status, TimingStats
+from search_space.embedding_bag import TEMPLATE
+
+VALID = {"name": "x", "problems": ["embedding_bag"], "budget": {"max_evaluations": 3, "max_wall_s": 60}}
+
+
+def _result(candidate: Candidate, median: float, spread: float = 0.0, status=Status.OK) -> EvalResult:
+    stats = TimingStats(median_us=median, p20_us=median * (1 - spread / 2),
+                        p80_us=median * (1 + spread / 2), reps=20)
+    timings = [ShapeTiming(shape="s", dtype="fp32", bucket="d64", candidate=stats, flops=1.0,
+                           bytes=1.0, achieved_gbps=1.0)] if status == Status.OK else []
+    return EvalResult(status=status, problem="embedding_bag", candidate_id=candidate.id, timings=timings)
+
+
+def _candidate(block_l: int) -> Candidate:
+    knobs = TEMPLATE.validate({"BLOCK_L": block_l})
+    return Candidate(problem="embedding_bag", source=TEMPLATE.render(knobs), entry="embedding_bag",
+                     knobs=knobs, origin="template")
+
+
+def _select(store: Store, best: dict) -> dict:
+    ctx = SimpleNamespace(campaign_id="c", store=store)
+    return nodes.select({"problem": "embedding_bag", "best": best}, SimpleNamespace(context=ctx))["best"]
+
+
+def test_select_needs_a_margin_beyond_noise(tmp_path) -> None:
+    store = Store(tmp_path / "s.db")
+    a, b, c, d = (_candidate(n) for n in (4, 8, 16, 32))
+    for cand, median, spread, status in ((a, 100.0, 0.02, Status.OK), (b, 99.5, 0.02, Status.OK),
+                                         (c, 10.0, 0.0, Status.WRONG), (d, 90.0, 0.02, Status.OK)):
+        store.add_candidate("c", cand)
+        store.add_evaluation("c", _result(cand, median, spread, status))
+        if cand is a:
+            assert _select(store, {}) == {"embedding_bag": a.id}
+        if cand is b:  # 0.5% faster with 2% noise: not a real improvement
+            assert _select(store, {"embedding_bag": a.id}) == {"embedding_bag": a.id}
+        if cand is c:  # wrong results never win, however fast
+            assert _select(store, {"embedding_bag": a.id}) == {"embedding_bag": a.id}
+    assert _select(store, {"embedding_bag": a.id}) == {"embedding_bag": d.id}
+
+
+def test_config_errors_name_the_field(tmp_path) -> None:
+    assert parse_config(VALID).budget.max_evaluations == 3
+    with pytest.raises(ConfigError, match=r"budget\.max_evaluations"):
+        parse_config({**VALID, "budget": {"max_evaluations": 0, "max_wall_s": 60}})
+    with pytest.raises(ConfigError, match=r"problems.*unknown problem"):
+        parse_config({**VALID, "problems": ["nope"]})
+    with pytest.raises(ConfigError, match=r"proposr.*Extra inputs"):
+        parse_config({**VALID, "proposr": {}})
+    with pytest.raises(ConfigError, match=r"^config: budget: Field required"):
+        parse_config({"name": "x", "problems": ["embedding_bag"]})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_search_proposer_is_valid_new_and_reproducible() -> None:
+    proposer = SearchProposer(TEMPLATE, seed=7)
+    first = proposer.propose(4, [], set())
+    assert first[0].knobs == TEMPLATE.defaults()  # the template's defaults start the search
+    assert len({c.id for c in first}) == 4
+    history = [(c.knobs, 100.0 + i) for i, c in enumerate(first)]
+    seen = {c.id for c in first}
+    second = proposer.propose(4, history, seen)
+    assert len(second) == 4 and not ({c.id for c in second} & seen)
+    for c in second:
+        assert TEMPLATE.validate(c.knobs) == c.knobs  # constraints hold
+    again = SearchProposer(TEMPLATE, seed=7).propose(4, history, seen)
+    assert [c.id for c in again] == [c.id for c in second]  # resume proposes the same
