@@ -94,13 +94,16 @@ def test_library_kernel_for_another_arch_is_not_used(
     assert _resolve() == "default"
 
 
-def test_op_runs_the_library_kernel(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_op_runs_the_library_kernel(empty_library, device: torch.device) -> None:
     """End to end: the op dispatches to the stored module, which computes the right thing."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    added = _add(empty_library, TEMPLATE.render({"BLOCK_L": 8, "ACC_2D": True}))
-    weight = torch.randn(40, 64)
-    indices = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4])
-    offsets = torch.tensor([0, 1, 1, 20])
+    added = _add(
+        empty_library, TEMPLATE.render({"BLOCK_L": 8, "ACC_2D": True}), arch=device_arch(device)
+    )
+    weight = torch.randn(40, 64, device=device)
+    indices = torch.tensor(
+        [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], device=device
+    )
+    offsets = torch.tensor([0, 1, 1, 20], device=device)
     out = ops.embedding_bag(weight, indices, offsets)
     assert DISPATCHER.last[OP] == f"library:{added.kernel_id}"
     torch.testing.assert_close(out, reference(weight.double(), indices, offsets).float())
