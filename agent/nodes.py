@@ -7,8 +7,10 @@ from typing import Literal
 
 from langgraph.runtime import Runtime
 
+from agent.incumbents import ORIGIN as INCUMBENT, campaign_arch, incumbents
 from agent.report import write_report
 from agent.state import CampaignContext, CampaignState
+from agent.store import EvaluationRow
 from sandbox.result import EvalResult, Status
 
 # A new best must beat the old by more than the timing noise, and never by less than this.
@@ -40,8 +42,12 @@ def propose(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     remaining = ctx.config.budget.max_evaluations - ctx.store.count_evaluations(ctx.campaign_id)
     n = max(1, min(ctx.config.proposer.batch_size, remaining))
     best_id = state.get("best", {}).get(problem)
-    candidates = ctx.proposers[problem].propose(n, history, {r.candidate.id for r in rows},
-                                                parent_id=best_id)
+    seen = {r.candidate.id for r in rows}
+    # The first batch measures what dispatch runs today: the bar every proposal must clear.
+    seeds = [] if rows else [c for c in incumbents(problem, ctx.library, campaign_arch()) if c.id not in seen]
+    seeds = seeds[:n]
+    candidates = seeds + ctx.proposers[problem].propose(n - len(seeds), history, seen | {c.id for c in seeds},
+                                                        parent_id=best_id)
     for c in candidates:
         ctx.store.add_candidate(ctx.campaign_id, c)
     if not candidates:
@@ -83,14 +89,20 @@ def _noise(result: EvalResult) -> float:
 
 
 def best_speedup(ctx: CampaignContext, problem: str) -> float | None:
-    """Speedup of the fastest correct candidate so far over the problem's first baseline."""
+    """Speedup of the fastest correct candidate so far over the problem's production baseline
+    (its first eager PyTorch op, e.g. torch.embedding_bag)."""
     rows = [r for r in ctx.store.evaluations(ctx.campaign_id, problem) if r.score_us is not None]
     if not rows:
         return None
     best = min(rows, key=lambda r: r.score_us)
     speedups = best.result.speedups(ctx.store.baselines(ctx.campaign_id, problem))
-    name = next((b for b in ctx.config.sandbox.baselines if b in speedups), None)
-    return speedups.get(name) if name else None
+    return speedups.get(primary_baseline(problem))
+
+
+def primary_baseline(problem: str) -> str:
+    from search_space import get_problem
+
+    return next(iter(get_problem(problem).baselines), "reference")
 
 
 def select(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
@@ -115,57 +127,90 @@ def select(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
 
 
 def register(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
-    """Re-verify each problem's best in a fresh worker with new seeds, then add it to the library."""
+    """Per problem and dtype, re-verify the winner in a fresh worker with new seeds and add it to
+    the library, if it beats the kernels dispatch runs today (see `_winners`)."""
     ctx = runtime.context
     registered = list(state.get("registered", []))
     if ctx.config.register_kernels:
-        for problem, candidate_id in state.get("best", {}).items():
+        for problem in ctx.config.problems:
             if any(a[0] == problem for a in ctx.store.accepted(ctx.campaign_id)):
                 continue  # done before a kill; the library write is idempotent anyway
-            kernel_id = _register_one(ctx, problem, candidate_id)
-            if kernel_id:
-                registered.append(kernel_id)
+            registered += _register_problem(ctx, problem)
     report = write_report(ctx, state.get("best", {}), state.get("stop_reason"))
     ctx.events.message(f"report: {report}")
     return {"registered": registered}
 
 
-def _register_one(ctx: CampaignContext, problem: str, candidate_id: str) -> str | None:
-    candidate = ctx.store.candidate(ctx.campaign_id, candidate_id)
-    evidence = next(r.result for r in ctx.store.evaluations(ctx.campaign_id, problem)
-                    if r.candidate.id == candidate_id)
-    recheck = ctx.backend.evaluate(candidate, timing=False, trials=ctx.config.sandbox.trials)
-    if recheck.status != Status.OK:
-        ctx.events.message(f"{problem}: best candidate {candidate_id} failed re-verification "
-                           f"({recheck.status.value}: {recheck.message}); not registered")
+def _geomean_us(row: EvaluationRow, dtype: str) -> float | None:
+    times = [t.candidate.median_us for t in row.result.timings if t.dtype == dtype]
+    if row.result.status != Status.OK or not times:
         return None
-    assert evidence.device is not None
-    dtypes = sorted({t.dtype for t in evidence.timings}) or ["fp32"]
-    entries = []
+    prod = 1.0
+    for t in times:
+        prod *= t
+    return prod ** (1 / len(times))
+
+
+def _winners(ctx: CampaignContext, problem: str, rows: list[EvaluationRow]) -> dict[str, list[str]]:
+    """Candidate id -> the dtypes it wins.
+
+    On a GPU, the fastest correct candidate per dtype wins only if it is a proposal and beats
+    the fastest incumbent (what dispatch runs today) by more than either's timing noise. On the
+    interpreter timings decide nothing, so the fastest correct proposal is taken as it is and
+    registered, labelled interpreted, for the interpreter only."""
+    winners: dict[str, list[str]] = {}
+    dtypes = sorted({t.dtype for r in rows for t in r.result.timings})
     for dtype in dtypes:
-        timings = [t for t in evidence.timings if t.dtype == dtype]
-        prod = 1.0
-        for t in timings:
-            prod *= t.candidate.median_us
-        entries.append(ctx.library.add(
-            op=problem, entry=candidate.entry, source=candidate.source, arch=evidence.device.arch,
-            dtype=dtype,
-            # A kernel is proven on the check shapes of every bucket; its evidence covers the
-            # timed buckets. Dispatch is by bucket, so it serves the buckets it was timed on,
-            # and all of them on the interpreter (where no timing decides anything).
-            buckets=sorted({t.bucket for t in timings}) if not evidence.interpreted else _all_buckets(problem),
-            median_us=prod ** (1 / len(timings)) if timings else None,
-            interpreted=evidence.interpreted,
-            evidence={"evaluation": evidence.model_dump(mode="json"),
-                      "reverification": recheck.model_dump(mode="json", include={"status", "checks", "device"})},
-            provenance={"campaign": ctx.campaign_id, "proposer": candidate.origin,
-                        "candidate": candidate.id, "parent": candidate.parent_id,
-                        "knobs": candidate.knobs},
-        ))
-    kernel_id = entries[0].kernel_id
-    ctx.store.add_accepted(ctx.campaign_id, problem, candidate_id, kernel_id, str(ctx.library.root))
-    ctx.events.message(f"{problem}: registered {kernel_id} in {ctx.library.root}")
-    return kernel_id
+        scored = [(r, s) for r in rows if (s := _geomean_us(r, dtype)) is not None]
+        proposals = [(r, s) for r, s in scored if r.candidate.origin != INCUMBENT]
+        held = [(r, s) for r, s in scored if r.candidate.origin == INCUMBENT]
+        if not proposals:
+            ctx.events.message(f"{problem} {dtype}: no correct proposal; library unchanged")
+            continue
+        best, best_s = min(proposals, key=lambda rs: rs[1])
+        if held and not best.result.interpreted:
+            inc, inc_s = min(held, key=lambda rs: rs[1])
+            margin = max(MIN_IMPROVEMENT, _noise(best.result), _noise(inc.result))
+            if not best_s < inc_s * (1 - margin):
+                ctx.events.message(
+                    f"{problem} {dtype}: best proposal {best.candidate.id} ({best_s:.1f} us) does not "
+                    f"beat what dispatch runs today ({inc_s:.1f} us) by {100 * margin:.0f}%; library unchanged")
+                continue
+        winners.setdefault(best.candidate.id, []).append(dtype)
+    return winners
+
+
+def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
+    rows = ctx.store.evaluations(ctx.campaign_id, problem)
+    kernel_ids = []
+    for candidate_id, dtypes in _winners(ctx, problem, rows).items():
+        row = next(r for r in rows if r.candidate.id == candidate_id)
+        candidate, evidence = row.candidate, row.result
+        recheck = ctx.backend.evaluate(candidate, timing=False, trials=ctx.config.sandbox.trials)
+        if recheck.status != Status.OK:
+            ctx.events.message(f"{problem}: candidate {candidate.id} failed re-verification "
+                               f"({recheck.status.value}: {recheck.message}); not registered")
+            continue
+        assert evidence.device is not None
+        for dtype in dtypes:
+            timings = [t for t in evidence.timings if t.dtype == dtype]
+            entry = ctx.library.add(
+                op=problem, entry=candidate.entry, source=candidate.source, arch=evidence.device.arch,
+                dtype=dtype,
+                # Proven correct on the check shapes of every bucket; on a GPU it serves the
+                # buckets its timing evidence covers, on the interpreter all of them.
+                buckets=_all_buckets(problem) if evidence.interpreted else sorted({t.bucket for t in timings}),
+                median_us=_geomean_us(row, dtype), interpreted=evidence.interpreted,
+                evidence={"evaluation": evidence.model_dump(mode="json"),
+                          "reverification": recheck.model_dump(mode="json", include={"status", "checks", "device"})},
+                provenance={"campaign": ctx.campaign_id, "proposer": candidate.origin,
+                            "candidate": candidate.id, "parent": candidate.parent_id,
+                            "knobs": candidate.knobs},
+            )
+            ctx.events.message(f"{problem} {dtype}: registered {entry.kernel_id} in {ctx.library.root}")
+        ctx.store.add_accepted(ctx.campaign_id, problem, candidate.id, entry.kernel_id, str(ctx.library.root))
+        kernel_ids.append(entry.kernel_id)
+    return kernel_ids
 
 
 def _all_buckets(problem: str) -> list[str]:

@@ -56,7 +56,7 @@ def _providers(problem: Problem, library: KernelLibrary, device: torch.device, s
     if device.type == "cuda":
         providers["reference.compile"] = torch.compile(problem.reference, dynamic=False)
     providers.update(problem.baselines)
-    providers["default kernel"] = DISPATCHER._defaults[problem.name]
+    providers["default kernel"] = DISPATCHER.default(problem.name)
     entry = library.best(problem.name, device_arch(device), shape.dtype, problem.bucket(shape))
     if entry is not None:
         providers["best registered"] = library.load(entry)

@@ -166,6 +166,12 @@ class Dispatcher:
         self._defaults[op] = default
         self._references[op] = reference
 
+    def default(self, op: str) -> Callable[..., torch.Tensor]:
+        """The library's hand-written default kernel of `op`."""
+        if op not in self._defaults:
+            raise ValueError(f"no default kernel for op {op!r}; ops: {sorted(self._defaults)}")
+        return self._defaults[op]
+
     def resolve(self, op: str, *, device: torch.device, dtype: str, bucket: str) -> Implementation:
         if not triton_usable(device):
             impl = Implementation("reference", self._references[op])

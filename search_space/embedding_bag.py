@@ -175,27 +175,27 @@ TOLERANCES = {
 }
 
 KNOBS = (
+    Knob("BLOCK_B", (1, 2, 4, 8, 16), default=4,
+         help="bags a program advances together; more ids in flight, more idle lanes on skew"),
+    Knob("BLOCK_L", (4, 8, 16, 32), default=8, help="ids gathered per bag per step"),
     Knob("BLOCK_D", (16, 32, 64, 128, 256), default=64,
-         help="embedding columns per program; a program covers ceil(D / BLOCK_D) of a bag"),
-    Knob("BLOCK_L", (4, 8, 16, 32, 64), default=16,
-         help="indices gathered per inner step: more rows in flight per program"),
-    Knob("BAGS_PER_PROGRAM", (1, 2, 4, 8), default=1,
-         help="bags handled by one program, one after another"),
-    Knob("ACC_2D", (False, True), default=False,
-         help="accumulate a [BLOCK_L, BLOCK_D] tile and reduce once at the end"),
+         help="embedding columns per program; a program covers ceil(D / BLOCK_D) of a row"),
+    Knob("ACC_3D", (False, True), default=False,
+         help="accumulate the whole [B, L, D] tile and reduce once at the end"),
     Knob("EVICT_ROWS", ("", "evict_first"), default="",
          help="cache policy of the gathered rows (streamed once unless ids repeat)"),
-    Knob("num_warps", (1, 2, 4, 8), default=4, help="warps per program"),
-    Knob("num_stages", (1, 2, 3), default=1, help="software pipelining depth of the index loop"),
+    Knob("num_warps", (1, 2, 4, 8), default=2, help="warps per program"),
+    Knob("num_stages", (1, 2, 3), default=1, help="software pipelining depth of the id loop"),
 )
 
 
 def _knob_constraints(knobs: dict) -> str | None:
-    tile = knobs["BLOCK_L"] * knobs["BLOCK_D"]
-    if tile > 8192:
-        return f"BLOCK_L * BLOCK_D = {tile} > 8192 elements: the tile spills registers"
+    tile = knobs["BLOCK_B"] * knobs["BLOCK_L"] * knobs["BLOCK_D"]
+    limit = 8192 if knobs["ACC_3D"] else 16384
+    if tile > limit:
+        return f"BLOCK_B * BLOCK_L * BLOCK_D = {tile} > {limit} elements: the tile spills registers"
     if tile < 32 * knobs["num_warps"]:
-        return f"BLOCK_L * BLOCK_D = {tile} is smaller than {knobs['num_warps']} warps of 32 lanes"
+        return f"BLOCK_B * BLOCK_L * BLOCK_D = {tile} is smaller than {knobs['num_warps']} warps of 32 lanes"
     return None
 
 

@@ -45,9 +45,11 @@ class KnobTemplate:
         if unknown:
             raise ValueError(f"unknown knob(s) {unknown} for template {self.problem!r}; "
                              f"knobs are {sorted(by_name)}")
-        full = self.defaults() | dict(knobs)
+        # numpy scalars (from samplers) become Python values; then type and value must match a
+        # choice exactly, since 1.0 == 1 and 0 == False would render as different source.
+        full = {k: getattr(v, "item", lambda v=v: v)() for k, v in (self.defaults() | dict(knobs)).items()}
         for name, value in full.items():
-            if value not in by_name[name].choices:
+            if not any(type(value) is type(c) and value == c for c in by_name[name].choices):
                 raise ValueError(f"knob {name}={value!r} is not one of {by_name[name].choices}")
         reason = self.constraint(full)
         if reason is not None:

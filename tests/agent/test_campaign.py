@@ -73,9 +73,12 @@ def test_killed_campaign_resumes_and_finishes(tmp_path: Path) -> None:
     assert len(ids) == 3 and len(set(ids)) == 3, "evaluations were lost or repeated"
     assert outcome.stop_reason.startswith("evaluation budget reached")
     assert outcome.best["embedding_bag"] in ids
-    # The best candidate was re-verified and registered, with its evidence and lineage.
+    assert rows[0].candidate.origin == "library"  # what dispatch runs today is measured first
+    # On the interpreter timings decide nothing, so the fastest correct proposal is registered
+    # (labelled interpreted), after re-verification, with its evidence and lineage.
     [entry] = KernelLibrary(tmp_path / "library").entries()
-    assert entry.source_hash == outcome.best["embedding_bag"]
+    proposals = [r for r in rows if r.score_us is not None and r.candidate.origin != "library"]
+    assert entry.source_hash == min(proposals, key=lambda r: r.score_us).candidate.id
     assert entry.provenance["campaign"] == row.id
     assert entry.evidence["reverification"]["status"] == "ok"
     assert entry.interpreted == (entry.arch == "interpreter")

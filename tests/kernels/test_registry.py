@@ -97,7 +97,7 @@ def test_library_kernel_for_another_arch_is_not_used(
 def test_op_runs_the_library_kernel(empty_library, device: torch.device) -> None:
     """End to end: the op dispatches to the stored module, which computes the right thing."""
     added = _add(
-        empty_library, TEMPLATE.render({"BLOCK_L": 8, "ACC_2D": True}), arch=device_arch(device)
+        empty_library, TEMPLATE.render({"BLOCK_L": 16, "ACC_3D": True}), arch=device_arch(device)
     )
     weight = torch.randn(40, 64, device=device)
     indices = torch.tensor(
@@ -115,9 +115,9 @@ def test_op_runs_the_library_kernel(empty_library, device: torch.device) -> None
 def test_best_picks_lowest_median(tmp_path: Path) -> None:
     library = KernelLibrary(tmp_path)
     untimed = _add(library, TEMPLATE.render({"BLOCK_L": 4, "BLOCK_D": 32}), median_us=None)
-    slow = _add(library, TEMPLATE.render({"BLOCK_L": 8}), median_us=9.0)
+    slow = _add(library, TEMPLATE.render({"BLOCK_L": 16}), median_us=9.0)
     fast = _add(library, TEMPLATE.render({"BLOCK_L": 32}), median_us=2.5)
-    other_bucket = _add(library, TEMPLATE.render({"BLOCK_L": 64}), median_us=1.0, buckets=["d16"])
+    other_bucket = _add(library, TEMPLATE.render({"BLOCK_L": 4}), median_us=1.0, buckets=["d16"])
     assert len({e.kernel_id for e in (untimed, slow, fast, other_bucket)}) == 4
     assert library.best(OP, ARCH_INTERPRETER, "fp32", "d64") == fast
     assert library.best(OP, ARCH_INTERPRETER, "fp32", "d16") == other_bucket
@@ -128,7 +128,7 @@ def test_best_picks_lowest_median(tmp_path: Path) -> None:
 def test_best_ranks_untimed_after_timed(tmp_path: Path) -> None:
     library = KernelLibrary(tmp_path)
     _add(library, TEMPLATE.render({"BLOCK_L": 4, "BLOCK_D": 32}), median_us=None)
-    timed = _add(library, TEMPLATE.render({"BLOCK_L": 8}), median_us=500.0)
+    timed = _add(library, TEMPLATE.render({"BLOCK_L": 16}), median_us=500.0)
     assert library.best(OP, ARCH_INTERPRETER, "fp32", "d64") == timed
 
 
@@ -170,7 +170,7 @@ def test_corrupt_manifest_names_the_file(tmp_path: Path, text: str) -> None:
 @pytest.mark.gpu
 def test_gpu_dispatch_uses_entries_of_its_own_arch_only(empty_library) -> None:
     cuda = torch.device("cuda")
-    _add(empty_library, TEMPLATE.render({"BLOCK_L": 8}), arch=ARCH_INTERPRETER, median_us=1.0)
+    _add(empty_library, TEMPLATE.render({"BLOCK_L": 16}), arch=ARCH_INTERPRETER, median_us=1.0)
     assert _resolve(device=cuda) == "default"  # interpreted timings say nothing about a GPU
     added = _add(empty_library, TEMPLATE.render({}), arch=device_arch(cuda), median_us=50.0)
     assert _resolve(device=cuda) == f"library:{added.kernel_id}"

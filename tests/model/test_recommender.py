@@ -143,7 +143,7 @@ def test_registered_kernel_replaces_default_in_training_and_serving(
 
     arch = device_arch(device)
     source = eb_problem.TEMPLATE.render(
-        {"BLOCK_D": 32, "BLOCK_L": 8, "BAGS_PER_PROGRAM": 2, "ACC_2D": True}
+        {"BLOCK_D": 32, "BLOCK_L": 8, "BLOCK_B": 2, "ACC_3D": True}
     )
     entry = empty_library.add(
         op=OP,

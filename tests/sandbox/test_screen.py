@@ -40,7 +40,7 @@ def test_minimal_kernel_passes() -> None:
 
 def test_rendered_template_passes() -> None:
     assert screen(TEMPLATE.render({}), ENTRY) == []
-    assert screen(TEMPLATE.render({"ACC_2D": True, "EVICT_ROWS": "evict_first"}), ENTRY) == []
+    assert screen(TEMPLATE.render({"ACC_3D": True, "EVICT_ROWS": "evict_first"}), ENTRY) == []
 
 
 @pytest.mark.parametrize(

@@ -184,10 +184,10 @@ def test_render_defaults() -> None:
 
 
 def test_render_with_knobs() -> None:
-    source = TEMPLATE.render({"BLOCK_D": 128, "EVICT_ROWS": "evict_first", "ACC_2D": True})
+    source = TEMPLATE.render({"BLOCK_D": 128, "EVICT_ROWS": "evict_first", "ACC_3D": True})
     assert '"BLOCK_D": 128,' in source
     assert "\"EVICT_ROWS\": 'evict_first'," in source
-    assert '"ACC_2D": True,' in source
+    assert '"ACC_3D": True,' in source
 
 
 @pytest.mark.parametrize(
@@ -197,8 +197,8 @@ def test_render_with_knobs() -> None:
         ({"BLOCK_D": 48}, "BLOCK_D"),  # not among the choices
         ({"num_stages": 4}, "num_stages"),
         ({"EVICT_ROWS": "evict_last"}, "EVICT_ROWS"),
-        ({"BLOCK_L": 64, "BLOCK_D": 256}, "BLOCK_L * BLOCK_D"),  # tile spills registers
-        ({"BLOCK_L": 4, "BLOCK_D": 16, "num_warps": 8}, "BLOCK_L * BLOCK_D"),  # tile < warps
+        ({"BLOCK_B": 16, "BLOCK_L": 8, "BLOCK_D": 256}, "BLOCK_B * BLOCK_L * BLOCK_D"),  # spills
+        ({"BLOCK_B": 1, "BLOCK_L": 4, "BLOCK_D": 16, "num_warps": 8}, "smaller than 8 warps"),
     ],
     ids=[
         "unknown",
@@ -214,13 +214,8 @@ def test_render_rejects_invalid_knobs(knobs: dict, named: str) -> None:
         TEMPLATE.render(knobs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="KnobTemplate.validate tests choices with `in`, so 0 == False and 1.0 == 1 pass "
-    "and render as '0' / '1.0' (BAGS_PER_PROGRAM=1.0 then fails at launch)",
-)
 @pytest.mark.parametrize(
-    "knobs", [{"ACC_2D": 0}, {"BAGS_PER_PROGRAM": 1.0}], ids=["acc-2d-int", "bags-float"]
+    "knobs", [{"ACC_3D": 0}, {"BLOCK_B": 1.0}], ids=["acc-3d-int", "bags-float"]
 )
 def test_render_rejects_values_equal_to_a_choice_of_another_type(knobs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(knobs))):

@@ -1,0 +1,36 @@
+"""Incumbents: the kernels dispatch runs today, evaluated in the campaign beside the proposals.
+
+A campaign's winner is registered only if it beats them on the same device, in the same
+campaign, by more than the timing noise; otherwise the library would take a slower kernel.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from kernels import ops  # noqa: F401 - registers each op's default kernel with the dispatcher
+from kernels.registry import DISPATCHER, KernelLibrary, device_arch
+from sandbox.candidate import Candidate
+
+ORIGIN = "library"
+
+
+def campaign_arch() -> str:
+    """Architecture the local backend's workers run on (the GPU of this host, if any)."""
+    return device_arch(torch.device("cuda")) if torch.cuda.is_available() else "interpreter"
+
+
+def incumbents(problem: str, library: KernelLibrary, arch: str) -> list[Candidate]:
+    """The default kernel of `problem` and every kernel the library holds for `arch`."""
+    default = DISPATCHER.default(problem)
+    sources = [(Path(inspect.getsourcefile(default)).read_text(), default.__name__)]
+    sources += [((library.root / e.source_file).read_text(), e.entry)
+                for e in library.entries() if e.op == problem and e.arch == arch]
+    out: dict[str, Candidate] = {}
+    for source, entry in sources:
+        c = Candidate(problem=problem, source=source, entry=entry, origin=ORIGIN)
+        out.setdefault(c.id, c)
+    return list(out.values())
