@@ -67,20 +67,25 @@ class Campaigns:
     def library_for(self, config: CampaignConfig) -> KernelLibrary:
         return KernelLibrary(config.library) if config.library else DISPATCHER.library
 
-    def _run(self, campaign_id: str, config: CampaignConfig, events: Events | None,
-             fresh: bool) -> CampaignOutcome:
+    def _run(
+        self, campaign_id: str, config: CampaignConfig, events: Events | None, fresh: bool
+    ) -> CampaignOutcome:
         row = self.store.campaign(campaign_id)
         assert row is not None
         ctx = CampaignContext(
-            campaign_id=campaign_id, config=config, store=self.store,
-            backend=LocalBackend(timeout_s=config.sandbox.timeout_s,
-                                 scratch_root=self.home / "scratch"),
+            campaign_id=campaign_id,
+            config=config,
+            store=self.store,
+            backend=LocalBackend(timeout_s=config.sandbox.timeout_s, scratch_root=self.home / "scratch"),
             library=self.library_for(config),
-            proposers={p: SearchProposer(get_template(p), sampler=config.proposer.sampler,
-                                         seed=config.proposer.seed) for p in config.problems},
+            proposers={
+                p: SearchProposer(get_template(p), sampler=config.proposer.sampler, seed=config.proposer.seed)
+                for p in config.problems
+            },
             report_dir=str(config.output_dir / campaign_id),
             events=events or _QuietEvents(),
-            wall_offset_s=row.wall_s, segment_start=time.monotonic(),
+            wall_offset_s=row.wall_s,
+            segment_start=time.monotonic(),
         )
         if not _cuda_present():
             # reference.compile on a CPU costs a C++ build per shape and times nothing useful.
@@ -93,12 +98,20 @@ class Campaigns:
             snapshot = graph.get_state(run_config)
             started = bool(snapshot.values)
             if started and not snapshot.next:
-                raise CampaignError(f"campaign {campaign_id} already finished "
-                                    f"({row.stop_reason or row.status}); see `recforge campaign status {campaign_id}`")
+                raise CampaignError(
+                    f"campaign {campaign_id} already finished "
+                    f"({row.stop_reason or row.status}); see `recforge campaign status {campaign_id}`"
+                )
             initial: CampaignState | None = None
             if fresh or not started:
-                initial = {"campaign_id": campaign_id, "iteration": 0, "best": {}, "pending": [],
-                           "registered": [], "stop_reason": None}
+                initial = {
+                    "campaign_id": campaign_id,
+                    "iteration": 0,
+                    "best": {},
+                    "pending": [],
+                    "registered": [],
+                    "stop_reason": None,
+                }
             try:
                 final = graph.invoke(initial, run_config, context=ctx)
             except KeyboardInterrupt:
@@ -112,9 +125,13 @@ class Campaigns:
         self.store.set_wall(campaign_id, ctx.wall_s())
         self.store.set_status(campaign_id, "finished", final.get("stop_reason"))
         return CampaignOutcome(
-            campaign_id=campaign_id, status="finished", stop_reason=final.get("stop_reason"),
-            best=final.get("best", {}), registered=final.get("registered", []),
-            report=Path(ctx.report_dir) / "report.md", library=ctx.library.root,
+            campaign_id=campaign_id,
+            status="finished",
+            stop_reason=final.get("stop_reason"),
+            best=final.get("best", {}),
+            registered=final.get("registered", []),
+            report=Path(ctx.report_dir) / "report.md",
+            library=ctx.library.root,
         )
 
 

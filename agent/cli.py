@@ -14,8 +14,11 @@ from rich.table import Table
 
 from sandbox.result import EvalResult
 
-app = typer.Typer(help="recforge: agentic Triton kernel optimization for ads ranking models.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="recforge: agentic Triton kernel optimization for ads ranking models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 campaign_app = typer.Typer(help="Run, resume and inspect optimization campaigns.", no_args_is_help=True)
 sandbox_app = typer.Typer(help="Evaluate a candidate kernel in the sandbox.", no_args_is_help=True)
 library_app = typer.Typer(help="The library of accepted kernels.", no_args_is_help=True)
@@ -28,7 +31,9 @@ app.add_typer(bench_app, name="bench")
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
 
-HomeOption = Annotated[Path | None, typer.Option("--home", help="campaign home (default $RECFORGE_HOME or ./.recforge)")]
+HomeOption = Annotated[
+    Path | None, typer.Option("--home", help="campaign home (default $RECFORGE_HOME or ./.recforge)")
+]
 
 
 def _interpret_without_gpu() -> None:
@@ -39,6 +44,12 @@ def _interpret_without_gpu() -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -52,8 +63,9 @@ class _ProgressEvents:
 
     def evaluated(self, result: EvalResult, best_speedup: float | None) -> None:
         best = f"best {best_speedup:.2f}x" if best_speedup else "no correct candidate yet"
-        self.progress.update(self.task, advance=1,
-                             description=f"{result.problem}: {result.status.value:<15} {best}")
+        self.progress.update(
+            self.task, advance=1, description=f"{result.problem}: {result.status.value:<15} {best}"
+        )
 
     def message(self, text: str) -> None:
         self.progress.console.print(text)
@@ -77,7 +89,9 @@ def _print_outcome(outcome) -> None:
 
 
 @campaign_app.command("run")
-def campaign_run(config: Annotated[Path, typer.Argument(help="campaign TOML file")], home: HomeOption = None) -> None:
+def campaign_run(
+    config: Annotated[Path, typer.Argument(help="campaign TOML file")], home: HomeOption = None
+) -> None:
     """Start a campaign from a TOML config."""
     from agent.campaign import CampaignError, Campaigns
     from agent.config import ConfigError, load_config
@@ -94,6 +108,13 @@ def campaign_run(config: Annotated[Path, typer.Argument(help="campaign TOML file
     _print_outcome(outcome)
 
 
+def _campaign_row(campaigns, campaign_id: str):
+    row = campaigns.store.campaign(campaign_id)
+    if row is None:
+        raise fail(f"no campaign {campaign_id!r} in {campaigns.home}; `recforge campaign list` shows them")
+    return row
+
+
 @campaign_app.command("resume")
 def campaign_resume(campaign_id: str, home: HomeOption = None) -> None:
     """Continue a stopped or killed campaign from its last checkpoint."""
@@ -101,9 +122,7 @@ def campaign_resume(campaign_id: str, home: HomeOption = None) -> None:
     from agent.config import CampaignConfig
 
     campaigns = Campaigns(home)
-    row = campaigns.store.campaign(campaign_id)
-    if row is None:
-        raise fail(f"no campaign {campaign_id!r} in {campaigns.home}; `recforge campaign list` shows them")
+    row = _campaign_row(campaigns, campaign_id)
     total = CampaignConfig.model_validate_json(row.config_json).budget.max_evaluations
     done = campaigns.store.count_evaluations(campaign_id)
     try:
@@ -121,8 +140,14 @@ def campaign_list(home: HomeOption = None) -> None:
     campaigns = Campaigns(home)
     table = Table("id", "status", "evaluations", "wall s", "stop reason", "created")
     for c in campaigns.store.campaigns():
-        table.add_row(c.id, c.status, str(campaigns.store.count_evaluations(c.id)),
-                      f"{c.wall_s:.0f}", c.stop_reason or "", c.created_at)
+        table.add_row(
+            c.id,
+            c.status,
+            str(campaigns.store.count_evaluations(c.id)),
+            f"{c.wall_s:.0f}",
+            c.stop_reason or "",
+            c.created_at,
+        )
     console.print(table)
 
 
@@ -134,9 +159,7 @@ def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
     from agent.campaign import Campaigns
 
     campaigns = Campaigns(home)
-    row = campaigns.store.campaign(campaign_id)
-    if row is None:
-        raise fail(f"no campaign {campaign_id!r} in {campaigns.home}; `recforge campaign list` shows them")
+    row = _campaign_row(campaigns, campaign_id)
     rows = campaigns.store.evaluations(campaign_id)
     console.print(f"[bold]{row.id}[/]: {row.status} {row.stop_reason or ''}; wall {row.wall_s:.0f} s")
     counts = Counter(r.result.status.value for r in rows)
@@ -156,6 +179,9 @@ def sandbox_eval(
     entry: Annotated[str | None, typer.Option(help="entry function (default: the problem's)")] = None,
     timeout: Annotated[float, typer.Option(help="hard wall-clock limit in seconds")] = 300.0,
     timing: Annotated[bool, typer.Option(help="time the candidate after checking it")] = True,
+    baselines: Annotated[
+        bool, typer.Option(help="also time the reference, torch.compile of it and eager PyTorch")
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="print the EvalResult as JSON")] = False,
 ) -> None:
     """Check and time one candidate in an isolated worker process."""
@@ -173,14 +199,24 @@ def sandbox_eval(
     except (OSError, UnicodeDecodeError) as exc:
         raise fail(f"cannot read {source}: {exc}") from None
     candidate = Candidate(problem=prob.name, source=text, entry=entry or prob.entry, origin="human")
-    result = LocalBackend(timeout_s=timeout).evaluate(candidate, timing=timing)
+    names = ["reference", *prob.baselines]
+    if _cuda_present():  # compiling the reference on a CPU costs a C++ build and times nothing useful
+        names.insert(1, "reference.compile")
+    result = LocalBackend(timeout_s=timeout).evaluate(
+        candidate, timing=timing, baselines=names if baselines else []
+    )
     if as_json:
         print(result.model_dump_json(indent=2))
     else:
         console.print(f"{candidate.id}: [bold]{result.status.value}[/] {result.message}")
+        tag = " (interpreted)" if result.interpreted else ""
         for t in result.timings:
-            tag = " (interpreted)" if result.interpreted else ""
-            console.print(f"  {t.shape} {t.dtype}: {t.candidate.median_us:.1f} us{tag}, {t.achieved_gbps:.0f} GB/s")
+            vs = ", ".join(
+                f"{b.median_us / t.candidate.median_us:.2f}x vs {n}" for n, b in t.baselines.items()
+            )
+            console.print(
+                f"  {t.shape} {t.dtype}: {t.candidate.median_us:.1f} us{tag}, {t.achieved_gbps:.0f} GB/s {vs}"
+            )
     if result.status != Status.OK:
         if not as_json:
             err.print(f"[red]candidate not accepted:[/] {result.status.value}: {result.message}")
@@ -188,7 +224,9 @@ def sandbox_eval(
 
 
 @library_app.command("list")
-def library_list(library: Annotated[Path | None, typer.Option(help="library folder (default: the package's)")] = None) -> None:
+def library_list(
+    library: Annotated[Path | None, typer.Option(help="library folder (default: the package's)")] = None,
+) -> None:
     """Accepted kernels with their keys and evidence."""
     from kernels.registry import DISPATCHER, KernelLibrary
 
@@ -197,12 +235,31 @@ def library_list(library: Annotated[Path | None, typer.Option(help="library fold
         entries = lib.entries()
     except ValueError as exc:
         raise fail(str(exc)) from None
-    table = Table("kernel", "op", "arch", "dtype", "buckets", "median us", "campaign", "registered",
-                  title=f"kernel library {lib.root}")
+    table = Table(
+        "kernel",
+        "op",
+        "arch",
+        "dtype",
+        "buckets",
+        "median us",
+        "campaign",
+        "registered",
+        title=f"kernel library {lib.root}",
+    )
     for e in entries:
-        median = "n/a" if e.median_us is None else f"{e.median_us:.1f}" + (" (interp.)" if e.interpreted else "")
-        table.add_row(e.kernel_id, e.op, e.arch, e.dtype, ",".join(e.buckets), median,
-                      str(e.provenance.get("campaign", "")), e.registered_at)
+        median = (
+            "n/a" if e.median_us is None else f"{e.median_us:.1f}" + (" (interp.)" if e.interpreted else "")
+        )
+        table.add_row(
+            e.kernel_id,
+            e.op,
+            e.arch,
+            e.dtype,
+            ",".join(e.buckets),
+            median,
+            str(e.provenance.get("campaign", "")),
+            e.registered_at,
+        )
     console.print(table)
     if not entries:
         console.print("no accepted kernels yet: dispatch uses the default kernels")

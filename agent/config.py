@@ -42,7 +42,7 @@ class SandboxConfig(_Strict):
     baselines: list[str] = Field(
         default_factory=lambda: ["reference", "reference.compile", "torch.embedding_bag"],
         description="timed once per problem on the campaign's device; reference.compile is "
-                    "skipped when timings are interpreted",
+        "skipped when timings are interpreted",
     )
 
 

@@ -27,8 +27,11 @@ def incumbents(problem: str, library: KernelLibrary, arch: str) -> list[Candidat
     """The default kernel of `problem` and every kernel the library holds for `arch`."""
     default = DISPATCHER.default(problem)
     sources = [(Path(inspect.getsourcefile(default)).read_text(), default.__name__)]
-    sources += [((library.root / e.source_file).read_text(), e.entry)
-                for e in library.entries() if e.op == problem and e.arch == arch]
+    sources += [
+        ((library.root / e.source_file).read_text(), e.entry)
+        for e in library.entries()
+        if e.op == problem and e.arch == arch
+    ]
     out: dict[str, Candidate] = {}
     for source, entry in sources:
         c = Candidate(problem=problem, source=source, entry=entry, origin=ORIGIN)

@@ -7,7 +7,8 @@ from typing import Literal
 
 from langgraph.runtime import Runtime
 
-from agent.incumbents import ORIGIN as INCUMBENT, campaign_arch, incumbents
+from agent.incumbents import ORIGIN as INCUMBENT
+from agent.incumbents import campaign_arch, incumbents
 from agent.report import write_report
 from agent.state import CampaignContext, CampaignState
 from agent.store import EvaluationRow
@@ -24,7 +25,9 @@ def plan(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     if done >= budget.max_evaluations:
         return {"stop_reason": f"evaluation budget reached ({done} of {budget.max_evaluations})"}
     if ctx.wall_s() >= budget.max_wall_s:
-        return {"stop_reason": f"wall-time budget reached ({ctx.wall_s():.0f} s of {budget.max_wall_s:.0f} s)"}
+        return {
+            "stop_reason": f"wall-time budget reached ({ctx.wall_s():.0f} s of {budget.max_wall_s:.0f} s)"
+        }
     # Every problem gets its turn: the one with the fewest evaluations goes next.
     problem = min(ctx.config.problems, key=lambda p: ctx.store.count_evaluations(ctx.campaign_id, p))
     return {"problem": problem, "iteration": state.get("iteration", 0) + 1, "stop_reason": None}
@@ -46,8 +49,9 @@ def propose(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     # The first batch measures what dispatch runs today: the bar every proposal must clear.
     seeds = [] if rows else [c for c in incumbents(problem, ctx.library, campaign_arch()) if c.id not in seen]
     seeds = seeds[:n]
-    candidates = seeds + ctx.proposers[problem].propose(n - len(seeds), history, seen | {c.id for c in seeds},
-                                                        parent_id=best_id)
+    candidates = seeds + ctx.proposers[problem].propose(
+        n - len(seeds), history, seen | {c.id for c in seeds}, parent_id=best_id
+    )
     for c in candidates:
         ctx.store.add_candidate(ctx.campaign_id, c)
     if not candidates:
@@ -173,8 +177,9 @@ def _winners(ctx: CampaignContext, problem: str, rows: list[EvaluationRow]) -> d
             margin = max(MIN_IMPROVEMENT, _noise(best.result), _noise(inc.result))
             if not best_s < inc_s * (1 - margin):
                 ctx.events.message(
-                    f"{problem} {dtype}: best proposal {best.candidate.id} ({best_s:.1f} us) does not "
-                    f"beat what dispatch runs today ({inc_s:.1f} us) by {100 * margin:.0f}%; library unchanged")
+                    f"{problem} {dtype}: best proposal {best.candidate.id} ({best_s:.1f} us) does not beat "
+                    f"what dispatch runs today ({inc_s:.1f} us) by {100 * margin:.0f}%; library unchanged"
+                )
                 continue
         winners.setdefault(best.candidate.id, []).append(dtype)
     return winners
@@ -188,24 +193,38 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
         candidate, evidence = row.candidate, row.result
         recheck = ctx.backend.evaluate(candidate, timing=False, trials=ctx.config.sandbox.trials)
         if recheck.status != Status.OK:
-            ctx.events.message(f"{problem}: candidate {candidate.id} failed re-verification "
-                               f"({recheck.status.value}: {recheck.message}); not registered")
+            ctx.events.message(
+                f"{problem}: candidate {candidate.id} failed re-verification "
+                f"({recheck.status.value}: {recheck.message}); not registered"
+            )
             continue
         assert evidence.device is not None
         for dtype in dtypes:
             timings = [t for t in evidence.timings if t.dtype == dtype]
             entry = ctx.library.add(
-                op=problem, entry=candidate.entry, source=candidate.source, arch=evidence.device.arch,
+                op=problem,
+                entry=candidate.entry,
+                source=candidate.source,
+                arch=evidence.device.arch,
                 dtype=dtype,
                 # Proven correct on the check shapes of every bucket; on a GPU it serves the
                 # buckets its timing evidence covers, on the interpreter all of them.
-                buckets=_all_buckets(problem) if evidence.interpreted else sorted({t.bucket for t in timings}),
-                median_us=_geomean_us(row, dtype), interpreted=evidence.interpreted,
-                evidence={"evaluation": evidence.model_dump(mode="json"),
-                          "reverification": recheck.model_dump(mode="json", include={"status", "checks", "device"})},
-                provenance={"campaign": ctx.campaign_id, "proposer": candidate.origin,
-                            "candidate": candidate.id, "parent": candidate.parent_id,
-                            "knobs": candidate.knobs},
+                buckets=_all_buckets(problem)
+                if evidence.interpreted
+                else sorted({t.bucket for t in timings}),
+                median_us=_geomean_us(row, dtype),
+                interpreted=evidence.interpreted,
+                evidence={
+                    "evaluation": evidence.model_dump(mode="json"),
+                    "reverification": recheck.model_dump(mode="json", include={"status", "checks", "device"}),
+                },
+                provenance={
+                    "campaign": ctx.campaign_id,
+                    "proposer": candidate.origin,
+                    "candidate": candidate.id,
+                    "parent": candidate.parent_id,
+                    "knobs": candidate.knobs,
+                },
             )
             ctx.events.message(f"{problem} {dtype}: registered {entry.kernel_id} in {ctx.library.root}")
         ctx.store.add_accepted(ctx.campaign_id, problem, candidate.id, entry.kernel_id, str(ctx.library.root))

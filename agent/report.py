@@ -12,8 +12,11 @@ import jinja2
 if TYPE_CHECKING:
     from agent.state import CampaignContext
 
-_ENV = jinja2.Environment(loader=jinja2.PackageLoader("agent", "templates"),
-                          undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("agent", "templates"),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+)
 
 
 def write_report(ctx: CampaignContext, best: dict[str, str], stop_reason: str | None) -> Path:
@@ -30,20 +33,27 @@ def write_report(ctx: CampaignContext, best: dict[str, str], stop_reason: str | 
                 d = r.result.device
                 device = f"{d.name} ({d.arch}), torch {d.torch}, triton {d.triton}, Python {d.python}"
                 interpreted = interpreted or d.interpreted
-        per_problem.append({
-            "name": problem,
-            "rows": rows,
-            "status_counts": dict(Counter(r.result.status.value for r in rows)),
-            "best": best_row,
-            "best_knobs": json.dumps(best_row.candidate.knobs) if best_row else "",
-            "baselines": baselines,
-            "baseline_names": sorted({n for per_shape in baselines.values() for n in per_shape}),
-            "speedups": best_row.result.speedups(baselines) if best_row else {},
-        })
+        per_problem.append(
+            {
+                "name": problem,
+                "rows": rows,
+                "status_counts": dict(Counter(r.result.status.value for r in rows)),
+                "best": best_row,
+                "best_knobs": json.dumps(best_row.candidate.knobs) if best_row else "",
+                "baselines": baselines,
+                "baseline_names": sorted({n for per_shape in baselines.values() for n in per_shape}),
+                "speedups": best_row.result.speedups(baselines) if best_row else {},
+            }
+        )
     text = _ENV.get_template("report.md.j2").render(
-        campaign=campaign, problems=ctx.config.problems, stop_reason=stop_reason,
-        total_evaluations=store.count_evaluations(cid), device=device, interpreted=interpreted,
-        per_problem=per_problem, accepted=store.accepted(cid),
+        campaign=campaign,
+        problems=ctx.config.problems,
+        stop_reason=stop_reason,
+        total_evaluations=store.count_evaluations(cid),
+        device=device,
+        interpreted=interpreted,
+        per_problem=per_problem,
+        accepted=store.accepted(cid),
     )
     out = Path(ctx.report_dir) / "report.md"
     out.parent.mkdir(parents=True, exist_ok=True)

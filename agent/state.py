@@ -31,8 +31,15 @@ class CampaignState(TypedDict, total=False):
 class Backend(Protocol):
     name: str
 
-    def evaluate(self, candidate: Candidate, *, check: bool = True, timing: bool = True,
-                 baselines: list[str] | None = None, trials: int = 2) -> EvalResult: ...
+    def evaluate(
+        self,
+        candidate: Candidate,
+        *,
+        check: bool = True,
+        timing: bool = True,
+        baselines: list[str] | None = None,
+        trials: int = 2,
+    ) -> EvalResult: ...
 
 
 class Events(Protocol):

@@ -86,8 +86,10 @@ class Store:
     # campaigns
     def create_campaign(self, campaign_id: str, name: str, config_json: str) -> None:
         now = _now()
-        self._db.execute("INSERT INTO campaigns VALUES (?, ?, ?, 'running', NULL, 0, ?, ?)",
-                         (campaign_id, name, config_json, now, now))
+        self._db.execute(
+            "INSERT INTO campaigns VALUES (?, ?, ?, 'running', NULL, 0, ?, ?)",
+            (campaign_id, name, config_json, now, now),
+        )
 
     def campaign(self, campaign_id: str) -> CampaignRow | None:
         row = self._db.execute("SELECT * FROM campaigns WHERE id = ?", (campaign_id,)).fetchone()
@@ -98,41 +100,75 @@ class Store:
         return [CampaignRow(*r) for r in rows]
 
     def set_status(self, campaign_id: str, status: str, stop_reason: str | None = None) -> None:
-        self._db.execute("UPDATE campaigns SET status = ?, stop_reason = ?, updated_at = ? WHERE id = ?",
-                         (status, stop_reason, _now(), campaign_id))
+        self._db.execute(
+            "UPDATE campaigns SET status = ?, stop_reason = ?, updated_at = ? WHERE id = ?",
+            (status, stop_reason, _now(), campaign_id),
+        )
 
     def set_wall(self, campaign_id: str, wall_s: float) -> None:
-        self._db.execute("UPDATE campaigns SET wall_s = ?, updated_at = ? WHERE id = ?",
-                         (wall_s, _now(), campaign_id))
+        self._db.execute(
+            "UPDATE campaigns SET wall_s = ?, updated_at = ? WHERE id = ?", (wall_s, _now(), campaign_id)
+        )
 
     # candidates and evaluations
     def add_candidate(self, campaign_id: str, c: Candidate) -> None:
         self._db.execute(
             "INSERT OR IGNORE INTO candidates VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (campaign_id, c.id, c.problem, c.origin, c.parent_id, c.entry,
-             json.dumps(c.knobs, sort_keys=True), c.source, _now()))
+            (
+                campaign_id,
+                c.id,
+                c.problem,
+                c.origin,
+                c.parent_id,
+                c.entry,
+                json.dumps(c.knobs, sort_keys=True),
+                c.source,
+                _now(),
+            ),
+        )
 
     def candidate(self, campaign_id: str, candidate_id: str) -> Candidate:
         row = self._db.execute(
             "SELECT problem, origin, parent_id, entry, knobs_json, source FROM candidates "
-            "WHERE campaign_id = ? AND id = ?", (campaign_id, candidate_id)).fetchone()
+            "WHERE campaign_id = ? AND id = ?",
+            (campaign_id, candidate_id),
+        ).fetchone()
         if row is None:
             raise KeyError(f"no candidate {candidate_id} in campaign {campaign_id}")
         problem, origin, parent_id, entry, knobs_json, source = row
-        return Candidate(problem=problem, origin=origin, parent_id=parent_id, entry=entry,
-                         knobs=json.loads(knobs_json), source=source)
+        return Candidate(
+            problem=problem,
+            origin=origin,
+            parent_id=parent_id,
+            entry=entry,
+            knobs=json.loads(knobs_json),
+            source=source,
+        )
 
     def add_evaluation(self, campaign_id: str, result: EvalResult) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO evaluations (campaign_id, candidate_id, problem, status, "
             "score_us, interpreted, result_json, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (campaign_id, result.candidate_id, result.problem, result.status.value,
-             result.geomean_us() if result.status == Status.OK else None,
-             int(result.interpreted), result.model_dump_json(), _now()))
+            (
+                campaign_id,
+                result.candidate_id,
+                result.problem,
+                result.status.value,
+                result.geomean_us() if result.status == Status.OK else None,
+                int(result.interpreted),
+                result.model_dump_json(),
+                _now(),
+            ),
+        )
 
     def is_evaluated(self, campaign_id: str, candidate_id: str) -> bool:
-        return self._db.execute("SELECT 1 FROM evaluations WHERE campaign_id = ? AND candidate_id = ?",
-                                (campaign_id, candidate_id)).fetchone() is not None
+        return (
+            self._db.execute(
+                "SELECT 1 FROM evaluations WHERE campaign_id = ? AND candidate_id = ?",
+                (campaign_id, candidate_id),
+            ).fetchone()
+            is not None
+        )
 
     def count_evaluations(self, campaign_id: str, problem: str | None = None) -> int:
         sql, args = "SELECT COUNT(*) FROM evaluations WHERE campaign_id = ?", [campaign_id]
@@ -141,35 +177,46 @@ class Store:
         return self._db.execute(sql, args).fetchone()[0]
 
     def evaluations(self, campaign_id: str, problem: str | None = None) -> list[EvaluationRow]:
-        sql = ("SELECT e.seq, e.candidate_id, e.result_json FROM evaluations e WHERE e.campaign_id = ?")
+        sql = "SELECT e.seq, e.candidate_id, e.result_json FROM evaluations e WHERE e.campaign_id = ?"
         args: list = [campaign_id]
         if problem is not None:
             sql, args = sql + " AND e.problem = ?", [*args, problem]
         rows = self._db.execute(sql + " ORDER BY e.seq", args).fetchall()
-        return [EvaluationRow(seq, self.candidate(campaign_id, cid), EvalResult.model_validate_json(rj))
-                for seq, cid, rj in rows]
+        return [
+            EvaluationRow(seq, self.candidate(campaign_id, cid), EvalResult.model_validate_json(rj))
+            for seq, cid, rj in rows
+        ]
 
     # baselines and acceptance
     def add_baselines(self, campaign_id: str, problem: str, result: EvalResult) -> None:
         for t in result.timings:
             for name, stats in t.baselines.items():
-                self._db.execute("INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?)",
-                                 (campaign_id, problem, f"{t.shape}/{t.dtype}", name,
-                                  stats.model_dump_json()))
+                self._db.execute(
+                    "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?)",
+                    (campaign_id, problem, f"{t.shape}/{t.dtype}", name, stats.model_dump_json()),
+                )
 
     def baselines(self, campaign_id: str, problem: str) -> dict[str, dict[str, TimingStats]]:
         out: dict[str, dict[str, TimingStats]] = {}
-        rows = self._db.execute("SELECT shape_key, name, stats_json FROM baselines "
-                                "WHERE campaign_id = ? AND problem = ?", (campaign_id, problem))
+        rows = self._db.execute(
+            "SELECT shape_key, name, stats_json FROM baselines WHERE campaign_id = ? AND problem = ?",
+            (campaign_id, problem),
+        )
         for shape_key, name, stats_json in rows:
             out.setdefault(shape_key, {})[name] = TimingStats.model_validate_json(stats_json)
         return out
 
-    def add_accepted(self, campaign_id: str, problem: str, candidate_id: str, kernel_id: str,
-                     library: str) -> None:
-        self._db.execute("INSERT OR REPLACE INTO accepted VALUES (?, ?, ?, ?, ?, ?)",
-                         (campaign_id, problem, candidate_id, kernel_id, library, _now()))
+    def add_accepted(
+        self, campaign_id: str, problem: str, candidate_id: str, kernel_id: str, library: str
+    ) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO accepted VALUES (?, ?, ?, ?, ?, ?)",
+            (campaign_id, problem, candidate_id, kernel_id, library, _now()),
+        )
 
     def accepted(self, campaign_id: str) -> list[tuple[str, str, str, str]]:
-        return self._db.execute("SELECT problem, candidate_id, kernel_id, library FROM accepted "
-                                "WHERE campaign_id = ? ORDER BY created_at", (campaign_id,)).fetchall()
+        return self._db.execute(
+            "SELECT problem, candidate_id, kernel_id, library FROM accepted "
+            "WHERE campaign_id = ? ORDER BY created_at",
+            (campaign_id,),
+        ).fetchall()

@@ -19,6 +19,7 @@ import torch
 import triton
 from rich.console import Console
 from rich.table import Table
+from torch import Tensor
 
 from kernels.registry import DISPATCHER, KernelLibrary, device_arch
 from sandbox.protocol import compare, fresh_seed
@@ -34,17 +35,22 @@ def measure_copy_bandwidth(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     src = torch.empty(COPY_BYTES // 2, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    stats = benchmark(lambda: dst.copy_(src), [((), {})], device=device, max_reps=50)
-    del src, dst
-    torch.cuda.empty_cache()
+    stats = benchmark(Tensor.copy_, [((torch.empty_like(src), src), {})], device=device, max_reps=50)
     return COPY_BYTES / (stats.median_us * 1e-6)
 
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=5,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
 
@@ -63,8 +69,9 @@ def _providers(problem: Problem, library: KernelLibrary, device: torch.device, s
     return providers
 
 
-def run_op_benchmark(op: str, *, library: str | Path | None = None,
-                     console: Console | None = None) -> list[dict]:
+def run_op_benchmark(
+    op: str, *, library: str | Path | None = None, console: Console | None = None
+) -> list[dict]:
     problem = get_problem(op)
     console = console or Console()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,12 +85,26 @@ def run_op_benchmark(op: str, *, library: str | Path | None = None,
     title = f"{op} on {gpu}; {versions}; commit {commit}"
     if copy_bw:
         title += f"; measured copy bandwidth {copy_bw / 1e12:.2f} TB/s"
-    table = Table("shape", "dtype", "provider", "median us", "p20-p80 us", "GB/s", "of copy BW",
-                  "vs torch", "check", title=title)
+    table = Table(
+        "shape",
+        "dtype",
+        "provider",
+        "median us",
+        "p20-p80 us",
+        "GB/s",
+        "of copy BW",
+        "vs torch",
+        "check",
+        title=title,
+    )
     rows = []
     for shape in shapes:
-        arg_sets = [(i.args, i.kwargs) for i in
-                    (problem.make_inputs(shape, fresh_seed(), device) for _ in range(1 if interpreted else 3))]
+        arg_sets = [
+            (i.args, i.kwargs)
+            for i in (
+                problem.make_inputs(shape, fresh_seed(), device) for _ in range(1 if interpreted else 3)
+            )
+        ]
         args, kwargs = arg_sets[0]
         ref = problem.reference(*args, **kwargs)
         nbytes = problem.bytes(shape)
@@ -96,15 +117,36 @@ def run_op_benchmark(op: str, *, library: str | Path | None = None,
             gbps = nbytes / (stats.median_us * 1e-6) / 1e9
             frac = gbps * 1e9 / copy_bw if copy_bw else None
             speedup = torch_us / stats.median_us if torch_us else None
-            table.add_row(shape.name, shape.dtype, name, f"{stats.median_us:.1f}",
-                          f"{stats.p20_us:.1f}-{stats.p80_us:.1f}", f"{gbps:.0f}",
-                          f"{100 * frac:.0f}%" if frac else "n/a",
-                          f"{speedup:.2f}x" if speedup else "n/a", "ok" if ok else f"WRONG {msg[:40]}")
-            rows.append({"op": op, "provider": name, "shape": shape.name, "dtype": shape.dtype,
-                         "p50_us": stats.median_us, "p20_us": stats.p20_us, "p80_us": stats.p80_us,
-                         "gbps": gbps, "copy_fraction": frac, "speedup_vs_torch": speedup,
-                         "correct": ok, "gpu": gpu, "versions": versions, "commit": commit,
-                         "interpreted": interpreted})
+            table.add_row(
+                shape.name,
+                shape.dtype,
+                name,
+                f"{stats.median_us:.1f}",
+                f"{stats.p20_us:.1f}-{stats.p80_us:.1f}",
+                f"{gbps:.0f}",
+                f"{100 * frac:.0f}%" if frac else "n/a",
+                f"{speedup:.2f}x" if speedup else "n/a",
+                "ok" if ok else f"WRONG {msg[:40]}",
+            )
+            rows.append(
+                {
+                    "op": op,
+                    "provider": name,
+                    "shape": shape.name,
+                    "dtype": shape.dtype,
+                    "p50_us": stats.median_us,
+                    "p20_us": stats.p20_us,
+                    "p80_us": stats.p80_us,
+                    "gbps": gbps,
+                    "copy_fraction": frac,
+                    "speedup_vs_torch": speedup,
+                    "correct": ok,
+                    "gpu": gpu,
+                    "versions": versions,
+                    "commit": commit,
+                    "interpreted": interpreted,
+                }
+            )
         del arg_sets, args, kwargs, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -47,8 +47,10 @@ def main() -> None:
     for item in args.fix:
         k, v = item.split("=", 1)
         fixed[k] = eval(v)  # noqa: S307 - a developer's own command line
-    space = [dict(zip([k.name for k in template.knobs], values, strict=True))
-             for values in itertools.product(*[k.choices for k in template.knobs])]
+    space = [
+        dict(zip([k.name for k in template.knobs], values, strict=True))
+        for values in itertools.product(*[k.choices for k in template.knobs])
+    ]
     space = [s for s in space if all(s[k] == v for k, v in fixed.items())]
     valid = []
     for knobs in space:
@@ -60,7 +62,9 @@ def main() -> None:
     random.Random(args.seed).shuffle(valid)
     points = [template.defaults() | fixed] + valid[: args.samples]
     shapes = [s for s in problem.timing_shapes if args.dtype in (None, s.dtype)]
-    inputs = {s.name + s.dtype: [problem.make_inputs(s, fresh_seed(), device) for _ in range(2)] for s in shapes}
+    inputs = {
+        s.name + s.dtype: [problem.make_inputs(s, fresh_seed(), device) for _ in range(2)] for s in shapes
+    }
     refs = {k: problem.reference(*v[0].args, **v[0].kwargs) for k, v in inputs.items()}
     results = []
     for i, knobs in enumerate(points):
@@ -69,7 +73,9 @@ def main() -> None:
         row = []
         for s in shapes:
             key = s.name + s.dtype
-            ok, det = compare(fn(*inputs[key][0].args, **inputs[key][0].kwargs), refs[key], problem.tolerance(s.dtype))
+            ok, det = compare(
+                fn(*inputs[key][0].args, **inputs[key][0].kwargs), refs[key], problem.tolerance(s.dtype)
+            )
             if not ok:
                 row.append(float("nan"))
                 continue
@@ -78,11 +84,13 @@ def main() -> None:
         results.append((knobs, row))
         print(f"{i:3d} " + " ".join(f"{g:7.0f}" for g in row) + f"  {knobs}", flush=True)
     print("\nbest by geometric mean GB/s over " + ", ".join(s.name + "/" + s.dtype for s in shapes))
+
     def gm(r):
         prod = 1.0
         for g in r:
             prod *= g if g == g else 1e-9
         return prod ** (1 / len(r))
+
     for knobs, row in sorted(results, key=lambda kr: -gm(kr[1]))[:10]:
         print(f"{gm(row):7.0f} " + " ".join(f"{g:7.0f}" for g in row) + f"  {knobs}")
 

@@ -5,8 +5,9 @@ Backward: grad_weight[indices[i], :] += psw[i] * grad_out[b, :] (/ len(b) for me
           grad_psw[i] = <grad_out[b, :], weight[indices[i], :]>
 
 The forward advances a few bags together and gathers a [BLOCK_B, BLOCK_L, BLOCK_D] tile of
-rows per step (many independent loads in flight hide HBM latency on random rows), in fp32. The backward scatters
-with fp32 atomics into a dense fp32 gradient: ids repeat within and across bags.
+rows per step (many independent loads in flight hide HBM latency on random rows), in fp32.
+The backward scatters with fp32 atomics into a dense fp32 gradient: ids repeat within and
+across bags.
 """
 
 from __future__ import annotations
@@ -18,11 +19,21 @@ import triton.language as tl
 
 @triton.jit
 def _embedding_bag_fwd_kernel(
-    weight_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr,
-    stride_weight_row, stride_out_row,
-    num_bags, dim,
-    HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, ACC_3D: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    weight_ptr,
+    indices_ptr,
+    offsets_ptr,
+    psw_ptr,
+    out_ptr,
+    stride_weight_row,
+    stride_out_row,
+    num_bags,
+    dim,
+    HAS_PSW: tl.constexpr,
+    MODE_MEAN: tl.constexpr,
+    ACC_3D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # BLOCK_B bags advance together, BLOCK_L positions each per step: one step issues
     # BLOCK_B * BLOCK_L independent row gathers, which is what hides HBM latency on random
@@ -40,8 +51,11 @@ def _embedding_bag_fwd_kernel(
         pos_BL = start_B[:, None] + j_L[None, :]
         mask_BL = j_L[None, :] < len_B[:, None]
         rows_BL = tl.load(indices_ptr + pos_BL, mask=mask_BL, other=0).to(tl.int64)
-        vals_BLD = tl.load(weight_ptr + rows_BL[:, :, None] * stride_weight_row + cols_D[None, None, :],
-                           mask=mask_BL[:, :, None] & col_mask_D[None, None, :], other=0.0)
+        vals_BLD = tl.load(
+            weight_ptr + rows_BL[:, :, None] * stride_weight_row + cols_D[None, None, :],
+            mask=mask_BL[:, :, None] & col_mask_D[None, None, :],
+            other=0.0,
+        )
         vals_BLD = vals_BLD.to(tl.float32)
         if HAS_PSW:
             vals_BLD *= tl.load(psw_ptr + pos_BL, mask=mask_BL, other=0.0).to(tl.float32)[:, :, None]
@@ -53,17 +67,27 @@ def _embedding_bag_fwd_kernel(
         acc_BD = tl.sum(acc_BLD, axis=1)
     if MODE_MEAN:
         acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
-    tl.store(out_ptr + bags_B[:, None] * stride_out_row + cols_D[None, :],
-             acc_BD.to(out_ptr.dtype.element_ty), mask=bag_mask_B[:, None] & col_mask_D[None, :])
+    tl.store(
+        out_ptr + bags_B[:, None] * stride_out_row + cols_D[None, :],
+        acc_BD.to(out_ptr.dtype.element_ty),
+        mask=bag_mask_B[:, None] & col_mask_D[None, :],
+    )
 
 
 @triton.jit
 def _embedding_bag_bwd_kernel(
-    grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_weight_ptr,
-    stride_grad_out_row, stride_grad_weight_row,
+    grad_out_ptr,
+    indices_ptr,
+    offsets_ptr,
+    psw_ptr,
+    grad_weight_ptr,
+    stride_grad_out_row,
+    stride_grad_weight_row,
     dim,
-    HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    MODE_MEAN: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     bag = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -81,8 +105,12 @@ def _embedding_bag_bwd_kernel(
         upd_LD = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32) + grad_D[None, :]
         if HAS_PSW:
             upd_LD *= tl.load(psw_ptr + pos, mask=pos_mask, other=0.0).to(tl.float32)[:, None]
-        tl.atomic_add(grad_weight_ptr + rows[:, None] * stride_grad_weight_row + cols[None, :],
-                      upd_LD, mask=pos_mask[:, None] & col_mask[None, :], sem="relaxed")
+        tl.atomic_add(
+            grad_weight_ptr + rows[:, None] * stride_grad_weight_row + cols[None, :],
+            upd_LD,
+            mask=pos_mask[:, None] & col_mask[None, :],
+            sem="relaxed",
+        )
 
 
 def _block_d(dim: int) -> int:
@@ -100,8 +128,13 @@ def _forward_config(dim: int, element_size: int) -> dict:
     return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
 
 
-def _check(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-           mode: str, per_sample_weights: torch.Tensor | None) -> None:
+def _check(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    per_sample_weights: torch.Tensor | None,
+) -> None:
     if weight.dim() != 2:
         raise ValueError(f"weight must be [num_rows, D], got shape {tuple(weight.shape)}")
     if weight.stride(1) != 1:
@@ -116,8 +149,10 @@ def _check(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
         if mode != "sum":
             raise ValueError("per_sample_weights is only supported with mode='sum'")
         if per_sample_weights.shape != indices.shape:
-            raise ValueError(f"per_sample_weights must match indices' shape {tuple(indices.shape)}, "
-                             f"got {tuple(per_sample_weights.shape)}")
+            raise ValueError(
+                f"per_sample_weights must match indices' shape {tuple(indices.shape)}, "
+                f"got {tuple(per_sample_weights.shape)}"
+            )
 
 
 def embedding_bag_forward(
@@ -138,11 +173,19 @@ def embedding_bag_forward(
     has_psw = per_sample_weights is not None
     grid = (triton.cdiv(num_bags, cfg["BLOCK_B"]), triton.cdiv(dim, cfg["BLOCK_D"]))
     _embedding_bag_fwd_kernel[grid](
-        weight, indices, offsets, per_sample_weights if has_psw else weight, out,
-        weight.stride(0), out.stride(0),
-        num_bags, dim,
-        HAS_PSW=has_psw, MODE_MEAN=mode == "mean",
-        num_stages=1, **cfg,
+        weight,
+        indices,
+        offsets,
+        per_sample_weights if has_psw else weight,
+        out,
+        weight.stride(0),
+        out.stride(0),
+        num_bags,
+        dim,
+        HAS_PSW=has_psw,
+        MODE_MEAN=mode == "mean",
+        num_stages=1,
+        **cfg,
     )
     return out
 
@@ -164,11 +207,18 @@ def embedding_bag_backward(
         block_d = _block_d(dim)
         has_psw = per_sample_weights is not None
         _embedding_bag_bwd_kernel[(num_bags, triton.cdiv(dim, block_d))](
-            grad_out, indices, offsets, per_sample_weights if has_psw else grad_out, grad_weight,
-            grad_out.stride(0), grad_weight.stride(0),
+            grad_out,
+            indices,
+            offsets,
+            per_sample_weights if has_psw else grad_out,
+            grad_weight,
+            grad_out.stride(0),
+            grad_weight.stride(0),
             dim,
-            HAS_PSW=has_psw, MODE_MEAN=mode == "mean",
-            BLOCK_L=16, BLOCK_D=block_d,
+            HAS_PSW=has_psw,
+            MODE_MEAN=mode == "mean",
+            BLOCK_L=16,
+            BLOCK_D=block_d,
             num_warps=4,
         )
     return grad_weight.to(grad_out.dtype)

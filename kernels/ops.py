@@ -14,16 +14,23 @@ from search_space.problem import DTYPES
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
-DISPATCHER.register_op("embedding_bag", default=_eb.embedding_bag_forward,
-                       reference=embedding_bag_reference)
+DISPATCHER.register_op("embedding_bag", default=_eb.embedding_bag_forward, reference=embedding_bag_reference)
 
 
 @torch.library.custom_op("recforge::embedding_bag", mutates_args=())
-def _embedding_bag_op(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
-                      mode: str, per_sample_weights: torch.Tensor | None) -> torch.Tensor:
-    impl = DISPATCHER.resolve("embedding_bag", device=weight.device,
-                              dtype=_DTYPE_NAMES.get(weight.dtype, str(weight.dtype)),
-                              bucket=dim_bucket(weight.shape[1]))
+def _embedding_bag_op(
+    weight: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    per_sample_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    impl = DISPATCHER.resolve(
+        "embedding_bag",
+        device=weight.device,
+        dtype=_DTYPE_NAMES.get(weight.dtype, str(weight.dtype)),
+        bucket=dim_bucket(weight.shape[1]),
+    )
     return impl.fn(weight, indices, offsets, mode=mode, per_sample_weights=per_sample_weights)
 
 
@@ -33,12 +40,18 @@ def _(weight, indices, offsets, mode, per_sample_weights):
 
 
 @torch.library.custom_op("recforge::embedding_bag_backward", mutates_args=())
-def _embedding_bag_backward_op(grad_out: torch.Tensor, indices: torch.Tensor,
-                               offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
-                               num_rows: int, mode: str) -> torch.Tensor:
+def _embedding_bag_backward_op(
+    grad_out: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    num_rows: int,
+    mode: str,
+) -> torch.Tensor:
     if triton_usable(grad_out.device):
-        return _eb.embedding_bag_backward(grad_out, indices, offsets, num_rows, mode=mode,
-                                          per_sample_weights=per_sample_weights)
+        return _eb.embedding_bag_backward(
+            grad_out, indices, offsets, num_rows, mode=mode, per_sample_weights=per_sample_weights
+        )
     # No Triton here (CPU without the interpreter): the same math in PyTorch.
     lengths = offsets[1:] - offsets[:-1]
     bag_of_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad_out.device), lengths)
@@ -67,7 +80,8 @@ def _backward(ctx, grad_out):
     grad_weight = grad_psw = None
     if ctx.needs_input_grad[0]:
         grad_weight = torch.ops.recforge.embedding_bag_backward(
-            grad_out, indices, offsets, per_sample_weights, weight.shape[0], ctx.mode)
+            grad_out, indices, offsets, per_sample_weights, weight.shape[0], ctx.mode
+        )
     if ctx.needs_input_grad[4]:
         lengths = offsets[1:] - offsets[:-1]
         bag_of_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=weight.device), lengths)

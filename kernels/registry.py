@@ -86,29 +86,56 @@ class KernelLibrary:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"library manifest {self.manifest_path} is unreadable: {exc}") from exc
 
-    def add(self, *, op: str, entry: str, source: str, arch: str, dtype: str, buckets: list[str],
-            median_us: float | None, interpreted: bool, evidence: dict, provenance: dict) -> LibraryEntry:
+    def add(
+        self,
+        *,
+        op: str,
+        entry: str,
+        source: str,
+        arch: str,
+        dtype: str,
+        buckets: list[str],
+        median_us: float | None,
+        interpreted: bool,
+        evidence: dict,
+        provenance: dict,
+    ) -> LibraryEntry:
         source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
         kernel_id = f"{op}_{source_hash}"
         new = LibraryEntry(
-            kernel_id=kernel_id, op=op, entry=entry, source_file=f"{kernel_id}.py",
-            source_hash=source_hash, arch=arch, dtype=dtype, buckets=sorted(buckets),
-            median_us=median_us, interpreted=interpreted, evidence=evidence, provenance=provenance,
+            kernel_id=kernel_id,
+            op=op,
+            entry=entry,
+            source_file=f"{kernel_id}.py",
+            source_hash=source_hash,
+            arch=arch,
+            dtype=dtype,
+            buckets=sorted(buckets),
+            median_us=median_us,
+            interpreted=interpreted,
+            evidence=evidence,
+            provenance=provenance,
             registered_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         )
         with self._lock:
             self.root.mkdir(parents=True, exist_ok=True)
             _atomic_write(self.root / new.source_file, source)
             # Re-registering the same source for the same key replaces the old evidence.
-            kept = [e for e in self.entries()
-                    if not (e.kernel_id == kernel_id and e.arch == arch and e.dtype == dtype)]
+            kept = [
+                e
+                for e in self.entries()
+                if not (e.kernel_id == kernel_id and e.arch == arch and e.dtype == dtype)
+            ]
             manifest = {"version": 1, "kernels": [asdict(e) for e in kept + [new]]}
             _atomic_write(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
         return new
 
     def best(self, op: str, arch: str, dtype: str, bucket: str) -> LibraryEntry | None:
-        matches = [e for e in self.entries()
-                   if e.op == op and e.arch == arch and e.dtype == dtype and bucket in e.buckets]
+        matches = [
+            e
+            for e in self.entries()
+            if e.op == op and e.arch == arch and e.dtype == dtype and bucket in e.buckets
+        ]
         if not matches:
             return None
         # Fastest first; entries without a timing (never on a GPU) rank after timed ones.

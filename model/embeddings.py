@@ -39,9 +39,7 @@ class SparseFeatureConfig:
                 f"{self.num_rows}, {self.dim}, {self.max_bag_length}"
             )
         if self.pooling not in ("sum", "mean"):
-            raise ValueError(
-                f"feature {self.name!r}: pooling must be 'sum' or 'mean', got {self.pooling!r}"
-            )
+            raise ValueError(f"feature {self.name!r}: pooling must be 'sum' or 'mean', got {self.pooling!r}")
         if self.weighted and self.pooling != "sum":
             raise ValueError(f"feature {self.name!r}: weighted ids need pooling='sum'")
 

@@ -81,9 +81,7 @@ def train_step(model: Recommender, batch: Batch, optimizer: torch.optim.Optimize
     return loss.item()
 
 
-_COMPILED: weakref.WeakKeyDictionary[Recommender, Callable[..., torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
+_COMPILED: weakref.WeakKeyDictionary[Recommender, Callable[..., torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def serve(model: Recommender, batch: Batch, *, compile: bool = False) -> torch.Tensor:

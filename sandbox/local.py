@@ -8,6 +8,7 @@ namespace (`unshare --net`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import resource
@@ -26,8 +27,16 @@ from sandbox.screen import screen
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Variables a worker may inherit; everything else (tokens, keys, proxies) stays behind.
-PASSED_ENV = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH",
-              "TRITON_INTERPRET", "CUDA_HOME", "TRITON_PTXAS_PATH")
+PASSED_ENV = (
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "CUDA_VISIBLE_DEVICES",
+    "LD_LIBRARY_PATH",
+    "TRITON_INTERPRET",
+    "CUDA_HOME",
+    "TRITON_PTXAS_PATH",
+)
 
 
 @functools.cache
@@ -56,8 +65,13 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, *, timeout_s: float = 300.0, scratch_root: str | os.PathLike | None = None,
-                 keep_scratch: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 300.0,
+        scratch_root: str | os.PathLike | None = None,
+        keep_scratch: bool = False,
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -68,28 +82,53 @@ class LocalBackend:
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
         # The worker must import this checkout's packages (and, on GPU hosts, wheels on PYTHONPATH).
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        env.update(HOME=str(scratch), TMPDIR=str(scratch), TRITON_CACHE_DIR=str(scratch / "triton"),
-                   TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"), PYTHONDONTWRITEBYTECODE="1",
-                   PYTHONUNBUFFERED="1")
+        env.update(
+            HOME=str(scratch),
+            TMPDIR=str(scratch),
+            TRITON_CACHE_DIR=str(scratch / "triton"),
+            TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
+            PYTHONDONTWRITEBYTECODE="1",
+            PYTHONUNBUFFERED="1",
+        )
         if not _cuda_present():
             env["TRITON_INTERPRET"] = "1"
         return env
 
-    def evaluate(self, candidate: Candidate, *, check: bool = True, timing: bool = True,
-                 baselines: list[str] | None = None, trials: int = 2) -> EvalResult:
+    def evaluate(
+        self,
+        candidate: Candidate,
+        *,
+        check: bool = True,
+        timing: bool = True,
+        baselines: list[str] | None = None,
+        trials: int = 2,
+    ) -> EvalResult:
         violations = screen(candidate.source, candidate.entry)
         if violations:
-            return EvalResult(status=Status.STATIC_REJECTED, problem=candidate.problem,
-                              candidate_id=candidate.id,
-                              message="; ".join(str(v) for v in violations))
+            return EvalResult(
+                status=Status.STATIC_REJECTED,
+                problem=candidate.problem,
+                candidate_id=candidate.id,
+                message="; ".join(str(v) for v in violations),
+            )
         if self.scratch_root:
             self.scratch_root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root))
         try:
-            return self._run(candidate, scratch, EvalRequest(
-                problem=candidate.problem, candidate_id=candidate.id,
-                source_file=str(scratch / "candidate.py"), entry=candidate.entry, check=check,
-                timing=timing, baselines=baselines or [], trials=trials))
+            return self._run(
+                candidate,
+                scratch,
+                EvalRequest(
+                    problem=candidate.problem,
+                    candidate_id=candidate.id,
+                    source_file=str(scratch / "candidate.py"),
+                    entry=candidate.entry,
+                    check=check,
+                    timing=timing,
+                    baselines=baselines or [],
+                    trials=trials,
+                ),
+            )
         finally:
             if not self.keep_scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -98,13 +137,24 @@ class LocalBackend:
         (scratch / "candidate.py").write_text(candidate.source)
         (scratch / "request.json").write_text(request.model_dump_json())
         result_path = scratch / "result.json"
-        cmd = [*network_namespace_prefix(), sys.executable, "-m", "sandbox.worker",
-               str(scratch / "request.json"), str(result_path)]
+        cmd = [
+            *network_namespace_prefix(),
+            sys.executable,
+            "-m",
+            "sandbox.worker",
+            str(scratch / "request.json"),
+            str(result_path),
+        ]
         t0 = time.perf_counter()
         with open(scratch / "worker.log", "wb") as log:
             proc = subprocess.Popen(
-                cmd, cwd=scratch, env=self._env(scratch), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                cmd,
+                cwd=scratch,
+                env=self._env(scratch),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=functools.partial(_limits, int(self.timeout_s) + 30),
             )
             timed_out = False
@@ -114,22 +164,25 @@ class LocalBackend:
                 timed_out = True
             finally:
                 # Kill the whole group: forked children die with the worker, finished or not.
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait()
         wall = time.perf_counter() - t0
         log_tail = (scratch / "worker.log").read_text(errors="replace")[-4000:]
-        base = {"problem": candidate.problem, "candidate_id": candidate.id, "wall_s": wall,
-                "log_tail": log_tail}
+        base = {
+            "problem": candidate.problem,
+            "candidate_id": candidate.id,
+            "wall_s": wall,
+            "log_tail": log_tail,
+        }
         if timed_out:
             return EvalResult(status=Status.TIMEOUT, message=f"killed after {self.timeout_s:.0f} s", **base)
         if not result_path.exists():
             code = proc.returncode
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            return EvalResult(status=Status.RUNTIME_ERROR,
-                              message=f"worker died without a result ({how})", **base)
+            return EvalResult(
+                status=Status.RUNTIME_ERROR, message=f"worker died without a result ({how})", **base
+            )
         result = EvalResult.model_validate_json(result_path.read_text())
         return result.model_copy(update={"wall_s": wall})
 

@@ -67,8 +67,10 @@ def compare(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]
     if not isinstance(out, torch.Tensor):
         return False, {"message": f"returned {type(out).__name__}, expected a Tensor"}
     if out.shape != ref.shape or out.dtype != ref.dtype or out.device != ref.device:
-        return False, {"message": f"returned {tuple(out.shape)} {out.dtype} on {out.device}, expected "
-                                  f"{tuple(ref.shape)} {ref.dtype} on {ref.device}"}
+        return False, {
+            "message": f"returned {tuple(out.shape)} {out.dtype} on {out.device}, expected "
+            f"{tuple(ref.shape)} {ref.dtype} on {ref.device}"
+        }
     if ref.numel() == 0:
         return True, {}
     out64, ref64 = out.double(), ref.double()
@@ -87,9 +89,11 @@ def compare(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]
     }
     if bad.any():
         n_bad = int(bad.sum())
-        details["message"] = (f"{n_bad} of {ref.numel()} elements outside tolerance; worst at "
-                              f"{details['worst_index']}: got {out64.flatten()[worst].item():.6g}, "
-                              f"expected {ref64.flatten()[worst].item():.6g}")
+        details["message"] = (
+            f"{n_bad} of {ref.numel()} elements outside tolerance; worst at "
+            f"{details['worst_index']}: got {out64.flatten()[worst].item():.6g}, "
+            f"expected {ref64.flatten()[worst].item():.6g}"
+        )
         return False, details
     if not norm_rel <= tol.norm_rtol:
         details["message"] = f"relative error norm {norm_rel:.3g} exceeds {tol.norm_rtol:.3g}"
@@ -97,8 +101,7 @@ def compare(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]
     return True, details
 
 
-def check_shape(problem: Problem, fn: Callable, shape: Shape, trial: int,
-                device: torch.device) -> ShapeCheck:
+def check_shape(problem: Problem, fn: Callable, shape: Shape, trial: int, device: torch.device) -> ShapeCheck:
     """Run one correctness trial of `fn` on fresh inputs of `shape`. Exceptions propagate."""
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     pristine = inputs.clone()
@@ -111,7 +114,11 @@ def check_shape(problem: Problem, fn: Callable, shape: Shape, trial: int,
     for got, want in zip(inputs.tensors(), pristine.tensors(), strict=True):
         if not torch.equal(got, want):
             return ShapeCheck(**base, ok=False, message="the candidate modified its inputs")
-    if isinstance(out, torch.Tensor) and out.numel() > 0 and out.untyped_storage().data_ptr() in _storages(inputs):
+    if (
+        isinstance(out, torch.Tensor)
+        and out.numel() > 0
+        and out.untyped_storage().data_ptr() in _storages(inputs)
+    ):
         return ShapeCheck(**base, ok=False, message="the output shares memory with an input")
     ok, details = compare(out, ref, problem.tolerance(shape.dtype))
     return ShapeCheck(**base, ok=ok, **details)

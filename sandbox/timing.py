@@ -19,8 +19,9 @@ L2_FLUSH_BYTES = 128 * 1024 * 1024
 
 def _stats(samples_us: list[float]) -> TimingStats:
     q = statistics.quantiles(samples_us, n=10, method="inclusive") if len(samples_us) > 1 else samples_us * 9
-    return TimingStats(median_us=statistics.median(samples_us), p20_us=q[1], p80_us=q[7],
-                       reps=len(samples_us))
+    return TimingStats(
+        median_us=statistics.median(samples_us), p20_us=q[1], p80_us=q[7], reps=len(samples_us)
+    )
 
 
 def benchmark(

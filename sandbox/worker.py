@@ -34,8 +34,14 @@ def device_info(device: torch.device) -> DeviceInfo:
         name, arch = torch.cuda.get_device_name(device), f"sm_{major}{minor}"
     else:
         name, arch = platform.processor() or "cpu", "interpreter"
-    return DeviceInfo(name=name, arch=arch, torch=torch.__version__, triton=triton.__version__,
-                      python=platform.python_version(), interpreted=device.type != "cuda")
+    return DeviceInfo(
+        name=name,
+        arch=arch,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        interpreted=device.type != "cuda",
+    )
 
 
 def load_candidate(path: Path, entry: str):
@@ -68,8 +74,9 @@ def _providers(problem: Problem, names: list[str]) -> dict:
     return out
 
 
-def time_shapes(problem: Problem, fn, request: EvalRequest, device: torch.device,
-                arch: str) -> list[ShapeTiming]:
+def time_shapes(
+    problem: Problem, fn, request: EvalRequest, device: torch.device, arch: str
+) -> list[ShapeTiming]:
     shapes = problem.timing_shapes if device.type == "cuda" else problem.interpreted_timing_shapes
     baselines = _providers(problem, request.baselines)
     timings = []
@@ -82,12 +89,19 @@ def time_shapes(problem: Problem, fn, request: EvalRequest, device: torch.device
         base = {name: benchmark(b, arg_sets, device=device) for name, b in baselines.items()}
         flops, nbytes = problem.flops(shape), problem.bytes(shape)
         bound = roofline_seconds(arch, flops, nbytes)
-        timings.append(ShapeTiming(
-            shape=shape.name, dtype=shape.dtype, bucket=problem.bucket(shape), candidate=cand,
-            baselines=base, flops=flops, bytes=nbytes,
-            achieved_gbps=nbytes / (cand.median_us * 1e-6) / 1e9,
-            roofline_fraction=None if bound is None else bound / (cand.median_us * 1e-6),
-        ))
+        timings.append(
+            ShapeTiming(
+                shape=shape.name,
+                dtype=shape.dtype,
+                bucket=problem.bucket(shape),
+                candidate=cand,
+                baselines=base,
+                flops=flops,
+                bytes=nbytes,
+                achieved_gbps=nbytes / (cand.median_us * 1e-6) / 1e9,
+                roofline_fraction=None if bound is None else bound / (cand.median_us * 1e-6),
+            )
+        )
         del arg_sets
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -104,14 +118,16 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
     def done(status: Status, message: str = "", **kw) -> EvalResult:
         # Failure paths pass their traceback as log_tail; it replaces the captured output.
         kw.setdefault("log_tail", log.getvalue()[-LOG_TAIL_CHARS:])
-        return EvalResult(status=status, message=message, wall_s=time.perf_counter() - t0,
-                          **base, **kw)
+        return EvalResult(status=status, message=message, wall_s=time.perf_counter() - t0, **base, **kw)
 
     try:
         fn = load_candidate(Path(request.source_file), request.entry)
     except Exception as exc:  # the candidate's own code: anything can come out of it
-        return done(Status.COMPILE_ERROR, f"import failed: {type(exc).__name__}: {exc}",
-                    log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
+        return done(
+            Status.COMPILE_ERROR,
+            f"import failed: {type(exc).__name__}: {exc}",
+            log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
+        )
 
     checks: list[ShapeCheck] = []
     if request.check:
@@ -121,8 +137,12 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
                     result = check_shape(problem, fn, shape, trial, device)
                 except Exception as exc:
                     status = Status.COMPILE_ERROR if _is_compile_error(exc) else Status.RUNTIME_ERROR
-                    return done(status, f"{shape.describe()}: {type(exc).__name__}: {exc}"[:2000],
-                                checks=checks, log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
+                    return done(
+                        status,
+                        f"{shape.describe()}: {type(exc).__name__}: {exc}"[:2000],
+                        checks=checks,
+                        log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
+                    )
                 checks.append(result)
                 if not result.ok:
                     return done(Status.WRONG, f"{shape.describe()}: {result.message}", checks=checks)
@@ -131,8 +151,12 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
         try:
             timings = time_shapes(problem, fn, request, device, info.arch)
         except Exception as exc:
-            return done(Status.RUNTIME_ERROR, f"timing: {type(exc).__name__}: {exc}"[:2000],
-                        checks=checks, log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:])
+            return done(
+                Status.RUNTIME_ERROR,
+                f"timing: {type(exc).__name__}: {exc}"[:2000],
+                checks=checks,
+                log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
+            )
     return done(Status.OK, checks=checks, timings=timings)
 
 

@@ -56,8 +56,9 @@ def torch_embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weig
     )
 
 
-def bag_lengths(num_bags: int, max_len: int, alpha: float, generator: torch.Generator,
-                device: torch.device) -> torch.Tensor:
+def bag_lengths(
+    num_bags: int, max_len: int, alpha: float, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
     """Truncated power-law lengths in [1, max_len]: P(L) proportional to L^-alpha."""
     probs = torch.arange(1, max_len + 1, dtype=torch.float32, device=device).pow(-alpha)
     return torch.multinomial(probs / probs.sum(), num_bags, replacement=True, generator=generator) + 1
@@ -93,8 +94,8 @@ def _mean_bag_length(shape: Shape) -> float:
     if "lengths" in p:
         return sum(p["lengths"]) / max(len(p["lengths"]), 1)
     support = range(1, p["max_len"] + 1)
-    norm = sum(l ** -workload.BAG_LENGTH_ALPHA for l in support)
-    return sum(l ** (1 - workload.BAG_LENGTH_ALPHA) for l in support) / norm
+    norm = sum(n**-workload.BAG_LENGTH_ALPHA for n in support)
+    return sum(n ** (1 - workload.BAG_LENGTH_ALPHA) for n in support) / norm
 
 
 def _num_bags(shape: Shape) -> int:
@@ -157,15 +158,20 @@ TIMING_SHAPES = (
     _s("b64k-d128-1m", "fp32", num_rows=1_000_000, dim=128, num_bags=65_536, max_len=120),
     _s("b64k-d128-1m", "bf16", num_rows=1_000_000, dim=128, num_bags=65_536, max_len=120),
     _s("b256k-d64-4m", "bf16", num_rows=4_000_000, dim=64, num_bags=262_144, max_len=120),
-    _s("b256k-d64-4m-weighted", "bf16", num_rows=4_000_000, dim=64, num_bags=262_144,
-       max_len=120, weighted=True),
+    _s(
+        "b256k-d64-4m-weighted",
+        "bf16",
+        num_rows=4_000_000,
+        dim=64,
+        num_bags=262_144,
+        max_len=120,
+        weighted=True,
+    ),
 )
 
 # Interpreted Triton on a CPU runs a few thousand elements per second: timings there only
 # show that the timing path works and are labelled as interpreted.
-INTERPRETED_TIMING_SHAPES = (
-    _s("interp-b32-d64", "fp32", num_rows=2000, dim=64, num_bags=32, max_len=24),
-)
+INTERPRETED_TIMING_SHAPES = (_s("interp-b32-d64", "fp32", num_rows=2000, dim=64, num_bags=32, max_len=24),)
 
 TOLERANCES = {
     "fp32": Tolerance(atol=1e-5, rtol=1e-5, norm_rtol=1e-5),
@@ -175,15 +181,31 @@ TOLERANCES = {
 }
 
 KNOBS = (
-    Knob("BLOCK_B", (1, 2, 4, 8, 16), default=4,
-         help="bags a program advances together; more ids in flight, more idle lanes on skew"),
+    Knob(
+        "BLOCK_B",
+        (1, 2, 4, 8, 16),
+        default=4,
+        help="bags a program advances together; more ids in flight, more idle lanes on skew",
+    ),
     Knob("BLOCK_L", (4, 8, 16, 32), default=8, help="ids gathered per bag per step"),
-    Knob("BLOCK_D", (16, 32, 64, 128, 256), default=64,
-         help="embedding columns per program; a program covers ceil(D / BLOCK_D) of a row"),
-    Knob("ACC_3D", (False, True), default=False,
-         help="accumulate the whole [B, L, D] tile and reduce once at the end"),
-    Knob("EVICT_ROWS", ("", "evict_first"), default="",
-         help="cache policy of the gathered rows (streamed once unless ids repeat)"),
+    Knob(
+        "BLOCK_D",
+        (16, 32, 64, 128, 256),
+        default=64,
+        help="embedding columns per program; a program covers ceil(D / BLOCK_D) of a row",
+    ),
+    Knob(
+        "ACC_3D",
+        (False, True),
+        default=False,
+        help="accumulate the whole [B, L, D] tile and reduce once at the end",
+    ),
+    Knob(
+        "EVICT_ROWS",
+        ("", "evict_first"),
+        default="",
+        help="cache policy of the gathered rows (streamed once unless ids repeat)",
+    ),
     Knob("num_warps", (1, 2, 4, 8), default=2, help="warps per program"),
     Knob("num_stages", (1, 2, 3), default=1, help="software pipelining depth of the id loop"),
 )

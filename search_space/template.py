@@ -43,8 +43,9 @@ class KnobTemplate:
         by_name = {k.name: k for k in self.knobs}
         unknown = sorted(set(knobs) - set(by_name))
         if unknown:
-            raise ValueError(f"unknown knob(s) {unknown} for template {self.problem!r}; "
-                             f"knobs are {sorted(by_name)}")
+            raise ValueError(
+                f"unknown knob(s) {unknown} for template {self.problem!r}; knobs are {sorted(by_name)}"
+            )
         # numpy scalars (from samplers) become Python values; then type and value must match a
         # choice exactly, since 1.0 == 1 and 0 == False would render as different source.
         full = {k: getattr(v, "item", lambda v=v: v)() for k, v in (self.defaults() | dict(knobs)).items()}

@@ -31,27 +31,31 @@ class SearchProposer:
     def _study(self, history: list[tuple[dict, float | None]]) -> optuna.Study:
         # Seeding by history length makes a resumed search propose what the original would have.
         seed = self.seed + len(history)
-        sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True)
-                   if self.sampler == "tpe" else optuna.samplers.RandomSampler(seed=seed))
+        sampler = (
+            optuna.samplers.TPESampler(seed=seed, n_startup_trials=6, multivariate=True)
+            if self.sampler == "tpe"
+            else optuna.samplers.RandomSampler(seed=seed)
+        )
         study = optuna.create_study(direction="minimize", sampler=sampler)
         for knobs, score in history:
             params = {k: v for k, v in knobs.items() if k in self.distributions}
             if len(params) != len(self.distributions):
                 continue  # not a point of this space (another proposer's kernel)
             if score is None:
-                study.add_trial(create_trial(params=params, distributions=self.distributions,
-                                             state=TrialState.FAIL))
+                study.add_trial(
+                    create_trial(params=params, distributions=self.distributions, state=TrialState.FAIL)
+                )
             else:
-                study.add_trial(create_trial(params=params, distributions=self.distributions,
-                                             value=score))
+                study.add_trial(create_trial(params=params, distributions=self.distributions, value=score))
         return study
 
-    def propose(self, n: int, history: list[tuple[dict, float | None]], seen: set[str],
-                parent_id: str | None = None) -> list[Candidate]:
+    def propose(
+        self, n: int, history: list[tuple[dict, float | None]], seen: set[str], parent_id: str | None = None
+    ) -> list[Candidate]:
         """Up to `n` new candidates; `history` is (knobs, score in us or None if it failed)."""
         out: list[Candidate] = []
         seen = set(seen)
-        if not history:
+        if not history and n > 0:
             default = self._candidate(self.template.defaults(), parent_id)
             if default.id not in seen:
                 out.append(default)
@@ -77,6 +81,11 @@ class SearchProposer:
 
     def _candidate(self, knobs: dict, parent_id: str | None) -> Candidate:
         knobs = self.template.validate(knobs)
-        return Candidate(problem=self.template.problem, source=self.template.render(knobs),
-                         entry=self.template.entry, knobs=knobs, origin="template",
-                         parent_id=parent_id)
+        return Candidate(
+            problem=self.template.problem,
+            source=self.template.render(knobs),
+            entry=self.template.entry,
+            knobs=knobs,
+            origin="template",
+            parent_id=parent_id,
+        )

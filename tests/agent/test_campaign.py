@@ -21,11 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _config(tmp_path: Path, max_evaluations: int) -> Path:
     path = tmp_path / "campaign.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name = "t"
         problems = ["embedding_bag"]
-        output_dir = "{tmp_path / 'out'}"
-        library = "{tmp_path / 'library'}"
+        output_dir = "{tmp_path / "out"}"
+        library = "{tmp_path / "library"}"
         [proposer]
         batch_size = 2
         seed = 3
@@ -35,7 +36,8 @@ def _config(tmp_path: Path, max_evaluations: int) -> Path:
         [sandbox]
         timeout_s = 120
         trials = 1
-    """))
+    """)
+    )
     return path
 
 
@@ -43,9 +45,14 @@ def _config(tmp_path: Path, max_evaluations: int) -> Path:
 def test_killed_campaign_resumes_and_finishes(tmp_path: Path) -> None:
     home = tmp_path / "home"
     env = {**os.environ, "RECFORGE_HOME": str(home), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "agent", "campaign", "run", str(_config(tmp_path, 3))],
-                            env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent", "campaign", "run", str(_config(tmp_path, 3))],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -14,7 +14,9 @@ runner = CliRunner()
 
 
 def test_sandbox_eval_missing_file(tmp_path) -> None:
-    result = runner.invoke(app, ["sandbox", "eval", "--problem", "embedding_bag", "--source", str(tmp_path / "x.py")])
+    result = runner.invoke(
+        app, ["sandbox", "eval", "--problem", "embedding_bag", "--source", str(tmp_path / "x.py")]
+    )
     assert result.exit_code == 2
     assert "does not exist" in result.output and "Traceback" not in result.output
 
@@ -30,7 +32,9 @@ def test_sandbox_eval_unknown_problem(tmp_path) -> None:
 def test_sandbox_eval_rejected_source_is_reported_as_json(tmp_path) -> None:
     src = tmp_path / "k.py"
     src.write_text("import os\n" + TEMPLATE.render({}))
-    result = runner.invoke(app, ["sandbox", "eval", "--problem", "embedding_bag", "--source", str(src), "--json"])
+    result = runner.invoke(
+        app, ["sandbox", "eval", "--problem", "embedding_bag", "--source", str(src), "--json"]
+    )
     assert result.exit_code == 1
     payload = json.loads(result.stdout)
     assert payload["status"] == "static_rejected" and "line 1" in payload["message"]
@@ -40,7 +44,9 @@ def test_sandbox_eval_rejected_source_is_reported_as_json(tmp_path) -> None:
 def test_sandbox_eval_source_that_does_not_import(tmp_path) -> None:
     src = tmp_path / "k.py"
     src.write_text(TEMPLATE.render({}) + "\nraise RuntimeError('broken at import')\n")
-    result = runner.invoke(app, ["sandbox", "eval", "--problem", "embedding_bag", "--source", str(src), "--json"])
+    result = runner.invoke(
+        app, ["sandbox", "eval", "--problem", "embedding_bag", "--source", str(src), "--json"]
+    )
     assert result.exit_code == 1
     payload = json.loads(result.stdout)
     assert payload["status"] == "compile_error" and "broken at import" in payload["message"]
@@ -48,7 +54,9 @@ def test_sandbox_eval_source_that_does_not_import(tmp_path) -> None:
 
 def test_campaign_run_bad_config_names_the_field(tmp_path) -> None:
     cfg = tmp_path / "c.toml"
-    cfg.write_text('name = "x"\nproblems = ["embedding_bag"]\n[budget]\nmax_evaluations = -1\nmax_wall_s = 5\n')
+    cfg.write_text(
+        'name = "x"\nproblems = ["embedding_bag"]\n[budget]\nmax_evaluations = -1\nmax_wall_s = 5\n'
+    )
     result = runner.invoke(app, ["campaign", "run", str(cfg), "--home", str(tmp_path / "h")])
     assert result.exit_code == 2
     assert "budget.max_evaluations" in result.output and "Traceback" not in result.output

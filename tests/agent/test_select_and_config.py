@@ -18,17 +18,36 @@ VALID = {"name": "x", "problems": ["embedding_bag"], "budget": {"max_evaluations
 
 
 def _result(candidate: Candidate, median: float, spread: float = 0.0, status=Status.OK) -> EvalResult:
-    stats = TimingStats(median_us=median, p20_us=median * (1 - spread / 2),
-                        p80_us=median * (1 + spread / 2), reps=20)
-    timings = [ShapeTiming(shape="s", dtype="fp32", bucket="d64", candidate=stats, flops=1.0,
-                           bytes=1.0, achieved_gbps=1.0)] if status == Status.OK else []
+    stats = TimingStats(
+        median_us=median, p20_us=median * (1 - spread / 2), p80_us=median * (1 + spread / 2), reps=20
+    )
+    timings = (
+        [
+            ShapeTiming(
+                shape="s",
+                dtype="fp32",
+                bucket="d64",
+                candidate=stats,
+                flops=1.0,
+                bytes=1.0,
+                achieved_gbps=1.0,
+            )
+        ]
+        if status == Status.OK
+        else []
+    )
     return EvalResult(status=status, problem="embedding_bag", candidate_id=candidate.id, timings=timings)
 
 
 def _candidate(block_l: int) -> Candidate:
     knobs = TEMPLATE.validate({"BLOCK_L": block_l})
-    return Candidate(problem="embedding_bag", source=TEMPLATE.render(knobs), entry="embedding_bag",
-                     knobs=knobs, origin="template")
+    return Candidate(
+        problem="embedding_bag",
+        source=TEMPLATE.render(knobs),
+        entry="embedding_bag",
+        knobs=knobs,
+        origin="template",
+    )
 
 
 def _select(store: Store, best: dict) -> dict:
@@ -39,8 +58,12 @@ def _select(store: Store, best: dict) -> dict:
 def test_select_needs_a_margin_beyond_noise(tmp_path) -> None:
     store = Store(tmp_path / "s.db")
     a, b, c, d = (_candidate(n) for n in (4, 8, 16, 32))
-    for cand, median, spread, status in ((a, 100.0, 0.02, Status.OK), (b, 99.5, 0.02, Status.OK),
-                                         (c, 10.0, 0.0, Status.WRONG), (d, 90.0, 0.02, Status.OK)):
+    for cand, median, spread, status in (
+        (a, 100.0, 0.02, Status.OK),
+        (b, 99.5, 0.02, Status.OK),
+        (c, 10.0, 0.0, Status.WRONG),
+        (d, 90.0, 0.02, Status.OK),
+    ):
         store.add_candidate("c", cand)
         store.add_evaluation("c", _result(cand, median, spread, status))
         if cand is a:
@@ -81,5 +104,6 @@ def test_search_proposer_is_valid_new_and_reproducible() -> None:
     assert len(second) == 4 and not ({c.id for c in second} & seen)
     for c in second:
         assert TEMPLATE.validate(c.knobs) == c.knobs  # constraints hold
+    assert proposer.propose(0, [], set()) == []
     again = SearchProposer(TEMPLATE, seed=7).propose(4, history, seen)
     assert [c.id for c in again] == [c.id for c in second]  # resume proposes the same

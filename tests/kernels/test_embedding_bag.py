@@ -26,9 +26,7 @@ def _upcast(inputs: Inputs) -> Inputs:
             return v.detach().double()
         return v
 
-    return Inputs(
-        args=tuple(up(a) for a in inputs.args), kwargs={k: up(v) for k, v in inputs.kwargs.items()}
-    )
+    return Inputs(args=tuple(up(a) for a in inputs.args), kwargs={k: up(v) for k, v in inputs.kwargs.items()})
 
 
 def assert_matches(out: torch.Tensor, ref64: torch.Tensor, dtype: str, what: str) -> None:
@@ -97,9 +95,7 @@ def _check_op_and_grads(shape: Shape, device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("shape", CHECK_SHAPES, ids=SHAPE_IDS)
-def test_op_backward_matches_fp64_reference(
-    shape: Shape, device: torch.device, empty_library
-) -> None:
+def test_op_backward_matches_fp64_reference(shape: Shape, device: torch.device, empty_library) -> None:
     _check_op_and_grads(shape, device)
     assert DISPATCHER.last["embedding_bag"] == "default"
 

@@ -74,9 +74,7 @@ def test_no_triton_ignores_the_library(empty_library, monkeypatch: pytest.Monkey
     assert _resolve() == "reference"
 
 
-def test_library_kernel_for_matching_key_else_default(
-    empty_library, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_library_kernel_for_matching_key_else_default(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     added = _add(empty_library, TEMPLATE.render({"BLOCK_D": 32}), buckets=["d64", "d128"])
     assert added.kernel_id.startswith(f"{OP}_")
@@ -86,9 +84,7 @@ def test_library_kernel_for_matching_key_else_default(
     assert _resolve("bf16", "d64") == "default"  # other dtype
 
 
-def test_library_kernel_for_another_arch_is_not_used(
-    empty_library, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_library_kernel_for_another_arch_is_not_used(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _add(empty_library, TEMPLATE.render({}), arch="sm_90")
     assert _resolve() == "default"
@@ -96,13 +92,9 @@ def test_library_kernel_for_another_arch_is_not_used(
 
 def test_op_runs_the_library_kernel(empty_library, device: torch.device) -> None:
     """End to end: the op dispatches to the stored module, which computes the right thing."""
-    added = _add(
-        empty_library, TEMPLATE.render({"BLOCK_L": 16, "ACC_3D": True}), arch=device_arch(device)
-    )
+    added = _add(empty_library, TEMPLATE.render({"BLOCK_L": 16, "ACC_3D": True}), arch=device_arch(device))
     weight = torch.randn(40, 64, device=device)
-    indices = torch.tensor(
-        [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], device=device
-    )
+    indices = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], device=device)
     offsets = torch.tensor([0, 1, 1, 20], device=device)
     out = ops.embedding_bag(weight, indices, offsets)
     assert DISPATCHER.last[OP] == f"library:{added.kernel_id}"

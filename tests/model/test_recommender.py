@@ -89,8 +89,7 @@ def test_train_step_updates_only_rows_looked_up(model: Recommender, batch: Batch
         )
         changed_unseen = ~seen & changed
         assert not changed_unseen.any(), (
-            f"{name}: rows never looked up but updated: "
-            f"{changed_unseen.nonzero().flatten().tolist()}"
+            f"{name}: rows never looked up but updated: {changed_unseen.nonzero().flatten().tolist()}"
         )
 
 
@@ -142,9 +141,7 @@ def test_registered_kernel_replaces_default_in_training_and_serving(
     assert DISPATCHER.last[OP] == "default"
 
     arch = device_arch(device)
-    source = eb_problem.TEMPLATE.render(
-        {"BLOCK_D": 32, "BLOCK_L": 8, "BLOCK_B": 2, "ACC_3D": True}
-    )
+    source = eb_problem.TEMPLATE.render({"BLOCK_D": 32, "BLOCK_L": 8, "BLOCK_B": 2, "ACC_3D": True})
     entry = empty_library.add(
         op=OP,
         entry=eb_problem.ENTRY,

@@ -214,9 +214,7 @@ def test_render_rejects_invalid_knobs(knobs: dict, named: str) -> None:
         TEMPLATE.render(knobs)
 
 
-@pytest.mark.parametrize(
-    "knobs", [{"ACC_3D": 0}, {"BLOCK_B": 1.0}], ids=["acc-3d-int", "bags-float"]
-)
+@pytest.mark.parametrize("knobs", [{"ACC_3D": 0}, {"BLOCK_B": 1.0}], ids=["acc-3d-int", "bags-float"])
 def test_render_rejects_values_equal_to_a_choice_of_another_type(knobs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(knobs))):
         TEMPLATE.render(knobs)
