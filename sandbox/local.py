@@ -75,7 +75,8 @@ class LocalBackend:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.timeout_s = timeout_s
-        self.scratch_root = Path(scratch_root) if scratch_root else None
+        # Absolute: the worker runs with its scratch directory as working directory.
+        self.scratch_root = Path(scratch_root).resolve() if scratch_root else None
         self.keep_scratch = keep_scratch
 
     def _env(self, scratch: Path) -> dict[str, str]:
@@ -113,7 +114,7 @@ class LocalBackend:
             )
         if self.scratch_root:
             self.scratch_root.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root))
+        scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root)).resolve()
         try:
             return self._run(
                 candidate,

@@ -15,6 +15,7 @@ import pytest
 from agent.campaign import CampaignError, Campaigns
 from agent.store import Store
 from kernels.registry import KernelLibrary
+from sandbox.result import Status
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +45,8 @@ def _config(tmp_path: Path, max_evaluations: int) -> Path:
 @pytest.mark.slow
 def test_killed_campaign_resumes_and_finishes(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    env = {**os.environ, "RECFORGE_HOME": str(home), "PYTHONPATH": str(REPO)}
+    # A relative home, as users give it: workers run elsewhere and must still find their files.
+    env = {**os.environ, "RECFORGE_HOME": "home", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "agent", "campaign", "run", str(_config(tmp_path, 3))],
         env=env,
@@ -78,6 +80,7 @@ def test_killed_campaign_resumes_and_finishes(tmp_path: Path) -> None:
     rows = campaigns.store.evaluations(row.id)
     ids = [r.candidate.id for r in rows]
     assert len(ids) == 3 and len(set(ids)) == 3, "evaluations were lost or repeated"
+    assert [r.result.status for r in rows] == [Status.OK] * 3, [r.result.message for r in rows]
     assert outcome.stop_reason.startswith("evaluation budget reached")
     assert outcome.best["embedding_bag"] in ids
     assert rows[0].candidate.origin == "library"  # what dispatch runs today is measured first
