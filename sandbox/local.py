@@ -24,6 +24,7 @@ from sandbox.candidate import Candidate
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
 from sandbox.screen import screen
+from search_space import get_problem
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Variables a worker may inherit; everything else (tokens, keys, proxies) stays behind.
@@ -104,7 +105,16 @@ class LocalBackend:
         baselines: list[str] | None = None,
         trials: int = 2,
     ) -> EvalResult:
-        violations = screen(candidate.source, candidate.entry)
+        try:
+            forbidden = get_problem(candidate.problem).forbidden_ops
+        except ValueError as exc:
+            return EvalResult(
+                status=Status.STATIC_REJECTED,
+                problem=candidate.problem,
+                candidate_id=candidate.id,
+                message=str(exc),
+            )
+        violations = screen(candidate.source, candidate.entry, forbidden)
         if violations:
             return EvalResult(
                 status=Status.STATIC_REJECTED,

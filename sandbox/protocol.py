@@ -11,13 +11,18 @@ Rules (each enforced below, where it is written):
 - memory the candidate may allocate from is poisoned with NaN first, so an element it never
   writes fails the comparison;
 - closeness is judged relative to the output's magnitude (see `Tolerance`), so zeros do not
-  pass on small outputs, and NaN or inf where the reference is finite fails.
+  pass on small outputs, and NaN or inf where the reference is finite fails;
+- run twice on the same inputs, the candidate must agree with itself within the tolerance
+  (non-determinism beyond rounding fails);
+- with every Triton kernel launch turned into a no-op, its output must no longer be correct:
+  otherwise the work was done by something other than its kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from pydantic import BaseModel
@@ -101,8 +106,11 @@ def compare(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]
     return True, details
 
 
-def check_shape(problem: Problem, fn: Callable, shape: Shape, trial: int, device: torch.device) -> ShapeCheck:
-    """Run one correctness trial of `fn` on fresh inputs of `shape`. Exceptions propagate."""
+def check_shape(
+    problem: Problem, fn: Callable, shape: Shape, trial: int, device: torch.device, *, repeat: bool = False
+) -> ShapeCheck:
+    """Run one correctness trial of `fn` on fresh inputs of `shape` (twice with `repeat`, to
+    check that it agrees with itself). Exceptions propagate."""
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     pristine = inputs.clone()
     ref = problem.reference(*pristine.clone().args, **pristine.clone().kwargs)
@@ -121,4 +129,58 @@ def check_shape(problem: Problem, fn: Callable, shape: Shape, trial: int, device
     ):
         return ShapeCheck(**base, ok=False, message="the output shares memory with an input")
     ok, details = compare(out, ref, problem.tolerance(shape.dtype))
+    if ok and repeat:
+        poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
+        again, _ = compare(fn(*inputs.args, **inputs.kwargs), out, problem.tolerance(shape.dtype))
+        if not again:
+            return ShapeCheck(
+                **base,
+                ok=False,
+                message="two runs on the same inputs disagree",
+                **{k: v for k, v in details.items() if k != "message"},
+            )
     return ShapeCheck(**base, ok=ok, **details)
+
+
+def _kernel_classes() -> list[type]:
+    from triton.runtime.jit import KernelInterface
+
+    found, todo = [], [KernelInterface]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+@contextlib.contextmanager
+def kernels_disabled() -> Iterator[None]:
+    """Every Triton kernel launch (jit, interpreted, autotuned) returns without running."""
+    patched = [(cls, cls.__dict__["run"]) for cls in _kernel_classes() if "run" in cls.__dict__]
+    try:
+        for cls, _ in patched:
+            cls.run = lambda self, *args, **kwargs: None
+        yield
+    finally:
+        for cls, run in patched:
+            cls.run = run
+
+
+def kernels_do_the_work(problem: Problem, fn: Callable, device: torch.device) -> ShapeCheck:
+    """The no-op proof: on the first check shape with a non-zero output, disable every Triton
+    launch and check that the output is then wrong. A candidate whose output stays correct
+    computed the op some other way (a torch fallback, a cached result)."""
+    shape = next(s for s in problem.check_shapes if _nonzero_output(s))
+    inputs = problem.make_inputs(shape, fresh_seed(), device)
+    ref = problem.reference(*inputs.clone().args, **inputs.clone().kwargs)
+    poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
+    with kernels_disabled():
+        out = fn(*inputs.args, **inputs.kwargs)
+    still_ok, _ = compare(out, ref, problem.tolerance(shape.dtype))
+    message = "output is still correct with every Triton kernel disabled" if still_ok else ""
+    return ShapeCheck(shape=shape.name, dtype=shape.dtype, trial=-1, ok=not still_ok, message=message)
+
+
+def _nonzero_output(shape: Shape) -> bool:
+    lengths = shape.params.get("lengths")
+    return lengths is None or sum(lengths) > 0

@@ -30,6 +30,35 @@ FORBIDDEN_CALLS = {
     "memoryview",
 }
 
+# Rule torch: no part of torch that loads code or data, spawns processes, talks to other
+# hosts, changes global numerics (precision flags would let a kernel compute in lower
+# precision than the reference checks), or computes the op outside a Triton kernel.
+FORBIDDEN_TORCH = (
+    "torch.utils",
+    "torch.hub",
+    "torch.multiprocessing",
+    "torch.distributed",
+    "torch.ops",
+    "torch.library",
+    "torch.backends",
+    "torch.load",
+    "torch.save",
+    "torch.from_file",
+    "torch.compile",
+    "torch.jit",
+    "torch.cuda",
+    "torch.random",
+    "torch.autograd",
+    "torch.func",
+    "torch.fx",
+    "torch.export",
+    "torch.set_",
+    "torch.use_deterministic_algorithms",
+    "torch.manual_seed",
+    "torch.seed",
+    "torch.initial_seed",
+)
+
 # Rule attributes: no CUDA streams, events or synchronization (the timer must see all work),
 # no frames, module tables or dunder plumbing, no escape to torch's C bindings.
 FORBIDDEN_ATTRIBUTES = {
@@ -79,13 +108,43 @@ def _is_triton_jit(decorator: ast.expr) -> bool:
     return isinstance(target, ast.Attribute) and target.attr in {"jit", "autotune", "heuristics"}
 
 
-def screen(source: str, entry: str) -> list[Violation]:
-    """All violations of the rules in `source`; empty means it may run."""
+def _dotted(node: ast.expr, aliases: dict[str, str]) -> str | None:
+    """`torch.cuda.synchronize` for that expression, with import aliases resolved."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(aliases.get(node.id, node.id))
+    return ".".join(reversed(parts))
+
+
+def _aliases(tree: ast.Module) -> dict[str, str]:
+    """Local name -> module path, for `import torch as T` and `from torch import nn`."""
+    out: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+def screen(source: str, entry: str, forbidden_ops: tuple[str, ...] = ()) -> list[Violation]:
+    """All violations of the rules in `source`; empty means it may run.
+
+    `forbidden_ops` are the torch functions that compute the problem's op (its fallback), by
+    attribute name: a candidate must do that work in a Triton kernel."""
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
         return [Violation("syntax", exc.lineno or 0, exc.msg)]
+    aliases = _aliases(tree)
     found: list[Violation] = []
+    reported_chain: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -95,11 +154,34 @@ def screen(source: str, entry: str) -> list[Violation]:
             module = node.module or ""
             if node.level or module not in ALLOWED_IMPORTS:
                 found.append(Violation("imports", node.lineno, f"import from {module or '.'!r}"))
+            else:
+                for a in node.names:
+                    full = f"{module}.{a.name}"
+                    if any(full.startswith(p) for p in FORBIDDEN_TORCH) or a.name in forbidden_ops:
+                        found.append(Violation("torch", node.lineno, f"import of {full}"))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             if node.func.id in FORBIDDEN_CALLS:
                 found.append(Violation("builtins", node.lineno, f"call of {node.func.id}()"))
-        elif isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRIBUTES:
-            found.append(Violation("attributes", node.lineno, f"use of .{node.attr}"))
+        elif isinstance(node, ast.Attribute) and id(node) not in reported_chain:
+            name = _dotted(node, aliases)
+            if node.attr in FORBIDDEN_ATTRIBUTES or (node.attr.startswith("__") and node.attr.endswith("__")):
+                found.append(Violation("attributes", node.lineno, f"use of .{node.attr}"))
+            elif name and any(
+                name == p or name.startswith(p if p.endswith("_") else p + ".") for p in FORBIDDEN_TORCH
+            ):
+                found.append(Violation("torch", node.lineno, f"use of {name}"))
+            elif node.attr in forbidden_ops:
+                # Rule fallback: the op itself computed by torch instead of a Triton kernel.
+                found.append(
+                    Violation("fallback", node.lineno, f"use of .{node.attr}, which computes the op")
+                )
+            else:
+                continue
+            # One violation per chain: `torch.cuda.synchronize` is not also `torch.cuda`.
+            inner = node.value
+            while isinstance(inner, ast.Attribute):
+                reported_chain.add(id(inner))
+                inner = inner.value
         elif isinstance(node, ast.Name) and node.id in {"__builtins__", "__loader__", "__spec__"}:
             found.append(Violation("attributes", node.lineno, f"use of {node.id}"))
     top = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}

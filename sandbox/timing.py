@@ -35,7 +35,8 @@ def benchmark(
 ) -> TimingStats:
     """Time `fn(*args, **kwargs)` per call, rotating over `arg_sets` so no input stays cached.
 
-    On CUDA: every call is bracketed by events after an L2 flush; the repetition count is
+    On CUDA: every call is bracketed by events after an L2 flush, the end event after a
+    device-wide synchronize so that all streams' work is inside; the repetition count is
     chosen from a warm-up estimate to fill about `target_ms`. On a CPU (interpreted Triton):
     wall-clock per call, a few repetitions; such numbers only prove the path runs.
     """
@@ -68,6 +69,9 @@ def benchmark(
         flush.zero_()
         starts[i].record()
         fn(*args, **kwargs)
+        # Wait for every stream before the end event: work a callee put on a side stream is
+        # counted (at the price of a few microseconds of host round trip per call).
+        torch.cuda.synchronize(device)
         ends[i].record()
     torch.cuda.synchronize(device)
     return _stats([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)])

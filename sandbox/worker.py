@@ -20,7 +20,7 @@ import torch
 import triton
 
 from sandbox.hardware import roofline_seconds
-from sandbox.protocol import EvalRequest, check_shape, fresh_seed
+from sandbox.protocol import EvalRequest, check_shape, fresh_seed, kernels_do_the_work
 from sandbox.result import DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
 from sandbox.timing import benchmark
 from search_space.problem import Problem, get_problem
@@ -134,7 +134,7 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
         for shape in problem.check_shapes:
             for trial in range(request.trials):
                 try:
-                    result = check_shape(problem, fn, shape, trial, device)
+                    result = check_shape(problem, fn, shape, trial, device, repeat=trial == 0)
                 except Exception as exc:
                     status = Status.COMPILE_ERROR if _is_compile_error(exc) else Status.RUNTIME_ERROR
                     return done(
@@ -146,6 +146,20 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
                 checks.append(result)
                 if not result.ok:
                     return done(Status.WRONG, f"{shape.describe()}: {result.message}", checks=checks)
+        try:
+            proof = kernels_do_the_work(problem, fn, device)
+        except Exception as exc:
+            return done(
+                Status.RUNTIME_ERROR,
+                f"no-op proof: {type(exc).__name__}: {exc}"[:2000],
+                checks=checks,
+                log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
+            )
+        checks.append(proof)
+        if not proof.ok:
+            return done(
+                Status.SUSPICIOUS, f"{proof.message}: the op was not computed by its kernels", checks=checks
+            )
     timings: list[ShapeTiming] = []
     if request.timing:
         try:

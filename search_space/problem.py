@@ -88,6 +88,8 @@ class Problem:
     bytes: Callable[[Shape], float]
     bucket: Callable[[Shape], str]
     template: str | None = None
+    # torch functions that compute this op: a candidate may not fall back to them.
+    forbidden_ops: tuple[str, ...] = ()
 
     def tolerance(self, dtype: str) -> Tolerance:
         if dtype not in self.tolerances:

@@ -4,6 +4,7 @@ the rendered template passes."""
 import pytest
 
 from sandbox.screen import screen
+from search_space import get_problem
 from search_space.embedding_bag import ENTRY, TEMPLATE
 
 # A minimal module the screen accepts; each case below adds one offending line to it.
@@ -62,7 +63,7 @@ def test_rendered_template_passes() -> None:
         (_with_body("torch.manual_seed(0)"), "attributes", BODY_LINE, ".manual_seed"),
         (_with_body("c = torch._C"), "attributes", BODY_LINE, "._C"),
         (_with_body("b = __builtins__"), "attributes", BODY_LINE, "__builtins__"),
-        (_with_body("k = (1).__class__.__subclasses__()"), "attributes", BODY_LINE, ".__class__"),
+        (_with_body("k = (1).__class__.__subclasses__()"), "attributes", BODY_LINE, ".__subclasses__"),
     ],
     ids=[
         "import-os",
@@ -120,3 +121,62 @@ def test_all_violations_are_reported_in_line_order() -> None:
     violations = screen(source, ENTRY)
     assert [v.rule for v in violations] == ["imports", "attributes"]
     assert violations == sorted(violations, key=lambda v: v.line)
+
+
+FORBIDDEN = get_problem("embedding_bag").forbidden_ops
+
+
+@pytest.mark.parametrize(
+    ("source", "rule", "detail"),
+    [
+        (_with_body("w = torch.load('cached.pt', weights_only=False)"), "torch", "torch.load"),
+        (_with_body("w = torch.from_file('/dev/shm/x', size=4)"), "torch", "torch.from_file"),
+        (_with_body("p = torch.multiprocessing.Process()"), "torch", "torch.multiprocessing"),
+        (_with_body("m = torch.utils.cpp_extension.load_inline('m', '')"), "torch", "torch.utils"),
+        (_with_body("torch.ops.load_library('evil.so')"), "torch", "torch.ops"),
+        (_with_body("m = torch.hub.load('x', 'y')"), "torch", "torch.hub"),
+        (_with_body("torch.backends.cuda.matmul.allow_tf32 = True"), "torch", "torch.backends"),
+        (_with_body("torch.set_float32_matmul_precision('medium')"), "torch", "torch.set_float32"),
+        (_with_body("f = torch.compile(lambda x: x)"), "torch", "torch.compile"),
+        (_with_body("n = torch.cuda.device_count()"), "torch", "torch.cuda"),
+        (_with_header("import torch as T") + "\nT.cuda.synchronize()\n", "attributes", ".synchronize"),
+        (_with_header("from torch import cuda"), "torch", "torch.cuda"),
+        (
+            _with_body("return torch.nn.functional.embedding_bag(indices, weight, offsets)"),
+            "fallback",
+            ".embedding_bag",
+        ),
+        (_with_body("out = torch.zeros(3, 4).index_add_(0, indices, weight)"), "fallback", ".index_add_"),
+        (_with_header("from torch.nn.functional import embedding_bag"), "imports", "torch.nn.functional"),
+    ],
+    ids=[
+        "load",
+        "from-file",
+        "multiprocessing",
+        "cpp-extension",
+        "ops-library",
+        "hub",
+        "tf32",
+        "matmul-precision",
+        "compile",
+        "cuda",
+        "aliased-torch",
+        "from-torch-import-cuda",
+        "functional-fallback",
+        "index-add-fallback",
+        "import-fallback",
+    ],
+)
+def test_torch_escapes_and_fallbacks_are_rejected(source: str, rule: str, detail: str) -> None:
+    violations = screen(source, ENTRY, FORBIDDEN)
+    assert any(v.rule == rule and detail in v.detail for v in violations), violations
+
+
+def test_library_default_kernel_passes_with_the_problem_rules() -> None:
+    import inspect
+
+    import kernels.embedding_bag as default
+
+    source = inspect.getsource(default)
+    assert screen(source, "embedding_bag_forward", FORBIDDEN) == []
+    assert screen(TEMPLATE.render({}), ENTRY, FORBIDDEN) == []

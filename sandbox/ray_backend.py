@@ -1,0 +1,184 @@
+"""Ray backend: evaluations scheduled as tasks on a Ray cluster, so a campaign spreads over many hosts.
+
+Each evaluation is one Ray task that runs a local-backend evaluation on the host Ray picks, so
+every rule of the local backend holds there: the worker's own process group, scratch directory,
+scrubbed environment, CPU-time limit, wall-clock timeout and network namespace. The task only
+carries the candidate in and the result out, both as JSON like the local worker's files.
+
+A task holds one GPU where the cluster has GPUs (Ray sets CUDA_VISIBLE_DEVICES for it, which the
+local backend passes on to its worker), else one CPU, where Triton runs interpreted.
+
+Assumptions about the cluster:
+- every node holds this checkout at the same path, in the same Python environment (true of a
+  local cluster; on many hosts, a shared filesystem or one image). Tasks find the packages
+  through PYTHONPATH in their runtime environment: Ray's `working_dir` would upload the
+  repository for every job, which is slow and buys nothing when the checkout is already there.
+- a dead task (its Ray worker crashed, its node was lost) is not retried: a candidate that
+  brings down a host would otherwise bring down the next one. It comes back as a runtime error.
+
+Ray is imported inside functions: importing `sandbox` stays light, and the evaluation worker
+(`sandbox.worker`, started by the local backend on the task's host) never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from sandbox.candidate import Candidate
+from sandbox.local import REPO_ROOT, LocalBackend
+from sandbox.result import EvalResult, Status
+from sandbox.screen import screen
+from search_space import get_problem
+
+LOG_TAIL_CHARS = 4000
+
+
+def _evaluate_on_host(
+    candidate_json: str, backend_kwargs: dict[str, Any], eval_kwargs: dict[str, Any]
+) -> str:
+    """The Ray task: one local-backend evaluation on this host, its result as JSON."""
+    candidate = Candidate.model_validate_json(candidate_json)
+    return LocalBackend(**backend_kwargs).evaluate(candidate, **eval_kwargs).model_dump_json()
+
+
+class RayBackend:
+    """Evaluates candidates as Ray tasks, each a local-backend evaluation on its host."""
+
+    name = "ray"
+
+    def __init__(
+        self,
+        *,
+        address: str | None = None,
+        timeout_s: float = 300.0,
+        scratch_root: str | os.PathLike | None = None,
+        keep_scratch: bool = False,
+        use_gpus: bool | None = None,
+    ) -> None:
+        """`address` is `ray.init`'s: None finds RAY_ADDRESS or the cluster last started on this
+        machine, else starts a local one. `scratch_root` is a path on each task's host (default:
+        its temporary directory). `use_gpus`: one GPU per task; None decides by whether the
+        cluster has GPUs now (pass True for a cluster whose GPU nodes are still joining)."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                address=address,
+                ignore_reinit_error=True,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                # Workers write their output to their own log files; nothing is worth echoing here.
+                log_to_driver=False,
+            )
+        if use_gpus is None:
+            use_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self.timeout_s = timeout_s
+        self.use_gpus = use_gpus
+        # Plain values: they travel to the task's host, where a path means that host's path.
+        self._backend_kwargs = {
+            "timeout_s": timeout_s,
+            "scratch_root": None if scratch_root is None else os.fspath(scratch_root),
+            "keep_scratch": keep_scratch,
+        }
+        self._task = ray.remote(_evaluate_on_host)
+        self._task_options = {
+            "num_gpus": 1 if use_gpus else 0,
+            "num_cpus": 1,
+            "max_retries": 0,
+            # `${PYTHONPATH}` keeps the host's own entries (wheels on GPU hosts), after the checkout.
+            "runtime_env": {"env_vars": {"PYTHONPATH": f"{REPO_ROOT}{os.pathsep}${{PYTHONPATH}}"}},
+        }
+
+    def evaluate(
+        self,
+        candidate: Candidate,
+        *,
+        check: bool = True,
+        timing: bool = True,
+        baselines: list[str] | None = None,
+        trials: int = 2,
+    ) -> EvalResult:
+        (result,) = self.evaluate_many(
+            [candidate], check=check, timing=timing, baselines=baselines, trials=trials
+        )
+        return result
+
+    def evaluate_many(
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        check: bool = True,
+        timing: bool = True,
+        baselines: list[str] | None = None,
+        trials: int = 2,
+    ) -> list[EvalResult]:
+        """Submits every candidate at once, so the cluster runs as many as it has GPUs (or CPUs)
+        for, then gathers the results in the order of `candidates`."""
+        import ray
+
+        eval_kwargs = {"check": check, "timing": timing, "baselines": baselines, "trials": trials}
+        results: list[EvalResult | None] = [_rejection(c) for c in candidates]
+        refs = {
+            i: self._task.options(name=f"eval-{c.id}", **self._task_options).remote(
+                c.model_dump_json(), self._backend_kwargs, eval_kwargs
+            )
+            for i, c in enumerate(candidates)
+            if results[i] is None
+        }
+        try:
+            for i, ref in refs.items():
+                results[i] = _gather(candidates[i], ref)
+        except BaseException:
+            # An interrupt lands in each running task as KeyboardInterrupt, and the local
+            # backend's clean-up there kills its worker's process group.
+            for ref in refs.values():
+                ray.cancel(ref)
+            raise
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+
+def _rejection(candidate: Candidate) -> EvalResult | None:
+    """The local backend's static screen, run on the driver: a rejected candidate never costs a
+    task. It must match `LocalBackend.evaluate`'s word for word (the tests compare the two)."""
+    try:
+        forbidden = get_problem(candidate.problem).forbidden_ops
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        violations = screen(candidate.source, candidate.entry, forbidden)
+        if not violations:
+            return None
+        message = "; ".join(str(v) for v in violations)
+    return EvalResult(
+        status=Status.STATIC_REJECTED,
+        problem=candidate.problem,
+        candidate_id=candidate.id,
+        message=message,
+    )
+
+
+def _gather(candidate: Candidate, ref: Any) -> EvalResult:
+    """The task's result, or a runtime error saying how the task itself failed."""
+    import ray
+
+    try:
+        return EvalResult.model_validate_json(ray.get(ref))
+    except ray.exceptions.RayError as exc:
+        # Worker crashed, node lost, unschedulable, runtime environment not set up, or the task
+        # function raised (e.g. the checkout is missing on that host): none is the candidate's
+        # verdict, but the campaign goes on, as with a local worker that dies without a result.
+        text = str(exc)
+        first_line = next((line for line in text.splitlines() if line.strip()), "")
+        return EvalResult(
+            status=Status.RUNTIME_ERROR,
+            problem=candidate.problem,
+            candidate_id=candidate.id,
+            message=f"ray task died without a result ({type(exc).__name__}: {first_line})"[:2000],
+            log_tail=text[-LOG_TAIL_CHARS:],
+        )
