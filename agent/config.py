@@ -38,7 +38,7 @@ class BudgetConfig(_Strict):
 class SandboxConfig(_Strict):
     backend: Literal["local"] = "local"
     timeout_s: float = Field(300.0, gt=0, description="hard wall-clock limit per evaluation")
-    trials: int = Field(2, ge=1, le=10, description="correctness trials per check shape")
+    trials: int = Field(2, ge=2, le=10, description="correctness trials per check shape, fresh inputs each")
     baselines: list[str] = Field(
         default_factory=lambda: ["reference", "reference.compile", "torch.embedding_bag"],
         description="timed once per problem on the campaign's device; reference.compile is "

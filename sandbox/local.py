@@ -56,9 +56,16 @@ def network_namespace_prefix() -> tuple[str, ...]:
     return ()
 
 
-def _limits(cpu_seconds: int) -> None:  # runs in the child between fork and exec
+def _limits(cpu_seconds: int, address_space: int | None) -> None:  # in the child, before exec
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if address_space is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+
+# Address-space cap of a worker without a GPU. (With CUDA none is set: the driver reserves
+# address space far beyond what the process uses; the GPU's own memory bounds a GPU worker.)
+CPU_ADDRESS_SPACE = 16 * 1024**3
 
 
 class LocalBackend:
@@ -166,7 +173,9 @@ class LocalBackend:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=functools.partial(_limits, int(self.timeout_s) + 30),
+                preexec_fn=functools.partial(
+                    _limits, int(self.timeout_s) + 30, None if _cuda_present() else CPU_ADDRESS_SPACE
+                ),
             )
             timed_out = False
             try:

@@ -41,7 +41,7 @@ class EvalRequest(BaseModel):
     source_file: str
     entry: str
     check: bool = True
-    trials: int = 2
+    trials: int = 2  # at least two are run: see worker.evaluate
     timing: bool = True
     baselines: list[str] = []  # names among "reference", "reference.compile", problem baselines
     input_sets: int = 3
@@ -107,10 +107,19 @@ def compare(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]
 
 
 def check_shape(
-    problem: Problem, fn: Callable, shape: Shape, trial: int, device: torch.device, *, repeat: bool = False
+    problem: Problem,
+    fn: Callable,
+    shape: Shape,
+    trial: int,
+    device: torch.device,
+    *,
+    repeat: bool = False,
+    held: list[torch.Tensor] | None = None,
 ) -> ShapeCheck:
     """Run one correctness trial of `fn` on fresh inputs of `shape` (twice with `repeat`, to
-    check that it agrees with itself). Exceptions propagate."""
+    check that it agrees with itself). `held` keeps earlier outputs alive, so an output that
+    shares their memory is a buffer the candidate reuses, not a fresh allocation. Exceptions
+    propagate."""
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     pristine = inputs.clone()
     ref = problem.reference(*pristine.clone().args, **pristine.clone().kwargs)
@@ -122,16 +131,25 @@ def check_shape(
     for got, want in zip(inputs.tensors(), pristine.tensors(), strict=True):
         if not torch.equal(got, want):
             return ShapeCheck(**base, ok=False, message="the candidate modified its inputs")
-    if (
-        isinstance(out, torch.Tensor)
-        and out.numel() > 0
-        and out.untyped_storage().data_ptr() in _storages(inputs)
-    ):
-        return ShapeCheck(**base, ok=False, message="the output shares memory with an input")
+    if isinstance(out, torch.Tensor) and out.numel() > 0:
+        storage = out.untyped_storage().data_ptr()
+        if storage in _storages(inputs):
+            return ShapeCheck(**base, ok=False, message="the output shares memory with an input")
+        if held is not None:
+            if any(h.untyped_storage().data_ptr() == storage for h in held):
+                return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
+            held.append(out)
     ok, details = compare(out, ref, problem.tolerance(shape.dtype))
     if ok and repeat:
         poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
-        again, _ = compare(fn(*inputs.args, **inputs.kwargs), out, problem.tolerance(shape.dtype))
+        second = fn(*inputs.args, **inputs.kwargs)
+        if (
+            isinstance(second, torch.Tensor)
+            and second.numel() > 0
+            and second.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        ):
+            return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
+        again, _ = compare(second, out, problem.tolerance(shape.dtype))
         if not again:
             return ShapeCheck(
                 **base,

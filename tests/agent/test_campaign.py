@@ -36,7 +36,7 @@ def _config(tmp_path: Path, max_evaluations: int) -> Path:
         max_wall_s = 600
         [sandbox]
         timeout_s = 120
-        trials = 1
+        trials = 2
     """)
     )
     return path

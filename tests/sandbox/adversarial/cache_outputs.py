@@ -1,0 +1,13 @@
+"""Computes once per shape and returns the cached result afterwards (fast on repeat calls)."""
+# expect: wrong | outside tolerance
+# base: yes
+
+_CACHE = {}
+
+
+def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
+    key = (tuple(weight.shape), offsets.numel(), mode, per_sample_weights is None)
+    if key not in _CACHE:
+        out = torch.empty((offsets.numel() - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        _CACHE[key] = _launch(weight, indices, offsets, out, mode, per_sample_weights)
+    return _CACHE[key].clone()

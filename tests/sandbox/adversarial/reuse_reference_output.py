@@ -1,0 +1,9 @@
+"""Returns uninitialized memory, hoping it still holds the reference's freed output."""
+# expect: wrong | outside tolerance
+# base: yes
+
+
+def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
+    out = torch.empty((offsets.numel() - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    _launch(weight, indices, offsets, torch.empty_like(out), mode, per_sample_weights)
+    return out
