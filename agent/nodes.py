@@ -12,10 +12,12 @@ from agent.incumbents import campaign_arch, incumbents
 from agent.report import write_report
 from agent.state import CampaignContext, CampaignState
 from agent.store import EvaluationRow
-from sandbox.result import EvalResult, Status
+from sandbox.result import EvalResult, Status, TimingStats
 
 # A new best must beat the old by more than the timing noise, and never by less than this.
 MIN_IMPROVEMENT = 0.01
+# Over this speedup against the fastest baseline, a result is suspicious until a person looks.
+SUSPICIOUS_SPEEDUP = 10.0
 
 
 def plan(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
@@ -82,10 +84,49 @@ def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
         result = ctx.backend.evaluate(candidate, baselines=baselines, trials=ctx.config.sandbox.trials)
         if result.status == Status.OK and baselines:
             ctx.store.add_baselines(ctx.campaign_id, candidate.problem, result)
+        if result.status == Status.OK and not result.interpreted:
+            result = _check_plausible(ctx, candidate, result)
         ctx.store.add_evaluation(ctx.campaign_id, result)
         ctx.store.set_wall(ctx.campaign_id, ctx.wall_s())
         ctx.events.evaluated(result, best_speedup(ctx, candidate.problem))
     return {"pending": []}
+
+
+def best_baseline_speedup(result: EvalResult, stored: dict[str, dict[str, TimingStats]]) -> float | None:
+    """Geometric mean over timing shapes of (fastest baseline's time / candidate's time)."""
+    ratios = []
+    for t in result.timings:
+        known = stored.get(f"{t.shape}/{t.dtype}", {}) | t.baselines
+        if known:
+            ratios.append(min(b.median_us for b in known.values()) / t.candidate.median_us)
+    if not ratios:
+        return None
+    prod = 1.0
+    for r in ratios:
+        prod *= r
+    return prod ** (1 / len(ratios))
+
+
+def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> EvalResult:
+    """A speedup beyond SUSPICIOUS_SPEEDUP over the fastest baseline is more often a measuring
+    or checking failure than a kernel: re-measure it in a fresh worker with its baselines, and
+    record it as suspicious either way, so that it is never accepted without a person."""
+    stored = ctx.store.baselines(ctx.campaign_id, candidate.problem)
+    speedup = best_baseline_speedup(result, stored)
+    if speedup is None or speedup <= SUSPICIOUS_SPEEDUP:
+        return result
+    again = ctx.backend.evaluate(
+        candidate, baselines=list(ctx.config.sandbox.baselines), trials=ctx.config.sandbox.trials
+    )
+    remeasured = best_baseline_speedup(again, {}) if again.status == Status.OK else None
+    note = f"{remeasured:.1f}x" if remeasured is not None else f"{again.status.value}: {again.message}"
+    return result.model_copy(
+        update={
+            "status": Status.SUSPICIOUS,
+            "message": f"{speedup:.1f}x over the fastest baseline; re-measured in a fresh worker: {note}; "
+            f"not accepted without review",
+        }
+    )
 
 
 def _noise(result: EvalResult) -> float:

@@ -11,7 +11,7 @@ from agent.config import ConfigError, load_config, parse_config
 from agent.proposers import SearchProposer
 from agent.store import Store
 from sandbox.candidate import Candidate
-from sandbox.result import EvalResult, ShapeTiming, Status, TimingStats
+from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
 from search_space.embedding_bag import TEMPLATE
 
 VALID = {"name": "x", "problems": ["embedding_bag"], "budget": {"max_evaluations": 3, "max_wall_s": 60}}
@@ -107,3 +107,53 @@ def test_search_proposer_is_valid_new_and_reproducible() -> None:
     assert proposer.propose(0, [], set()) == []
     again = SearchProposer(TEMPLATE, seed=7).propose(4, history, seen)
     assert [c.id for c in again] == [c.id for c in second]  # resume proposes the same
+
+
+class _ScriptedBackend:
+    """Returns prepared results in order and counts the calls."""
+
+    name = "scripted"
+
+    def __init__(self, results: list[EvalResult]) -> None:
+        self.results, self.calls = list(results), 0
+
+    def evaluate(self, candidate, **kwargs) -> EvalResult:
+        self.calls += 1
+        return self.results.pop(0)
+
+
+def _timed(candidate: Candidate, median: float, baseline: float) -> EvalResult:
+    result = _result(candidate, median)
+    stats = TimingStats(median_us=baseline, p20_us=baseline, p80_us=baseline, reps=20)
+    result.timings[0].baselines["torch.embedding_bag"] = stats
+    return result.model_copy(
+        update={
+            "device": DeviceInfo(
+                name="gpu", arch="sm_90", torch="t", triton="t", python="p", interpreted=False
+            )
+        }
+    )
+
+
+@pytest.mark.parametrize(("median", "expected"), [(50.0, Status.OK), (5.0, Status.SUSPICIOUS)])
+def test_implausible_speedups_are_remeasured_and_never_accepted(tmp_path, median, expected) -> None:
+    store = Store(tmp_path / "s.db")
+    cand = _candidate(4)
+    store.add_candidate("c", cand)
+    backend = _ScriptedBackend([_timed(cand, median, 100.0), _timed(cand, median, 100.0)])
+    config = parse_config(VALID)
+    ctx = SimpleNamespace(
+        campaign_id="c",
+        store=store,
+        backend=backend,
+        config=config,
+        wall_s=lambda: 0.0,
+        events=SimpleNamespace(evaluated=lambda *a: None),
+    )
+    nodes.evaluate({"pending": [cand.id]}, SimpleNamespace(context=ctx))
+    [row] = store.evaluations("c")
+    assert row.result.status == expected
+    if expected == Status.SUSPICIOUS:  # 20x over the fastest baseline: measured twice, flagged
+        assert backend.calls == 2 and "20.0x" in row.result.message and "review" in row.result.message
+    else:  # 2x: plausible, measured once
+        assert backend.calls == 1
