@@ -4,8 +4,12 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 STAMP := $(VENV)/.installed
+# The Docker engine for the sandbox's docker backend, a prerequisite of `test`; without root
+# or apt-get, run `make test ENGINE=` (its tests skip when no daemon answers).
+ENGINE ?= engine
+DOCKERD_LOG ?= /tmp/recforge-dockerd.log
 
-.PHONY: demo test lint
+.PHONY: demo test lint engine
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +21,29 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/recforge campaign run campaigns/demo.toml
 
-test: $(STAMP)
+test: $(STAMP) $(ENGINE)
 	$(VENV)/bin/python -m pytest -q
+
+# Nothing to do when a daemon answers. Otherwise, as root on Debian or Ubuntu: install the
+# engine (and static busybox, which the sandbox image is built from) and start dockerd without
+# systemd, leaving the host's iptables and interfaces alone (containers run without a network).
+engine:
+	@if docker info >/dev/null 2>&1; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ]; then \
+		echo "engine: no Docker daemon, and installing one here needs root and apt-get; Docker tests skip"; \
+		exit 0; \
+	fi; \
+	if ! command -v dockerd >/dev/null 2>&1 || [ ! -x /bin/busybox ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends docker.io busybox-static >/dev/null || exit 1; \
+	fi; \
+	nohup dockerd --host=unix:///var/run/docker.sock --iptables=false --ip6tables=false \
+		--bridge=none >$(DOCKERD_LOG) 2>&1 & \
+	if ! timeout 30 sh -c 'until docker info >/dev/null 2>&1; do sleep 0.2; done'; then \
+		echo "engine: dockerd did not answer within 30 s; its log ($(DOCKERD_LOG)):"; \
+		cat $(DOCKERD_LOG); exit 1; \
+	fi; \
+	echo "engine: dockerd started (log: $(DOCKERD_LOG))"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

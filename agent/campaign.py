@@ -15,14 +15,33 @@ from pathlib import Path
 
 from langgraph.checkpoint.sqlite import SqliteSaver
 
-from agent.config import CampaignConfig
+from agent.config import CampaignConfig, SandboxConfig
 from agent.graph import compile_graph
 from agent.proposers import SearchProposer
-from agent.state import CampaignContext, CampaignState, Events, _QuietEvents
+from agent.state import Backend, CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
 from sandbox.local import LocalBackend
 from search_space.template import get_template
+
+
+def make_backend(sandbox: SandboxConfig, scratch_root: Path) -> Backend:
+    """The evaluation backend a campaign's config asks for; all three give the same statuses."""
+    if sandbox.backend == "docker":
+        from sandbox.docker_backend import DockerBackend
+
+        return DockerBackend(
+            timeout_s=sandbox.timeout_s,
+            scratch_root=scratch_root,
+            mem_limit=sandbox.docker_mem_limit,
+            cpus=sandbox.docker_cpus,
+        )
+    if sandbox.backend == "ray":
+        from sandbox.ray_backend import RayBackend
+
+        # Ray workers keep their scratch on their own hosts: the campaign's home may not exist there.
+        return RayBackend(address=sandbox.ray_address, timeout_s=sandbox.timeout_s)
+    return LocalBackend(timeout_s=sandbox.timeout_s, scratch_root=scratch_root)
 
 
 def default_home() -> Path:
@@ -76,7 +95,7 @@ class Campaigns:
             campaign_id=campaign_id,
             config=config,
             store=self.store,
-            backend=LocalBackend(timeout_s=config.sandbox.timeout_s, scratch_root=self.home / "scratch"),
+            backend=make_backend(config.sandbox, self.home / "scratch"),
             library=self.library_for(config),
             proposers={
                 p: SearchProposer(get_template(p), sampler=config.proposer.sampler, seed=config.proposer.seed)

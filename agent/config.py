@@ -36,7 +36,14 @@ class BudgetConfig(_Strict):
 
 
 class SandboxConfig(_Strict):
-    backend: Literal["local"] = "local"
+    backend: Literal["local", "docker", "ray"] = Field(
+        "local",
+        description="local: worker processes on this host; docker: each worker in a locked-down "
+        "container; ray: tasks on a Ray cluster, one GPU each where there are GPUs",
+    )
+    ray_address: str | None = Field(None, description="Ray cluster address (None: RAY_ADDRESS or local)")
+    docker_mem_limit: str = Field("8g", description="memory limit of each container")
+    docker_cpus: float = Field(1.0, gt=0, description="CPUs of each container")
     timeout_s: float = Field(300.0, gt=0, description="hard wall-clock limit per evaluation")
     trials: int = Field(2, ge=2, le=10, description="correctness trials per check shape, fresh inputs each")
     baselines: list[str] = Field(

@@ -23,8 +23,7 @@ from pathlib import Path
 from sandbox.candidate import Candidate
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
-from sandbox.screen import screen
-from search_space import get_problem
+from sandbox.screen import screen_candidate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Variables a worker may inherit; everything else (tokens, keys, proxies) stays behind.
@@ -112,23 +111,9 @@ class LocalBackend:
         baselines: list[str] | None = None,
         trials: int = 2,
     ) -> EvalResult:
-        try:
-            forbidden = get_problem(candidate.problem).forbidden_ops
-        except ValueError as exc:
-            return EvalResult(
-                status=Status.STATIC_REJECTED,
-                problem=candidate.problem,
-                candidate_id=candidate.id,
-                message=str(exc),
-            )
-        violations = screen(candidate.source, candidate.entry, forbidden)
-        if violations:
-            return EvalResult(
-                status=Status.STATIC_REJECTED,
-                problem=candidate.problem,
-                candidate_id=candidate.id,
-                message="; ".join(str(v) for v in violations),
-            )
+        rejected = screen_candidate(candidate)
+        if rejected is not None:
+            return rejected
         if self.scratch_root:
             self.scratch_root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root)).resolve()

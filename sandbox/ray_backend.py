@@ -25,13 +25,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandbox.candidate import Candidate
 from sandbox.local import REPO_ROOT, LocalBackend
 from sandbox.result import EvalResult, Status
-from sandbox.screen import screen
-from search_space import get_problem
+from sandbox.screen import screen_candidate
+
+if TYPE_CHECKING:
+    import ray
 
 LOG_TAIL_CHARS = 4000
 
@@ -59,9 +61,11 @@ class RayBackend:
         use_gpus: bool | None = None,
     ) -> None:
         """`address` is `ray.init`'s: None finds RAY_ADDRESS or the cluster last started on this
-        machine, else starts a local one. `scratch_root` is a path on each task's host (default:
-        its temporary directory). `use_gpus`: one GPU per task; None decides by whether the
-        cluster has GPUs now (pass True for a cluster whose GPU nodes are still joining)."""
+        machine, else starts a local one; "ray://host:10001" (Ray Client, for a driver outside
+        the cluster) needs the `ray[client]` extra. `scratch_root` is a path on each task's host
+        (default: its temporary directory). `use_gpus`: one GPU per task; None decides by
+        whether the cluster has GPUs now (pass True for a cluster whose GPU nodes are still
+        joining)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         import ray
@@ -122,48 +126,28 @@ class RayBackend:
         import ray
 
         eval_kwargs = {"check": check, "timing": timing, "baselines": baselines, "trials": trials}
-        results: list[EvalResult | None] = [_rejection(c) for c in candidates]
+        # Screened here, as the local backend screens: a rejected candidate never costs a task.
+        results = {i: r for i, c in enumerate(candidates) if (r := screen_candidate(c)) is not None}
         refs = {
             i: self._task.options(name=f"eval-{c.id}", **self._task_options).remote(
                 c.model_dump_json(), self._backend_kwargs, eval_kwargs
             )
             for i, c in enumerate(candidates)
-            if results[i] is None
+            if i not in results
         }
         try:
             for i, ref in refs.items():
                 results[i] = _gather(candidates[i], ref)
         except BaseException:
-            # An interrupt lands in each running task as KeyboardInterrupt, and the local
-            # backend's clean-up there kills its worker's process group.
+            # An interrupt reaches each running task as KeyboardInterrupt, and the local
+            # backend's clean-up there kills its worker's process group and scratch directory.
             for ref in refs.values():
                 ray.cancel(ref)
             raise
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
+        return [results[i] for i in range(len(candidates))]
 
 
-def _rejection(candidate: Candidate) -> EvalResult | None:
-    """The local backend's static screen, run on the driver: a rejected candidate never costs a
-    task. It must match `LocalBackend.evaluate`'s word for word (the tests compare the two)."""
-    try:
-        forbidden = get_problem(candidate.problem).forbidden_ops
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        violations = screen(candidate.source, candidate.entry, forbidden)
-        if not violations:
-            return None
-        message = "; ".join(str(v) for v in violations)
-    return EvalResult(
-        status=Status.STATIC_REJECTED,
-        problem=candidate.problem,
-        candidate_id=candidate.id,
-        message=message,
-    )
-
-
-def _gather(candidate: Candidate, ref: Any) -> EvalResult:
+def _gather(candidate: Candidate, ref: ray.ObjectRef) -> EvalResult:
     """The task's result, or a runtime error saying how the task itself failed."""
     import ray
 

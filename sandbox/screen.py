@@ -8,6 +8,9 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from sandbox.candidate import Candidate
+from sandbox.result import EvalResult, Status
+
 # Rule imports: a candidate is a self-contained kernel module; nothing but the kernel
 # languages and math may be imported (no os, sys, ctypes, threading, socket, ...).
 ALLOWED_IMPORTS = {"torch", "triton", "triton.language", "math", "__future__"}
@@ -192,3 +195,25 @@ def screen(source: str, entry: str, forbidden_ops: tuple[str, ...] = ()) -> list
     if entry not in top:
         found.append(Violation("entry", 1, f"no top-level function {entry!r}"))
     return sorted(found, key=lambda v: v.line)
+
+
+def screen_candidate(candidate: Candidate) -> EvalResult | None:
+    """The screen as every backend applies it before anything runs: the problem's own rules
+    included. A static_rejected result naming each violation, or None if the candidate may run."""
+    from search_space import get_problem
+
+    try:
+        forbidden = get_problem(candidate.problem).forbidden_ops
+    except ValueError as exc:
+        violations_text = str(exc)
+    else:
+        violations = screen(candidate.source, candidate.entry, forbidden)
+        if not violations:
+            return None
+        violations_text = "; ".join(str(v) for v in violations)
+    return EvalResult(
+        status=Status.STATIC_REJECTED,
+        problem=candidate.problem,
+        candidate_id=candidate.id,
+        message=violations_text,
+    )
