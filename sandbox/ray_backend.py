@@ -83,10 +83,11 @@ class RayBackend:
             use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.timeout_s = timeout_s
         self.use_gpus = use_gpus
-        # Plain values: they travel to the task's host, where a path means that host's path.
+        # Plain values: they travel to the task's host, where a path means that host's path
+        # (absolute here: a Ray worker's working directory is not the driver's).
         self._backend_kwargs = {
             "timeout_s": timeout_s,
-            "scratch_root": None if scratch_root is None else os.fspath(scratch_root),
+            "scratch_root": None if scratch_root is None else os.path.abspath(scratch_root),
             "keep_scratch": keep_scratch,
         }
         self._task = ray.remote(_evaluate_on_host)

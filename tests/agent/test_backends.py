@@ -30,6 +30,7 @@ def _run(tmp_path: Path, backend: str) -> dict[str, str]:
         max_wall_s = 600
         [sandbox]
         backend = "{backend}"
+        ray_address = "local"
         timeout_s = 120
     """))
     campaigns = Campaigns(tmp_path / backend / "home")
