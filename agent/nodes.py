@@ -72,23 +72,27 @@ def _baselines_to_time(ctx: CampaignContext, problem: str) -> list[str]:
 
 
 def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
+    """Evaluate the pending candidates as one batch (a Ray backend spreads it over the cluster);
+    the first evaluation of a problem goes alone, to time the baselines the rest are compared to."""
     ctx = runtime.context
-    for candidate_id in state.get("pending", []):
-        # After a resume, evaluations that finished before the kill are not run again.
-        if ctx.store.is_evaluated(ctx.campaign_id, candidate_id):
-            continue
-        if ctx.wall_s() >= ctx.config.budget.max_wall_s:
-            break
-        candidate = ctx.store.candidate(ctx.campaign_id, candidate_id)
-        baselines = _baselines_to_time(ctx, candidate.problem)
-        result = ctx.backend.evaluate(candidate, baselines=baselines, trials=ctx.config.sandbox.trials)
-        if result.status == Status.OK and baselines:
-            ctx.store.add_baselines(ctx.campaign_id, candidate.problem, result)
-        if result.status == Status.OK and not result.interpreted:
-            result = _check_plausible(ctx, candidate, result)
-        ctx.store.add_evaluation(ctx.campaign_id, result)
-        ctx.store.set_wall(ctx.campaign_id, ctx.wall_s())
-        ctx.events.evaluated(result, best_speedup(ctx, candidate.problem))
+    # After a resume, evaluations that finished before the kill are not run again.
+    todo = [
+        ctx.store.candidate(ctx.campaign_id, cid)
+        for cid in state.get("pending", [])
+        if not ctx.store.is_evaluated(ctx.campaign_id, cid)
+    ]
+    while todo and ctx.wall_s() < ctx.config.budget.max_wall_s:
+        baselines = _baselines_to_time(ctx, todo[0].problem)
+        batch, todo = (todo[:1], todo[1:]) if baselines else (todo, [])
+        results = ctx.backend.evaluate_many(batch, baselines=baselines, trials=ctx.config.sandbox.trials)
+        for candidate, result in zip(batch, results, strict=True):
+            if result.status == Status.OK and baselines:
+                ctx.store.add_baselines(ctx.campaign_id, candidate.problem, result)
+            if result.status == Status.OK and not result.interpreted:
+                result = _check_plausible(ctx, candidate, result)
+            ctx.store.add_evaluation(ctx.campaign_id, result)
+            ctx.store.set_wall(ctx.campaign_id, ctx.wall_s())
+            ctx.events.evaluated(result, best_speedup(ctx, candidate.problem))
     return {"pending": []}
 
 

@@ -7,6 +7,7 @@ budgets spent live in the store, which outlives any process.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict
 
@@ -40,6 +41,16 @@ class Backend(Protocol):
         baselines: list[str] | None = None,
         trials: int = 2,
     ) -> EvalResult: ...
+
+    def evaluate_many(
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        check: bool = True,
+        timing: bool = True,
+        baselines: list[str] | None = None,
+        trials: int = 2,
+    ) -> list[EvalResult]: ...
 
 
 class Events(Protocol):

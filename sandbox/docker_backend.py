@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,10 @@ class DockerBackend:
     @functools.cached_property
     def image(self) -> str:
         return self._image or ensure_image(self.client)
+
+    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
+        """One after another: the evaluations on one host share its GPU, and timings must not."""
+        return [self.evaluate(c, **kwargs) for c in candidates]
 
     def evaluate(
         self,

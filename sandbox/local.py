@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sandbox.candidate import Candidate
@@ -101,6 +102,10 @@ class LocalBackend:
         if not _cuda_present():
             env["TRITON_INTERPRET"] = "1"
         return env
+
+    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
+        """One after another: the evaluations on one host share its GPU, and timings must not."""
+        return [self.evaluate(c, **kwargs) for c in candidates]
 
     def evaluate(
         self,

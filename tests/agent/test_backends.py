@@ -16,11 +16,12 @@ pytestmark = pytest.mark.slow
 
 def _run(tmp_path: Path, backend: str) -> dict[str, str]:
     cfg = tmp_path / f"{backend}.toml"
-    cfg.write_text(textwrap.dedent(f"""
+    cfg.write_text(
+        textwrap.dedent(f"""
         name = "{backend}"
         problems = ["embedding_bag"]
-        output_dir = "{tmp_path / backend / 'out'}"
-        library = "{tmp_path / backend / 'library'}"
+        output_dir = "{tmp_path / backend / "out"}"
+        library = "{tmp_path / backend / "library"}"
         register_kernels = false
         [proposer]
         batch_size = 3
@@ -32,7 +33,8 @@ def _run(tmp_path: Path, backend: str) -> dict[str, str]:
         backend = "{backend}"
         ray_address = "local"
         timeout_s = 120
-    """))
+    """)
+    )
     campaigns = Campaigns(tmp_path / backend / "home")
     outcome = campaigns.start(load_config(cfg))
     return {r.candidate.id: r.result.status.value for r in campaigns.store.evaluations(outcome.campaign_id)}

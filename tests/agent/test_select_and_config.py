@@ -121,6 +121,9 @@ class _ScriptedBackend:
         self.calls += 1
         return self.results.pop(0)
 
+    def evaluate_many(self, candidates, **kwargs) -> list[EvalResult]:
+        return [self.evaluate(c, **kwargs) for c in candidates]
+
 
 def _timed(candidate: Candidate, median: float, baseline: float) -> EvalResult:
     result = _result(candidate, median)
