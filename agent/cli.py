@@ -62,7 +62,10 @@ class _ProgressEvents:
         self.progress, self.task = progress, task
 
     def evaluated(self, result: EvalResult, best_speedup: float | None) -> None:
-        best = f"best {best_speedup:.2f}x" if best_speedup else "no correct candidate yet"
+        if result.interpreted:
+            best = "interpreted: no speed figures"
+        else:
+            best = f"best {best_speedup:.2f}x" if best_speedup else "no correct candidate yet"
         self.progress.update(
             self.task, advance=1, description=f"{result.problem}: {result.status.value:<15} {best}"
         )
