@@ -15,12 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,9 +26,9 @@ from pydantic import ValidationError
 
 from sandbox.candidate import Candidate
 from sandbox.docker_image import REPO_ROOT, docker_client, ensure_image, mounted_roots
+from sandbox.local import WorkerBackend
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
-from sandbox.screen import screen_candidate
 
 if TYPE_CHECKING:
     pass
@@ -54,7 +51,7 @@ class SandboxRun:
     wall_s: float
 
 
-class DockerBackend:
+class DockerBackend(WorkerBackend):
     """Evaluates candidates in containers of the local Docker daemon."""
 
     name = "docker"
@@ -93,43 +90,8 @@ class DockerBackend:
     def image(self) -> str:
         return self._image or ensure_image(self.client)
 
-    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
-        """One after another: the evaluations on one host share its GPU, and timings must not."""
-        return [self.evaluate(c, **kwargs) for c in candidates]
-
-    def evaluate(
-        self,
-        candidate: Candidate,
-        *,
-        check: bool = True,
-        timing: bool = True,
-        baselines: list[str] | None = None,
-        trials: int = 2,
-    ) -> EvalResult:
-        rejected = screen_candidate(candidate)
-        if rejected is not None:
-            return rejected
-        if self.scratch_root:
-            self.scratch_root.mkdir(parents=True, exist_ok=True)
-        io_dir = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root)).resolve()
-        try:
-            return self._run(
-                candidate,
-                io_dir,
-                EvalRequest(
-                    problem=candidate.problem,
-                    candidate_id=candidate.id,
-                    source_file=f"{IO_DIR}/candidate.py",
-                    entry=candidate.entry,
-                    check=check,
-                    timing=timing,
-                    baselines=baselines or [],
-                    trials=trials,
-                ),
-            )
-        finally:
-            if not self.keep_scratch:
-                shutil.rmtree(io_dir, ignore_errors=True)
+    def _source_file(self, scratch: Path) -> str:
+        return f"{IO_DIR}/candidate.py"  # the per-evaluation directory, as mounted in the container
 
     def _run(self, candidate: Candidate, io_dir: Path, request: EvalRequest) -> EvalResult:
         (io_dir / "candidate.py").write_text(candidate.source)

@@ -68,7 +68,60 @@ def _limits(cpu_seconds: int, address_space: int | None) -> None:  # in the chil
 CPU_ADDRESS_SPACE = 16 * 1024**3
 
 
-class LocalBackend:
+class WorkerBackend:
+    """What every backend that runs `sandbox.worker` on one host shares: screen first, then a
+    fresh scratch directory per evaluation, removed afterwards. Subclasses run the worker."""
+
+    scratch_root: Path | None
+    keep_scratch: bool
+
+    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
+        """One after another: the evaluations on one host share its GPU, and timings must not."""
+        return [self.evaluate(c, **kwargs) for c in candidates]
+
+    def evaluate(
+        self,
+        candidate: Candidate,
+        *,
+        check: bool = True,
+        timing: bool = True,
+        baselines: list[str] | None = None,
+        trials: int = 2,
+    ) -> EvalResult:
+        rejected = screen_candidate(candidate)
+        if rejected is not None:
+            return rejected
+        if self.scratch_root:
+            self.scratch_root.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root)).resolve()
+        try:
+            return self._run(
+                candidate,
+                scratch,
+                EvalRequest(
+                    problem=candidate.problem,
+                    candidate_id=candidate.id,
+                    source_file=self._source_file(scratch),
+                    entry=candidate.entry,
+                    check=check,
+                    timing=timing,
+                    baselines=baselines or [],
+                    trials=trials,
+                ),
+            )
+        finally:
+            if not self.keep_scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def _source_file(self, scratch: Path) -> str:
+        """Where the worker finds the candidate's source."""
+        return str(scratch / "candidate.py")
+
+    def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
+        raise NotImplementedError
+
+
+class LocalBackend(WorkerBackend):
     """Evaluates candidates in worker processes on this machine."""
 
     name = "local"
@@ -102,44 +155,6 @@ class LocalBackend:
         if not _cuda_present():
             env["TRITON_INTERPRET"] = "1"
         return env
-
-    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
-        """One after another: the evaluations on one host share its GPU, and timings must not."""
-        return [self.evaluate(c, **kwargs) for c in candidates]
-
-    def evaluate(
-        self,
-        candidate: Candidate,
-        *,
-        check: bool = True,
-        timing: bool = True,
-        baselines: list[str] | None = None,
-        trials: int = 2,
-    ) -> EvalResult:
-        rejected = screen_candidate(candidate)
-        if rejected is not None:
-            return rejected
-        if self.scratch_root:
-            self.scratch_root.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root)).resolve()
-        try:
-            return self._run(
-                candidate,
-                scratch,
-                EvalRequest(
-                    problem=candidate.problem,
-                    candidate_id=candidate.id,
-                    source_file=str(scratch / "candidate.py"),
-                    entry=candidate.entry,
-                    check=check,
-                    timing=timing,
-                    baselines=baselines or [],
-                    trials=trials,
-                ),
-            )
-        finally:
-            if not self.keep_scratch:
-                shutil.rmtree(scratch, ignore_errors=True)
 
     def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
         (scratch / "candidate.py").write_text(candidate.source)
