@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -54,13 +53,6 @@ def network_namespace_prefix() -> tuple[str, ...]:
         if ok:
             return args
     return ()
-
-
-def _limits(cpu_seconds: int, address_space: int | None) -> None:  # in the child, before exec
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if address_space is not None:
-        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
 
 # Address-space cap of a worker without a GPU. (With CUDA none is set: the driver reserves
@@ -157,6 +149,14 @@ class LocalBackend(WorkerBackend):
         return env
 
     def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
+        # CPU time backs up the wall-clock timeout (a worker that forks past the process group
+        # kill still cannot spin forever); the address-space cap only where there is no GPU.
+        request = request.model_copy(
+            update={
+                "cpu_seconds": int(self.timeout_s) + 30,
+                "address_space_bytes": None if _cuda_present() else CPU_ADDRESS_SPACE,
+            }
+        )
         (scratch / "candidate.py").write_text(candidate.source)
         (scratch / "request.json").write_text(request.model_dump_json())
         result_path = scratch / "result.json"
@@ -178,9 +178,6 @@ class LocalBackend(WorkerBackend):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=functools.partial(
-                    _limits, int(self.timeout_s) + 30, None if _cuda_present() else CPU_ADDRESS_SPACE
-                ),
             )
             timed_out = False
             try:

@@ -45,6 +45,9 @@ class EvalRequest(BaseModel):
     timing: bool = True
     baselines: list[str] = []  # names among "reference", "reference.compile", problem baselines
     input_sets: int = 3
+    # Applied by the worker to itself before the candidate is imported (None: not set here).
+    cpu_seconds: int | None = None
+    address_space_bytes: int | None = None
 
 
 def fresh_seed() -> int:

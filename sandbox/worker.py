@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import platform
+import resource
 import sys
 import time
 import traceback
@@ -176,9 +177,22 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
     return done(Status.OK, checks=checks, timings=timings)
 
 
+def apply_limits(request: EvalRequest) -> None:
+    """Set the worker's own resource limits before any candidate code exists in the process.
+    (Here rather than between fork and exec in the parent, which is unsafe when the parent has
+    threads, as a Ray worker always does.)"""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if request.cpu_seconds is not None:
+        resource.setrlimit(resource.RLIMIT_CPU, (request.cpu_seconds, request.cpu_seconds))
+    if request.address_space_bytes is not None:
+        limit = request.address_space_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
 def main(argv: list[str]) -> int:
     request_path, result_path = Path(argv[0]), Path(argv[1])
     request = EvalRequest.model_validate_json(request_path.read_text())
+    apply_limits(request)
     log = io.StringIO()
     with redirect_stdout(log), redirect_stderr(log):
         result = evaluate(request, log)
