@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -266,6 +268,29 @@ def library_list(
     console.print(table)
     if not entries:
         console.print("no accepted kernels yet: dispatch uses the default kernels")
+
+
+@bench_app.command("sandbox")
+def bench_sandbox(
+    candidates: Annotated[int, typer.Option(min=2, help="candidates in the realistic mix")] = 30,
+    backend: Annotated[str, typer.Option(help="local, docker or ray")] = "local",
+    timeout: Annotated[float, typer.Option(help="hard wall-clock limit per evaluation")] = 300.0,
+) -> None:
+    """Evaluations per hour on a realistic candidate mix (most correct, a third wrong, a few crash)."""
+    from agent.campaign import make_backend
+    from agent.config import SandboxConfig
+    from evals.bench_sandbox import run_sandbox_benchmark
+
+    try:
+        config = SandboxConfig(backend=backend, timeout_s=timeout)
+    except ValueError as exc:
+        raise fail(f"bad option: {exc}") from None
+    names = ["reference", "torch.embedding_bag"] + (["reference.compile"] if _cuda_present() else [])
+    scratch = Path(tempfile.mkdtemp(prefix="recforge-bench-"))
+    try:
+        run_sandbox_benchmark(make_backend(config, scratch), candidates, baselines=names, console=console)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @bench_app.command("ops")

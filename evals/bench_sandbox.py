@@ -1,0 +1,91 @@
+"""Sandbox throughput: candidate evaluations per hour on a realistic mix.
+
+The mix follows what a campaign sends: most candidates are knob settings of the template that
+compile and pass, a third are wrong (a bug in the mean path, found only on some check shapes),
+and a few crash (raise inside the entry). Each is checked on every check shape and, if correct,
+timed on the problem's timing shapes, exactly as in a campaign; the baselines are timed once,
+by the first evaluation, as a campaign does.
+
+    evaluations per hour = number of candidates / wall seconds * 3600
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+from rich.console import Console
+from rich.table import Table
+
+from sandbox.candidate import Candidate
+from search_space.embedding_bag import TEMPLATE
+
+WRONG_EDIT = ("acc = acc / tl.maximum", "acc = acc * 2 / tl.maximum")
+CRASH_LINE = '    raise RuntimeError("crashed on purpose")\n'
+
+
+def realistic_mix(n: int, seed: int = 0) -> list[Candidate]:
+    """`n` distinct candidates: about 60% correct, a third wrong, the rest crashing."""
+    rng = random.Random(seed)
+    settings, seen = [], set()
+    while len(settings) < n:
+        knobs = {k.name: rng.choice(k.choices) for k in TEMPLATE.knobs}
+        try:
+            source = TEMPLATE.render(knobs)
+        except ValueError:
+            continue  # a constraint: the proposer would not send it either
+        if source not in seen:
+            seen.add(source)
+            settings.append((knobs, source))
+    out = []
+    for i, (knobs, source) in enumerate(settings):
+        kind = "wrong" if i % 3 == 1 else "crash" if i % 10 == 9 else "correct"
+        if kind == "wrong":
+            source = source.replace(*WRONG_EDIT)
+        elif kind == "crash":
+            source = source.replace(
+                '    """weight [num_rows, D]', CRASH_LINE + '    """weight [num_rows, D]', 1
+            )
+        out.append(
+            Candidate(
+                problem="embedding_bag", source=source, entry=TEMPLATE.entry, knobs=knobs, origin="template"
+            )
+        )
+    return out
+
+
+def run_sandbox_benchmark(backend, n: int, *, baselines: list[str], console: Console | None = None) -> dict:
+    console = console or Console()
+    candidates = realistic_mix(n)
+    t0 = time.perf_counter()
+    first = backend.evaluate(candidates[0], baselines=baselines)
+    results = [first, *backend.evaluate_many(candidates[1:])]
+    wall = time.perf_counter() - t0
+    statuses = Counter(r.status.value for r in results)
+    interpreted = any(r.interpreted for r in results)
+    per_hour = len(results) / wall * 3600
+    table = Table(
+        "candidates",
+        "wall s",
+        "evaluations per hour",
+        "statuses",
+        "backend",
+        title="sandbox throughput" + (" (interpreted Triton on a CPU)" if interpreted else ""),
+    )
+    table.add_row(
+        str(len(results)),
+        f"{wall:.1f}",
+        f"{per_hour:.0f}",
+        ", ".join(f"{k} {v}" for k, v in statuses.most_common()),
+        backend.name,
+    )
+    console.print(table)
+    return {
+        "candidates": len(results),
+        "wall_s": wall,
+        "evaluations_per_hour": per_hour,
+        "statuses": dict(statuses),
+        "interpreted": interpreted,
+        "backend": backend.name,
+    }
