@@ -41,7 +41,9 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path) -> Backend:
 
         # Ray workers keep their scratch on their own hosts: the campaign's home may not exist there.
         return RayBackend(address=sandbox.ray_address, timeout_s=sandbox.timeout_s)
-    return LocalBackend(timeout_s=sandbox.timeout_s, scratch_root=scratch_root)
+    return LocalBackend(
+        timeout_s=sandbox.timeout_s, scratch_root=scratch_root, parallel=sandbox.parallel_workers
+    )
 
 
 def default_home() -> Path:

@@ -275,6 +275,7 @@ def bench_sandbox(
     candidates: Annotated[int, typer.Option(min=2, help="candidates in the realistic mix")] = 30,
     backend: Annotated[str, typer.Option(help="local, docker or ray")] = "local",
     timeout: Annotated[float, typer.Option(help="hard wall-clock limit per evaluation")] = 300.0,
+    parallel: Annotated[int, typer.Option(help="local backend: workers at once (timing takes turns)")] = 1,
 ) -> None:
     """Evaluations per hour on a realistic candidate mix (most correct, a third wrong, a few crash)."""
     from agent.campaign import make_backend
@@ -282,7 +283,7 @@ def bench_sandbox(
     from evals.bench_sandbox import run_sandbox_benchmark
 
     try:
-        config = SandboxConfig(backend=backend, timeout_s=timeout)
+        config = SandboxConfig(backend=backend, timeout_s=timeout, parallel_workers=parallel)
     except ValueError as exc:
         raise fail(f"bad option: {exc}") from None
     names = ["reference", "torch.embedding_bag"] + (["reference.compile"] if _cuda_present() else [])

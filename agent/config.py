@@ -41,6 +41,9 @@ class SandboxConfig(_Strict):
         description="local: worker processes on this host; docker: each worker in a locked-down "
         "container; ray: tasks on a Ray cluster, one GPU each where there are GPUs",
     )
+    parallel_workers: int = Field(
+        1, ge=1, le=16, description="local backend: workers at once; they take turns only for timing"
+    )
     ray_address: str | None = Field(None, description="Ray cluster address (None: RAY_ADDRESS or local)")
     docker_mem_limit: str = Field("8g", description="memory limit of each container")
     docker_cpus: float = Field(1.0, gt=0, description="CPUs of each container")

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sandbox.candidate import Candidate
@@ -124,13 +125,29 @@ class LocalBackend(WorkerBackend):
         timeout_s: float = 300.0,
         scratch_root: str | os.PathLike | None = None,
         keep_scratch: bool = False,
+        parallel: int = 1,
     ) -> None:
+        """`parallel` workers run at once in `evaluate_many`: they import, compile and check side
+        by side, and take turns for timing (a file lock), so timings stay those of a lone run."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if parallel < 1:
+            raise ValueError(f"parallel must be at least 1, got {parallel}")
         self.timeout_s = timeout_s
         # Absolute: the worker runs with its scratch directory as working directory.
         self.scratch_root = Path(scratch_root).resolve() if scratch_root else None
         self.keep_scratch = keep_scratch
+        self.parallel = parallel
+        # One lock per set of visible GPUs, shared by every backend on this host: two campaigns
+        # on one GPU take turns too.
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-") or "none"
+        self.timing_lock = Path(tempfile.gettempdir()) / f"recforge-timing-{devices}.lock"
+
+    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
+        if self.parallel == 1 or len(candidates) < 2:
+            return super().evaluate_many(candidates, **kwargs)
+        with ThreadPoolExecutor(max_workers=self.parallel) as pool:
+            return list(pool.map(lambda c: self.evaluate(c, **kwargs), candidates))
 
     def _env(self, scratch: Path) -> dict[str, str]:
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
@@ -153,6 +170,7 @@ class LocalBackend(WorkerBackend):
         # kill still cannot spin forever); the address-space cap only where there is no GPU.
         request = request.model_copy(
             update={
+                "timing_lock": str(self.timing_lock),
                 "cpu_seconds": int(self.timeout_s) + 30,
                 "address_space_bytes": None if _cuda_present() else CPU_ADDRESS_SPACE,
             }

@@ -45,6 +45,9 @@ class EvalRequest(BaseModel):
     timing: bool = True
     baselines: list[str] = []  # names among "reference", "reference.compile", problem baselines
     input_sets: int = 3
+    # A file the worker holds an exclusive lock on while it times: workers check and compile
+    # side by side, but only one at a time measures the GPU.
+    timing_lock: str | None = None
     # Applied by the worker to itself before the candidate is imported (None: not set here).
     cpu_seconds: int | None = None
     address_space_bytes: int | None = None

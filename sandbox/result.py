@@ -75,6 +75,7 @@ class EvalResult(BaseModel):
     device: DeviceInfo | None = None
     log_tail: str = ""
     wall_s: float = 0.0
+    timing_window: tuple[float, float] | None = None  # wall-clock start and end of the timing phase
 
     @property
     def interpreted(self) -> bool:

@@ -7,6 +7,8 @@ on GPU hosts that hold none of the agent's dependencies.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import io
 import platform
@@ -14,6 +16,7 @@ import resource
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -164,9 +167,13 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
                 Status.SUSPICIOUS, f"{proof.message}: the op was not computed by its kernels", checks=checks
             )
     timings: list[ShapeTiming] = []
+    window = None
     if request.timing:
         try:
-            timings = time_shapes(problem, fn, request, device, info.arch)
+            with exclusive(request.timing_lock):
+                start = time.time()
+                timings = time_shapes(problem, fn, request, device, info.arch)
+                window = (start, time.time())
         except Exception as exc:
             return done(
                 Status.RUNTIME_ERROR,
@@ -174,7 +181,21 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
                 checks=checks,
                 log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
             )
-    return done(Status.OK, checks=checks, timings=timings)
+    return done(Status.OK, checks=checks, timings=timings, timing_window=window)
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str | None) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_path` (nothing when None); released when the process dies."""
+    if lock_path is None:
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def apply_limits(request: EvalRequest) -> None:

@@ -133,3 +133,18 @@ def test_forbidden_import_is_rejected_without_a_worker(
     assert result.status == Status.STATIC_REJECTED
     assert f"line {line}: rule 'imports': import of 'os'" in result.message
     assert started == []
+
+
+def test_parallel_workers_take_turns_for_timing(tmp_path: Path) -> None:
+    """Workers run side by side but hold the timing lock one at a time: their timing phases
+    never overlap, so a timing is what a lone run would measure."""
+    backend = LocalBackend(timeout_s=120, scratch_root=tmp_path, parallel=2)
+    sources = [TEMPLATE.render({"BLOCK_L": n}) for n in (4, 16, 32)]
+    # Unchecked, so that both workers reach their timing phase at about the same moment.
+    results = backend.evaluate_many([_candidate(s) for s in sources], check=False)
+    assert [r.status for r in results] == [Status.OK] * 3, [r.message for r in results]
+    windows = sorted(r.timing_window for r in results)
+    assert all(w is not None for w in windows)
+    for (_, end), (start, _) in zip(windows, windows[1:], strict=False):
+        assert end <= start, f"timing phases overlap: {windows}"
+    assert [r.candidate_id for r in results] == [_candidate(s).id for s in sources]  # order kept
