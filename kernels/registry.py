@@ -9,7 +9,6 @@ hand-written default, else the plain PyTorch reference when Triton cannot run at
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import importlib.util
 import json
 import os
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from search_space.template import source_hash
 
 MANIFEST = "manifest.json"
 PACKAGE_LIBRARY = Path(__file__).parent / "library"
@@ -100,14 +101,14 @@ class KernelLibrary:
         evidence: dict,
         provenance: dict,
     ) -> LibraryEntry:
-        source_hash = hashlib.sha256(source.encode()).hexdigest()[:16]
-        kernel_id = f"{op}_{source_hash}"
+        digest = source_hash(source)
+        kernel_id = f"{op}_{digest}"
         new = LibraryEntry(
             kernel_id=kernel_id,
             op=op,
             entry=entry,
             source_file=f"{kernel_id}.py",
-            source_hash=source_hash,
+            source_hash=digest,
             arch=arch,
             dtype=dtype,
             buckets=sorted(buckets),

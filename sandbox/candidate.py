@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, computed_field
 
-
-def source_hash(source: str) -> str:
-    """Content hash naming a candidate everywhere: store, scratch directories, library."""
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+from search_space.template import source_hash
 
 
 class Candidate(BaseModel):
