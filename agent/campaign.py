@@ -21,6 +21,7 @@ from agent.proposers import SearchProposer
 from agent.state import Backend, CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
+from sandbox.hardware import cuda_present
 from sandbox.local import LocalBackend
 from search_space.template import get_template
 
@@ -108,7 +109,7 @@ class Campaigns:
             wall_offset_s=row.wall_s,
             segment_start=time.monotonic(),
         )
-        if not _cuda_present():
+        if not cuda_present():
             # reference.compile on a CPU costs a C++ build per shape and times nothing useful.
             ctx.config = config.model_copy(deep=True)
             ctx.config.sandbox.baselines = [b for b in config.sandbox.baselines if b != "reference.compile"]
@@ -154,9 +155,3 @@ class Campaigns:
             report=Path(ctx.report_dir) / "report.md",
             library=ctx.library.root,
         )
-
-
-def _cuda_present() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sandbox.hardware import cuda_present
 from sandbox.result import EvalResult
 
 app = typer.Typer(
@@ -46,12 +47,6 @@ def _interpret_without_gpu() -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def _cuda_present() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -205,7 +200,7 @@ def sandbox_eval(
         raise fail(f"cannot read {source}: {exc}") from None
     candidate = Candidate(problem=prob.name, source=text, entry=entry or prob.entry, origin="human")
     names = ["reference", *prob.baselines]
-    if _cuda_present():  # compiling the reference on a CPU costs a C++ build and times nothing useful
+    if cuda_present():  # compiling the reference on a CPU costs a C++ build and times nothing useful
         names.insert(1, "reference.compile")
     result = LocalBackend(timeout_s=timeout).evaluate(
         candidate, timing=timing, baselines=names if baselines else []
@@ -286,7 +281,7 @@ def bench_sandbox(
         config = SandboxConfig(backend=backend, timeout_s=timeout, parallel_workers=parallel)
     except ValueError as exc:
         raise fail(f"bad option: {exc}") from None
-    names = ["reference", "torch.embedding_bag"] + (["reference.compile"] if _cuda_present() else [])
+    names = ["reference", "torch.embedding_bag"] + (["reference.compile"] if cuda_present() else [])
     scratch = Path(tempfile.mkdtemp(prefix="recforge-bench-"))
     try:
         run_sandbox_benchmark(make_backend(config, scratch), candidates, baselines=names, console=console)

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from sandbox.candidate import Candidate
 from sandbox.docker_image import REPO_ROOT, docker_client, ensure_image, mounted_roots
+from sandbox.hardware import cuda_present
 from sandbox.local import WorkerBackend
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
@@ -78,7 +79,7 @@ class DockerBackend(WorkerBackend):
         self.timeout_s = timeout_s
         self.mem_limit = mem_limit
         self.cpus = cpus
-        self.gpus = _cuda_present() if gpus is None else gpus
+        self.gpus = cuda_present() if gpus is None else gpus
         # Absolute: it is bind-mounted, and the daemon resolves no relative paths.
         self.scratch_root = Path(scratch_root).resolve() if scratch_root else None
         self.keep_scratch = keep_scratch
@@ -244,10 +245,3 @@ class DockerBackend(WorkerBackend):
         finally:
             with contextlib.suppress(docker.errors.NotFound):
                 container.remove(force=True)
-
-
-@functools.cache
-def _cuda_present() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -6,6 +6,8 @@ re-measures the copy bandwidth in the same run as its kernels."""
 
 from __future__ import annotations
 
+import functools
+
 CEILINGS: dict[str, dict[str, float]] = {
     "sm_90": {"hbm_bytes_per_s": 4.25e12, "bf16_flops_per_s": 7.5e14},
 }
@@ -17,3 +19,11 @@ def roofline_seconds(arch: str, flops: float, nbytes: float) -> float | None:
     if c is None:
         return None
     return max(flops / c["bf16_flops_per_s"], nbytes / c["hbm_bytes_per_s"])
+
+
+@functools.cache
+def cuda_present() -> bool:
+    """Whether this host has a GPU that workers will use (torch imported only when asked)."""
+    import torch
+
+    return torch.cuda.is_available()

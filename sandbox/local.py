@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sandbox.candidate import Candidate
+from sandbox.hardware import cuda_present
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
 from sandbox.screen import screen_candidate
@@ -161,7 +162,7 @@ class LocalBackend(WorkerBackend):
             PYTHONDONTWRITEBYTECODE="1",
             PYTHONUNBUFFERED="1",
         )
-        if not _cuda_present():
+        if not cuda_present():
             env["TRITON_INTERPRET"] = "1"
         return env
 
@@ -172,7 +173,7 @@ class LocalBackend(WorkerBackend):
             update={
                 "timing_lock": str(self.timing_lock),
                 "cpu_seconds": int(self.timeout_s) + 30,
-                "address_space_bytes": None if _cuda_present() else CPU_ADDRESS_SPACE,
+                "address_space_bytes": None if cuda_present() else CPU_ADDRESS_SPACE,
             }
         )
         (scratch / "candidate.py").write_text(candidate.source)
@@ -225,10 +226,3 @@ class LocalBackend(WorkerBackend):
             )
         result = EvalResult.model_validate_json(result_path.read_text())
         return result.model_copy(update={"wall_s": wall})
-
-
-@functools.cache
-def _cuda_present() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
