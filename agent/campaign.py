@@ -114,7 +114,6 @@ class Campaigns:
             ctx.config = config.model_copy(deep=True)
             ctx.config.sandbox.baselines = [b for b in config.sandbox.baselines if b != "reference.compile"]
         run_config = {"configurable": {"thread_id": campaign_id}, "recursion_limit": 1_000_000}
-        self.store.set_status(campaign_id, "running")
         with SqliteSaver.from_conn_string(str(self.checkpoints)) as saver:
             graph = compile_graph(saver)
             snapshot = graph.get_state(run_config)
@@ -124,6 +123,7 @@ class Campaigns:
                     f"campaign {campaign_id} already finished "
                     f"({row.stop_reason or row.status}); see `recforge campaign status {campaign_id}`"
                 )
+            self.store.set_status(campaign_id, "running")
             initial: CampaignState | None = None
             if fresh or not started:
                 initial = {

@@ -96,3 +96,4 @@ def test_killed_campaign_resumes_and_finishes(tmp_path: Path) -> None:
     assert campaigns.store.campaign(row.id).status == "finished"
     with pytest.raises(CampaignError, match="already finished"):
         campaigns.resume(row.id)
+    assert campaigns.store.campaign(row.id).status == "finished"  # a refused resume changes nothing
