@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from statistics import geometric_mean
 from typing import Literal
 
 from langgraph.runtime import Runtime
@@ -103,12 +104,7 @@ def best_baseline_speedup(result: EvalResult, stored: dict[str, dict[str, Timing
         known = stored.get(f"{t.shape}/{t.dtype}", {}) | t.baselines
         if known:
             ratios.append(min(b.median_us for b in known.values()) / t.candidate.median_us)
-    if not ratios:
-        return None
-    prod = 1.0
-    for r in ratios:
-        prod *= r
-    return prod ** (1 / len(ratios))
+    return geometric_mean(ratios) if ratios else None
 
 
 def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> EvalResult:
@@ -191,13 +187,7 @@ def register(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
 
 
 def _geomean_us(row: EvaluationRow, dtype: str) -> float | None:
-    times = [t.candidate.median_us for t in row.result.timings if t.dtype == dtype]
-    if row.result.status != Status.OK or not times:
-        return None
-    prod = 1.0
-    for t in times:
-        prod *= t
-    return prod ** (1 / len(times))
+    return row.result.geomean_us(dtype) if row.result.status == Status.OK else None
 
 
 def _winners(ctx: CampaignContext, problem: str, rows: list[EvaluationRow]) -> dict[str, list[str]]:

@@ -14,6 +14,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from statistics import geometric_mean
 
 import torch
 
@@ -85,11 +86,8 @@ def main() -> None:
         print(f"{i:3d} " + " ".join(f"{g:7.0f}" for g in row) + f"  {knobs}", flush=True)
     print("\nbest by geometric mean GB/s over " + ", ".join(s.name + "/" + s.dtype for s in shapes))
 
-    def gm(r):
-        prod = 1.0
-        for g in r:
-            prod *= g if g == g else 1e-9
-        return prod ** (1 / len(r))
+    def gm(row: list[float]) -> float:  # a failed shape (NaN) counts as nearly zero
+        return geometric_mean([g if g == g else 1e-9 for g in row])
 
     for knobs, row in sorted(results, key=lambda kr: -gm(kr[1]))[:10]:
         print(f"{gm(row):7.0f} " + " ".join(f"{g:7.0f}" for g in row) + f"  {knobs}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from statistics import geometric_mean
 
 from pydantic import BaseModel, Field
 
@@ -81,14 +82,10 @@ class EvalResult(BaseModel):
     def interpreted(self) -> bool:
         return self.device is not None and self.device.interpreted
 
-    def geomean_us(self) -> float | None:
-        """Geometric mean of the candidate's median time over the timing shapes."""
-        if not self.timings:
-            return None
-        prod = 1.0
-        for t in self.timings:
-            prod *= t.candidate.median_us
-        return prod ** (1.0 / len(self.timings))
+    def geomean_us(self, dtype: str | None = None) -> float | None:
+        """Geometric mean of the candidate's median time over the timing shapes (of `dtype`)."""
+        times = [t.candidate.median_us for t in self.timings if dtype in (None, t.dtype)]
+        return geometric_mean(times) if times else None
 
     def speedups(self, baselines: dict[str, dict[str, TimingStats]] | None = None) -> dict[str, float]:
         """Geometric-mean speedup over each baseline, from this result's own baseline timings
@@ -100,10 +97,4 @@ class EvalResult(BaseModel):
                 known = baselines.get(f"{t.shape}/{t.dtype}", {}) | known
             for name, stats in known.items():
                 ratios.setdefault(name, []).append(stats.median_us / t.candidate.median_us)
-        out = {}
-        for name, values in ratios.items():
-            prod = 1.0
-            for v in values:
-                prod *= v
-            out[name] = prod ** (1.0 / len(values))
-        return out
+        return {name: geometric_mean(values) for name, values in ratios.items()}
