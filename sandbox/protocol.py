@@ -128,7 +128,8 @@ def check_shape(
     propagate."""
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     pristine = inputs.clone()
-    ref = problem.reference(*pristine.clone().args, **pristine.clone().kwargs)
+    ref_inputs = pristine.clone()  # the reference gets its own copy: it may not see the candidate's
+    ref = problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
     poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
     out = fn(*inputs.args, **inputs.kwargs)
     if device.type == "cuda":
@@ -196,7 +197,8 @@ def kernels_do_the_work(problem: Problem, fn: Callable, device: torch.device) ->
     computed the op some other way (a torch fallback, a cached result)."""
     shape = next(s for s in problem.check_shapes if _nonzero_output(s))
     inputs = problem.make_inputs(shape, fresh_seed(), device)
-    ref = problem.reference(*inputs.clone().args, **inputs.clone().kwargs)
+    ref_inputs = inputs.clone()
+    ref = problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
     poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
     with kernels_disabled():
         out = fn(*inputs.args, **inputs.kwargs)
