@@ -21,7 +21,6 @@ from agent.proposers import SearchProposer
 from agent.state import Backend, CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
-from sandbox.hardware import cuda_present
 from sandbox.local import LocalBackend
 from search_space.template import get_template
 
@@ -109,10 +108,6 @@ class Campaigns:
             wall_offset_s=row.wall_s,
             segment_start=time.monotonic(),
         )
-        if not cuda_present():
-            # reference.compile on a CPU costs a C++ build per shape and times nothing useful.
-            ctx.config = config.model_copy(deep=True)
-            ctx.config.sandbox.baselines = [b for b in config.sandbox.baselines if b != "reference.compile"]
         run_config = {"configurable": {"thread_id": campaign_id}, "recursion_limit": 1_000_000}
         with SqliteSaver.from_conn_string(str(self.checkpoints)) as saver:
             graph = compile_graph(saver)

@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sandbox.hardware import cuda_present
 from sandbox.result import EvalResult
 
 app = typer.Typer(
@@ -186,6 +185,7 @@ def sandbox_eval(
 ) -> None:
     """Check and time one candidate in an isolated worker process."""
     from sandbox import Candidate, LocalBackend, Status
+    from sandbox.protocol import all_baselines
     from search_space import get_problem
 
     try:
@@ -199,11 +199,8 @@ def sandbox_eval(
     except (OSError, UnicodeDecodeError) as exc:
         raise fail(f"cannot read {source}: {exc}") from None
     candidate = Candidate(problem=prob.name, source=text, entry=entry or prob.entry, origin="human")
-    names = ["reference", *prob.baselines]
-    if cuda_present():  # compiling the reference on a CPU costs a C++ build and times nothing useful
-        names.insert(1, "reference.compile")
     result = LocalBackend(timeout_s=timeout).evaluate(
-        candidate, timing=timing, baselines=names if baselines else []
+        candidate, timing=timing, baselines=all_baselines(prob) if baselines else []
     )
     if as_json:
         print(result.model_dump_json(indent=2))
@@ -276,12 +273,14 @@ def bench_sandbox(
     from agent.campaign import make_backend
     from agent.config import SandboxConfig
     from evals.bench_sandbox import run_sandbox_benchmark
+    from sandbox.protocol import all_baselines
+    from search_space import get_problem
 
     try:
         config = SandboxConfig(backend=backend, timeout_s=timeout, parallel_workers=parallel)
     except ValueError as exc:
         raise fail(f"bad option: {exc}") from None
-    names = ["reference", "torch.embedding_bag"] + (["reference.compile"] if cuda_present() else [])
+    names = all_baselines(get_problem("embedding_bag"))
     scratch = Path(tempfile.mkdtemp(prefix="recforge-bench-"))
     try:
         run_sandbox_benchmark(make_backend(config, scratch), candidates, baselines=names, console=console)

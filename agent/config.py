@@ -49,10 +49,10 @@ class SandboxConfig(_Strict):
     docker_cpus: float = Field(1.0, gt=0, description="CPUs of each container")
     timeout_s: float = Field(300.0, gt=0, description="hard wall-clock limit per evaluation")
     trials: int = Field(2, ge=2, le=10, description="correctness trials per check shape, fresh inputs each")
-    baselines: list[str] = Field(
-        default_factory=lambda: ["reference", "reference.compile", "torch.embedding_bag"],
-        description="timed once per problem on the campaign's device; reference.compile is "
-        "skipped when timings are interpreted",
+    baselines: list[str] | None = Field(
+        None,
+        description="timed once per problem on the campaign's device (default: all of the "
+        "problem's; reference.compile is skipped when timings are interpreted)",
     )
 
 

@@ -13,6 +13,7 @@ from agent.incumbents import campaign_arch, incumbents
 from agent.report import write_report
 from agent.state import CampaignContext, CampaignState
 from agent.store import EvaluationRow
+from sandbox.protocol import all_baselines
 from sandbox.result import EvalResult, Status, TimingStats
 
 # A new best must beat the old by more than the timing noise, and never by less than this.
@@ -66,10 +67,16 @@ def route_after_propose(state: CampaignState) -> Literal["evaluate", "register"]
     return "register" if state.get("stop_reason") else "evaluate"
 
 
+def _baselines(ctx: CampaignContext, problem: str) -> list[str]:
+    from search_space import get_problem
+
+    return list(ctx.config.sandbox.baselines or all_baselines(get_problem(problem)))
+
+
 def _baselines_to_time(ctx: CampaignContext, problem: str) -> list[str]:
     if ctx.store.baselines(ctx.campaign_id, problem):
         return []
-    return list(ctx.config.sandbox.baselines)
+    return _baselines(ctx, problem)
 
 
 def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
@@ -116,7 +123,7 @@ def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> Eva
     if speedup is None or speedup <= SUSPICIOUS_SPEEDUP:
         return result
     again = ctx.backend.evaluate(
-        candidate, baselines=list(ctx.config.sandbox.baselines), trials=ctx.config.sandbox.trials
+        candidate, baselines=_baselines(ctx, candidate.problem), trials=ctx.config.sandbox.trials
     )
     remeasured = best_baseline_speedup(again, {}) if again.status == Status.OK else None
     note = f"{remeasured:.1f}x" if remeasured is not None else f"{again.status.value}: {again.message}"

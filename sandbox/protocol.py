@@ -53,6 +53,12 @@ class EvalRequest(BaseModel):
     address_space_bytes: int | None = None
 
 
+def all_baselines(problem: Problem) -> list[str]:
+    """Every baseline a worker can time for `problem`: the fp32 reference, torch.compile of it
+    (GPU only) and the problem's eager PyTorch ops."""
+    return ["reference", "reference.compile", *problem.baselines]
+
+
 def fresh_seed() -> int:
     return secrets.randbits(62)
 

@@ -65,12 +65,14 @@ def _is_compile_error(exc: BaseException) -> bool:
     return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources"})
 
 
-def _providers(problem: Problem, names: list[str]) -> dict:
+def _providers(problem: Problem, names: list[str], device: torch.device) -> dict:
     known = {"reference": problem.reference, **problem.baselines}
     out = {}
     for name in names:
         if name == "reference.compile":
-            out[name] = torch.compile(problem.reference, dynamic=False)
+            # On a CPU this costs a C++ build per shape and times nothing a GPU cares about.
+            if device.type == "cuda":
+                out[name] = torch.compile(problem.reference, dynamic=False)
         elif name in known:
             out[name] = known[name]
         else:
@@ -82,7 +84,7 @@ def time_shapes(
     problem: Problem, fn, request: EvalRequest, device: torch.device, arch: str
 ) -> list[ShapeTiming]:
     shapes = problem.timing_shapes if device.type == "cuda" else problem.interpreted_timing_shapes
-    baselines = _providers(problem, request.baselines)
+    baselines = _providers(problem, request.baselines, device)
     timings = []
     for shape in shapes:
         arg_sets = []
