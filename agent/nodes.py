@@ -143,10 +143,10 @@ def _noise(result: EvalResult) -> float:
 def best_speedup(ctx: CampaignContext, problem: str) -> float | None:
     """Speedup of the fastest correct candidate so far over the problem's production baseline
     (its first eager PyTorch op, e.g. torch.embedding_bag)."""
-    rows = [r for r in ctx.store.evaluations(ctx.campaign_id, problem) if r.score_us is not None]
+    rows = ctx.store.evaluations(ctx.campaign_id, problem, best_only=True)
     if not rows:
         return None
-    best = min(rows, key=lambda r: r.score_us)
+    best = rows[0]
     speedups = best.result.speedups(ctx.store.baselines(ctx.campaign_id, problem))
     return speedups.get(primary_baseline(problem))
 

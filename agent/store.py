@@ -44,6 +44,21 @@ CREATE TABLE IF NOT EXISTS accepted (
 """
 
 
+_CANDIDATE_COLUMNS = "c.problem, c.origin, c.parent_id, c.entry, c.knobs_json, c.source"
+
+
+def _candidate(row) -> Candidate:
+    problem, origin, parent_id, entry, knobs_json, source = row
+    return Candidate(
+        problem=problem,
+        origin=origin,
+        parent_id=parent_id,
+        entry=entry,
+        knobs=json.loads(knobs_json),
+        source=source,
+    )
+
+
 def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
@@ -129,21 +144,12 @@ class Store:
 
     def candidate(self, campaign_id: str, candidate_id: str) -> Candidate:
         row = self._db.execute(
-            "SELECT problem, origin, parent_id, entry, knobs_json, source FROM candidates "
-            "WHERE campaign_id = ? AND id = ?",
+            f"SELECT {_CANDIDATE_COLUMNS} FROM candidates c WHERE c.campaign_id = ? AND c.id = ?",
             (campaign_id, candidate_id),
         ).fetchone()
         if row is None:
             raise KeyError(f"no candidate {candidate_id} in campaign {campaign_id}")
-        problem, origin, parent_id, entry, knobs_json, source = row
-        return Candidate(
-            problem=problem,
-            origin=origin,
-            parent_id=parent_id,
-            entry=entry,
-            knobs=json.loads(knobs_json),
-            source=source,
-        )
+        return _candidate(row)
 
     def add_evaluation(self, campaign_id: str, result: EvalResult) -> None:
         self._db.execute(
@@ -176,15 +182,26 @@ class Store:
             sql, args = sql + " AND problem = ?", [*args, problem]
         return self._db.execute(sql, args).fetchone()[0]
 
-    def evaluations(self, campaign_id: str, problem: str | None = None) -> list[EvaluationRow]:
-        sql = "SELECT e.seq, e.candidate_id, e.result_json FROM evaluations e WHERE e.campaign_id = ?"
+    def evaluations(
+        self, campaign_id: str, problem: str | None = None, *, best_only: bool = False
+    ) -> list[EvaluationRow]:
+        """Evaluations in order, with their candidates (one query). `best_only`: just the
+        fastest correct one, if any."""
+        sql = (
+            f"SELECT e.seq, e.result_json, {_CANDIDATE_COLUMNS} FROM evaluations e "
+            "JOIN candidates c ON c.campaign_id = e.campaign_id AND c.id = e.candidate_id "
+            "WHERE e.campaign_id = ?"
+        )
         args: list = [campaign_id]
         if problem is not None:
             sql, args = sql + " AND e.problem = ?", [*args, problem]
-        rows = self._db.execute(sql + " ORDER BY e.seq", args).fetchall()
+        if best_only:
+            sql += " AND e.score_us IS NOT NULL ORDER BY e.score_us LIMIT 1"
+        else:
+            sql += " ORDER BY e.seq"
         return [
-            EvaluationRow(seq, self.candidate(campaign_id, cid), EvalResult.model_validate_json(rj))
-            for seq, cid, rj in rows
+            EvaluationRow(seq, _candidate(rest), EvalResult.model_validate_json(result_json))
+            for seq, result_json, *rest in self._db.execute(sql, args).fetchall()
         ]
 
     # baselines and acceptance
