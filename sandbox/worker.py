@@ -126,14 +126,15 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
         kw.setdefault("log_tail", log.getvalue()[-LOG_TAIL_CHARS:])
         return EvalResult(status=status, message=message, wall_s=time.perf_counter() - t0, **base, **kw)
 
+    def crashed(status: Status, where: str, exc: Exception, **kw) -> EvalResult:
+        """The candidate raised: its message and traceback replace the captured output."""
+        message = f"{where}: {type(exc).__name__}: {exc}"[:2000]
+        return done(status, message, log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:], **kw)
+
     try:
         fn = load_candidate(Path(request.source_file), request.entry)
     except Exception as exc:  # the candidate's own code: anything can come out of it
-        return done(
-            Status.COMPILE_ERROR,
-            f"import failed: {type(exc).__name__}: {exc}",
-            log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
-        )
+        return crashed(Status.COMPILE_ERROR, "import failed", exc)
 
     checks: list[ShapeCheck] = []
     held: list[torch.Tensor] = []  # every output stays alive, so none can be handed out twice
@@ -145,24 +146,14 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
                     result = check_shape(problem, fn, shape, trial, device, repeat=trial == 0, held=held)
                 except Exception as exc:
                     status = Status.COMPILE_ERROR if _is_compile_error(exc) else Status.RUNTIME_ERROR
-                    return done(
-                        status,
-                        f"{shape.describe()}: {type(exc).__name__}: {exc}"[:2000],
-                        checks=checks,
-                        log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
-                    )
+                    return crashed(status, shape.describe(), exc, checks=checks)
                 checks.append(result)
                 if not result.ok:
                     return done(Status.WRONG, f"{shape.describe()}: {result.message}", checks=checks)
         try:
             proof = kernels_do_the_work(problem, fn, device)
         except Exception as exc:
-            return done(
-                Status.RUNTIME_ERROR,
-                f"no-op proof: {type(exc).__name__}: {exc}"[:2000],
-                checks=checks,
-                log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
-            )
+            return crashed(Status.RUNTIME_ERROR, "no-op proof", exc, checks=checks)
         checks.append(proof)
         if not proof.ok:
             return done(
@@ -177,12 +168,7 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
                 timings = time_shapes(problem, fn, request, device, info.arch)
                 window = (start, time.time())
         except Exception as exc:
-            return done(
-                Status.RUNTIME_ERROR,
-                f"timing: {type(exc).__name__}: {exc}"[:2000],
-                checks=checks,
-                log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
-            )
+            return crashed(Status.RUNTIME_ERROR, "timing", exc, checks=checks)
     return done(Status.OK, checks=checks, timings=timings, timing_window=window)
 
 
