@@ -22,8 +22,9 @@ from rich.table import Table
 from torch import Tensor
 
 from kernels.registry import DISPATCHER, KernelLibrary, device_arch
-from sandbox.protocol import compare, fresh_seed
+from sandbox.protocol import all_baselines, compare, fresh_seed
 from sandbox.timing import benchmark
+from sandbox.worker import baseline_providers
 from search_space import get_problem
 from search_space.problem import Problem
 
@@ -58,10 +59,8 @@ def _git_commit() -> str:
 def _providers(problem: Problem, library: KernelLibrary, device: torch.device, shape) -> dict[str, Callable]:
     from kernels import ops  # noqa: F401 - registers the op's default with the dispatcher
 
-    providers: dict[str, Callable] = {"reference": problem.reference}
-    if device.type == "cuda":
-        providers["reference.compile"] = torch.compile(problem.reference, dynamic=False)
-    providers.update(problem.baselines)
+    # The baselines exactly as the sandbox worker times them.
+    providers: dict[str, Callable] = baseline_providers(problem, all_baselines(problem), device)
     providers["default kernel"] = DISPATCHER.default(problem.name)
     entry = library.best(problem.name, device_arch(device), shape.dtype, problem.bucket(shape))
     if entry is not None:

@@ -65,7 +65,8 @@ def _is_compile_error(exc: BaseException) -> bool:
     return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources"})
 
 
-def _providers(problem: Problem, names: list[str], device: torch.device) -> dict:
+def baseline_providers(problem: Problem, names: list[str], device: torch.device) -> dict:
+    """The named baselines of `problem` as callables (unknown names: ValueError)."""
     known = {"reference": problem.reference, **problem.baselines}
     out = {}
     for name in names:
@@ -84,7 +85,7 @@ def time_shapes(
     problem: Problem, fn, request: EvalRequest, device: torch.device, arch: str
 ) -> list[ShapeTiming]:
     shapes = problem.timing_shapes if device.type == "cuda" else problem.interpreted_timing_shapes
-    baselines = _providers(problem, request.baselines, device)
+    baselines = baseline_providers(problem, request.baselines, device)
     timings = []
     for shape in shapes:
         arg_sets = []
