@@ -1,0 +1,214 @@
+"""The attention family's math, in plain PyTorch: the single definition that kernels, problems,
+benchmarks and tests are checked against.
+
+Layout: jagged values `[total_tokens, heads, dim]` with `offsets [B + 1]` (int64 or int32);
+sequence b holds rows `offsets[b]:offsets[b + 1]`. The references loop over sequences and build
+each one's dense `[heads, n, n]` scores, so they are exact but never fast; they compute in fp32
+(fp64 when given fp64) and return the input's dtype.
+
+jagged_attention (HSTU encoder, Jagged Flash Attention)
+    s_ij = scale * q_i . k_j + rel_bias[h, bucket(|i - j|)]          (positions within the sequence)
+    allowed(i, j) = j == i or (j < n_hist and (not causal or j <= i or i >= n_hist))
+    softmax: out_i = sum_j softmax_j(s_ij over allowed j) v_j
+    silu:    out_i = sum_{allowed j} silu(s_ij) / max_seq_len * v_j
+where n_hist = n - num_targets[b]: the last num_targets[b] tokens are candidates that see the
+whole history and themselves, never each other; history tokens never see candidates.
+
+gdpa (generalized dot-product attention, non-causal, no normalization)
+    out_i = sum_{j in kv sequence of i} act(scale * q_i . k_j) v_j,  act in gelu|silu|relu|none
+with jagged queries (q_offsets) against jagged keys (kv_offsets), or, with broadcast_q, one
+set of learned query seeds q [n_q, H, D] shared by every sample (output [B * n_q, H, D]).
+
+target_attention (request-broadcast)
+    out[c, s] = attend(q_cand[c, s], K/V of request cand_to_request[c])
+softmax as above (no mask), silu as gdpa's (no normalization); an empty history gives zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("softmax", "silu", "gelu", "relu", "none")
+
+
+def relative_bucket(distance: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Bucket of a non-negative integer distance d, for num_buckets = 2E (E a power of two):
+    d itself below E; above, two buckets per octave, E + 2 (floor(log2 d) - log2 E) + h where
+    h = 1 in the upper half of the octave (d >= 1.5 * 2^floor(log2 d)); the last bucket holds
+    every larger distance. Integer-exact, so a kernel can compute it from the bits of d."""
+    exact = num_buckets // 2
+    if num_buckets < 2 or exact & (exact - 1):
+        raise ValueError(f"num_buckets must be twice a power of two, got {num_buckets}")
+    d = distance.to(torch.int64)
+    octave = torch.floor(torch.log2(d.clamp(min=1).double())).to(torch.int64)
+    upper = (2 * d >= 3 * torch.pow(2, octave)).to(torch.int64)
+    far = exact + 2 * (octave - int(math.log2(exact))) + upper
+    return torch.where(d < exact, d, far.clamp(max=num_buckets - 1))
+
+
+def allowed_mask(n: int, n_hist: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """[n, n] boolean: may query i attend key j (see the module docstring)."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    history = j < n_hist
+    if causal:
+        history = history & ((j <= i) | (i >= n_hist))
+    return history | (i == j)
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _activate(s: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(s)
+    if activation == "gelu":
+        return F.gelu(s)
+    if activation == "relu":
+        return F.relu(s)
+    if activation == "none":
+        return s
+    raise ValueError(f"unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    activation: str,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    divide_by: float = 1.0,
+) -> torch.Tensor:
+    """Dense attention of one sequence: q [m, H, D], k and v [n, H, D] -> [m, H, D] (acc dtype)."""
+    s = torch.einsum("mhd,nhd->hmn", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    if activation == "softmax":
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1) if s.shape[-1] else s
+    else:
+        p = _activate(s, activation) / divide_by
+        if mask is not None:
+            p = p.masked_fill(~mask, 0.0)
+    return torch.einsum("hmn,nhd->mhd", p, v)
+
+
+def jagged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    activation: str = "softmax",
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """HSTU / Jagged Flash Attention self-attention; rel_bias is [H, num_buckets]."""
+    if activation not in ("softmax", "silu"):
+        raise ValueError(f"jagged_attention supports softmax and silu, got {activation!r}")
+    acc = _acc_dtype(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=acc, device=q.device)
+    bounds = offsets.tolist()
+    targets = num_targets.tolist() if num_targets is not None else [0] * (len(bounds) - 1)
+    for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        n = end - start
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        bias = None
+        if rel_bias is not None:
+            buckets = relative_bucket((pos[:, None] - pos[None, :]).abs(), rel_bias.shape[1])
+            bias = rel_bias.to(acc)[:, buckets]  # [H, n, n]
+        out[start:end] = _attend(
+            q[start:end].to(acc),
+            k[start:end].to(acc),
+            v[start:end].to(acc),
+            activation=activation,
+            scale=scale,
+            mask=allowed_mask(n, n - min(int(targets[b]), n), causal, q.device),
+            bias=bias,
+            divide_by=max_seq_len,
+        )
+    return out.to(q.dtype)
+
+
+def gdpa_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    *,
+    activation: str = "gelu",
+    scale: float | None = None,
+    broadcast_q: bool = False,
+) -> torch.Tensor:
+    """Generalized dot-product attention; with broadcast_q, q is [n_q, H, D] for every sample."""
+    if activation not in ("gelu", "silu", "relu", "none"):
+        raise ValueError(f"gdpa supports gelu, silu, relu and none, got {activation!r}")
+    acc = _acc_dtype(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kv_bounds = kv_offsets.tolist()
+    num_seqs = len(kv_bounds) - 1
+    if broadcast_q:
+        n_q = q.shape[0]
+        q_bounds = [b * n_q for b in range(num_seqs + 1)]
+    else:
+        if q_offsets is None:
+            raise ValueError("gdpa needs q_offsets unless broadcast_q")
+        q_bounds = q_offsets.tolist()
+        if len(q_bounds) != num_seqs + 1:
+            raise ValueError(f"q_offsets has {len(q_bounds)} entries, kv_offsets {num_seqs + 1}")
+    out = torch.zeros(q_bounds[-1], q.shape[1], v.shape[2], dtype=acc, device=q.device)
+    for b in range(num_seqs):
+        qs, qe = q_bounds[b], q_bounds[b + 1]
+        ks, ke = kv_bounds[b], kv_bounds[b + 1]
+        if qe == qs or ke == ks:
+            continue
+        q_b = q if broadcast_q else q[qs:qe]
+        out[qs:qe] = _attend(
+            q_b.to(acc), k[ks:ke].to(acc), v[ks:ke].to(acc), activation=activation, scale=scale
+        )
+    return out.to(q.dtype)
+
+
+def target_attention_reference(
+    q_cand: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    cand_to_request: torch.Tensor,
+    *,
+    activation: str = "softmax",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Candidates [C, S, H, D] attend to their request's history; histories are never copied."""
+    if activation not in ("softmax", "silu"):
+        raise ValueError(f"target_attention supports softmax and silu, got {activation!r}")
+    acc = _acc_dtype(q_cand)
+    scale = q_cand.shape[-1] ** -0.5 if scale is None else scale
+    num_cand, seeds, heads, _ = q_cand.shape
+    out = torch.zeros(num_cand, seeds, heads, v.shape[2], dtype=acc, device=q_cand.device)
+    bounds = kv_offsets.tolist()
+    requests = cand_to_request.tolist()
+    for r in sorted(set(requests)):
+        start, end = bounds[r], bounds[r + 1]
+        if end == start:
+            continue
+        cands = torch.tensor([c for c, req in enumerate(requests) if req == r], device=q_cand.device)
+        q_r = q_cand[cands].reshape(-1, heads, q_cand.shape[-1]).to(acc)  # every seed of the request
+        o_r = _attend(q_r, k[start:end].to(acc), v[start:end].to(acc), activation=activation, scale=scale)
+        out[cands] = o_r.reshape(len(cands), seeds, heads, -1)
+    return out.to(q_cand.dtype)
