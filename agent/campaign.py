@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,9 @@ from sandbox.local import LocalBackend
 from search_space.template import get_template
 
 
-def make_backend(sandbox: SandboxConfig, scratch_root: Path) -> Backend:
-    """The evaluation backend a campaign's config asks for; all three give the same statuses."""
+def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path | None = None) -> Backend:
+    """The evaluation backend a campaign's config asks for; all three give the same statuses.
+    Compiled kernels are kept under `artifact_root` by content hash and reused (None: never)."""
     if sandbox.backend == "docker":
         from sandbox.docker_backend import DockerBackend
 
@@ -35,14 +37,25 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path) -> Backend:
             scratch_root=scratch_root,
             mem_limit=sandbox.docker_mem_limit,
             cpus=sandbox.docker_cpus,
+            artifact_root=artifact_root,
         )
     if sandbox.backend == "ray":
         from sandbox.ray_backend import RayBackend
 
-        # Ray workers keep their scratch on their own hosts: the campaign's home may not exist there.
-        return RayBackend(address=sandbox.ray_address, timeout_s=sandbox.timeout_s)
+        # Ray workers keep scratch and artifacts on their own hosts, in their temporary
+        # directories: the campaign's home may not exist there.
+        return RayBackend(
+            address=sandbox.ray_address,
+            timeout_s=sandbox.timeout_s,
+            artifact_root=None
+            if artifact_root is None
+            else Path(tempfile.gettempdir()) / "recforge-artifacts",
+        )
     return LocalBackend(
-        timeout_s=sandbox.timeout_s, scratch_root=scratch_root, parallel=sandbox.parallel_workers
+        timeout_s=sandbox.timeout_s,
+        scratch_root=scratch_root,
+        parallel=sandbox.parallel_workers,
+        artifact_root=artifact_root,
     )
 
 
@@ -97,7 +110,7 @@ class Campaigns:
             campaign_id=campaign_id,
             config=config,
             store=self.store,
-            backend=make_backend(config.sandbox, self.home / "scratch"),
+            backend=make_backend(config.sandbox, self.home / "scratch", self.home / "artifacts"),
             library=self.library_for(config),
             proposers={
                 p: SearchProposer(get_template(p), sampler=config.proposer.sampler, seed=config.proposer.seed)

@@ -283,7 +283,8 @@ def bench_sandbox(
     names = all_baselines(get_problem("embedding_bag"))
     scratch = Path(tempfile.mkdtemp(prefix="recforge-bench-"))
     try:
-        run_sandbox_benchmark(make_backend(config, scratch), candidates, baselines=names, console=console)
+        backend = make_backend(config, scratch / "scratch", scratch / "artifacts")
+        run_sandbox_benchmark(backend, candidates, baselines=names, console=console)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

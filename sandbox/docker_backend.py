@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from sandbox.artifacts import ArtifactCache
 from sandbox.candidate import Candidate
 from sandbox.docker_image import REPO_ROOT, docker_client, ensure_image, mounted_roots
 from sandbox.hardware import cuda_present
@@ -68,6 +69,7 @@ class DockerBackend(WorkerBackend):
         keep_scratch: bool = False,
         image: str | None = None,
         scratch_size: str = "2g",
+        artifact_root: str | os.PathLike | None = None,
     ) -> None:
         """`gpus=None` passes the host's GPUs through when torch sees one. `image` replaces the
         image built from host files (`sandbox.docker_image`); a GPU host needs one with a C
@@ -85,6 +87,7 @@ class DockerBackend(WorkerBackend):
         self.keep_scratch = keep_scratch
         self.scratch_size = scratch_size
         self._image = image
+        self.artifacts = ArtifactCache(artifact_root) if artifact_root else None
         self.client = docker_client()  # fails here, in one sentence, when there is no daemon
 
     @functools.cached_property
@@ -142,7 +145,8 @@ class DockerBackend(WorkerBackend):
             "PATH": f"{Path(sys.prefix) / 'bin'}:/bin",
             "HOME": SCRATCH_DIR,
             "TMPDIR": SCRATCH_DIR,
-            "TRITON_CACHE_DIR": f"{SCRATCH_DIR}/triton",
+            # In the per-evaluation directory, so the backend can keep what it compiled.
+            "TRITON_CACHE_DIR": f"{IO_DIR}/triton",
             "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_DIR}/inductor",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONUNBUFFERED": "1",

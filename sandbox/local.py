@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from sandbox.artifacts import ArtifactCache
 from sandbox.candidate import Candidate
 from sandbox.hardware import cuda_present
 from sandbox.protocol import EvalRequest
@@ -62,12 +63,19 @@ def network_namespace_prefix() -> tuple[str, ...]:
 CPU_ADDRESS_SPACE = 16 * 1024**3
 
 
+# A worker whose evaluation ended with one of these compiled its kernels: its cache is worth keeping.
+COMPILED = (Status.OK, Status.WRONG, Status.SUSPICIOUS)
+
+
 class WorkerBackend:
     """What every backend that runs `sandbox.worker` on one host shares: screen first, then a
-    fresh scratch directory per evaluation, removed afterwards. Subclasses run the worker."""
+    fresh scratch directory per evaluation (seeded with the compiled artifacts of an earlier
+    evaluation of the same source, where an artifact cache is set), removed afterwards.
+    Subclasses run the worker, with its Triton cache at `scratch / "triton"`."""
 
     scratch_root: Path | None
     keep_scratch: bool
+    artifacts: ArtifactCache | None = None
 
     def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
         """One after another: the evaluations on one host share its GPU, and timings must not."""
@@ -88,8 +96,9 @@ class WorkerBackend:
         if self.scratch_root:
             self.scratch_root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root)).resolve()
+        reused = self.artifacts is not None and self.artifacts.restore(candidate.id, scratch / "triton")
         try:
-            return self._run(
+            result = self._run(
                 candidate,
                 scratch,
                 EvalRequest(
@@ -103,6 +112,9 @@ class WorkerBackend:
                     trials=trials,
                 ),
             )
+            if self.artifacts is not None and not reused and result.status in COMPILED:
+                self.artifacts.save(candidate.id, scratch / "triton")
+            return result.model_copy(update={"artifacts_reused": reused})
         finally:
             if not self.keep_scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -127,9 +139,11 @@ class LocalBackend(WorkerBackend):
         scratch_root: str | os.PathLike | None = None,
         keep_scratch: bool = False,
         parallel: int = 1,
+        artifact_root: str | os.PathLike | None = None,
     ) -> None:
         """`parallel` workers run at once in `evaluate_many`: they import, compile and check side
-        by side, and take turns for timing (a file lock), so timings stay those of a lone run."""
+        by side, and take turns for timing (a file lock), so timings stay those of a lone run.
+        `artifact_root`: where compiled kernels are kept by content hash (None: never reused)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if parallel < 1:
@@ -139,6 +153,7 @@ class LocalBackend(WorkerBackend):
         self.scratch_root = Path(scratch_root).resolve() if scratch_root else None
         self.keep_scratch = keep_scratch
         self.parallel = parallel
+        self.artifacts = ArtifactCache(artifact_root) if artifact_root else None
         # One lock per set of visible GPUs, shared by every backend on this host: two campaigns
         # on one GPU take turns too.
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-") or "none"

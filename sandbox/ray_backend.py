@@ -59,13 +59,14 @@ class RayBackend:
         scratch_root: str | os.PathLike | None = None,
         keep_scratch: bool = False,
         use_gpus: bool | None = None,
+        artifact_root: str | os.PathLike | None = None,
     ) -> None:
         """`address` is `ray.init`'s: None finds RAY_ADDRESS or the cluster last started on this
         machine, else starts a local one; "ray://host:10001" (Ray Client, for a driver outside
-        the cluster) needs the `ray[client]` extra. `scratch_root` is a path on each task's host
-        (default: its temporary directory). `use_gpus`: one GPU per task; None decides by
-        whether the cluster has GPUs now (pass True for a cluster whose GPU nodes are still
-        joining)."""
+        the cluster) needs the `ray[client]` extra. `scratch_root` and `artifact_root` are paths
+        on each task's host (default: its temporary directory; no artifact reuse). `use_gpus`:
+        one GPU per task; None decides by whether the cluster has GPUs now (pass True for a
+        cluster whose GPU nodes are still joining)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         import ray
@@ -89,6 +90,7 @@ class RayBackend:
             "timeout_s": timeout_s,
             "scratch_root": None if scratch_root is None else os.path.abspath(scratch_root),
             "keep_scratch": keep_scratch,
+            "artifact_root": None if artifact_root is None else os.path.abspath(artifact_root),
         }
         self._task = ray.remote(_evaluate_on_host)
         self._task_options = {

@@ -77,6 +77,10 @@ class EvalResult(BaseModel):
     log_tail: str = ""
     wall_s: float = 0.0
     timing_window: tuple[float, float] | None = None  # wall-clock start and end of the timing phase
+    # Seconds per phase inside the worker (load, check, lock_wait, timing); `wall_s` minus their
+    # sum is the worker's start-up (interpreter, torch, CUDA context) and the backend's overhead.
+    phase_s: dict[str, float] = Field(default_factory=dict)
+    artifacts_reused: bool = False  # the worker started with this source's compiled kernels
 
     @property
     def interpreted(self) -> bool:

@@ -115,6 +115,25 @@ def time_shapes(
     return timings
 
 
+class PhaseClock:
+    """Seconds spent in each named phase; starting one ends the one before."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._name: str | None = None
+        self._since = 0.0
+
+    def start(self, name: str) -> None:
+        self.stop()
+        self._name, self._since = name, time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        if self._name is not None:
+            self.phases[self._name] = self.phases.get(self._name, 0.0) + time.perf_counter() - self._since
+            self._name = None
+        return dict(self.phases)
+
+
 def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
     t0 = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,10 +141,19 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
     problem = get_problem(request.problem)
     base = {"problem": request.problem, "candidate_id": request.candidate_id, "device": info}
 
+    clock = PhaseClock()
+
     def done(status: Status, message: str = "", **kw) -> EvalResult:
         # Failure paths pass their traceback as log_tail; it replaces the captured output.
         kw.setdefault("log_tail", log.getvalue()[-LOG_TAIL_CHARS:])
-        return EvalResult(status=status, message=message, wall_s=time.perf_counter() - t0, **base, **kw)
+        return EvalResult(
+            status=status,
+            message=message,
+            wall_s=time.perf_counter() - t0,
+            phase_s=clock.stop(),
+            **base,
+            **kw,
+        )
 
     def crashed(status: Status, where: str, exc: Exception, **kw) -> EvalResult:
         """The candidate raised: its message and traceback replace the captured output."""
@@ -133,12 +161,14 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
         return done(status, message, log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:], **kw)
 
     try:
+        clock.start("load")
         fn = load_candidate(Path(request.source_file), request.entry)
     except Exception as exc:  # the candidate's own code: anything can come out of it
         return crashed(Status.COMPILE_ERROR, "import failed", exc)
 
     checks: list[ShapeCheck] = []
     held: list[torch.Tensor] = []  # every output stays alive, so none can be handed out twice
+    clock.start("check")
     if request.check:
         for shape in problem.check_shapes:
             # At least two trials: a result cached per shape is caught by the second's fresh inputs.
@@ -164,7 +194,9 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
     window = None
     if request.timing:
         try:
+            clock.start("lock_wait")
             with exclusive(request.timing_lock):
+                clock.start("timing")
                 start = time.time()
                 timings = time_shapes(problem, fn, request, device, info.arch)
                 window = (start, time.time())

@@ -67,6 +67,9 @@ def test_default_template_is_ok(backend: LocalBackend, scratch: Path) -> None:
         assert [t.shape for t in result.timings] == [s.name for s in INTERPRETED_TIMING_SHAPES]
     assert result.timings and all(t.candidate.median_us > 0 for t in result.timings)
     assert result.geomean_us() is not None
+    # The worker accounts for its phases; start-up is what the backend's wall time adds.
+    assert set(result.phase_s) == {"load", "check", "lock_wait", "timing"}
+    assert 0 < sum(result.phase_s.values()) < result.wall_s
     assert list(scratch.iterdir()) == []  # the scratch directory is removed afterwards
 
 
