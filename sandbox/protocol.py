@@ -6,8 +6,10 @@ Rules (each enforced below, where it is written):
   candidate is imported, so it cannot know them;
 - the reference runs on its own clones of the inputs;
 - the candidate must leave its inputs unchanged;
-- its output must be a new tensor (no storage shared with an input) of the reference's exact
-  shape, dtype and device;
+- its output must be a new tensor (no storage shared with an input, an earlier output or
+  another of its outputs) of the reference's exact shape, dtype and device; a problem whose
+  reference returns a tuple (a backward: one gradient per differentiable input) gets each
+  element checked so;
 - memory the candidate may allocate from is poisoned with NaN first, so an element it never
   writes fails the comparison;
 - closeness is judged relative to the output's magnitude (see `Tolerance`), so zeros do not
@@ -79,8 +81,38 @@ def _storages(inputs: Inputs) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in inputs.tensors() if t.numel() > 0}
 
 
-def compare(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]:
-    """Closeness of `out` to `ref` under `tol`; the details say where and by how much."""
+Output = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def output_tensors(out: object) -> list[torch.Tensor]:
+    """The tensors of an output: one, or each of a tuple (a backward's gradients)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, tuple | list):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _nbytes(out: Output) -> int:
+    return sum(t.numel() * t.element_size() for t in output_tensors(out))
+
+
+def compare(out: object, ref: Output, tol: Tolerance) -> tuple[bool, dict]:
+    """Closeness of `out` to `ref` under `tol`; the details say where and by how much. A tuple
+    reference (several outputs, such as gradients) needs a tuple of as many tensors, each close."""
+    if isinstance(ref, tuple):
+        if not isinstance(out, tuple | list) or len(out) != len(ref):
+            got = f"{len(out)} values" if isinstance(out, tuple | list) else type(out).__name__
+            return False, {"message": f"returned {got}, expected a tuple of {len(ref)} tensors"}
+        for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+            ok, details = compare(o, r, tol)
+            if not ok:
+                return False, {**details, "message": f"output {i}: {details['message']}"}
+        return True, {}
+    return _compare_tensor(out, ref, tol)
+
+
+def _compare_tensor(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]:
     if not isinstance(out, torch.Tensor):
         return False, {"message": f"returned {type(out).__name__}, expected a Tensor"}
     if out.shape != ref.shape or out.dtype != ref.dtype or out.device != ref.device:
@@ -136,7 +168,7 @@ def check_shape(
     pristine = inputs.clone()
     ref_inputs = pristine.clone()  # the reference gets its own copy: it may not see the candidate's
     ref = problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
-    poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
+    poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))
     out = fn(*inputs.args, **inputs.kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -144,22 +176,26 @@ def check_shape(
     for got, want in zip(inputs.tensors(), pristine.tensors(), strict=True):
         if not torch.equal(got, want):
             return ShapeCheck(**base, ok=False, message="the candidate modified its inputs")
-    if isinstance(out, torch.Tensor) and out.numel() > 0:
-        storage = out.untyped_storage().data_ptr()
-        if storage in _storages(inputs):
+    input_storages = _storages(inputs)
+    seen: set[int] = {h.untyped_storage().data_ptr() for h in held or ()}
+    for tensor in output_tensors(out):
+        if tensor.numel() == 0:
+            continue
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in input_storages:
             return ShapeCheck(**base, ok=False, message="the output shares memory with an input")
+        if storage in seen:
+            return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
+        seen.add(storage)
         if held is not None:
-            if any(h.untyped_storage().data_ptr() == storage for h in held):
-                return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
-            held.append(out)
+            held.append(tensor)
     ok, details = compare(out, ref, problem.tolerance(shape.dtype))
     if ok and repeat:
-        poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
+        poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))
         second = fn(*inputs.args, **inputs.kwargs)
-        if (
-            isinstance(second, torch.Tensor)
-            and second.numel() > 0
-            and second.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        first_storages = {t.untyped_storage().data_ptr() for t in output_tensors(out) if t.numel() > 0}
+        if any(
+            t.numel() > 0 and t.untyped_storage().data_ptr() in first_storages for t in output_tensors(second)
         ):
             return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
         again, _ = compare(second, out, problem.tolerance(shape.dtype))
@@ -205,7 +241,7 @@ def kernels_do_the_work(problem: Problem, fn: Callable, device: torch.device) ->
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     ref_inputs = inputs.clone()
     ref = problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
-    poison_allocator(device, 2 * ref.numel() * ref.element_size() + (1 << 20))
+    poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))
     with kernels_disabled():
         out = fn(*inputs.args, **inputs.kwargs)
     still_ok, _ = compare(out, ref, problem.tolerance(shape.dtype))

@@ -1,13 +1,15 @@
 """The correctness protocol: `compare` on hand-made tensors and `check_shape` with in-process
 fake candidates that break its rules."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from sandbox.protocol import check_shape, compare
 from search_space import get_problem
 from search_space.embedding_bag import CHECK_SHAPES, reference
-from search_space.problem import Tolerance
+from search_space.problem import Inputs, Shape, Tolerance
 
 PROBLEM = get_problem("embedding_bag")
 TOL = PROBLEM.tolerance("fp32")
@@ -151,3 +153,51 @@ def test_check_shape_draws_fresh_inputs_every_trial() -> None:
     for trial in range(2):
         assert check_shape(PROBLEM, recording, SHAPE, trial=trial, device=CPU).ok
     assert not torch.equal(seen[0], seen[1])
+
+
+# --- several outputs (a backward's gradients) -------------------------------------------------
+
+
+def _pair_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, x + 1
+
+
+def _pair_inputs(shape, seed, device):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return Inputs(args=(torch.randn(shape.params["n"], generator=gen, device=device),))
+
+
+PAIR = dataclasses.replace(
+    PROBLEM,
+    name="pair",
+    check_shapes=(Shape(name="n7", dtype="fp32", params={"n": 7}),),
+    make_inputs=_pair_inputs,
+    reference=_pair_reference,
+)
+
+
+def test_compare_checks_each_output_of_a_tuple() -> None:
+    ref = (REF, REF + 1)
+    assert compare((REF.clone(), REF + 1), ref, TOL)[0]
+    ok, details = compare((REF.clone(), REF + 1.5), ref, TOL)
+    assert not ok and details["message"].startswith("output 1: ")
+    ok, details = compare(REF.clone(), ref, TOL)
+    assert not ok and "expected a tuple of 2 tensors" in details["message"]
+    ok, details = compare((REF.clone(),), ref, TOL)
+    assert not ok and "returned 1 values" in details["message"]
+
+
+@pytest.mark.parametrize(
+    ("candidate", "message"),
+    [
+        (lambda x: (x * 2, x + 1), ""),
+        (lambda x: (x * 2, x * 2), "output 1: "),
+        (lambda x: (x * 2,) * 2, "shares memory with an earlier output"),
+        (lambda x: (x * 2, x), "shares memory with an input"),
+    ],
+    ids=["correct", "wrong-second", "same-tensor-twice", "returns-input"],
+)
+def test_check_shape_with_several_outputs(candidate, message: str) -> None:
+    check = check_shape(PAIR, candidate, PAIR.check_shapes[0], 0, CPU, repeat=True, held=[])
+    assert check.ok == (message == ""), check.message
+    assert message in check.message
