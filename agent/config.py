@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from search_space import problem_names
+from search_space import get_problem, problem_names
 
 
 class ConfigError(ValueError):
@@ -72,6 +72,14 @@ class CampaignConfig(_Strict):
         unknown = [p for p in value if p not in problem_names()]
         if unknown:
             raise ValueError(f"unknown problem(s) {unknown}; known: {problem_names()}")
+        # The search proposer explores a template's knobs: a problem without one gives it nothing.
+        untemplated = [p for p in value if get_problem(p).template is None]
+        if untemplated:
+            searchable = [p for p in problem_names() if get_problem(p).template is not None]
+            raise ValueError(
+                f"problem(s) {untemplated} have no knob template for the search proposer; "
+                f"searchable: {searchable}"
+            )
         return value
 
 

@@ -97,7 +97,10 @@ class Problem:
         return self.tolerances[dtype]
 
 
-_PROBLEM_MODULES = {"embedding_bag": "search_space.embedding_bag"}
+_PROBLEM_MODULES = {
+    "embedding_bag": "search_space.embedding_bag",
+    "embedding_bag_backward": "search_space.embedding_bag_backward",
+}
 
 
 def problem_names() -> list[str]:

@@ -81,6 +81,8 @@ def test_config_errors_name_the_field(tmp_path) -> None:
         parse_config({**VALID, "budget": {"max_evaluations": 0, "max_wall_s": 60}})
     with pytest.raises(ConfigError, match=r"problems.*unknown problem"):
         parse_config({**VALID, "problems": ["nope"]})
+    with pytest.raises(ConfigError, match=r"\['embedding_bag_backward'\] have no knob template"):
+        parse_config({**VALID, "problems": ["embedding_bag", "embedding_bag_backward"]})
     with pytest.raises(ConfigError, match=r"proposr.*Extra inputs"):
         parse_config({**VALID, "proposr": {}})
     with pytest.raises(ConfigError, match=r"^config: budget: Field required"):

@@ -1,0 +1,72 @@
+"""The embedding-bag training update: the gradient of the pooled lookup for its table.
+
+    grad_weight[r, :] = sum_{i : indices[i] = r} psw[i] * grad_out[bag(i), :]  (/ len(bag(i)) for mean)
+
+Ids repeat within and across bags, so a kernel must add, never overwrite. The gradient is the
+dense [num_rows, D] table gradient, in grad_out's dtype; the reference is the autograd of the
+forward reference (search_space.embedding_bag), in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from search_space import embedding_bag as forward
+from search_space.problem import Inputs, Shape
+
+ENTRY = "embedding_bag_backward"
+
+
+def reference(
+    grad_out: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    num_rows: int,
+    *,
+    mode: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+    weight = torch.zeros(num_rows, grad_out.shape[1], dtype=acc, device=grad_out.device, requires_grad=True)
+    psw = None if per_sample_weights is None else per_sample_weights.to(acc)
+    with torch.enable_grad():
+        out = forward.reference(weight, indices, offsets, mode=mode, per_sample_weights=psw)
+        (grad,) = torch.autograd.grad(out, weight, grad_out.to(acc))
+    return grad.to(grad_out.dtype)
+
+
+def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
+    """The forward's inputs (ids, offsets, weights) and an upstream gradient from the same seed."""
+    fwd = forward.make_inputs(shape, seed, device)
+    weight, indices, offsets = fwd.args
+    gen = torch.Generator(device=device).manual_seed(seed ^ 0x5EED)
+    grad_out = torch.randn(offsets.numel() - 1, weight.shape[1], generator=gen, device=device)
+    return Inputs(args=(grad_out.to(shape.torch_dtype), indices, offsets, weight.shape[0]), kwargs=fwd.kwargs)
+
+
+def bytes_moved(shape: Shape) -> float:
+    """The forward's traffic (each gathered row becomes a scattered row update), plus the dense
+    gradient written once: a [num_rows, D] table is most of the bytes at realistic sizes."""
+    elem = torch.empty((), dtype=shape.torch_dtype).element_size()
+    return forward.bytes_moved(shape) + shape.params["num_rows"] * shape.params["dim"] * elem
+
+
+PROBLEM = dataclasses.replace(
+    forward.PROBLEM,
+    name="embedding_bag_backward",
+    entry=ENTRY,
+    signature=(
+        "embedding_bag_backward(grad_out: Tensor[B, D], indices: int64 Tensor[nnz], "
+        "offsets: int64 Tensor[B + 1], num_rows: int, *, mode: 'sum' | 'mean' = 'sum', "
+        "per_sample_weights: Tensor[nnz] | None = None) -> Tensor[num_rows, D]"
+    ),
+    description=__doc__,
+    make_inputs=make_inputs,
+    reference=reference,
+    baselines={},
+    bytes=bytes_moved,
+    template=None,
+    forbidden_ops=(*forward.PROBLEM.forbidden_ops, "index_put", "index_put_", "put_", "autograd"),
+)
