@@ -37,6 +37,7 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path
             scratch_root=scratch_root,
             mem_limit=sandbox.docker_mem_limit,
             cpus=sandbox.docker_cpus,
+            image=sandbox.docker_image,
             artifact_root=artifact_root,
         )
     if sandbox.backend == "ray":

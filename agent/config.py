@@ -47,6 +47,11 @@ class SandboxConfig(_Strict):
     ray_address: str | None = Field(None, description="Ray cluster address (None: RAY_ADDRESS or local)")
     docker_mem_limit: str = Field("8g", description="memory limit of each container")
     docker_cpus: float = Field(1.0, gt=0, description="CPUs of each container")
+    docker_image: str | None = Field(
+        None,
+        description="image the docker backend runs workers in (None: one built offline from host "
+        "files, without a C compiler, so CPU hosts only); it must hold this interpreter's path",
+    )
     timeout_s: float = Field(300.0, gt=0, description="hard wall-clock limit per evaluation")
     trials: int = Field(2, ge=2, le=10, description="correctness trials per check shape, fresh inputs each")
     baselines: list[str] | None = Field(

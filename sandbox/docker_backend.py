@@ -82,6 +82,14 @@ class DockerBackend(WorkerBackend):
         self.mem_limit = mem_limit
         self.cpus = cpus
         self.gpus = cuda_present() if gpus is None else gpus
+        if self.gpus and image is None:
+            # Triton builds a C launcher per kernel signature (cc and Python.h), which the image
+            # built from host files does not carry.
+            raise ValueError(
+                "evaluating on GPUs in Docker needs an image with a C compiler and Python headers "
+                "for Triton's launchers: pass image= (sandbox.docker_image in a campaign config), "
+                "or gpus=False"
+            )
         # Absolute: it is bind-mounted, and the daemon resolves no relative paths.
         self.scratch_root = Path(scratch_root).resolve() if scratch_root else None
         self.keep_scratch = keep_scratch

@@ -223,3 +223,6 @@ def test_bad_limits_are_rejected() -> None:
         DockerBackend(timeout_s=0)
     with pytest.raises(ValueError, match="cpus"):
         DockerBackend(cpus=-1)
+    # Triton on a GPU compiles C launchers: the host-built image has no compiler for them.
+    with pytest.raises(ValueError, match="C compiler"):
+        DockerBackend(gpus=True)
