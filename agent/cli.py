@@ -291,16 +291,25 @@ def bench_sandbox(
 
 @bench_app.command("ops")
 def bench_ops(
-    op: Annotated[str, typer.Option(help="op to benchmark, e.g. embedding_bag")],
+    op: Annotated[str | None, typer.Option(help="op to benchmark, e.g. embedding_bag")] = None,
+    family: Annotated[
+        str | None, typer.Option(help="every op of a family: embedding, attention or all")
+    ] = None,
     library: Annotated[Path | None, typer.Option(help="library whose best kernel to include")] = None,
     output: Annotated[Path | None, typer.Option(help="append result rows to this JSON-lines file")] = None,
 ) -> None:
-    """Time reference, torch.compile, eager PyTorch, default and best registered kernels."""
+    """Time reference, torch.compile, eager PyTorch, default and best registered kernels
+    (attention ops: forward, backward and both, in TFLOP/s against the measured matmul peak)."""
+    if (op is None) == (family is None):
+        raise fail("give one of --op NAME or --family embedding|attention|all")
     _interpret_without_gpu()
-    from evals.bench_ops import run_op_benchmark
+    from evals.bench_ops import run_family_benchmark, run_op_benchmark
 
     try:
-        rows = run_op_benchmark(op, library=library, console=console)
+        if op is not None:
+            rows = run_op_benchmark(op, library=library, console=console)
+        else:
+            rows = run_family_benchmark(family, library=library, console=console)
     except ValueError as exc:
         raise fail(str(exc)) from None
     if output:

@@ -1,7 +1,9 @@
 """Op benchmarks: every provider of an op timed the same way, side by side, in one process.
+Attention ops have their own benchmark (evals/bench_attention.py: forward and backward passes,
+TFLOP/s on useful FLOPs); `run_op_benchmark` hands them over.
 
-Throughput is on the problem's minimum bytes (`Problem.bytes`: each gathered row read once per
-occurrence, indices and offsets read, output written once):
+Embedding-bag throughput is on the problem's minimum bytes (`Problem.bytes`: each gathered row
+read once per occurrence, indices and offsets read, output written once):
 
     achieved GB/s      = min_bytes / median_time
     fraction of copy   = achieved bandwidth / device-to-device copy bandwidth measured in
@@ -10,6 +12,7 @@ occurrence, indices and offsets read, output written once):
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import subprocess
 from collections.abc import Callable
@@ -25,10 +28,28 @@ from kernels.registry import DISPATCHER, KernelLibrary, device_arch
 from sandbox.protocol import all_baselines, compare, fresh_seed
 from sandbox.timing import benchmark
 from sandbox.worker import baseline_providers
-from search_space import get_problem
+from search_space import get_problem, problem_names
 from search_space.problem import Problem
 
 COPY_BYTES = 2 * 1024**3
+FAMILIES = ("embedding", "attention", "all")
+
+
+def family_ops(family: str) -> list[str]:
+    """The problems of an op family (every problem for "all")."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown op family {family!r}; known: {', '.join(FAMILIES)}")
+    return [n for n in problem_names() if family == "all" or get_problem(n).op_family == family]
+
+
+def run_family_benchmark(
+    family: str, *, library: str | Path | None = None, console: Console | None = None
+) -> list[dict]:
+    """run_op_benchmark for every op of the family, one after another."""
+    rows: list[dict] = []
+    for op in family_ops(family):
+        rows += run_op_benchmark(op, library=library, console=console)
+    return rows
 
 
 def measure_copy_bandwidth(device: torch.device) -> float | None:
@@ -40,7 +61,7 @@ def measure_copy_bandwidth(device: torch.device) -> float | None:
     return COPY_BYTES / (stats.median_us * 1e-6)
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
     try:
         return (
             subprocess.run(
@@ -61,7 +82,8 @@ def _providers(problem: Problem, library: KernelLibrary, device: torch.device, s
 
     # The baselines exactly as the sandbox worker times them.
     providers: dict[str, Callable] = baseline_providers(problem, all_baselines(problem), device)
-    providers["default kernel"] = DISPATCHER.default(problem.name)
+    with contextlib.suppress(ValueError):  # not every problem has a hand-written kernel
+        providers["default kernel"] = DISPATCHER.default(problem.name)
     entry = library.best(problem.name, device_arch(device), shape.dtype, problem.bucket(shape))
     if entry is not None:
         providers["best registered"] = library.load(entry)
@@ -72,6 +94,10 @@ def run_op_benchmark(
     op: str, *, library: str | Path | None = None, console: Console | None = None
 ) -> list[dict]:
     problem = get_problem(op)
+    if problem.op_family == "attention":
+        from evals.bench_attention import run_attention_benchmark
+
+        return run_attention_benchmark(op, library=library, console=console)
     console = console or Console()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lib = KernelLibrary(library) if library else DISPATCHER.library
@@ -80,7 +106,7 @@ def run_op_benchmark(
     copy_bw = measure_copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     versions = f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
-    commit = _git_commit()
+    commit = git_commit()
     title = f"{op} on {gpu}; {versions}; commit {commit}"
     if copy_bw:
         title += f"; measured copy bandwidth {copy_bw / 1e12:.2f} TB/s"

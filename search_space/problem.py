@@ -65,6 +65,15 @@ class Inputs:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShapeBaseline:
+    """A baseline that computes the op for some shapes only, e.g. a softmax-only method on a
+    problem whose shapes also use pointwise activations."""
+
+    fn: Callable[..., torch.Tensor]
+    applies: Callable[[Shape], bool]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Problem:
     """An op to optimize: what a candidate must compute, on which inputs, and how well.
 
@@ -88,6 +97,9 @@ class Problem:
     bytes: Callable[[Shape], float]
     bucket: Callable[[Shape], str]
     template: str | None = None
+    # Baselines for some shapes only: benchmarks time them where they apply. The worker times
+    # `baselines` alone, on every timing shape, so those must compute every shape.
+    shape_baselines: Mapping[str, ShapeBaseline] = field(default_factory=dict)
     # torch functions that compute this op: a candidate may not fall back to them.
     forbidden_ops: tuple[str, ...] = ()
 
@@ -100,6 +112,9 @@ class Problem:
 _PROBLEM_MODULES = {
     "embedding_bag": "search_space.embedding_bag",
     "embedding_bag_backward": "search_space.embedding_bag_backward",
+    "jagged_attention": "search_space.jagged_attention",
+    "gdpa": "search_space.gdpa",
+    "target_attention": "search_space.target_attention",
 }
 
 

@@ -1,0 +1,290 @@
+"""Attention-family op benchmark: per op, timing shape and pass (fwd, bwd, fwd+bwd), the kernel
+under test (`kernels.ops.<op>`) and every baseline that applies, timed the same way side by side
+in one process (sandbox.timing: events, L2 flush, median with p20-p80).
+
+Throughput is on useful FLOPs only (`Problem.flops`: allowed (query, key) pairs, never padding
+or masked pairs):
+
+    forward FLOPs    = pairs x heads x 4 D        (2 D for q.k, 2 D for p * v)
+    backward FLOPs   = 2.5 x forward FLOPs        five products per pair instead of two:
+                                                  q.k recomputed, dP = dO v^T, dV = P^T dO,
+                                                  dQ = dS k, dK = dS^T q (FlashAttention's count;
+                                                  the same for softmax and pointwise attention)
+    fwd+bwd FLOPs    = 3.5 x forward FLOPs
+    TFLOP/s          = FLOPs / median time
+    fraction of peak = TFLOP/s / the bf16 matrix-product TFLOP/s measured in this same run
+                       (an 8192-cube torch.matmul)
+    peak memory      = torch.cuda.max_memory_allocated during one call, less what was allocated
+                       before it (the inputs; for bwd also the forward's saved tensors)
+    kernel speedup   = a baseline's median time / the kernel's, per shape and pass
+
+The loop reference and its torch.compile are timed forward only: they are the correctness
+oracle, and the reference's backward would keep every sequence's score matrices.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+from rich.console import Console
+from rich.table import Table
+
+from evals.bench_ops import git_commit
+from sandbox.protocol import all_baselines, compare, fresh_seed
+from sandbox.timing import benchmark
+from sandbox.worker import baseline_providers
+from search_space import get_problem
+from search_space.problem import Problem, Shape
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+BWD_FLOP_FACTOR = 2.5
+MATMUL_N = 8192
+KERNEL = "kernels.ops"
+FORWARD_ONLY = ("reference", "reference.compile")
+
+
+def pass_flops(forward_flops: float, pass_name: str) -> float:
+    """Useful FLOPs of a pass from the forward's (see the module docstring)."""
+    factor = {"fwd": 1.0, "bwd": BWD_FLOP_FACTOR, "fwd+bwd": 1.0 + BWD_FLOP_FACTOR}[pass_name]
+    return factor * forward_flops
+
+
+def measure_matmul_peak(device: torch.device) -> float | None:
+    """FLOP/s of an 8192-cube bf16 torch.matmul (2 n^3 FLOPs), measured now on this GPU."""
+    if device.type != "cuda":
+        return None
+    a, b = (torch.randn(MATMUL_N, MATMUL_N, device=device, dtype=torch.bfloat16) for _ in range(2))
+    stats = benchmark(torch.matmul, [((a, b), {})], device=device, max_reps=50)
+    return 2 * MATMUL_N**3 / (stats.median_us * 1e-6)
+
+
+def kernel_under_test(op: str) -> tuple[Callable | None, str]:
+    """kernels.ops.<op>, imported only now (it pulls in Triton kernels), or why it is missing."""
+    try:
+        from kernels import ops
+    except Exception as exc:  # a library being written may not import yet; the baselines still run
+        return None, f"kernels.ops does not import: {type(exc).__name__}: {exc}"
+    fn = getattr(ops, op, None)
+    if fn is None:
+        return None, f"kernels.ops has no {op}"
+    return fn, ""
+
+
+def _peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del result
+    return peak
+
+
+def _with_grad_leaves(args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor]]:
+    """The call's arguments with q, k, v (the first three, for every attention op) replaced by
+    fresh leaves that require grad."""
+    leaves = [a.detach().clone().requires_grad_() for a in args[:3]]
+    return (*leaves, *args[3:]), leaves
+
+
+def _providers(problem: Problem, shape: Shape, device: torch.device, kernel: Callable | None) -> dict:
+    providers: dict[str, Callable] = {}
+    if kernel is not None:
+        providers[KERNEL] = kernel
+    # The baselines exactly as the sandbox worker times them, then the shape-dependent ones.
+    providers |= baseline_providers(problem, all_baselines(problem), device)
+    for name, extra in problem.shape_baselines.items():
+        if extra.applies(shape):
+            providers[name] = extra.fn
+    return providers
+
+
+def _time_forward(fn, arg_sets, ref, problem, shape, device) -> dict:
+    args, kwargs = arg_sets[0]
+    ok, details = compare(fn(*args, **kwargs), ref, problem.tolerance(shape.dtype))
+    stats = benchmark(fn, arg_sets, device=device)
+    return {
+        "stats": stats,
+        "correct": ok,
+        "message": details.get("message", ""),
+        "peak_mem_bytes": _peak_bytes(lambda: fn(*args, **kwargs), device),
+    }
+
+
+def _time_backward(fn, args, kwargs, device, pass_name) -> dict:
+    call_args, leaves = _with_grad_leaves(args, kwargs)
+    out = fn(*call_args, **kwargs)
+    if not out.requires_grad:
+        return {"skipped": "no autograd"}
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    grad_out = grad_out.to(out.dtype)
+
+    def bwd():
+        return torch.autograd.grad(out, leaves, grad_out, retain_graph=True, allow_unused=True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fn(*call_args, **kwargs), leaves, grad_out, allow_unused=True)
+
+    step = bwd if pass_name == "bwd" else fwd_bwd
+    stats = benchmark(step, [((), {})], device=device)
+    return {"stats": stats, "correct": None, "message": "", "peak_mem_bytes": _peak_bytes(step, device)}
+
+
+def _measure(name, fn, pass_name, arg_sets, ref, problem, shape, device) -> dict:
+    """One provider on one pass; failures (out of memory, unsupported) become the row's note."""
+    if pass_name != "fwd" and name in FORWARD_ONLY:
+        return {"skipped": "forward only (correctness oracle)"}
+    try:
+        if pass_name == "fwd":
+            return _time_forward(fn, arg_sets, ref, problem, shape, device)
+        args, kwargs = arg_sets[0]
+        return _time_backward(fn, args, kwargs, device, pass_name)
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "out of memory"}
+    except NotImplementedError as exc:
+        return {"skipped": str(exc).splitlines()[0][:120]}
+    except Exception as exc:  # a baseline or kernel failing at one shape must not stop the run
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_attention_benchmark(
+    op: str,
+    *,
+    library: str | Path | None = None,
+    console: Console | None = None,
+    passes: tuple[str, ...] = PASSES,
+    shapes: tuple[Shape, ...] | None = None,
+) -> list[dict]:
+    """Benchmark one attention op; returns the rows (also printed as a table)."""
+    problem = get_problem(op)
+    if problem.op_family != "attention":
+        raise ValueError(f"{op} is not an attention op (family {problem.op_family!r})")
+    unknown = set(passes) - set(PASSES)
+    if unknown:
+        raise ValueError(f"unknown passes {sorted(unknown)}; known: {', '.join(PASSES)}")
+    console = console or Console()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    interpreted = device.type != "cuda"
+    if shapes is None:
+        shapes = problem.interpreted_timing_shapes if interpreted else problem.timing_shapes
+    if library is not None:
+        from kernels.registry import DISPATCHER
+
+        DISPATCHER.use_library(library)
+    kernel, missing = kernel_under_test(op)
+    if kernel is None:
+        console.print(f"[yellow]{missing}: timing the baselines alone[/]")
+    peak = measure_matmul_peak(device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    versions = f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
+    commit = git_commit()
+    title = f"{op} on {gpu}; {versions}; commit {commit}"
+    if peak:
+        title += f"; measured bf16 matmul {peak / 1e12:.0f} TFLOP/s"
+    table = Table(
+        "shape",
+        "pass",
+        "provider",
+        "median ms",
+        "p20-p80 ms",
+        "TFLOP/s",
+        "of bf16 peak",
+        "peak mem",
+        "kernel speedup",
+        "check",
+        title=title,
+    )
+    rows: list[dict] = []
+    for shape in shapes:
+        arg_sets = [
+            (i.args, i.kwargs)
+            for i in (
+                problem.make_inputs(shape, fresh_seed(), device) for _ in range(1 if interpreted else 3)
+            )
+        ]
+        args, kwargs = arg_sets[0]
+        ref = problem.reference(*args, **kwargs)
+        forward_flops = problem.flops(shape)
+        providers = _providers(problem, shape, device, kernel)
+        for pass_name in passes:
+            results = {
+                name: _measure(name, fn, pass_name, arg_sets, ref, problem, shape, device)
+                for name, fn in providers.items()
+            }
+            kernel_us = results.get(KERNEL, {}).get("stats")
+            kernel_us = kernel_us.median_us if kernel_us else None
+            flops = pass_flops(forward_flops, pass_name)
+            timed = {n: r["stats"].median_us for n, r in results.items() if "stats" in r}
+            for name, r in results.items():
+                row = _row(op, name, shape, pass_name, flops, peak, r, kernel_us, timed)
+                row |= {"gpu": gpu, "versions": versions, "commit": commit, "interpreted": interpreted}
+                rows.append(row)
+                table.add_row(*_cells(row))
+        del arg_sets, args, kwargs, ref
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    console.print(table)
+    if interpreted:
+        console.print("[yellow]interpreted Triton on a CPU: these timings say nothing about GPU speed[/]")
+    return rows
+
+
+def _row(op, name, shape, pass_name, flops, peak, r, kernel_us, timed) -> dict:
+    row = {
+        "op": op,
+        "provider": name,
+        "shape": shape.name,
+        "dtype": shape.dtype,
+        "pass": pass_name,
+        "flops": flops,
+        "matmul_peak_flops": peak,
+    }
+    if "stats" not in r:
+        return row | {"skipped": r.get("skipped"), "error": r.get("error")}
+    stats = r["stats"]
+    tflops = flops / (stats.median_us * 1e-6) / 1e12
+    row |= {
+        "p50_us": stats.median_us,
+        "p20_us": stats.p20_us,
+        "p80_us": stats.p80_us,
+        "tflops": tflops,
+        "peak_fraction": tflops * 1e12 / peak if peak else None,
+        "peak_mem_bytes": r["peak_mem_bytes"],
+        "correct": r["correct"],
+        "message": r["message"],
+    }
+    if name == KERNEL:
+        row["speedup_vs"] = {n: us / stats.median_us for n, us in timed.items() if n != KERNEL}
+    else:
+        row["kernel_speedup"] = stats.median_us / kernel_us if kernel_us else None
+    return row
+
+
+def _cells(row: dict) -> list[str]:
+    head = [row["shape"], row["pass"], row["provider"]]
+    if "p50_us" not in row:
+        note = (row.get("error") or row.get("skipped") or "")[:48]
+        return [*head, "-", "-", "-", "-", "-", "-", f"[red]{note}[/]" if row.get("error") else note]
+    mem = row["peak_mem_bytes"]
+    check = {True: "ok", False: f"WRONG {row['message'][:40]}", None: "-"}[row["correct"]]
+    speedup = row.get("kernel_speedup")
+    return [
+        *head,
+        f"{row['p50_us'] / 1e3:.3f}",
+        f"{row['p20_us'] / 1e3:.3f}-{row['p80_us'] / 1e3:.3f}",
+        f"{row['tflops']:.3g}",
+        f"{100 * row['peak_fraction']:.0f}%" if row["peak_fraction"] else "n/a",
+        f"{mem / 2**20:.0f} MiB" if mem is not None else "n/a",
+        f"{speedup:.2f}x" if speedup else "-",
+        check,
+    ]

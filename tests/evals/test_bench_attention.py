@@ -1,0 +1,69 @@
+"""The attention benchmark: its FLOP convention, its rows at the interpreted shape on a CPU, and
+the `bench ops --family` option."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from agent.cli import app
+from evals import bench_attention
+from evals.bench_attention import pass_flops, run_attention_benchmark
+from evals.bench_ops import family_ops
+from search_space import target_attention
+
+runner = CliRunner()
+
+
+def test_pass_flops_convention() -> None:
+    assert pass_flops(10.0, "fwd") == 10.0
+    assert pass_flops(10.0, "bwd") == 25.0  # five products per pair instead of two
+    assert pass_flops(10.0, "fwd+bwd") == 35.0
+
+
+def test_family_ops() -> None:
+    assert family_ops("attention") == ["gdpa", "jagged_attention", "target_attention"]
+    assert "embedding_bag" in family_ops("embedding") and "gdpa" not in family_ops("embedding")
+    assert set(family_ops("all")) >= {"embedding_bag", "gdpa", "jagged_attention", "target_attention"}
+    with pytest.raises(ValueError, match="unknown op family"):
+        family_ops("conv")
+
+
+def test_attention_bench_rows_on_the_interpreted_shape(monkeypatch) -> None:
+    # A stand-in for kernels.ops.target_attention (being written elsewhere): the rows are what is
+    # tested here, not a kernel.
+    monkeypatch.setattr(bench_attention, "kernel_under_test", lambda op: (target_attention.torch_padded, ""))
+    console = Console(file=io.StringIO(), width=200)
+    rows = run_attention_benchmark("target_attention", console=console)
+    by = {(r["provider"], r["pass"]): r for r in rows}
+    providers = {"kernels.ops", "reference", "torch.padded", "torch.replicate_kv", "torch.flex_attention"}
+    assert {p for p, _ in by} == providers
+    assert {s for _, s in by} == {"fwd", "bwd", "fwd+bwd"}
+    shape = target_attention.INTERPRETED_TIMING_SHAPES[0]
+    forward_flops = target_attention.flops(shape)
+    for provider in providers:
+        row = by[(provider, "fwd")]
+        assert row["correct"] is True and row["p50_us"] > 0 and row["flops"] == forward_flops
+        assert row["tflops"] == pytest.approx(forward_flops / row["p50_us"] / 1e6)
+        assert row["interpreted"] is True and row["peak_mem_bytes"] is None
+    kernel = by[("kernels.ops", "fwd")]
+    assert set(kernel["speedup_vs"]) == providers - {"kernels.ops"}
+    assert by[("torch.padded", "fwd")]["kernel_speedup"] > 0
+    for pass_name in ("bwd", "fwd+bwd"):
+        for provider in ("kernels.ops", "torch.padded", "torch.replicate_kv"):
+            row = by[(provider, pass_name)]
+            assert row["p50_us"] > 0 and row["flops"] == pass_flops(forward_flops, pass_name)
+        assert "forward only" in by[("reference", pass_name)]["skipped"]
+        assert "backward on CPU" in by[("torch.flex_attention", pass_name)]["skipped"]
+    assert "target_attention on cpu" in console.file.getvalue()
+
+
+def test_bench_ops_needs_an_op_or_a_family() -> None:
+    for argv in (["bench", "ops"], ["bench", "ops", "--op", "gdpa", "--family", "attention"]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2 and "--op NAME or --family" in result.output
+    result = runner.invoke(app, ["bench", "ops", "--family", "conv"])
+    assert result.exit_code == 2 and "unknown op family 'conv'" in result.output
