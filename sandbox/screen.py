@@ -173,8 +173,9 @@ def screen(source: str, entry: str, forbidden_ops: tuple[str, ...] = ()) -> list
                 name == p or name.startswith(p if p.endswith("_") else p + ".") for p in FORBIDDEN_TORCH
             ):
                 found.append(Violation("torch", node.lineno, f"use of {name}"))
-            elif node.attr in forbidden_ops:
-                # Rule fallback: the op itself computed by torch instead of a Triton kernel.
+            elif node.attr in forbidden_ops and not (name or "").startswith("triton.language."):
+                # Rule fallback: the op itself computed by torch instead of a Triton kernel
+                # (triton.language's functions of the same name run inside one).
                 found.append(
                     Violation("fallback", node.lineno, f"use of .{node.attr}, which computes the op")
                 )
@@ -185,6 +186,10 @@ def screen(source: str, entry: str, forbidden_ops: tuple[str, ...] = ()) -> list
             while isinstance(inner, ast.Attribute):
                 reported_chain.add(id(inner))
                 inner = inner.value
+        elif isinstance(node, ast.BinOp | ast.AugAssign) and isinstance(node.op, ast.MatMult):
+            # `a @ b` is torch.matmul by another name (inside a kernel, tl.dot is the product).
+            if "matmul" in forbidden_ops:
+                found.append(Violation("fallback", node.lineno, "use of the @ operator, a torch matmul"))
         elif isinstance(node, ast.Name) and node.id in {"__builtins__", "__loader__", "__spec__"}:
             found.append(Violation("attributes", node.lineno, f"use of {node.id}"))
     top = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}

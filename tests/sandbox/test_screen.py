@@ -148,6 +148,8 @@ FORBIDDEN = get_problem("embedding_bag").forbidden_ops
         ),
         (_with_body("out = torch.zeros(3, 4).index_add_(0, indices, weight)"), "fallback", ".index_add_"),
         (_with_header("from torch.nn.functional import embedding_bag"), "imports", "torch.nn.functional"),
+        (_with_body("return weight[indices] @ torch.ones(weight.shape[1], 1)"), "fallback", "@ operator"),
+        (_with_body("w = weight.clone()\n    w @= weight.T"), "fallback", "@ operator"),
     ],
     ids=[
         "load",
@@ -165,6 +167,8 @@ FORBIDDEN = get_problem("embedding_bag").forbidden_ops
         "functional-fallback",
         "index-add-fallback",
         "import-fallback",
+        "matmul-operator",
+        "matmul-augmented",
     ],
 )
 def test_torch_escapes_and_fallbacks_are_rejected(source: str, rule: str, detail: str) -> None:
@@ -180,3 +184,12 @@ def test_library_default_kernel_passes_with_the_problem_rules() -> None:
     source = inspect.getsource(default)
     assert screen(source, "embedding_bag_forward", FORBIDDEN) == []
     assert screen(TEMPLATE.render({}), ENTRY, FORBIDDEN) == []
+
+
+def test_triton_language_functions_named_like_a_fallback_pass() -> None:
+    """`tl.gather` is a kernel-side gather, not torch's `gather` fallback."""
+    source = _with_header("import triton.language as tl") + "\nx = tl.gather\n"
+    assert not [v for v in screen(source, ENTRY, FORBIDDEN) if v.rule == "fallback"]
+    assert [v.rule for v in screen(_with_body("x = weight.gather(0, indices)"), ENTRY, FORBIDDEN)] == [
+        "fallback"
+    ]
