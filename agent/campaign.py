@@ -18,12 +18,12 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 
 from agent.config import CampaignConfig, SandboxConfig
 from agent.graph import compile_graph
-from agent.proposers import SearchProposer
+from agent.llm.client import LLMConfigError, api_key
+from agent.proposers import make_proposers
 from agent.state import Backend, CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
 from sandbox.local import LocalBackend
-from search_space.template import get_template
 
 
 def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path | None = None) -> Backend:
@@ -86,6 +86,11 @@ class Campaigns:
         self.checkpoints = self.home / "checkpoints.db"
 
     def start(self, config: CampaignConfig, events: Events | None = None) -> CampaignOutcome:
+        if config.llm is not None and "llm" in config.proposer.kinds:
+            try:
+                api_key(config.llm)  # before anything is recorded: a campaign that cannot start
+            except LLMConfigError as exc:
+                raise CampaignError(str(exc)) from None
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         campaign_id = f"{config.name}-{stamp}-{secrets.token_hex(2)}"
         self.store.create_campaign(campaign_id, config.name, config.model_dump_json())
@@ -107,18 +112,20 @@ class Campaigns:
     ) -> CampaignOutcome:
         row = self.store.campaign(campaign_id)
         assert row is not None
+        events = events or _QuietEvents()
+        try:
+            proposers = make_proposers(config, self.store, campaign_id, events)
+        except LLMConfigError as exc:
+            raise CampaignError(str(exc)) from None
         ctx = CampaignContext(
             campaign_id=campaign_id,
             config=config,
             store=self.store,
             backend=make_backend(config.sandbox, self.home / "scratch", self.home / "artifacts"),
             library=self.library_for(config),
-            proposers={
-                p: SearchProposer(get_template(p), sampler=config.proposer.sampler, seed=config.proposer.seed)
-                for p in config.problems
-            },
+            proposers=proposers,
             report_dir=str(config.output_dir / campaign_id),
-            events=events or _QuietEvents(),
+            events=events,
             wall_offset_s=row.wall_s,
             segment_start=time.monotonic(),
         )

@@ -163,6 +163,14 @@ def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
     console.print(f"[bold]{row.id}[/]: {row.status} {row.stop_reason or ''}; wall {row.wall_s:.0f} s")
     counts = Counter(r.result.status.value for r in rows)
     console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
+    spent = campaigns.store.llm_spent(campaign_id)
+    if spent.requests:
+        pauses = campaigns.store.llm_pauses(campaign_id)
+        console.print(
+            f"LLM: {spent.requests} requests ({spent.failed_requests} failed), {spent.tokens} tokens "
+            f"({spent.prompt_tokens} prompt, {spent.completion_tokens} completion), cost {spent.cost:.4f}"
+            + (f"; paused {len(pauses)} time(s), last: {pauses[-1][2]}" if pauses else "")
+        )
     scored = sorted((r for r in rows if r.score_us is not None), key=lambda r: r.score_us)
     for r in scored[:5]:
         tag = " (interpreted)" if r.result.interpreted else ""

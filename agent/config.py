@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from search_space import get_problem, problem_names
 
@@ -23,16 +23,111 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+ProposerKind = Literal["llm", "search"]
+
+
 class ProposerConfig(_Strict):
-    kind: Literal["search"] = "search"
+    kinds: list[ProposerKind] = Field(
+        default_factory=lambda: ["search"],
+        min_length=1,
+        description="proposers per problem, in the order they fill a batch: a proposer that returns "
+        "fewer candidates than its share leaves the rest to the ones after it",
+    )
+    shares: dict[ProposerKind, float] = Field(
+        default_factory=dict,
+        description="relative share of each batch per kind (default: equal); e.g. llm = 1, search = 3",
+    )
     sampler: Literal["tpe", "random"] = "tpe"
     batch_size: int = Field(4, ge=1, le=64, description="candidates proposed per iteration")
     seed: int = 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _single_kind(cls, data):
+        # `kind = "search"` is how configs (and the stored configs of older campaigns) name one.
+        if isinstance(data, dict) and "kind" in data:
+            data = dict(data)
+            kind = data.pop("kind")
+            data.setdefault("kinds", [kind])
+        return data
+
+    @model_validator(mode="after")
+    def _shares_of_kinds(self) -> ProposerConfig:
+        if len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"kinds {self.kinds} name a proposer twice")
+        stray = sorted(set(self.shares) - set(self.kinds))
+        if stray:
+            raise ValueError(f"shares given for {stray}, which are not among kinds {self.kinds}")
+        if any(v <= 0 for v in self.shares.values()):
+            raise ValueError("every share must be greater than 0 (leave a kind out of kinds instead)")
+        return self
+
+    def share(self, kind: str) -> float:
+        """Fraction of a batch that `kind` is asked for."""
+        weights = {k: self.shares.get(k, 1.0) for k in self.kinds}
+        return weights[kind] / sum(weights.values())
+
+
+class LLMConfig(_Strict):
+    """An OpenAI-compatible chat endpoint (a hosted API, vLLM, SGLang, Ollama) and how to use it.
+
+    The API key is read from the environment variable `api_key_env` when the client is built;
+    it is never part of the config, the store or any log."""
+
+    base_url: str = Field(..., min_length=1, description="e.g. http://localhost:8000/v1")
+    model: str = Field(..., min_length=1)
+    api_key_env: str | None = Field(
+        "OPENAI_API_KEY",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable holding the API key (None: the endpoint needs none)",
+    )
+    temperature: float = Field(0.7, ge=0, le=2)
+    max_tokens: int = Field(8192, ge=64, description="completion tokens per request")
+    timeout_s: float = Field(300.0, gt=0, description="per HTTP request")
+    max_retries: int = Field(
+        4, ge=0, le=20, description="retries of a request that timed out, got 429 or 5xx, or garbage"
+    )
+    backoff_initial_s: float = Field(2.0, gt=0, description="first retry delay; doubles per retry")
+    backoff_max_s: float = Field(60.0, gt=0)
+    retry_after_max_s: float = Field(300.0, gt=0, description="longest Retry-After honoured")
+    structured_output: Literal["json_schema", "json_object", "none"] = Field(
+        "json_schema",
+        description="response_format sent with each request; replies are validated either way, and a "
+        "server that refuses it gets requests without it",
+    )
+    format_retries: int = Field(
+        2, ge=0, le=10, description="re-asks, with the validation error, after an unusable reply"
+    )
+    repair_depth: int = Field(
+        2, ge=0, le=10, description="times a failed kernel goes back to the model with its error"
+    )
+    history: int = Field(6, ge=0, le=50, description="recent attempts of the lineage shown in a prompt")
+    outage_failures: int = Field(
+        3, ge=1, description="consecutive failed requests (after retries) that pause the LLM proposer"
+    )
+    outage_cooldown_s: float = Field(900.0, gt=0, description="pause before the LLM is tried again")
+    max_empty_rounds: int = Field(
+        3, ge=1, description="consecutive rounds without a usable proposal before the LLM proposer gives up"
+    )
+    cost_per_million_input_tokens: float = Field(0.0, ge=0, description="price of prompt tokens")
+    cost_per_million_output_tokens: float = Field(0.0, ge=0, description="price of completion tokens")
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (
+            prompt_tokens * self.cost_per_million_input_tokens
+            + completion_tokens * self.cost_per_million_output_tokens
+        ) / 1e6
+
 
 class BudgetConfig(_Strict):
+    """The campaign stops cleanly at the first budget reached and says which."""
+
     max_evaluations: int = Field(..., ge=1)
     max_wall_s: float = Field(..., gt=0)
+    max_llm_tokens: int | None = Field(None, ge=1, description="prompt plus completion tokens")
+    max_llm_cost: float | None = Field(
+        None, gt=0, description="money spent on the LLM, in the unit of llm.cost_per_million_*"
+    )
 
 
 class SandboxConfig(_Strict):
@@ -65,6 +160,7 @@ class CampaignConfig(_Strict):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     problems: list[str] = Field(..., min_length=1)
     proposer: ProposerConfig = Field(default_factory=ProposerConfig)
+    llm: LLMConfig | None = Field(None, description="the endpoint of the `llm` proposer")
     budget: BudgetConfig
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     output_dir: Path = Path("runs")
@@ -77,15 +173,21 @@ class CampaignConfig(_Strict):
         unknown = [p for p in value if p not in problem_names()]
         if unknown:
             raise ValueError(f"unknown problem(s) {unknown}; known: {problem_names()}")
+        return value
+
+    @model_validator(mode="after")
+    def _proposers_can_work(self) -> CampaignConfig:
+        if "llm" in self.proposer.kinds and self.llm is None:
+            raise ValueError("proposer.kinds includes 'llm' but there is no [llm] section (base_url, model)")
         # The search proposer explores a template's knobs: a problem without one gives it nothing.
-        untemplated = [p for p in value if get_problem(p).template is None]
-        if untemplated:
+        untemplated = [p for p in self.problems if get_problem(p).template is None]
+        if "search" in self.proposer.kinds and untemplated:
             searchable = [p for p in problem_names() if get_problem(p).template is not None]
             raise ValueError(
                 f"problem(s) {untemplated} have no knob template for the search proposer; "
-                f"searchable: {searchable}"
+                f'searchable: {searchable} (an LLM-only campaign, proposer.kinds = ["llm"], takes any)'
             )
-        return value
+        return self
 
 
 def _field_path(loc: tuple) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from statistics import geometric_mean
 from typing import Literal
 
@@ -10,6 +11,7 @@ from langgraph.runtime import Runtime
 
 from agent.incumbents import ORIGIN as INCUMBENT
 from agent.incumbents import campaign_arch, incumbents
+from agent.proposers import ProposalRequest, propose_batch
 from agent.report import write_report
 from agent.state import CampaignContext, CampaignState
 from agent.store import EvaluationRow
@@ -32,6 +34,13 @@ def plan(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
         return {
             "stop_reason": f"wall-time budget reached ({ctx.wall_s():.0f} s of {budget.max_wall_s:.0f} s)"
         }
+    if budget.max_llm_tokens is not None or budget.max_llm_cost is not None:
+        from agent.proposers.llm import llm_budget_reached
+
+        spent = ctx.store.llm_spent(ctx.campaign_id)
+        reached = llm_budget_reached(budget, spent.tokens, spent.cost)
+        if reached:
+            return {"stop_reason": reached}
     # Every problem gets its turn: the one with the fewest evaluations goes next.
     problem = min(ctx.config.problems, key=lambda p: ctx.store.count_evaluations(ctx.campaign_id, p))
     return {"problem": problem, "iteration": state.get("iteration", 0) + 1, "stop_reason": None}
@@ -45,7 +54,6 @@ def propose(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     ctx = runtime.context
     problem = state["problem"]
     rows = ctx.store.evaluations(ctx.campaign_id, problem)
-    history = [(r.candidate.knobs, r.score_us) for r in rows]
     remaining = ctx.config.budget.max_evaluations - ctx.store.count_evaluations(ctx.campaign_id)
     n = max(1, min(ctx.config.proposer.batch_size, remaining))
     best_id = state.get("best", {}).get(problem)
@@ -53,14 +61,31 @@ def propose(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     # The first batch measures what dispatch runs today: the bar every proposal must clear.
     seeds = [] if rows else [c for c in incumbents(problem, ctx.library, campaign_arch()) if c.id not in seen]
     seeds = seeds[:n]
-    candidates = seeds + ctx.proposers[problem].propose(
-        n - len(seeds), history, seen | {c.id for c in seeds}, parent_id=best_id
+    proposers = ctx.proposers[problem]
+    request = ProposalRequest(
+        campaign_id=ctx.campaign_id,
+        problem=problem,
+        rows=rows,
+        best=next((r for r in rows if r.candidate.id == best_id), None),
+        seen=frozenset(seen | {c.id for c in seeds}),
     )
+    shares = [ctx.config.proposer.share(p.kind) for p in proposers]
+    candidates = seeds + propose_batch(proposers, shares, n - len(seeds), request)
     for c in candidates:
         ctx.store.add_candidate(ctx.campaign_id, c)
-    if not candidates:
-        return {"pending": [], "stop_reason": f"search space of {problem} exhausted"}
-    return {"pending": [c.id for c in candidates]}
+    if candidates:
+        return {"pending": [c.id for c in candidates]}
+    pauses = [t for p in proposers if (t := p.paused_until()) is not None]
+    if pauses:
+        # Only paused proposers left (an LLM-only campaign in an outage): wait, within the wall budget.
+        wait = max(0.0, min(min(pauses) - time.time(), ctx.config.budget.max_wall_s - ctx.wall_s()))
+        ctx.events.message(f"{problem}: every proposer is paused; waiting {wait:.0f} s")
+        time.sleep(wait)
+        return {"pending": []}
+    reasons = [r for p in proposers if (r := p.exhausted) is not None]
+    if len(reasons) == len(proposers):
+        return {"pending": [], "stop_reason": "; ".join(reasons)}
+    return {"pending": []}  # nothing usable this round (e.g. the LLM's replies); the next may do better
 
 
 def route_after_propose(state: CampaignState) -> Literal["evaluate", "register"]:

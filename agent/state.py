@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypedDict
 
 from agent.config import CampaignConfig
-from agent.proposers import SearchProposer
+from agent.proposers import Proposer
 from agent.store import Store
 from kernels.registry import KernelLibrary
 from sandbox.candidate import Candidate
@@ -76,7 +76,7 @@ class CampaignContext:
     store: Store
     backend: Backend
     library: KernelLibrary
-    proposers: dict[str, SearchProposer]
+    proposers: dict[str, list[Proposer]]  # per problem, in the order of proposer.kinds
     report_dir: str
     events: Events = field(default_factory=_QuietEvents)
     wall_offset_s: float = 0.0  # spent by earlier runs of this campaign

@@ -41,6 +41,29 @@ CREATE TABLE IF NOT EXISTS accepted (
     kernel_id TEXT NOT NULL, library TEXT NOT NULL, created_at TEXT NOT NULL,
     PRIMARY KEY (campaign_id, problem, kernel_id)
 );
+-- One row per HTTP request to the LLM, retries included: what was sent, what came back, what it
+-- cost and what became of it. Token and money budgets are sums over this table, so they survive
+-- a kill. outcome: replied (pending validation), proposal, invalid, or the transport failure
+-- (timeout, connection, http_<code>, garbage).
+CREATE TABLE IF NOT EXISTS llm_exchanges (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, campaign_id TEXT NOT NULL, problem TEXT NOT NULL,
+    conversation TEXT NOT NULL, turn INTEGER NOT NULL, attempt INTEGER NOT NULL, model TEXT NOT NULL,
+    request_json TEXT NOT NULL, response_text TEXT, outcome TEXT NOT NULL, error TEXT,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0,
+    cost REAL NOT NULL DEFAULT 0, latency_s REAL NOT NULL, candidate_id TEXT, created_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS llm_exchanges_campaign ON llm_exchanges (campaign_id);
+-- Each candidate the LLM proposed: its conversation (for repair turns) and repair lineage.
+CREATE TABLE IF NOT EXISTS llm_proposals (
+    campaign_id TEXT NOT NULL, candidate_id TEXT NOT NULL, problem TEXT NOT NULL,
+    conversation TEXT NOT NULL, kind TEXT NOT NULL, rationale TEXT NOT NULL, depth INTEGER NOT NULL,
+    repair_of TEXT, messages_json TEXT NOT NULL, repair_tried INTEGER NOT NULL DEFAULT 0,
+    created_at TEXT NOT NULL, PRIMARY KEY (campaign_id, candidate_id)
+);
+-- Outage pauses of the LLM proposer (wall-clock seconds since the epoch).
+CREATE TABLE IF NOT EXISTS llm_pauses (
+    campaign_id TEXT NOT NULL, started REAL NOT NULL, until REAL NOT NULL, reason TEXT NOT NULL
+);
 """
 
 
@@ -73,6 +96,34 @@ class CampaignRow:
     wall_s: float
     created_at: str
     updated_at: str
+
+
+@dataclass(frozen=True)
+class LLMSpent:
+    requests: int
+    failed_requests: int  # timeouts, HTTP errors, garbage
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class LLMProposalRow:
+    candidate_id: str
+    conversation: str
+    kind: str
+    rationale: str
+    depth: int
+    repair_of: str | None
+    messages: list[dict]
+
+
+# The model's own fault, not the endpoint's: these are not transport failures.
+_MODEL_OUTCOMES = ("replied", "proposal", "invalid")
 
 
 @dataclass(frozen=True)
@@ -235,5 +286,142 @@ class Store:
         return self._db.execute(
             "SELECT problem, candidate_id, kernel_id, library FROM accepted "
             "WHERE campaign_id = ? ORDER BY created_at",
+            (campaign_id,),
+        ).fetchall()
+
+    # LLM exchanges, proposals and pauses
+    def add_llm_exchange(
+        self,
+        campaign_id: str,
+        *,
+        problem: str,
+        conversation: str,
+        turn: int,
+        attempt: int,
+        model: str,
+        request_json: str,
+        response_text: str | None,
+        outcome: str,
+        error: str | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cost: float,
+        latency_s: float,
+    ) -> int:
+        cursor = self._db.execute(
+            "INSERT INTO llm_exchanges (campaign_id, problem, conversation, turn, attempt, model, "
+            "request_json, response_text, outcome, error, prompt_tokens, completion_tokens, cost, "
+            "latency_s, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                campaign_id,
+                problem,
+                conversation,
+                turn,
+                attempt,
+                model,
+                request_json,
+                response_text,
+                outcome,
+                error,
+                prompt_tokens,
+                completion_tokens,
+                cost,
+                latency_s,
+                _now(),
+            ),
+        )
+        assert cursor.lastrowid is not None
+        return cursor.lastrowid
+
+    def set_llm_outcome(
+        self, seq: int, outcome: str, error: str | None = None, candidate_id: str | None = None
+    ) -> None:
+        self._db.execute(
+            "UPDATE llm_exchanges SET outcome = ?, error = ?, candidate_id = ? WHERE seq = ?",
+            (outcome, error, candidate_id, seq),
+        )
+
+    def llm_exchanges(self, campaign_id: str) -> list[dict]:
+        cursor = self._db.execute(
+            "SELECT * FROM llm_exchanges WHERE campaign_id = ? ORDER BY seq", (campaign_id,)
+        )
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def llm_spent(self, campaign_id: str) -> LLMSpent:
+        marks = ", ".join("?" * len(_MODEL_OUTCOMES))
+        row = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(outcome NOT IN (" + marks + ")), 0), "
+            "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost), 0) "
+            "FROM llm_exchanges WHERE campaign_id = ?",
+            (*_MODEL_OUTCOMES, campaign_id),
+        ).fetchone()
+        return LLMSpent(*row)
+
+    def add_llm_proposal(
+        self,
+        campaign_id: str,
+        *,
+        candidate_id: str,
+        problem: str,
+        conversation: str,
+        kind: str,
+        rationale: str,
+        depth: int,
+        repair_of: str | None,
+        messages: list[dict],
+    ) -> None:
+        self._db.execute(
+            "INSERT OR IGNORE INTO llm_proposals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+            (
+                campaign_id,
+                candidate_id,
+                problem,
+                conversation,
+                kind,
+                rationale,
+                depth,
+                repair_of,
+                json.dumps(messages),
+                _now(),
+            ),
+        )
+
+    def llm_proposals(self, campaign_id: str, problem: str) -> dict[str, LLMProposalRow]:
+        rows = self._db.execute(
+            "SELECT candidate_id, conversation, kind, rationale, depth, repair_of, messages_json "
+            "FROM llm_proposals WHERE campaign_id = ? AND problem = ?",
+            (campaign_id, problem),
+        ).fetchall()
+        return {r[0]: LLMProposalRow(*r[:6], messages=json.loads(r[6])) for r in rows}
+
+    def llm_repairables(
+        self, campaign_id: str, problem: str, statuses: tuple[str, ...], max_depth: int
+    ) -> list[LLMProposalRow]:
+        """LLM proposals that were evaluated with one of `statuses`, are less than `max_depth`
+        repairs deep and have not been sent back yet; the most recently evaluated first."""
+        marks = ", ".join("?" * len(statuses))
+        rows = self._db.execute(
+            "SELECT p.candidate_id, p.conversation, p.kind, p.rationale, p.depth, p.repair_of, "
+            "p.messages_json FROM llm_proposals p JOIN evaluations e "
+            "ON e.campaign_id = p.campaign_id AND e.candidate_id = p.candidate_id "
+            f"WHERE p.campaign_id = ? AND p.problem = ? AND p.repair_tried = 0 AND p.depth < ? "
+            f"AND e.status IN ({marks}) ORDER BY e.seq DESC",
+            (campaign_id, problem, max_depth, *statuses),
+        ).fetchall()
+        return [LLMProposalRow(*r[:6], messages=json.loads(r[6])) for r in rows]
+
+    def set_repair_tried(self, campaign_id: str, candidate_id: str) -> None:
+        self._db.execute(
+            "UPDATE llm_proposals SET repair_tried = 1 WHERE campaign_id = ? AND candidate_id = ?",
+            (campaign_id, candidate_id),
+        )
+
+    def add_llm_pause(self, campaign_id: str, started: float, until: float, reason: str) -> None:
+        self._db.execute("INSERT INTO llm_pauses VALUES (?, ?, ?, ?)", (campaign_id, started, until, reason))
+
+    def llm_pauses(self, campaign_id: str) -> list[tuple[float, float, str]]:
+        return self._db.execute(
+            "SELECT started, until, reason FROM llm_pauses WHERE campaign_id = ? ORDER BY started",
             (campaign_id,),
         ).fetchall()

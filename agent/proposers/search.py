@@ -2,16 +2,24 @@
 
 The store is the memory: each call rebuilds the study from every finished evaluation of the
 problem, so a resumed campaign continues the same search without Optuna's own storage.
+
+What it tunes: the template, or, when the current best is a module written outside the
+template that keeps the template's knobs in a KNOBS dict (as the LLM is asked to), that
+module's knobs. So in a mixed campaign the LLM changes the structure and the search tunes it.
 """
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
+from agent.proposers.base import ProposalRequest
+from agent.proposers.knob_source import SourceKnobs, knob_values, structure_key
 from sandbox.candidate import Candidate
-from search_space.template import KnobTemplate
+from search_space.template import Knob, KnobTemplate
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -19,16 +27,83 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 MAX_ASKS_PER_CANDIDATE = 50
 
 
+class KnobSpace(Protocol):
+    """A template, or the knobs of a module's KNOBS dict (`SourceKnobs`)."""
+
+    @property
+    def problem(self) -> str: ...
+
+    @property
+    def entry(self) -> str: ...
+
+    @property
+    def knobs(self) -> tuple[Knob, ...]: ...
+
+    def defaults(self) -> dict[str, Any]: ...
+
+    def validate(self, knobs: dict[str, Any]) -> dict[str, Any]: ...
+
+    def render(self, knobs: dict[str, Any]) -> str: ...
+
+
 class SearchProposer:
-    name = "search"
+    kind = "search"
 
     def __init__(self, template: KnobTemplate, *, sampler: str = "tpe", seed: int = 0) -> None:
         self.template = template
         self.sampler = sampler
         self.seed = seed
-        self.distributions = {k.name: CategoricalDistribution(list(k.choices)) for k in template.knobs}
+        self._exhausted: str | None = None
+        self._renders: dict[str, bool] = {}  # candidate id -> is a rendering of the template
+        self._structures: dict[str, str] = {}  # candidate id -> structure_key of its source
 
-    def _study(self, history: list[tuple[dict, float | None]]) -> optuna.Study:
+    @property
+    def exhausted(self) -> str | None:
+        return self._exhausted
+
+    def paused_until(self) -> float | None:
+        return None
+
+    def _is_render(self, c: Candidate) -> bool:
+        if c.id not in self._renders:
+            try:
+                self._renders[c.id] = self.template.render(c.knobs) == c.source
+            except (ValueError, KeyError):
+                self._renders[c.id] = False
+        return self._renders[c.id]
+
+    def _structure(self, c: Candidate) -> str:
+        if c.id not in self._structures:
+            self._structures[c.id] = structure_key(c.source)
+        return self._structures[c.id]
+
+    def space_for(self, best: Candidate | None) -> KnobSpace:
+        """The best candidate's own knobs when it is a module written outside the template
+        that keeps some of them; the template otherwise."""
+        if best is not None and not self._is_render(best):
+            own = SourceKnobs(self.template, best.source, best.entry)
+            if own.knobs:
+                return own
+        return self.template
+
+    def propose(self, n: int, request: ProposalRequest) -> list[Candidate]:
+        best = request.best.candidate if request.best else None
+        space = self.space_for(best)
+        if isinstance(space, SourceKnobs):
+            key = structure_key(space.source)
+            names = {k.name for k in space.knobs}
+            history = [
+                ({k: v for k, v in knob_values(r.candidate.source).items() if k in names}, r.score_us)
+                for r in request.rows
+                if self._structure(r.candidate) == key
+            ]
+        else:
+            history = [(r.candidate.knobs, r.score_us) for r in request.rows if self._is_render(r.candidate)]
+        out = self.suggest(n, history, set(request.seen), parent_id=best.id if best else None, space=space)
+        self._exhausted = f"search space of {request.problem} exhausted" if n > 0 and not out else None
+        return out
+
+    def _study(self, history: list[tuple[dict, float | None]], distributions: dict) -> optuna.Study:
         # Seeding by history length makes a resumed search propose what the original would have.
         seed = self.seed + len(history)
         sampler = (
@@ -38,35 +113,43 @@ class SearchProposer:
         )
         study = optuna.create_study(direction="minimize", sampler=sampler)
         for knobs, score in history:
-            params = {k: v for k, v in knobs.items() if k in self.distributions}
-            if len(params) != len(self.distributions):
+            params = {k: v for k, v in knobs.items() if k in distributions}
+            if len(params) != len(distributions):
                 continue  # not a point of this space (another proposer's kernel)
             if score is None:
                 study.add_trial(
-                    create_trial(params=params, distributions=self.distributions, state=TrialState.FAIL)
+                    create_trial(params=params, distributions=distributions, state=TrialState.FAIL)
                 )
             else:
-                study.add_trial(create_trial(params=params, distributions=self.distributions, value=score))
+                study.add_trial(create_trial(params=params, distributions=distributions, value=score))
         return study
 
-    def propose(
-        self, n: int, history: list[tuple[dict, float | None]], seen: set[str], parent_id: str | None = None
+    def suggest(
+        self,
+        n: int,
+        history: list[tuple[dict, float | None]],
+        seen: set[str],
+        parent_id: str | None = None,
+        space: KnobSpace | None = None,
     ) -> list[Candidate]:
-        """Up to `n` new candidates; `history` is (knobs, score in us or None if it failed)."""
+        """Up to `n` new knob settings of `space` (default: the template); `history` is (knobs,
+        score in us or None if it failed) of this space's points."""
+        space = space or self.template
+        distributions = {k.name: CategoricalDistribution(list(k.choices)) for k in space.knobs}
         out: list[Candidate] = []
         seen = set(seen)
         if not history and n > 0:
-            default = self._candidate(self.template.defaults(), parent_id)
+            default = self._candidate(space, space.defaults(), parent_id)
             if default.id not in seen:
                 out.append(default)
                 seen.add(default.id)
-        study = self._study(history)
+        study = self._study(history, distributions)
         asks = 0
         while len(out) < n and asks < MAX_ASKS_PER_CANDIDATE * n:
             asks += 1
-            trial = study.ask(self.distributions)
+            trial = study.ask(distributions)
             try:
-                cand = self._candidate(trial.params, parent_id)
+                cand = self._candidate(space, trial.params, parent_id)
             except ValueError:  # a constraint: tell the sampler this region is infeasible
                 study.tell(trial, state=TrialState.FAIL)
                 continue
@@ -79,13 +162,15 @@ class SearchProposer:
             out.append(cand)
         return out
 
-    def _candidate(self, knobs: dict, parent_id: str | None) -> Candidate:
-        knobs = self.template.validate(knobs)
+    def _candidate(self, space: KnobSpace, knobs: dict, parent_id: str | None) -> Candidate:
+        knobs = space.validate(knobs)
+        source = space.render(knobs)
         return Candidate(
-            problem=self.template.problem,
-            source=self.template.render(knobs),
-            entry=self.template.entry,
-            knobs=knobs,
+            problem=space.problem,
+            source=source,
+            entry=space.entry,
+            # A module's candidates record all of its KNOBS, tuned or not.
+            knobs=knobs if space is self.template else knob_values(source),
             origin="template",
             parent_id=parent_id,
         )

@@ -97,17 +97,17 @@ def test_config_errors_name_the_field(tmp_path) -> None:
 
 def test_search_proposer_is_valid_new_and_reproducible() -> None:
     proposer = SearchProposer(TEMPLATE, seed=7)
-    first = proposer.propose(4, [], set())
+    first = proposer.suggest(4, [], set())
     assert first[0].knobs == TEMPLATE.defaults()  # the template's defaults start the search
     assert len({c.id for c in first}) == 4
     history = [(c.knobs, 100.0 + i) for i, c in enumerate(first)]
     seen = {c.id for c in first}
-    second = proposer.propose(4, history, seen)
+    second = proposer.suggest(4, history, seen)
     assert len(second) == 4 and not ({c.id for c in second} & seen)
     for c in second:
         assert TEMPLATE.validate(c.knobs) == c.knobs  # constraints hold
-    assert proposer.propose(0, [], set()) == []
-    again = SearchProposer(TEMPLATE, seed=7).propose(4, history, seen)
+    assert proposer.suggest(0, [], set()) == []
+    again = SearchProposer(TEMPLATE, seed=7).suggest(4, history, seen)
     assert [c.id for c in again] == [c.id for c in second]  # resume proposes the same
 
 

@@ -1,0 +1,221 @@
+"""The one module that builds the LLM client and sends it requests.
+
+Any OpenAI-compatible endpoint works (a hosted API, vLLM, SGLang, Ollama): base URL, model, and
+an API key read from the environment variable the config names. The key is passed to the
+`openai` client and nowhere else: it is not in the config, the store or any message.
+
+Retries are done here rather than inside the `openai` client, so that every attempt is seen
+(and recorded by the caller), a 200 whose body is not a chat completion is retried like a 5xx,
+and the backoff is the config's: exponential from `backoff_initial_s` up to `backoff_max_s`,
+or the server's Retry-After when it asks for longer.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import openai
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from agent.config import LLMConfig
+
+# Without `usage` in a reply (some servers leave it out), tokens are estimated from characters.
+CHARS_PER_TOKEN = 4
+ERROR_CHARS = 400
+
+
+class LLMConfigError(ValueError):
+    """The endpoint cannot be used as configured (e.g. the API key variable is not set)."""
+
+
+class LLMUnavailable(RuntimeError):
+    """No usable reply for one request: retries exhausted, or an error retrying cannot fix."""
+
+    def __init__(self, message: str, outcome: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+def api_key(config: LLMConfig) -> str:
+    if config.api_key_env is None:
+        return "unused"  # local servers take any key; the client insists on one
+    key = os.environ.get(config.api_key_env)
+    if not key:
+        raise LLMConfigError(
+            f"environment variable {config.api_key_env} (llm.api_key_env) is not set: export the API key "
+            f"there, or set llm.api_key_env to the variable that holds it"
+        )
+    return key
+
+
+def make_client(config: LLMConfig) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=config.base_url, api_key=api_key(config), timeout=config.timeout_s, max_retries=0
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attempt:
+    """One HTTP request and what came of it."""
+
+    number: int  # 0 for the first try of a request, then 1, 2, ... for its retries
+    outcome: str  # replied, timeout, connection, http_<code>, garbage
+    latency_s: float
+    request: dict  # what was sent (model, messages, sampling), never the key
+    text: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    retry_after_s: float | None = None
+    transient: bool = False  # worth retrying: a timeout, 408, 409, 429, 5xx or garbage
+
+
+class _Transient(Exception):
+    def __init__(self, attempt: Attempt) -> None:
+        super().__init__(attempt.error)
+        self.attempt = attempt
+
+
+def _retry_after(headers) -> float | None:
+    """Seconds the server asks to wait: retry-after-ms, or retry-after in seconds or as a date."""
+    if headers is None:
+        return None
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            return max(0.0, float(value) * scale)
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(value) if name == "retry-after" else None
+            if when is not None:
+                return max(0.0, when.timestamp() - time.time())
+    return None
+
+
+class ChatClient:
+    def __init__(self, config: LLMConfig, client: openai.OpenAI | None = None) -> None:
+        self.config = config
+        self._client = client or make_client(config)
+        self.response_format = config.structured_output
+        self._backoff = wait_exponential(multiplier=config.backoff_initial_s, max=config.backoff_max_s)
+
+    def _wait(self, retry_state) -> float:
+        backoff = self._backoff(retry_state)
+        exc = retry_state.outcome.exception()
+        asked = exc.attempt.retry_after_s if isinstance(exc, _Transient) else None
+        return max(backoff, min(asked, self.config.retry_after_max_s)) if asked is not None else backoff
+
+    def complete(
+        self, messages: list[dict], *, schema: dict, on_attempt: Callable[[Attempt], None]
+    ) -> Attempt:
+        """The attempt that got a reply. `on_attempt` sees every attempt, failed ones included.
+        LLMUnavailable after `max_retries` retries of transient failures, or at once on another
+        HTTP error (401, 404, ...)."""
+        number = 0
+
+        def once() -> Attempt:
+            nonlocal number
+            attempt = self._once(messages, schema, number)
+            number += 1
+            on_attempt(attempt)
+            if attempt.outcome == "http_400" and attempt.transient:
+                # The server refused response_format: ask again at once, without it.
+                attempt = self._once(messages, schema, number)
+                number += 1
+                on_attempt(attempt)
+            if attempt.outcome == "replied":
+                return attempt
+            if attempt.transient:
+                raise _Transient(attempt)
+            raise LLMUnavailable(f"{attempt.outcome}: {attempt.error}", attempt.outcome)
+
+        retrying = Retrying(
+            stop=stop_after_attempt(self.config.max_retries + 1),
+            wait=self._wait,
+            retry=retry_if_exception_type(_Transient),
+            reraise=True,
+        )
+        try:
+            return retrying(once)
+        except _Transient as exc:
+            a = exc.attempt
+            raise LLMUnavailable(f"{a.outcome} after {number} attempts: {a.error}", a.outcome) from None
+
+    def _request(self, messages: list[dict], schema: dict) -> dict:
+        request = {
+            "model": self.config.model,
+            "messages": messages,
+            "temperature": self.config.temperature,
+            "max_tokens": self.config.max_tokens,
+        }
+        if self.response_format == "json_schema":
+            request["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "proposal", "schema": schema},
+            }
+        elif self.response_format == "json_object":
+            request["response_format"] = {"type": "json_object"}
+        return request
+
+    def _once(self, messages: list[dict], schema: dict, number: int) -> Attempt:
+        request = self._request(messages, schema)
+        start = time.monotonic()
+
+        def failed(outcome: str, error: str, **kw) -> Attempt:
+            return Attempt(
+                number=number,
+                outcome=outcome,
+                latency_s=time.monotonic() - start,
+                request=request,
+                error=error[:ERROR_CHARS],
+                **kw,
+            )
+
+        try:
+            completion = self._client.chat.completions.create(**request)
+        except openai.APITimeoutError:
+            return failed("timeout", f"no reply within {self.config.timeout_s:g} s", transient=True)
+        except openai.APIConnectionError as exc:
+            return failed("connection", f"{exc}: {exc.__cause__ or ''}", transient=True)
+        except openai.APIStatusError as exc:
+            code = exc.status_code
+            if code == 400 and "response_format" in request:
+                self.response_format = "none"
+                return failed(
+                    "http_400", f"{exc.message}; asking again without response_format", transient=True
+                )
+            return failed(
+                f"http_{code}",
+                exc.message,
+                retry_after_s=_retry_after(exc.response.headers),
+                transient=code in (408, 409, 429) or code >= 500,
+            )
+        except (openai.APIResponseValidationError, ValueError, TypeError) as exc:
+            return failed("garbage", f"the reply is not a chat completion: {exc}", transient=True)
+        choices = getattr(completion, "choices", None)
+        if not choices or not isinstance(getattr(choices[0].message, "content", None), str):
+            body = completion if isinstance(completion, str) else repr(completion)
+            return failed("garbage", f"the reply is not a chat completion: {body[:200]}", transient=True)
+        text = choices[0].message.content
+        usage = getattr(completion, "usage", None)
+        if usage is not None and usage.prompt_tokens is not None:
+            prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens or 0
+        else:
+            prompt_tokens = sum(len(str(m.get("content", ""))) for m in messages) // CHARS_PER_TOKEN
+            completion_tokens = len(text) // CHARS_PER_TOKEN
+        return Attempt(
+            number=number,
+            outcome="replied",
+            latency_s=time.monotonic() - start,
+            request=request,
+            text=text,
+            finish_reason=choices[0].finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )

@@ -1,0 +1,209 @@
+"""The prompts: what a kernel engineer would want to know, gathered from the problem, the store
+and the hardware table, and rendered with the template files in `prompts/`."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+
+import jinja2
+
+from agent.store import EvaluationRow, LLMProposalRow
+from sandbox import screen
+from sandbox.candidate import Candidate
+from sandbox.hardware import CEILINGS
+from sandbox.result import EvalResult, Status, TimingStats
+from search_space import get_problem
+from search_space.problem import Problem, Shape
+
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("agent", "llm/prompts"),
+    undefined=jinja2.StrictUndefined,
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+# The GPU the kernels are written for when the campaign runs on the interpreter.
+TARGET_ARCH = "sm_90"
+MESSAGE_CHARS = 600  # of an attempt's error message in the history
+LOG_TAIL_CHARS = 2500  # of a failed evaluation's log in a repair turn
+MAX_MISMATCHES = 3
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    arch: str
+    measured_here: bool  # False: the campaign runs elsewhere (the interpreter); these are the target's
+    hbm_tb_per_s: float
+    bf16_tflop_per_s: float
+
+    @property
+    def ridge_flop_per_byte(self) -> float:
+        return self.bf16_tflop_per_s * 1e12 / (self.hbm_tb_per_s * 1e12)
+
+
+def ceilings(arch: str) -> Ceilings:
+    known = arch in CEILINGS
+    c = CEILINGS[arch if known else TARGET_ARCH]
+    return Ceilings(
+        arch=arch if known else TARGET_ARCH,
+        measured_here=known,
+        hbm_tb_per_s=c["hbm_bytes_per_s"] / 1e12,
+        bf16_tflop_per_s=c["bf16_flops_per_s"] / 1e12,
+    )
+
+
+def _shape_line(problem: Problem, shape: Shape, hw: Ceilings) -> dict:
+    flops, nbytes = problem.flops(shape), problem.bytes(shape)
+    intensity = flops / nbytes if nbytes else float("inf")
+    return {
+        "describe": shape.describe(),
+        "flops": flops,
+        "bytes": nbytes,
+        "intensity": intensity,
+        "bound": "memory" if intensity < hw.ridge_flop_per_byte else "compute",
+    }
+
+
+def mismatches(result: EvalResult) -> list[str]:
+    """Where and by how much the failed checks were off."""
+    out = []
+    for c in result.checks:
+        if c.ok:
+            continue
+        where = f"{c.shape} {c.dtype} trial {c.trial}"
+        figures = []
+        if c.max_abs_err is not None:
+            figures.append(f"max abs err {c.max_abs_err:.4g}")
+        if c.norm_rel_err is not None:
+            figures.append(f"norm rel err {c.norm_rel_err:.3g}")
+        if c.worst_index is not None:
+            figures.append(f"worst at index {c.worst_index}")
+        out.append(f"{where}: {c.message}" + (f" ({', '.join(figures)})" if figures else ""))
+    return out[:MAX_MISMATCHES]
+
+
+def _timing_lines(result: EvalResult, baselines: dict[str, dict[str, TimingStats]]) -> list[str]:
+    lines = []
+    for t in result.timings:
+        known = baselines.get(f"{t.shape}/{t.dtype}", {}) | t.baselines
+        vs = ", ".join(f"{b.median_us / t.candidate.median_us:.2f}x vs {n}" for n, b in known.items())
+        roof = (
+            f"{100 * t.roofline_fraction:.0f}% of roofline"
+            if t.roofline_fraction is not None
+            else "roofline n/a"
+        )
+        lines.append(
+            f"{t.shape} {t.dtype}: {t.candidate.median_us:.1f} us (p20 {t.candidate.p20_us:.1f}, "
+            f"p80 {t.candidate.p80_us:.1f}), {t.achieved_gbps:.0f} GB/s, {roof}" + (f"; {vs}" if vs else "")
+        )
+    return lines
+
+
+def attempt_summary(row: EvaluationRow, llm: LLMProposalRow | None) -> dict:
+    r = row.result
+    score = r.geomean_us() if r.status == Status.OK else None
+    return {
+        "id": row.candidate.id,
+        "origin": row.candidate.origin,
+        "kind": llm.kind if llm else ("knobs" if row.candidate.knobs else "module"),
+        "parent": row.candidate.parent_id,
+        "rationale": llm.rationale if llm else "",
+        "knobs": json.dumps(row.candidate.knobs) if row.candidate.knobs else "",
+        "status": r.status.value,
+        "message": r.message[:MESSAGE_CHARS],
+        "mismatches": mismatches(r),
+        "score": f"{score:.1f} us geometric mean" + (" (interpreted)" if r.interpreted else "")
+        if score is not None
+        else "",
+    }
+
+
+def lineage(rows: list[EvaluationRow], best: EvaluationRow | None, limit: int) -> list[EvaluationRow]:
+    """The last `limit` attempts, the best's lineage first: its ancestors and everything that
+    descends from them; the most recent other attempts fill the rest."""
+    if limit <= 0:
+        return []
+    by_id = {r.candidate.id: r for r in rows}
+    family: set[str] = set()
+    cid = best.candidate.id if best else None
+    while cid is not None and cid not in family:
+        family.add(cid)
+        cid = by_id[cid].candidate.parent_id if cid in by_id else None
+    for r in rows:  # in evaluation order, so parents come before their children
+        if r.candidate.parent_id in family:
+            family.add(r.candidate.id)
+    picked = [r for r in rows if r.candidate.id in family][-limit:]
+    others = (
+        [r for r in rows if r.candidate.id not in family][-(limit - len(picked)) :]
+        if len(picked) < limit
+        else []
+    )
+    return sorted(picked + others, key=lambda r: r.seq)
+
+
+def screen_rules(problem: Problem) -> dict:
+    return {
+        "allowed_imports": sorted(screen.ALLOWED_IMPORTS - {"__future__"}),
+        "forbidden_calls": sorted(screen.FORBIDDEN_CALLS),
+        "forbidden_torch": list(screen.FORBIDDEN_TORCH),
+        "forbidden_attributes": sorted(screen.FORBIDDEN_ATTRIBUTES),
+        "forbidden_ops": list(problem.forbidden_ops),
+    }
+
+
+def system_prompt(problem: str, kinds: list[str]) -> str:
+    p = get_problem(problem)
+    return _ENV.get_template("system.j2").render(
+        problem=p, kinds=kinds, rules=screen_rules(p), has_template=p.template is not None
+    )
+
+
+def propose_prompt(
+    *,
+    problem: str,
+    arch: str,
+    best: EvaluationRow | None,
+    base: Candidate | None,
+    attempts: list[EvaluationRow],
+    llm_rows: dict[str, LLMProposalRow],
+    baselines: dict[str, dict[str, TimingStats]],
+    kinds: list[str],
+) -> str:
+    from search_space.template import get_template
+
+    p = get_problem(problem)
+    hw = ceilings(arch)
+    template = get_template(problem) if p.template is not None else None
+    return _ENV.get_template("propose.j2").render(
+        problem=p,
+        reference=inspect.getsource(p.reference),
+        tolerances={d: t for d, t in p.tolerances.items()},
+        check_shapes=[s.describe() for s in p.check_shapes],
+        timing_shapes=[_shape_line(p, s, hw) for s in p.timing_shapes],
+        hw=hw,
+        interpreted=arch == "interpreter",
+        best=best,
+        best_timings=_timing_lines(best.result, baselines) if best else [],
+        best_score=best.result.geomean_us() if best else None,
+        base=base,
+        knobs=template.knobs if template else [],
+        attempts=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in attempts],
+        kinds=kinds,
+    )
+
+
+def repair_prompt(candidate: Candidate, result: EvalResult, kinds: list[str]) -> str:
+    return _ENV.get_template("repair.j2").render(
+        candidate=candidate,
+        result=result,
+        mismatches=mismatches(result),
+        log_tail=result.log_tail[-LOG_TAIL_CHARS:].strip(),
+        kinds=kinds,
+    )
+
+
+def invalid_prompt(error: str, kinds: list[str]) -> str:
+    return _ENV.get_template("invalid.j2").render(error=error, kinds=kinds)

@@ -1,0 +1,338 @@
+"""LLM proposer: asks a model behind an OpenAI-compatible endpoint for kernel variants.
+
+One `LLMEndpoint` per campaign holds what the problems share: the client, the record of every
+exchange in the store (so token and money budgets survive a kill), the budgets, and the outage
+pause. One `LLMProposer` per problem holds the conversation logic:
+
+- a fresh proposal: system prompt (reply format, screen rules) and a task prompt (problem,
+  reference, shapes, hardware ceilings, the current best kernel with its timings, roofline
+  fraction and bound, recent attempts of its lineage with their errors and mismatches);
+- validation before anything runs (`agent.llm.proposals`); an unusable reply goes back to the
+  model with the reason, at most `format_retries` times, then the conversation is recorded as
+  given up;
+- repair turns: an LLM kernel that failed (compile error, runtime error, wrong, rejected by the
+  screen, timed out) goes back into its own conversation with the evaluation's message,
+  mismatches and log tail, up to `repair_depth` times along one lineage.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from agent.config import BudgetConfig, LLMConfig
+from agent.incumbents import campaign_arch
+from agent.llm import prompting
+from agent.llm.client import Attempt, ChatClient, LLMUnavailable
+from agent.llm.proposals import ProposalError, allowed_kinds, parse_proposal, proposal_schema, to_candidate
+from agent.proposers.base import ProposalRequest
+from agent.proposers.knob_source import knob_values
+from agent.store import LLMProposalRow, Store
+from sandbox.candidate import Candidate
+from sandbox.result import Status
+from search_space import get_problem
+from search_space.template import get_template
+
+# Failures the model can act on, given the message: these go back to it for repair.
+REPAIRABLE = (
+    Status.COMPILE_ERROR,
+    Status.RUNTIME_ERROR,
+    Status.WRONG,
+    Status.STATIC_REJECTED,
+    Status.TIMEOUT,
+)
+
+
+class _Events:
+    def message(self, text: str) -> None:
+        pass
+
+
+class LLMEndpoint:
+    """The endpoint as a campaign uses it: every attempt recorded, budgets checked before each
+    request, and after `outage_failures` requests in a row that failed (after their retries)
+    a pause of `outage_cooldown_s`, recorded, during which the LLM proposers propose nothing."""
+
+    def __init__(
+        self,
+        config: LLMConfig,
+        budget: BudgetConfig,
+        store: Store,
+        campaign_id: str,
+        events=None,
+        client: ChatClient | None = None,
+    ) -> None:
+        self.config, self.budget, self.store, self.campaign_id = config, budget, store, campaign_id
+        self.events = events or _Events()
+        self.client = client or ChatClient(config)
+        self.schema = proposal_schema()
+        self.failures_in_a_row = 0
+
+    def paused_until(self) -> float | None:
+        pauses = self.store.llm_pauses(self.campaign_id)
+        until = max((u for _, u, _ in pauses), default=None)
+        return until if until is not None and until > time.time() else None
+
+    def budget_reached(self) -> str | None:
+        spent = self.store.llm_spent(self.campaign_id)
+        return llm_budget_reached(self.budget, spent.tokens, spent.cost)
+
+    def ask(self, messages: list[dict], *, problem: str, conversation: str, turn: int) -> tuple[Attempt, int]:
+        """The reply to `messages` and its exchange's row in the store; LLMUnavailable if none."""
+        rows: list[int] = []
+
+        def record(a: Attempt) -> None:
+            rows.append(
+                self.store.add_llm_exchange(
+                    self.campaign_id,
+                    problem=problem,
+                    conversation=conversation,
+                    turn=turn,
+                    attempt=a.number,
+                    model=self.config.model,
+                    request_json=json.dumps(a.request),
+                    response_text=a.text,
+                    outcome=a.outcome,
+                    error=a.error,
+                    prompt_tokens=a.prompt_tokens,
+                    completion_tokens=a.completion_tokens,
+                    cost=self.config.cost(a.prompt_tokens, a.completion_tokens),
+                    latency_s=a.latency_s,
+                )
+            )
+
+        try:
+            attempt = self.client.complete(messages, schema=self.schema, on_attempt=record)
+        except LLMUnavailable as exc:
+            self.failures_in_a_row += 1
+            if self.failures_in_a_row >= self.config.outage_failures:
+                self._pause(str(exc))
+            raise
+        self.failures_in_a_row = 0
+        return attempt, rows[-1]
+
+    def _pause(self, last_error: str) -> None:
+        now = time.time()
+        until = now + self.config.outage_cooldown_s
+        reason = f"{self.failures_in_a_row} requests in a row failed after retries; last: {last_error}"
+        self.store.add_llm_pause(self.campaign_id, now, until, reason)
+        self.failures_in_a_row = 0
+        self.events.message(
+            f"LLM proposer paused for {self.config.outage_cooldown_s:.0f} s ({reason}); other proposers go on"
+        )
+
+
+def llm_budget_reached(budget: BudgetConfig, tokens: int, cost: float) -> str | None:
+    """The LLM budget that is used up, in words, or None."""
+    if budget.max_llm_tokens is not None and tokens >= budget.max_llm_tokens:
+        return f"LLM token budget reached ({tokens} of {budget.max_llm_tokens} tokens)"
+    if budget.max_llm_cost is not None and cost >= budget.max_llm_cost:
+        return f"LLM money budget reached ({cost:.4f} of {budget.max_llm_cost:.4f})"
+    return None
+
+
+@dataclass
+class _Conversation:
+    id: str
+    messages: list[dict]
+    turn: int  # assistant replies so far
+
+
+class LLMProposer:
+    kind = "llm"
+
+    def __init__(self, problem: str, endpoint: LLMEndpoint) -> None:
+        self.problem = problem
+        self.endpoint = endpoint
+        self.config = endpoint.config
+        self.store = endpoint.store
+        self.campaign_id = endpoint.campaign_id
+        p = get_problem(problem)
+        self.template = get_template(problem) if p.template is not None else None
+        self.empty_rounds = 0
+        self._stalled = False  # the endpoint failed or a budget ran out during this round
+
+    @property
+    def exhausted(self) -> str | None:
+        if self.empty_rounds >= self.config.max_empty_rounds:
+            return (
+                f"the LLM proposed nothing usable for {self.problem} in {self.empty_rounds} rounds in a row"
+            )
+        return None
+
+    def paused_until(self) -> float | None:
+        return self.endpoint.paused_until()
+
+    def _usable(self) -> bool:
+        if self.endpoint.paused_until() is not None or self.endpoint.budget_reached() is not None:
+            self._stalled = True
+        return not self._stalled
+
+    def propose(self, n: int, request: ProposalRequest) -> list[Candidate]:
+        if n <= 0 or self.exhausted:
+            return []
+        self._stalled = False
+        seen = set(request.seen)
+        out: list[Candidate] = []
+        # Repairs first: a failure with its error in hand is the most informed next step.
+        for failed in self.store.llm_repairables(
+            self.campaign_id, self.problem, tuple(s.value for s in REPAIRABLE), self.config.repair_depth
+        ):
+            if len(out) >= n or not self._usable():
+                break
+            candidate = self._repair(failed, seen)
+            if candidate is not None:
+                out.append(candidate)
+                seen.add(candidate.id)
+        for _ in range(n - len(out)):
+            if not self._usable():
+                break
+            candidate = self._fresh(request, seen)
+            if candidate is not None:
+                out.append(candidate)
+                seen.add(candidate.id)
+        if out:
+            self.empty_rounds = 0
+        elif not self._stalled:
+            self.empty_rounds += 1
+        return out
+
+    def _base(self, request: ProposalRequest) -> Candidate | None:
+        """What an edit applies to and the prompt shows: the current best, else the template at
+        its defaults."""
+        if request.best is not None:
+            return request.best.candidate
+        if self.template is not None:
+            return Candidate(
+                problem=self.problem,
+                source=self.template.render(self.template.defaults()),
+                entry=self.template.entry,
+                knobs=self.template.defaults(),
+                origin="template",
+            )
+        return None
+
+    def _fresh(self, request: ProposalRequest, seen: set[str]) -> Candidate | None:
+        base = self._base(request)
+        kinds = allowed_kinds(self.problem, base is not None)
+        llm_rows = self.store.llm_proposals(self.campaign_id, self.problem)
+        prompt = prompting.propose_prompt(
+            problem=self.problem,
+            arch=campaign_arch(),
+            best=request.best,
+            base=base,
+            attempts=prompting.lineage(request.rows, request.best, self.config.history),
+            llm_rows=llm_rows,
+            baselines=self.store.baselines(self.campaign_id, self.problem),
+            kinds=kinds,
+        )
+        conversation = _Conversation(
+            id=secrets.token_hex(6),
+            messages=[
+                {"role": "system", "content": prompting.system_prompt(self.problem, kinds)},
+                {"role": "user", "content": prompt},
+            ],
+            turn=0,
+        )
+        parent = request.best.candidate.id if request.best else None
+        candidate, _ = self._converse(conversation, base=base, parent_id=parent, kinds=kinds, seen=seen)
+        return candidate
+
+    def _repair(self, failed: LLMProposalRow, seen: set[str]) -> Candidate | None:
+        candidate = self.store.candidate(self.campaign_id, failed.candidate_id)
+        [row] = [
+            r
+            for r in self.store.evaluations(self.campaign_id, self.problem)
+            if r.candidate.id == candidate.id
+        ]
+        kinds = allowed_kinds(self.problem, has_base=True)
+        conversation = _Conversation(
+            id=failed.conversation,
+            messages=[
+                *failed.messages,
+                {"role": "user", "content": prompting.repair_prompt(candidate, row.result, kinds)},
+            ],
+            turn=sum(m["role"] == "assistant" for m in failed.messages),
+        )
+        fixed, concluded = self._converse(
+            conversation,
+            base=candidate,
+            parent_id=candidate.id,
+            kinds=kinds,
+            seen=seen,
+            depth=failed.depth + 1,
+            repair_of=candidate.id,
+        )
+        if concluded:  # not when the endpoint failed: then the repair is tried again later
+            self.store.set_repair_tried(self.campaign_id, candidate.id)
+        return fixed
+
+    def _converse(
+        self,
+        conversation: _Conversation,
+        *,
+        base: Candidate | None,
+        parent_id: str | None,
+        kinds: list[str],
+        seen: set[str],
+        depth: int = 0,
+        repair_of: str | None = None,
+    ) -> tuple[Candidate | None, bool]:
+        """(candidate, concluded): the first usable proposal of up to 1 + format_retries
+        replies; concluded is False when the endpoint or a budget cut the conversation short."""
+        for _ in range(1 + self.config.format_retries):
+            if not self._usable():
+                return None, False
+            try:
+                reply, seq = self.endpoint.ask(
+                    conversation.messages,
+                    problem=self.problem,
+                    conversation=conversation.id,
+                    turn=conversation.turn,
+                )
+            except LLMUnavailable:
+                self._stalled = True
+                return None, False
+            conversation.turn += 1
+            conversation.messages.append({"role": "assistant", "content": reply.text})
+            try:
+                if reply.finish_reason == "length":
+                    raise ProposalError(
+                        f"the reply was cut off at {self.config.max_tokens} tokens; send a shorter reply "
+                        "(an edit instead of a whole module)"
+                    )
+                proposal = parse_proposal(reply.text or "")
+                candidate = to_candidate(
+                    proposal, problem=self.problem, base=base, parent_id=parent_id, knobs_of=knob_values
+                )
+                if candidate.id in seen:
+                    raise ProposalError(
+                        f"that kernel is identical to one already evaluated or proposed ({candidate.id}); "
+                        "propose something different"
+                    )
+            except ProposalError as exc:
+                self.store.set_llm_outcome(seq, "invalid", str(exc))
+                conversation.messages.append(
+                    {"role": "user", "content": prompting.invalid_prompt(str(exc), kinds)}
+                )
+                continue
+            self.store.set_llm_outcome(seq, "proposal", None, candidate.id)
+            self.store.add_llm_proposal(
+                self.campaign_id,
+                candidate_id=candidate.id,
+                problem=self.problem,
+                conversation=conversation.id,
+                kind=proposal.kind,
+                rationale=proposal.rationale,
+                depth=depth,
+                repair_of=repair_of,
+                messages=conversation.messages,
+            )
+            return candidate, True
+        self.endpoint.events.message(
+            f"{self.problem}: the LLM gave no usable proposal in {1 + self.config.format_retries} replies "
+            f"(conversation {conversation.id}); see the store's llm_exchanges"
+        )
+        return None, True

@@ -1,0 +1,171 @@
+"""A real OpenAI-compatible HTTP server on loopback that answers from a scripted policy.
+
+Tests point the real `openai` client at it, so retries, timeouts, structured-output parsing,
+repair turns and budgets run end to end without a hosted model. Each POST to
+/v1/chat/completions takes the next step of the script (or `default` once it is used up); a
+step is a behaviour, or a function of the request's JSON that returns one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Reply:
+    """A chat completion whose message content is `content`."""
+
+    content: str
+    prompt_tokens: int | None = None  # None: a quarter of the request's characters
+    completion_tokens: int | None = None  # None: a quarter of the content's characters
+    delay_s: float = 0.0  # beyond the client's timeout, this is a timeout
+    finish_reason: str = "stop"
+    usage: bool = True
+
+
+@dataclass
+class Fail:
+    """An HTTP error (500, 429 with Retry-After, 401, ...)."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    message: str = "scripted failure"
+
+
+@dataclass
+class Garbage:
+    """A 200 whose body is not a chat completion."""
+
+    body: str = "<html><body>upstream proxy error</body></html>"
+    content_type: str = "text/html"
+
+
+Behaviour = Reply | Fail | Garbage
+Step = Behaviour | Callable[[dict], Behaviour]
+
+
+def proposal(kind: str, rationale: str = "scripted", **fields) -> str:
+    """A reply's content: one proposal as JSON."""
+    return json.dumps({"kind": kind, "rationale": rationale, **fields})
+
+
+class FakeLLMServer:
+    def __init__(self, script: Iterable[Step] = (), default: Step | None = None) -> None:
+        self.script: list[Step] = list(script)
+        self.default = default
+        self.requests: list[dict] = []  # bodies of the chat requests, in order
+        self.headers: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}/v1"
+
+    def __enter__(self) -> FakeLLMServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def add(self, *steps: Step) -> None:
+        with self._lock:
+            self.script.extend(steps)
+
+    def _next(self, body: dict, headers: dict[str, str]) -> Behaviour:
+        with self._lock:
+            self.requests.append(body)
+            self.headers.append(headers)
+            step = self.script.pop(0) if self.script else self.default
+        if step is None:
+            return Fail(503, message="the scripted policy has no more replies")
+        return step(body) if callable(step) else step
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, status: int, body: str, content_type: str, headers: dict | None = None) -> None:
+                data = body.encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(data)))
+                    for k, v in (headers or {}).items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (its timeout): nothing to answer
+
+            def do_GET(self) -> None:
+                if self.path.rstrip("/") == "/v1/models":
+                    models = {
+                        "object": "list",
+                        "data": [{"id": "scripted", "object": "model", "owned_by": "test"}],
+                    }
+                    self._send(200, json.dumps(models), "application/json")
+                else:
+                    self._send(404, json.dumps({"error": {"message": "not found"}}), "application/json")
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length", 0))
+                raw = self.rfile.read(length)
+                if self.path.rstrip("/") != "/v1/chat/completions":
+                    self._send(404, json.dumps({"error": {"message": "not found"}}), "application/json")
+                    return
+                body = json.loads(raw)
+                behaviour = server._next(body, {k.lower(): v for k, v in self.headers.items()})
+                if isinstance(behaviour, Fail):
+                    error = {
+                        "error": {"message": behaviour.message, "type": "scripted", "code": behaviour.status}
+                    }
+                    self._send(behaviour.status, json.dumps(error), "application/json", behaviour.headers)
+                elif isinstance(behaviour, Garbage):
+                    self._send(200, behaviour.body, behaviour.content_type)
+                else:
+                    if behaviour.delay_s:
+                        time.sleep(behaviour.delay_s)
+                    self._send(200, json.dumps(_completion(body, behaviour)), "application/json")
+
+        return Handler
+
+
+def _completion(request: dict, reply: Reply) -> dict:
+    prompt_chars = sum(len(str(m.get("content", ""))) for m in request.get("messages", []))
+    prompt = reply.prompt_tokens if reply.prompt_tokens is not None else prompt_chars // 4
+    completion = reply.completion_tokens if reply.completion_tokens is not None else len(reply.content) // 4
+    out = {
+        "id": f"chatcmpl-{time.monotonic_ns()}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.get("model", "scripted"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": reply.content},
+                "finish_reason": reply.finish_reason,
+            }
+        ],
+    }
+    if reply.usage:
+        out["usage"] = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+    return out

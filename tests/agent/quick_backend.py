@@ -1,0 +1,105 @@
+"""A quick evaluation backend for campaign tests that are about the agent, not the sandbox.
+
+It applies the real static screen, imports the candidate in this process and checks it with
+the real protocol (`check_shape`) on two small check shapes, so broken and wrong kernels fail
+as they would in the sandbox, with the same statuses and mismatch details; it does not time
+anything: a correct candidate gets a synthetic, interpreted timing from `speed(candidate)`.
+The real backends are tested in tests/sandbox; this one keeps a campaign to a few seconds.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from sandbox.candidate import Candidate
+from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
+from sandbox.screen import screen_candidate
+from sandbox.worker import _is_compile_error, load_candidate
+from search_space import get_problem
+
+QUICK_SHAPES = ("single-bag", "mixed-empty")
+DEVICE = DeviceInfo(name="cpu", arch="interpreter", torch="t", triton="t", python="p", interpreted=True)
+
+
+def hashed_speed(candidate: Candidate) -> float:
+    """A stable made-up time per candidate, 50 to 100 us."""
+    return 50.0 + int(candidate.id[:6], 16) % 1000 / 20
+
+
+class QuickBackend:
+    name = "quick"
+
+    def __init__(self, speed: Callable[[Candidate], float] = hashed_speed, delay_s: float = 0.0) -> None:
+        self.speed, self.delay_s = speed, delay_s
+        self.evaluated: list[str] = []
+        self._dir = Path(tempfile.mkdtemp(prefix="quick-backend-"))
+
+    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
+        return [self.evaluate(c, **kwargs) for c in candidates]
+
+    def evaluate(
+        self, candidate: Candidate, *, check=True, timing=True, baselines=None, trials=2
+    ) -> EvalResult:
+        self.evaluated.append(candidate.id)
+        time.sleep(self.delay_s)
+        rejected = screen_candidate(candidate)
+        if rejected is not None:
+            return rejected
+        base = {"problem": candidate.problem, "candidate_id": candidate.id, "device": DEVICE}
+        problem = get_problem(candidate.problem)
+        path = self._dir / f"{candidate.id}.py"
+        path.write_text(candidate.source)
+        try:
+            fn = load_candidate(path, candidate.entry)
+        except Exception as exc:
+            return EvalResult(
+                status=Status.COMPILE_ERROR,
+                message=f"import failed: {type(exc).__name__}: {exc}",
+                log_tail=traceback.format_exc(),
+                **base,
+            )
+        from sandbox.protocol import check_shape
+
+        checks = []
+        for shape in (s for s in problem.check_shapes if s.name in QUICK_SHAPES and s.dtype == "fp32"):
+            try:
+                result = check_shape(problem, fn, shape, 0, torch.device("cpu"))
+            except Exception as exc:
+                status = Status.COMPILE_ERROR if _is_compile_error(exc) else Status.RUNTIME_ERROR
+                return EvalResult(
+                    status=status,
+                    message=f"{shape.describe()}: {type(exc).__name__}: {exc}"[:2000],
+                    log_tail=traceback.format_exc(),
+                    checks=checks,
+                    **base,
+                )
+            checks.append(result)
+            if not result.ok:
+                return EvalResult(
+                    status=Status.WRONG,
+                    message=f"{shape.describe()}: {result.message}",
+                    checks=checks,
+                    **base,
+                )
+        median = self.speed(candidate)
+        stats = TimingStats(median_us=median, p20_us=median, p80_us=median, reps=5)
+        baseline = TimingStats(median_us=100.0, p20_us=100.0, p80_us=100.0, reps=5)
+        timings = [
+            ShapeTiming(
+                shape="quick",
+                dtype="fp32",
+                bucket="d64",
+                candidate=stats,
+                baselines={name: baseline for name in baselines or []},
+                flops=1e6,
+                bytes=1e6,
+                achieved_gbps=1e6 / median / 1e3,
+            )
+        ]
+        return EvalResult(status=Status.OK, checks=checks, timings=timings if timing else [], **base)

@@ -1,0 +1,282 @@
+"""LLM campaigns end to end: the real `openai` client against a scripted OpenAI-compatible
+server on loopback, the real campaign graph and store, and the quick in-process backend
+(`quick_backend`), so a campaign takes seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from llm_helpers import BROKEN, BROKEN_LINE, GOOD, KEY, KEY_ENV, STORE_GOOD, STORE_WRONG, config, knob_replies
+from llm_server import Fail, FakeLLMServer, Garbage, Reply, proposal
+from quick_backend import QuickBackend, hashed_speed
+from typer.testing import CliRunner
+
+import agent.campaign
+from agent.campaign import Campaigns
+from agent.cli import app
+from agent.proposers.knob_source import structure_key
+from sandbox.result import Status
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def evaluated(self, result, best_speedup) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        self.messages.append(text)
+
+
+@pytest.fixture
+def quick(monkeypatch) -> QuickBackend:
+    backend = QuickBackend()
+    monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: backend)
+    return backend
+
+
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY)
+
+
+def _user(request: dict) -> str:
+    return request["messages"][-1]["content"]
+
+
+def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickBackend) -> None:
+    script = [
+        Garbage(),  # a 200 that is not a chat completion: retried
+        Fail(500, {"retry-after-ms": "5"}),  # retried
+        Reply("{'kind': 'module', not json", prompt_tokens=100, completion_tokens=50),  # re-asked
+        Reply(proposal("module", source=BROKEN), prompt_tokens=100, completion_tokens=50),
+        # repair of the broken kernel: an edit that fixes the import and breaks the sum
+        Reply(
+            proposal(
+                "edit",
+                edits=[
+                    {"search": BROKEN_LINE, "replace": ""},
+                    {"search": STORE_GOOD, "replace": STORE_WRONG},
+                ],
+            ),
+            prompt_tokens=100,
+            completion_tokens=50,
+        ),
+        Reply(
+            proposal("knobs", knobs={"BLOCK_B": 8, "num_warps": 4}), prompt_tokens=100, completion_tokens=50
+        ),
+        # repair of the wrong kernel
+        Reply(
+            proposal("edit", edits=[{"search": STORE_WRONG, "replace": STORE_GOOD}]),
+            prompt_tokens=100,
+            completion_tokens=50,
+        ),
+    ]
+    with FakeLLMServer(script) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        outcome = campaigns.start(config(tmp_path, server.url))
+    cid = outcome.campaign_id
+    assert outcome.stop_reason == "evaluation budget reached (5 of 5)"
+    rows = campaigns.store.evaluations(cid)
+    default, broken, wrong, knobs, fixed = rows
+    assert default.candidate.origin == "library"
+    assert [r.result.status for r in rows] == [
+        Status.OK,
+        Status.COMPILE_ERROR,
+        Status.WRONG,
+        Status.OK,
+        Status.OK,
+    ], [r.result.message for r in rows]
+    assert fixed.candidate.source == GOOD
+    # Lineage: each repair descends from the attempt it fixed; fresh proposals from the best.
+    assert broken.candidate.parent_id is None
+    assert wrong.candidate.parent_id == broken.candidate.id
+    assert fixed.candidate.parent_id == wrong.candidate.id
+    assert knobs.candidate.parent_id == default.candidate.id
+    assert knobs.candidate.knobs["BLOCK_B"] == 8 and all(r.candidate.origin == "llm" for r in rows[1:])
+
+    exchanges = campaigns.store.llm_exchanges(cid)
+    assert [e["outcome"] for e in exchanges] == ["garbage", "http_500", "invalid", *["proposal"] * 4]
+    assert [e["attempt"] for e in exchanges[:4]] == [0, 1, 2, 0]
+    assert "not valid JSON" in exchanges[2]["error"]
+    spent = campaigns.store.llm_spent(cid)
+    assert (spent.requests, spent.failed_requests, spent.tokens) == (7, 2, 5 * 150)
+
+    requests = server.requests
+    first = requests[0]["messages"]
+    assert first[0]["role"] == "system" and "torch.cuda" in first[0]["content"]  # the screen's rules
+    for needed in ("def reference(", "Timed (realistic)", "memory-bound", "TB/s", "KNOBS", "BLOCK_B: one of"):
+        assert needed in first[1]["content"], needed
+    assert requests[0]["response_format"]["type"] == "json_schema"
+    assert "not valid JSON" in _user(requests[3])  # the validation error went back to the model
+    # The repair continues the conversation with the evaluation's error...
+    repair = requests[4]["messages"]
+    assert [m["role"] for m in repair] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert "compile_error" in repair[-1]["content"] and "num_sms_of_this_gpu" in repair[-1]["content"]
+    # ...and a wrong kernel goes back with where and by how much it was off.
+    assert "**wrong**" in _user(requests[6]) and "max abs err" in _user(requests[6])
+    # A fresh proposal sees the recent attempts of the lineage, failures included.
+    assert "compile_error" in requests[5]["messages"][1]["content"]
+
+    # The key travels in the Authorization header and nowhere else.
+    assert all(h["authorization"] == f"Bearer {KEY}" for h in server.headers)
+    for db in (tmp_path / "home").glob("*.db*"):
+        assert KEY.encode() not in db.read_bytes(), db
+
+    status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
+    assert status.exit_code == 0 and "LLM: 7 requests (2 failed), 750 tokens" in status.output
+
+
+@pytest.mark.parametrize(
+    ("budget", "llm", "expected"),
+    [
+        ({"max_llm_tokens": 3000}, {}, "LLM token budget reached (3600 of 3000 tokens)"),
+        (
+            {"max_llm_cost": 5.0},
+            {"cost_per_million_input_tokens": 1000.0, "cost_per_million_output_tokens": 5000.0},
+            "LLM money budget reached (6.0000 of 5.0000)",
+        ),
+    ],
+)
+def test_llm_budgets_stop_the_campaign(tmp_path: Path, quick, budget, llm, expected) -> None:
+    with FakeLLMServer(default=knob_replies(prompt_tokens=1000, completion_tokens=200)) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path, server.url, budget={"max_evaluations": 50, "max_wall_s": 600, **budget}, llm=llm
+        )
+        outcome = campaigns.start(cfg)
+    # 1200 tokens (2 in money) a request: the third crosses the line, and no fourth is sent.
+    assert outcome.stop_reason == expected
+    assert len(server.requests) == 3
+    assert campaigns.store.count_evaluations(outcome.campaign_id) == 4  # the incumbent and three proposals
+
+
+def test_outage_pauses_the_llm_and_search_goes_on(tmp_path: Path, quick) -> None:
+    events = Recorder()
+    with FakeLLMServer(default=Fail(503, {"retry-after-ms": "1"})) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            proposer={"kinds": ["llm", "search"]},
+            llm={"max_retries": 1, "outage_failures": 2, "outage_cooldown_s": 3600},
+        )
+        outcome = campaigns.start(cfg, events)
+    cid = outcome.campaign_id
+    assert outcome.stop_reason == "evaluation budget reached (5 of 5)"
+    # Two requests, each tried twice, then the pause: no request after it.
+    assert len(server.requests) == 4
+    assert [e["outcome"] for e in campaigns.store.llm_exchanges(cid)] == ["http_503"] * 4
+    [(started, until, reason)] = campaigns.store.llm_pauses(cid)
+    assert until - started == 3600 and "2 requests in a row failed" in reason and "http_503" in reason
+    assert any("LLM proposer paused" in m for m in events.messages)
+    origins = [r.candidate.origin for r in campaigns.store.evaluations(cid)]
+    assert origins == ["library", "template", "template", "template", "template"]
+
+
+def test_search_tunes_the_kernel_the_llm_wrote(tmp_path: Path, monkeypatch) -> None:
+    backend = QuickBackend(speed=lambda c: 10.0 if "LLM-written" in c.source else hashed_speed(c))
+    monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: backend)
+    script = [Reply(proposal("module", source=GOOD))]
+    with FakeLLMServer(script, default=knob_replies()) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            proposer={"kinds": ["llm", "search"], "shares": {"llm": 1, "search": 1}},
+            budget={"max_evaluations": 6, "max_wall_s": 600},
+        )
+        outcome = campaigns.start(cfg)
+    rows = campaigns.store.evaluations(outcome.campaign_id)
+    [written] = [r for r in rows if r.candidate.source == GOOD]
+    assert outcome.best["embedding_bag"] == written.candidate.id
+    tuned = [r for r in rows if r.candidate.origin == "template" and r.seq > written.seq]
+    assert len(tuned) == 2
+    for r in tuned:  # the LLM's module at other knob values, not the template
+        assert r.candidate.parent_id == written.candidate.id
+        assert structure_key(r.candidate.source) == structure_key(GOOD)
+        assert "LLM-written" in r.candidate.source and r.candidate.knobs != written.candidate.knobs
+
+
+def test_missing_api_key_is_one_clear_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(KEY_ENV)
+    path = tmp_path / "c.json"
+    cfg = config(tmp_path, "http://127.0.0.1:9/v1")
+    runner = CliRunner()
+    toml = tmp_path / "c.toml"
+    toml.write_text(
+        f'name = "x"\nproblems = ["embedding_bag"]\n[proposer]\nkinds = ["llm"]\n'
+        f'[llm]\nbase_url = "{cfg.llm.base_url}"\nmodel = "m"\napi_key_env = "{KEY_ENV}"\n'
+        "[budget]\nmax_evaluations = 2\nmax_wall_s = 5\n"
+    )
+    result = runner.invoke(app, ["campaign", "run", str(toml), "--home", str(tmp_path / "h")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"environment variable {KEY_ENV} (llm.api_key_env) is not set" in result.output
+    assert not path.exists() and not list((tmp_path / "h").glob("checkpoints.db"))
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_remembers_llm_spend(tmp_path: Path, quick) -> None:
+    home = tmp_path / "home"
+    with FakeLLMServer(default=knob_replies(prompt_tokens=100, completion_tokens=20, delay_s=0.05)) as server:
+        cfg = config(
+            tmp_path, server.url, budget={"max_evaluations": 100, "max_wall_s": 600, "max_llm_tokens": 1200}
+        )
+        (tmp_path / "config.json").write_text(cfg.model_dump_json())
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "agent")]),
+            "TRITON_INTERPRET": "1",
+        }
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests" / "agent" / "llm_campaign_child.py"),
+                str(tmp_path / "config.json"),
+                str(home),
+            ],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+                if (home / "store.db").exists():
+                    store = Campaigns(home).store
+                    ids = [c.id for c in store.campaigns()]
+                    if ids and store.count_evaluations(ids[0]) >= 1 and store.llm_spent(ids[0]).requests >= 3:
+                        break
+            else:
+                pytest.fail("the campaign made no progress within 60 s")
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)  # no clean shutdown: the worst case for resume
+            proc.wait()
+        campaigns = Campaigns(home)
+        [row] = campaigns.store.campaigns()
+        before = campaigns.store.llm_spent(row.id)
+        assert row.status == "running" and 3 <= before.requests < 10
+        sent_before = len(server.requests)
+
+        outcome = campaigns.resume(row.id)
+
+        after = campaigns.store.llm_spent(row.id)
+        # The spend before the kill counts: the budget of ten requests is met with the rest, exactly.
+        assert outcome.stop_reason == "LLM token budget reached (1200 of 1200 tokens)"
+        assert after.requests == 10 and after.tokens == 1200
+        assert len(server.requests) - sent_before == 10 - before.requests
+    ids = [r.candidate.id for r in campaigns.store.evaluations(row.id)]
+    assert len(ids) == len(set(ids)), "an evaluation was repeated"
+    assert campaigns.store.campaign(row.id).status == "finished"
