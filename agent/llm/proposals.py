@@ -93,16 +93,21 @@ def parse_proposal(text: str) -> Proposal:
         data = json.loads(body[start : end + 1] if end > start else body[start:])
     except json.JSONDecodeError as exc:
         raise ProposalError(
-            f"the reply is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+            f"the reply is not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); "
             "reply with exactly one JSON object, with newlines in strings escaped as \\n"
         ) from None
     try:
         return PROPOSAL.validate_python(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(f"{_where(e)}: {e['msg']}" for e in exc.errors())
         raise ProposalError(f"the JSON does not match the proposal schema: {problems}") from None
+
+
+def _where(error: dict) -> str:
+    if error["loc"]:
+        return ".".join(str(p) for p in error["loc"])
+    # A bad or missing "kind" is reported at the top level by the discriminated union.
+    return "kind" if error["type"].startswith("union_tag") else "(top level)"
 
 
 def fusion_templates(problem: str) -> dict[str, KnobTemplate]:

@@ -183,6 +183,29 @@ def test_outage_pauses_the_llm_and_search_goes_on(tmp_path: Path, quick) -> None
     assert origins == ["library", "template", "template", "template", "template"]
 
 
+def test_llm_only_campaign_waits_out_an_outage(tmp_path: Path, quick) -> None:
+    events = Recorder()
+    with FakeLLMServer([Fail(500)], default=knob_replies()) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"max_retries": 0, "outage_failures": 1, "outage_cooldown_s": 1.5},
+            budget={"max_evaluations": 3, "max_wall_s": 600},
+        )
+        start = time.monotonic()
+        outcome = campaigns.start(cfg, events)
+    # Nothing else could propose: the campaign waited for the pause to end, then went on.
+    assert outcome.stop_reason == "evaluation budget reached (3 of 3)"
+    assert time.monotonic() - start >= 1.5
+    assert any("every proposer is paused; waiting" in m for m in events.messages)
+    assert [r.candidate.origin for r in campaigns.store.evaluations(outcome.campaign_id)] == [
+        "library",
+        "llm",
+        "llm",
+    ]
+
+
 def test_search_tunes_the_kernel_the_llm_wrote(tmp_path: Path, monkeypatch) -> None:
     backend = QuickBackend(speed=lambda c: 10.0 if "LLM-written" in c.source else hashed_speed(c))
     monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: backend)

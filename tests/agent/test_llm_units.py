@@ -1,0 +1,342 @@
+"""The LLM proposer's parts: proposal parsing and validation, search/replace edits, knobs kept
+in a module's source, the client's retries against the loopback server, batch sharing, config."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from llm_helpers import GOOD, KEY, KEY_ENV, config
+from llm_server import Fail, FakeLLMServer, Garbage, Reply, proposal
+
+from agent.config import ConfigError, LLMConfig, load_config, parse_config
+from agent.llm.client import ChatClient, LLMConfigError, LLMUnavailable, make_client
+from agent.llm.proposals import (
+    EditProposal,
+    ProposalError,
+    SearchReplace,
+    allowed_kinds,
+    apply_edits,
+    parse_proposal,
+    to_candidate,
+)
+from agent.proposers import ProposalRequest, SearchProposer, allocate, propose_batch
+from agent.proposers.knob_source import SourceKnobs, knob_values, structure_key, with_knobs
+from agent.store import EvaluationRow
+from sandbox.candidate import Candidate
+from sandbox.result import EvalResult, Status
+from search_space.embedding_bag import TEMPLATE
+
+
+def test_parse_proposal_takes_fenced_json_and_explains_what_is_wrong() -> None:
+    text = 'Here you go:\n```json\n{"kind": "knobs", "knobs": {"BLOCK_B": 8, "ACC_3D": true}}\n```\n'
+    parsed = parse_proposal(text)
+    assert parsed.kind == "knobs" and parsed.knobs == {"BLOCK_B": 8, "ACC_3D": True}
+    assert type(parsed.knobs["BLOCK_B"]) is int and type(parsed.knobs["ACC_3D"]) is bool
+    with pytest.raises(ProposalError, match="holds no JSON object"):
+        parse_proposal("I would make the blocks bigger.")
+    with pytest.raises(
+        ProposalError, match=r"not valid JSON \(Unterminated string starting at: line 1, column 30\)"
+    ):
+        parse_proposal('{"kind": "module", "source": "import torch')
+    with pytest.raises(
+        ProposalError, match=r"schema: kind: Input tag 'rewrite' found using 'kind' does not match"
+    ):
+        parse_proposal('{"kind": "rewrite", "source": "x"}')
+    with pytest.raises(ProposalError, match=r"edit\.edits: List should have at least 1 item"):
+        parse_proposal('{"kind": "edit", "edits": []}')
+    with pytest.raises(ProposalError, match=r"module\.sourc: Extra inputs"):
+        parse_proposal('{"kind": "module", "source": "x", "sourc": "y"}')
+
+
+def test_edits_apply_once_each_or_say_why_not() -> None:
+    source = "a = 1\nb = 2\nb = 2\n    c = 3\n"
+    assert apply_edits(source, [SearchReplace(search="a = 1\n", replace="a = 10\n")]).startswith("a = 10\n")
+    # Blocks apply in order, each to the text as edited so far.
+    edited = apply_edits(
+        source,
+        [SearchReplace(search="a = 1", replace="z = 0"), SearchReplace(search="z = 0\nb", replace="y")],
+    )
+    assert edited.startswith("y = 2\n")
+    with pytest.raises(ProposalError, match=r"edit 1: search block not found.*'q = 9'"):
+        apply_edits(source, [SearchReplace(search="q = 9", replace="")])
+    with pytest.raises(ProposalError, match=r"edit 1: search block occurs 2 times \(lines 2, 3\)"):
+        apply_edits(source, [SearchReplace(search="b = 2", replace="")])
+    with pytest.raises(ProposalError, match="matches if whitespace is ignored"):
+        apply_edits(source, [SearchReplace(search="b = 2\nc = 3", replace="")])
+
+
+def test_proposals_become_candidates_or_errors_for_the_model() -> None:
+    base = Candidate(problem="embedding_bag", source=GOOD, entry="embedding_bag", origin="llm")
+    knobs = to_candidate(
+        parse_proposal(proposal("knobs", knobs={"BLOCK_D": 128})),
+        problem="embedding_bag",
+        base=None,
+        parent_id="p",
+    )
+    assert (
+        knobs.source == TEMPLATE.render({"BLOCK_D": 128}) and knobs.parent_id == "p" and knobs.origin == "llm"
+    )
+    with pytest.raises(ProposalError, match=r"knobs: knob BLOCK_D=96 is not one of"):
+        to_candidate(
+            parse_proposal(proposal("knobs", knobs={"BLOCK_D": 96})),
+            problem="embedding_bag",
+            base=None,
+            parent_id=None,
+        )
+    with pytest.raises(ProposalError, match="constraint"):
+        to_candidate(
+            parse_proposal(proposal("knobs", knobs={"BLOCK_B": 16, "BLOCK_L": 32, "BLOCK_D": 256})),
+            problem="embedding_bag",
+            base=None,
+            parent_id=None,
+        )
+    module = to_candidate(
+        parse_proposal(proposal("module", source=GOOD)),
+        problem="embedding_bag",
+        base=None,
+        parent_id=None,
+        knobs_of=knob_values,
+    )
+    assert module.knobs == TEMPLATE.defaults()  # read from its KNOBS dict, for the search
+    with pytest.raises(ProposalError, match="does not parse: line 1"):
+        to_candidate(
+            parse_proposal(proposal("module", source="def (")),
+            problem="embedding_bag",
+            base=None,
+            parent_id=None,
+        )
+    with pytest.raises(ProposalError, match="no top-level function 'embedding_bag'"):
+        to_candidate(
+            parse_proposal(proposal("module", source="x = 1\n")),
+            problem="embedding_bag",
+            base=None,
+            parent_id=None,
+        )
+    edit = EditProposal(kind="edit", edits=[SearchReplace(search='"num_warps": 2', replace='"num_warps": 4')])
+    assert (
+        '"num_warps": 4' in to_candidate(edit, problem="embedding_bag", base=base, parent_id=base.id).source
+    )
+    with pytest.raises(ProposalError, match=r"kind 'edit' is not available.*\['knobs', 'module'\]"):
+        to_candidate(edit, problem="embedding_bag", base=None, parent_id=None)
+    with pytest.raises(ProposalError, match="kind 'fusion' is not available"):
+        to_candidate(
+            parse_proposal(proposal("fusion", fusion="x")), problem="embedding_bag", base=base, parent_id=None
+        )
+    same = EditProposal(kind="edit", edits=[SearchReplace(search='"num_warps": 2', replace='"num_warps": 2')])
+    with pytest.raises(ProposalError, match="unchanged"):
+        to_candidate(same, problem="embedding_bag", base=base, parent_id=None)
+    # A problem without a template offers no knobs.
+    assert allowed_kinds("embedding_bag_backward", has_base=False) == ["module"]
+
+
+def test_fusion_choices_come_from_the_problem_module(monkeypatch) -> None:
+    import search_space.embedding_bag
+
+    monkeypatch.setattr(search_space.embedding_bag, "FUSIONS", {"bag+scale": TEMPLATE}, raising=False)
+    assert allowed_kinds("embedding_bag", has_base=True) == ["knobs", "fusion", "module", "edit"]
+    fused = to_candidate(
+        parse_proposal(proposal("fusion", fusion="bag+scale", knobs={"num_warps": 4})),
+        problem="embedding_bag",
+        base=None,
+        parent_id=None,
+    )
+    assert fused.knobs["fusion"] == "bag+scale" and fused.source == TEMPLATE.render({"num_warps": 4})
+    with pytest.raises(ProposalError, match=r"unknown fusion 'bag\+norm'; offered: \['bag\+scale'\]"):
+        to_candidate(
+            parse_proposal(proposal("fusion", fusion="bag+norm")),
+            problem="embedding_bag",
+            base=None,
+            parent_id=None,
+        )
+
+
+def test_knobs_kept_in_a_module_are_tuned_in_place() -> None:
+    rendered = TEMPLATE.render(TEMPLATE.defaults())
+    knobs = {"BLOCK_B": 8, "EVICT_ROWS": "evict_first", "ACC_3D": True}
+    assert with_knobs(rendered, knobs) == TEMPLATE.render(knobs)  # same bytes as the template's
+    assert structure_key(TEMPLATE.render(knobs)) == structure_key(rendered) != structure_key(GOOD)
+    space = SourceKnobs(TEMPLATE, GOOD.replace('"BLOCK_D": 64', '"BLOCK_D": 96'), "embedding_bag")
+    assert "BLOCK_D" not in {k.name for k in space.knobs}  # 96 is not a choice: left as written
+    tuned = space.render({"BLOCK_B": 2})
+    assert knob_values(tuned)["BLOCK_B"] == 2 and knob_values(tuned)["BLOCK_D"] == 96
+    assert "LLM-written" in tuned
+    with pytest.raises(ValueError, match="unknown knob"):
+        space.render({"BLOCK_D": 32})
+    assert knob_values("x = 1\n") == {} and knob_values("KNOBS = {'a': f(1)}\n") == {}
+
+
+def _row(seq: int, candidate: Candidate, score: float | None) -> EvaluationRow:
+    from sandbox.result import ShapeTiming, TimingStats
+
+    timings = (
+        [
+            ShapeTiming(
+                shape="s",
+                dtype="fp32",
+                bucket="d64",
+                candidate=TimingStats(median_us=score, p20_us=score, p80_us=score, reps=3),
+                flops=1,
+                bytes=1,
+                achieved_gbps=1,
+            )
+        ]
+        if score
+        else []
+    )
+    status = Status.OK if score else Status.WRONG
+    return EvaluationRow(
+        seq,
+        candidate,
+        EvalResult(status=status, problem="embedding_bag", candidate_id=candidate.id, timings=timings),
+    )
+
+
+def test_search_proposer_tunes_the_best_module_or_else_the_template() -> None:
+    search = SearchProposer(TEMPLATE, seed=2)
+    written = Candidate(
+        problem="embedding_bag", source=GOOD, entry="embedding_bag", knobs=knob_values(GOOD), origin="llm"
+    )
+    rows = [_row(1, written, 10.0)]
+    request = ProposalRequest(
+        campaign_id="c", problem="embedding_bag", rows=rows, best=rows[0], seen=frozenset({written.id})
+    )
+    proposed = search.propose(3, request)
+    assert len(proposed) == 3
+    for c in proposed:
+        assert (
+            structure_key(c.source) == structure_key(GOOD)
+            and c.parent_id == written.id
+            and c.origin == "template"
+        )
+    template_best = Candidate(
+        problem="embedding_bag",
+        source=TEMPLATE.render({}),
+        entry="embedding_bag",
+        knobs=TEMPLATE.defaults(),
+        origin="template",
+    )
+    rows = [_row(1, template_best, 10.0)]
+    request = ProposalRequest(
+        campaign_id="c", problem="embedding_bag", rows=rows, best=rows[0], seen=frozenset({template_best.id})
+    )
+    for c in search.propose(2, request):
+        assert c.source == TEMPLATE.render(c.knobs)
+
+
+class _Fixed:
+    def __init__(self, kind: str, ids: list[str]) -> None:
+        self.kind, self.ids, self.asked = kind, ids, []
+
+    def propose(self, n, request):
+        self.asked.append(n)
+        return [
+            Candidate(problem="embedding_bag", source=f"# {i}\n", entry="embedding_bag")
+            for i in self.ids[:n]
+            if True
+        ]
+
+
+def test_batches_are_shared_and_a_shortfall_passes_on() -> None:
+    assert allocate(4, [0.5, 0.5]) == [2, 2]
+    assert allocate(1, [0.5, 0.5]) == [1, 0]
+    assert allocate(5, [0.25, 0.75]) == [1, 4]
+    llm, search = _Fixed("llm", ["a"]), _Fixed("search", ["b", "c", "d", "e"])
+    request = ProposalRequest(campaign_id="c", problem="embedding_bag", rows=[], best=None, seen=frozenset())
+    batch = propose_batch([llm, search], [0.5, 0.5], 4, request)
+    assert llm.asked == [2] and search.asked == [3] and len(batch) == 4
+
+
+def test_config_of_proposers_and_llm() -> None:
+    example = load_config(Path(__file__).resolve().parents[2] / "campaigns" / "llm-example.toml")
+    assert example.proposer.kinds == ["llm", "search"] and example.llm.api_key_env == "RECFORGE_LLM_API_KEY"
+    base = {"name": "x", "problems": ["embedding_bag"], "budget": {"max_evaluations": 3, "max_wall_s": 60}}
+    assert parse_config({**base, "proposer": {"kind": "search"}}).proposer.kinds == [
+        "search"
+    ]  # older configs
+    with pytest.raises(ConfigError, match=r"no \[llm\] section"):
+        parse_config({**base, "proposer": {"kinds": ["llm"]}})
+    with pytest.raises(ConfigError, match=r"proposer: Value error, shares given for \['llm'\]"):
+        parse_config({**base, "proposer": {"kinds": ["search"], "shares": {"llm": 1}}})
+    with pytest.raises(ConfigError, match=r"llm\.api_key_env: String should match pattern"):
+        parse_config({**base, "llm": {"base_url": "u", "model": "m", "api_key_env": "sk-123"}})
+    llm_only = {
+        **base,
+        "problems": ["embedding_bag_backward"],
+        "proposer": {"kinds": ["llm"]},
+        "llm": {"base_url": "u", "model": "m"},
+    }
+    assert parse_config(llm_only).proposer.share("llm") == 1.0  # no template needed without the search
+    cfg = parse_config(
+        {
+            **base,
+            "proposer": {"kinds": ["llm", "search"], "shares": {"search": 3}},
+            "llm": {"base_url": "u", "model": "m"},
+        }
+    )
+    assert cfg.proposer.share("llm") == 0.25 and cfg.llm.cost(1_000_000, 0) == 0.0
+
+
+def _client(url: str, **overrides) -> ChatClient:
+    settings = {
+        "base_url": url,
+        "model": "m",
+        "api_key_env": KEY_ENV,
+        "backoff_initial_s": 0.01,
+        "backoff_max_s": 0.02,
+    }
+    return ChatClient(LLMConfig(**(settings | overrides)))
+
+
+MESSAGES = [{"role": "user", "content": "x" * 400}]
+
+
+def test_client_retries_what_retrying_can_fix(monkeypatch) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY)
+    script = [
+        Reply("late", delay_s=0.6),  # beyond the timeout
+        Fail(429, {"retry-after": "1"}),  # honoured although above the backoff
+        Garbage(body='{"object": "error"}', content_type="application/json"),
+        Reply("ok", usage=False),
+    ]
+    attempts = []
+    with FakeLLMServer(script) as server:
+        start = time.monotonic()
+        reply = _client(server.url, timeout_s=0.3, max_retries=3).complete(
+            MESSAGES, schema={}, on_attempt=attempts.append
+        )
+        elapsed = time.monotonic() - start
+    assert [a.outcome for a in attempts] == ["timeout", "http_429", "garbage", "replied"]
+    assert attempts[1].retry_after_s == 1.0 and elapsed >= 1.3
+    assert reply.text == "ok" and (reply.prompt_tokens, reply.completion_tokens) == (100, 0)  # estimated
+
+
+def test_client_gives_up_and_falls_back(monkeypatch) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY)
+    attempts = []
+    with FakeLLMServer([Fail(401, message="bad key"), Fail(500), Fail(502)]) as server:
+        with pytest.raises(LLMUnavailable, match="http_401: .*bad key") as info:
+            _client(server.url, max_retries=3).complete(MESSAGES, schema={}, on_attempt=attempts.append)
+        assert info.value.outcome == "http_401" and len(attempts) == 1  # not retried
+        with pytest.raises(LLMUnavailable, match="http_502 after 2 attempts"):
+            _client(server.url, max_retries=1).complete(MESSAGES, schema={}, on_attempt=attempts.append)
+    # A server that refuses response_format is asked again without it, and from then on.
+    with FakeLLMServer(
+        [Fail(400, message="response_format is not supported"), Reply("a"), Reply("b")]
+    ) as server:
+        client = _client(server.url, max_retries=0)
+        assert client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "a"
+        assert client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "b"
+        assert "response_format" in server.requests[0]
+        assert "response_format" not in server.requests[1] and "response_format" not in server.requests[2]
+    monkeypatch.delenv(KEY_ENV)
+    with pytest.raises(LLMConfigError, match=f"{KEY_ENV} .* is not set"):
+        make_client(LLMConfig(base_url="u", model="m", api_key_env=KEY_ENV))
+    assert make_client(LLMConfig(base_url="http://x/v1", model="m", api_key_env=None)).api_key == "unused"
+
+
+def test_fake_server_lists_models(tmp_path) -> None:
+    with FakeLLMServer() as server:
+        client = make_client(config(tmp_path, server.url).llm.model_copy(update={"api_key_env": None}))
+        assert [m.id for m in client.models.list()] == ["scripted"]
