@@ -16,9 +16,8 @@ from pathlib import Path
 
 from langgraph.checkpoint.sqlite import SqliteSaver
 
-from agent.config import CampaignConfig, SandboxConfig
+from agent.config import CampaignConfig, LLMConfigError, SandboxConfig
 from agent.graph import compile_graph
-from agent.llm.client import LLMConfigError, api_key
 from agent.proposers import make_proposers
 from agent.state import Backend, CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
@@ -87,6 +86,8 @@ class Campaigns:
 
     def start(self, config: CampaignConfig, events: Events | None = None) -> CampaignOutcome:
         if config.llm is not None and "llm" in config.proposer.kinds:
+            from agent.llm.client import api_key
+
             try:
                 api_key(config.llm)  # before anything is recorded: a campaign that cannot start
             except LLMConfigError as exc:

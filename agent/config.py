@@ -19,6 +19,10 @@ class ConfigError(ValueError):
     """A campaign config that cannot be used; the message names the file and field."""
 
 
+class LLMConfigError(ConfigError):
+    """The LLM endpoint cannot be used as configured (e.g. its API key variable is not set)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -128,6 +132,14 @@ class BudgetConfig(_Strict):
     max_llm_cost: float | None = Field(
         None, gt=0, description="money spent on the LLM, in the unit of llm.cost_per_million_*"
     )
+
+    def llm_reached(self, tokens: int, cost: float) -> str | None:
+        """The LLM budget that `tokens` and `cost` use up, in words, or None."""
+        if self.max_llm_tokens is not None and tokens >= self.max_llm_tokens:
+            return f"LLM token budget reached ({tokens} of {self.max_llm_tokens} tokens)"
+        if self.max_llm_cost is not None and cost >= self.max_llm_cost:
+            return f"LLM money budget reached ({cost:.4f} of {self.max_llm_cost:.4f})"
+        return None
 
 
 class SandboxConfig(_Strict):

@@ -34,13 +34,9 @@ def plan(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
         return {
             "stop_reason": f"wall-time budget reached ({ctx.wall_s():.0f} s of {budget.max_wall_s:.0f} s)"
         }
-    if budget.max_llm_tokens is not None or budget.max_llm_cost is not None:
-        from agent.proposers.llm import llm_budget_reached
-
-        spent = ctx.store.llm_spent(ctx.campaign_id)
-        reached = llm_budget_reached(budget, spent.tokens, spent.cost)
-        if reached:
-            return {"stop_reason": reached}
+    spent = ctx.store.llm_spent(ctx.campaign_id)
+    if reached := budget.llm_reached(spent.tokens, spent.cost):
+        return {"stop_reason": reached}
     # Every problem gets its turn: the one with the fewest evaluations goes next.
     problem = min(ctx.config.problems, key=lambda p: ctx.store.count_evaluations(ctx.campaign_id, p))
     return {"problem": problem, "iteration": state.get("iteration", 0) + 1, "stop_reason": None}

@@ -21,15 +21,11 @@ from dataclasses import dataclass
 import openai
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from agent.config import LLMConfig
+from agent.config import LLMConfig, LLMConfigError
 
 # Without `usage` in a reply (some servers leave it out), tokens are estimated from characters.
 CHARS_PER_TOKEN = 4
 ERROR_CHARS = 400
-
-
-class LLMConfigError(ValueError):
-    """The endpoint cannot be used as configured (e.g. the API key variable is not set)."""
 
 
 class LLMUnavailable(RuntimeError):

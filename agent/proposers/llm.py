@@ -77,7 +77,7 @@ class LLMEndpoint:
 
     def budget_reached(self) -> str | None:
         spent = self.store.llm_spent(self.campaign_id)
-        return llm_budget_reached(self.budget, spent.tokens, spent.cost)
+        return self.budget.llm_reached(spent.tokens, spent.cost)
 
     def ask(self, messages: list[dict], *, problem: str, conversation: str, turn: int) -> tuple[Attempt, int]:
         """The reply to `messages` and its exchange's row in the store; LLMUnavailable if none."""
@@ -122,15 +122,6 @@ class LLMEndpoint:
         self.events.message(
             f"LLM proposer paused for {self.config.outage_cooldown_s:.0f} s ({reason}); other proposers go on"
         )
-
-
-def llm_budget_reached(budget: BudgetConfig, tokens: int, cost: float) -> str | None:
-    """The LLM budget that is used up, in words, or None."""
-    if budget.max_llm_tokens is not None and tokens >= budget.max_llm_tokens:
-        return f"LLM token budget reached ({tokens} of {budget.max_llm_tokens} tokens)"
-    if budget.max_llm_cost is not None and cost >= budget.max_llm_cost:
-        return f"LLM money budget reached ({cost:.4f} of {budget.max_llm_cost:.4f})"
-    return None
 
 
 @dataclass
