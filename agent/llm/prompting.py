@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import jinja2
 
+from agent.llm.proposals import fusion_templates
 from agent.store import EvaluationRow, LLMProposalRow
 from sandbox import screen
 from sandbox.candidate import Candidate
@@ -190,6 +191,7 @@ def propose_prompt(
         best_score=best.result.geomean_us() if best else None,
         base=base,
         knobs=template.knobs if template else [],
+        fusions=fusion_templates(problem) if "fusion" in kinds else {},
         attempts=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in attempts],
         kinds=kinds,
     )

@@ -113,7 +113,10 @@ def _where(error: dict) -> str:
 def fusion_templates(problem: str) -> dict[str, KnobTemplate]:
     """Fused variants a problem offers: `FUSIONS` (name -> knob template) in its module."""
     get_problem(problem)
-    module = importlib.import_module(f"search_space.{problem}")
+    try:
+        module = importlib.import_module(f"search_space.{problem}")
+    except ModuleNotFoundError:  # a problem defined in a module of another name offers none
+        return {}
     return dict(getattr(module, "FUSIONS", {}) or {})
 
 

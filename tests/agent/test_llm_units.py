@@ -340,3 +340,23 @@ def test_fake_server_lists_models(tmp_path) -> None:
     with FakeLLMServer() as server:
         client = make_client(config(tmp_path, server.url).llm.model_copy(update={"api_key_env": None}))
         assert [m.id for m in client.models.list()] == ["scripted"]
+
+
+def test_the_prompt_offers_the_fused_variants(monkeypatch) -> None:
+    import search_space.embedding_bag
+    from agent.llm.prompting import propose_prompt
+
+    monkeypatch.setattr(search_space.embedding_bag, "FUSIONS", {"bag+scale": TEMPLATE}, raising=False)
+    kinds = allowed_kinds("embedding_bag", has_base=False)
+    text = propose_prompt(
+        problem="embedding_bag",
+        arch="interpreter",
+        best=None,
+        base=None,
+        attempts=[],
+        llm_rows={},
+        baselines={},
+        kinds=kinds,
+    )
+    assert '- "bag+scale" (entry `embedding_bag`), knobs: BLOCK_B [1, 2, 4, 8, 16];' in text
+    assert "written for sm_90 (NVIDIA H200)" in text and "Triton interpreter on a CPU" in text
