@@ -305,6 +305,15 @@ def bench_ops(
     ] = None,
     library: Annotated[Path | None, typer.Option(help="library whose best kernel to include")] = None,
     output: Annotated[Path | None, typer.Option(help="append result rows to this JSON-lines file")] = None,
+    shape: Annotated[
+        list[str] | None, typer.Option(help="only timing shapes whose name contains this (repeatable)")
+    ] = None,
+    without: Annotated[
+        list[str] | None, typer.Option(help="leave out this provider, e.g. reference.compile (repeatable)")
+    ] = None,
+    passes: Annotated[
+        str | None, typer.Option(help="attention ops: comma-separated among fwd, bwd, fwd+bwd")
+    ] = None,
 ) -> None:
     """Time reference, torch.compile, eager PyTorch, default and best registered kernels
     (attention ops: forward, backward and both, in TFLOP/s against the measured matmul peak)."""
@@ -313,11 +322,15 @@ def bench_ops(
     _interpret_without_gpu()
     from evals.bench_ops import run_family_benchmark, run_op_benchmark
 
+    options = {
+        "library": library,
+        "console": console,
+        "only_shapes": shape,
+        "without": without,
+        "passes": tuple(p.strip() for p in passes.split(",")) if passes else None,
+    }
     try:
-        if op is not None:
-            rows = run_op_benchmark(op, library=library, console=console)
-        else:
-            rows = run_family_benchmark(family, library=library, console=console)
+        rows = run_op_benchmark(op, **options) if op else run_family_benchmark(family, **options)
     except ValueError as exc:
         raise fail(str(exc)) from None
     if output:

@@ -33,7 +33,7 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from evals.bench_ops import git_commit
+from evals.bench_ops import git_commit, select_shapes
 from sandbox.protocol import all_baselines, compare, fresh_seed
 from sandbox.timing import benchmark
 from sandbox.worker import baseline_providers
@@ -164,8 +164,12 @@ def run_attention_benchmark(
     console: Console | None = None,
     passes: tuple[str, ...] = PASSES,
     shapes: tuple[Shape, ...] | None = None,
+    only_shapes: list[str] | None = None,
+    without: list[str] | None = None,
 ) -> list[dict]:
-    """Benchmark one attention op; returns the rows (also printed as a table)."""
+    """Benchmark one attention op; returns the rows (also printed as a table). `only_shapes`
+    keeps the shapes whose name contains one of its substrings; `without` names providers to
+    leave out (e.g. the loop reference at sizes where it takes minutes)."""
     problem = get_problem(op)
     if problem.op_family != "attention":
         raise ValueError(f"{op} is not an attention op (family {problem.op_family!r})")
@@ -177,6 +181,7 @@ def run_attention_benchmark(
     interpreted = device.type != "cuda"
     if shapes is None:
         shapes = problem.interpreted_timing_shapes if interpreted else problem.timing_shapes
+    shapes = select_shapes(shapes, only_shapes)
     if library is not None:
         from kernels.registry import DISPATCHER
 
@@ -215,7 +220,11 @@ def run_attention_benchmark(
         args, kwargs = arg_sets[0]
         ref = problem.reference(*args, **kwargs)
         forward_flops = problem.flops(shape)
-        providers = _providers(problem, shape, device, kernel)
+        providers = {
+            name: fn
+            for name, fn in _providers(problem, shape, device, kernel).items()
+            if name not in (without or ())
+        }
         for pass_name in passes:
             results = {
                 name: _measure(name, fn, pass_name, arg_sets, ref, problem, shape, device)

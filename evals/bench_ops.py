@@ -29,7 +29,7 @@ from sandbox.protocol import all_baselines, compare, fresh_seed
 from sandbox.timing import benchmark
 from sandbox.worker import baseline_providers
 from search_space import get_problem, problem_names
-from search_space.problem import Problem
+from search_space.problem import Problem, Shape
 
 COPY_BYTES = 2 * 1024**3
 FAMILIES = ("embedding", "attention", "all")
@@ -42,14 +42,17 @@ def family_ops(family: str) -> list[str]:
     return [n for n in problem_names() if family == "all" or get_problem(n).op_family == family]
 
 
-def run_family_benchmark(
-    family: str, *, library: str | Path | None = None, console: Console | None = None
-) -> list[dict]:
-    """run_op_benchmark for every op of the family, one after another."""
+def run_family_benchmark(family: str, **options) -> list[dict]:
+    """run_op_benchmark for every op of the family, one after another (same options)."""
     rows: list[dict] = []
     for op in family_ops(family):
-        rows += run_op_benchmark(op, library=library, console=console)
+        rows += run_op_benchmark(op, **options)
     return rows
+
+
+def select_shapes(shapes: tuple[Shape, ...], only: list[str] | None) -> tuple[Shape, ...]:
+    """The shapes whose name contains one of `only` (all of them when `only` is empty)."""
+    return tuple(s for s in shapes if not only or any(part in s.name for part in only))
 
 
 def measure_copy_bandwidth(device: torch.device) -> float | None:
@@ -91,18 +94,35 @@ def _providers(problem: Problem, library: KernelLibrary, device: torch.device, s
 
 
 def run_op_benchmark(
-    op: str, *, library: str | Path | None = None, console: Console | None = None
+    op: str,
+    *,
+    library: str | Path | None = None,
+    console: Console | None = None,
+    only_shapes: list[str] | None = None,
+    without: list[str] | None = None,
+    passes: tuple[str, ...] | None = None,
 ) -> list[dict]:
+    """`only_shapes`: substrings of the timing shapes to run; `without`: providers to leave out;
+    `passes`: for attention ops, among fwd, bwd, fwd+bwd."""
     problem = get_problem(op)
     if problem.op_family == "attention":
-        from evals.bench_attention import run_attention_benchmark
+        from evals.bench_attention import PASSES, run_attention_benchmark
 
-        return run_attention_benchmark(op, library=library, console=console)
+        return run_attention_benchmark(
+            op,
+            library=library,
+            console=console,
+            only_shapes=only_shapes,
+            without=without,
+            passes=passes or PASSES,
+        )
     console = console or Console()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lib = KernelLibrary(library) if library else DISPATCHER.library
     interpreted = device.type != "cuda"
-    shapes = problem.interpreted_timing_shapes if interpreted else problem.timing_shapes
+    shapes = select_shapes(
+        problem.interpreted_timing_shapes if interpreted else problem.timing_shapes, only_shapes
+    )
     copy_bw = measure_copy_bandwidth(device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     versions = f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Attention-family GPU evidence in one call: environment, the GPU tests of the kernels, problems
+# and model, then `bench ops` per attention op. Logs and JSONL rows go to $OUT (or ./gpu-out).
+# Usage (repo root, on a GPU host whose python3 has torch and triton):
+#   bash evals/gpu_attention.sh [tests|bench|all] [extra bench ops options...]
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 COLUMNS=200
+what=${1:-all}; shift || true
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton, platform; print("torch", torch.__version__, "triton", triton.__version__, "python", platform.python_version())'
+} 2>&1 | tee "$OUT/env.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -q -p no:cacheprovider -x -m gpu tests/kernels/test_attention.py tests/search_space/test_attention_problems.py \
+    2>&1 | tail -25 | tee "$OUT/pytest_attention.txt"
+  python3 -m pytest -q -p no:cacheprovider tests/model 2>&1 | tail -5 | tee "$OUT/pytest_model.txt"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for op in jagged_attention gdpa target_attention; do
+    python3 -m agent bench ops --op "$op" --output "$OUT/bench_rows.jsonl" "$@" 2>&1 | tee "$OUT/bench_$op.txt"
+  done
+fi
