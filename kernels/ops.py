@@ -4,10 +4,14 @@ the dispatcher for the best verified kernel of the call's (arch, dtype, shape bu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from kernels import attention as _attn
 from kernels import embedding_bag as _eb
-from kernels.registry import DISPATCHER, triton_usable
+from kernels.registry import DISPATCHER, Implementation, triton_usable
+from search_space.attention import gdpa_reference, jagged_attention_reference, target_attention_reference
 from search_space.embedding_bag import dim_bucket
 from search_space.embedding_bag import reference as embedding_bag_reference
 from search_space.problem import DTYPES
@@ -109,3 +113,417 @@ def embedding_bag(
     """
     _eb._check(weight, indices, offsets, mode, per_sample_weights)
     return _embedding_bag_op(weight, indices, offsets, mode, per_sample_weights)
+
+
+# --- attention family ---------------------------------------------------------------------------
+#
+# Each op is a forward custom op (dispatched: library kernel, default kernel or reference) and a
+# backward custom op (the default Triton backward, or the reference's vjp without Triton).
+# The softmax forwards also return the row statistics (lse) their backward reads; when no
+# gradient will be taken, or for silu, that second output is empty.
+
+DISPATCHER.register_op(
+    "jagged_attention", default=_attn.jagged_attention_forward, reference=jagged_attention_reference
+)
+DISPATCHER.register_op("gdpa", default=_attn.gdpa_forward, reference=gdpa_reference)
+DISPATCHER.register_op(
+    "target_attention", default=_attn.target_attention_forward, reference=target_attention_reference
+)
+
+
+def _resolve_attention(op: str, q: torch.Tensor) -> Implementation:
+    return DISPATCHER.resolve(
+        op, device=q.device, dtype=_DTYPE_NAMES.get(q.dtype, str(q.dtype)), bucket=f"d{q.shape[-1]}"
+    )
+
+
+def _forward_with_lse(
+    impl: Implementation,
+    default: Callable,
+    args: tuple,
+    kwargs: dict,
+    lse_shape: tuple[int, int] | None,
+    like: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the resolved forward; lse only when lse_shape says the backward needs it."""
+    if lse_shape is None:
+        return impl.fn(*args, **kwargs), like.new_empty(0, dtype=torch.float32)
+    if impl.name == "default":
+        return default(*args, **kwargs, return_lse=True)
+    out = impl.fn(*args, **kwargs)
+    if impl.name == "reference":
+        # Without Triton the backward differentiates the reference and never reads lse.
+        return out, like.new_zeros(lse_shape, dtype=torch.float32)
+    # A library kernel returns the output alone; the statistics come from one default forward.
+    return out, default(*args, **kwargs, return_lse=True)[1]
+
+
+def _needs_lse(activation: str, *inputs: torch.Tensor | None) -> bool:
+    return (
+        activation == "softmax"
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in inputs)
+    )
+
+
+def _reference_grads(
+    reference: Callable[..., torch.Tensor], grad_out: torch.Tensor, *inputs: torch.Tensor | None
+) -> list[torch.Tensor | None]:
+    """Gradients of `reference(*inputs)`: the backward where Triton cannot run. torch.func.vjp,
+    not torch.autograd: inside a custom op the autograd dispatch keys are switched off."""
+    present = [i for i, t in enumerate(inputs) if t is not None]
+
+    def call(*tensors: torch.Tensor) -> torch.Tensor:
+        full = list(inputs)
+        for i, t in zip(present, tensors, strict=True):
+            full[i] = t
+        return reference(*full)
+
+    _, vjp = torch.func.vjp(call, *(inputs[i] for i in present))
+    grads = dict(zip(present, vjp(grad_out), strict=True))
+    return [grads.get(i) for i in range(len(inputs))]
+
+
+# jagged_attention ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("recforge::jagged_attention", mutates_args=())
+def _jagged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seq_len: int,
+    activation: str,
+    causal: bool,
+    num_targets: torch.Tensor | None,
+    rel_bias: torch.Tensor | None,
+    scale: float,
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    kwargs = dict(
+        max_seq_len=max_seq_len,
+        activation=activation,
+        causal=causal,
+        num_targets=num_targets,
+        rel_bias=rel_bias,
+        scale=scale,
+    )
+    lse_shape = (q.shape[1], q.shape[0]) if need_lse and activation == "softmax" else None
+    impl = _resolve_attention("jagged_attention", q)
+    return _forward_with_lse(impl, _attn.jagged_attention_forward, (q, k, v, offsets), kwargs, lse_shape, q)
+
+
+@_jagged_attention_op.register_fake
+def _(q, k, v, offsets, max_seq_len, activation, causal, num_targets, rel_bias, scale, need_lse):
+    lse_shape = (q.shape[1], q.shape[0]) if need_lse and activation == "softmax" else (0,)
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("recforge::jagged_attention_backward", mutates_args=())
+def _jagged_attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    max_seq_len: int,
+    activation: str,
+    causal: bool,
+    num_targets: torch.Tensor | None,
+    rel_bias: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    kwargs = dict(
+        max_seq_len=max_seq_len, activation=activation, causal=causal, num_targets=num_targets, scale=scale
+    )
+    if triton_usable(q.device):
+        dq, dk, dv, d_rel_bias = _attn.jagged_attention_backward(
+            grad_out, q, k, v, offsets, out, lse, rel_bias=rel_bias, **kwargs
+        )
+    else:
+        dq, dk, dv, d_rel_bias = _reference_grads(
+            lambda q, k, v, rel_bias: jagged_attention_reference(
+                q, k, v, offsets, rel_bias=rel_bias, **kwargs
+            ),
+            grad_out,
+            q,
+            k,
+            v,
+            rel_bias,
+        )
+    return dq, dk, dv, d_rel_bias if d_rel_bias is not None else q.new_empty(0, dtype=torch.float32)
+
+
+@_jagged_attention_backward_op.register_fake
+def _(grad_out, q, k, v, offsets, out, lse, max_seq_len, activation, causal, num_targets, rel_bias, scale):
+    d_rel_bias = (
+        rel_bias.new_empty(rel_bias.shape) if rel_bias is not None else q.new_empty(0, dtype=torch.float32)
+    )
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_rel_bias
+
+
+def _jagged_attention_setup_context(ctx, inputs, output):
+    q, k, v, offsets, max_seq_len, activation, causal, num_targets, rel_bias, scale, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, offsets, num_targets, rel_bias, out, lse)
+    ctx.attrs = (max_seq_len, activation, causal, scale)
+
+
+def _jagged_attention_backward(ctx, grad_out, _grad_lse):
+    q, k, v, offsets, num_targets, rel_bias, out, lse = ctx.saved_tensors
+    max_seq_len, activation, causal, scale = ctx.attrs
+    dq, dk, dv, d_rel_bias = torch.ops.recforge.jagged_attention_backward(
+        grad_out, q, k, v, offsets, out, lse, max_seq_len, activation, causal, num_targets, rel_bias, scale
+    )
+    d_rel_bias = d_rel_bias if rel_bias is not None else None
+    return dq, dk, dv, None, None, None, None, None, d_rel_bias, None, None
+
+
+torch.library.register_autograd(
+    "recforge::jagged_attention", _jagged_attention_backward, setup_context=_jagged_attention_setup_context
+)
+
+
+def jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    activation: str = "softmax",
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Self-attention over jagged sequences (HSTU encoder; search_space.attention has the math).
+
+    q, k, v [total_tokens, H, D] (bf16, fp16 or fp32; D a power of two, 16 to 256); offsets
+    [B + 1] int32/int64 from 0 to total_tokens; max_seq_len >= every sequence length (it sizes
+    the launch, so it is not checked: that would sync the host; silu divides by it);
+    activation 'softmax' or 'silu'; num_targets [B]: the last num_targets[b] tokens of sequence
+    b are candidates that see the history and themselves only; rel_bias [H, num_buckets] fp32
+    relative-position bias; scale defaults to D ** -0.5 -> out [total_tokens, H, D].
+    Differentiable in q, k, v and rel_bias.
+    """
+    _attn.check_jagged_attention(
+        q,
+        k,
+        v,
+        offsets,
+        max_seq_len=max_seq_len,
+        activation=activation,
+        num_targets=num_targets,
+        rel_bias=rel_bias,
+    )
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    need_lse = _needs_lse(activation, q, k, v, rel_bias)
+    out, _ = _jagged_attention_op(
+        q, k, v, offsets, max_seq_len, activation, causal, num_targets, rel_bias, scale, need_lse
+    )
+    return out
+
+
+# gdpa ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("recforge::gdpa", mutates_args=())
+def _gdpa_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    activation: str,
+    scale: float,
+    broadcast_q: bool,
+) -> torch.Tensor:
+    impl = _resolve_attention("gdpa", q)
+    return impl.fn(
+        q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, broadcast_q=broadcast_q
+    )
+
+
+@_gdpa_op.register_fake
+def _(q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q):
+    rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    return q.new_empty((rows, q.shape[1], q.shape[2]))
+
+
+@torch.library.custom_op("recforge::gdpa_backward", mutates_args=())
+def _gdpa_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    activation: str,
+    scale: float,
+    broadcast_q: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kwargs = dict(activation=activation, scale=scale, broadcast_q=broadcast_q)
+    if triton_usable(q.device):
+        return _attn.gdpa_backward(grad_out, q, k, v, q_offsets, kv_offsets, **kwargs)
+    dq, dk, dv = _reference_grads(
+        lambda q, k, v: gdpa_reference(q, k, v, q_offsets, kv_offsets, **kwargs), grad_out, q, k, v
+    )
+    return dq, dk, dv
+
+
+@_gdpa_backward_op.register_fake
+def _(grad_out, q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _gdpa_setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q = inputs
+    ctx.save_for_backward(q, k, v, q_offsets, kv_offsets)
+    ctx.attrs = (activation, scale, broadcast_q)
+
+
+def _gdpa_backward(ctx, grad_out):
+    q, k, v, q_offsets, kv_offsets = ctx.saved_tensors
+    dq, dk, dv = torch.ops.recforge.gdpa_backward(grad_out, q, k, v, q_offsets, kv_offsets, *ctx.attrs)
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd("recforge::gdpa", _gdpa_backward, setup_context=_gdpa_setup_context)
+
+
+def gdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    *,
+    activation: str = "gelu",
+    scale: float | None = None,
+    broadcast_q: bool = False,
+) -> torch.Tensor:
+    """Generalized dot-product attention: out_i = sum_j act(scale q_i . k_j) v_j over the keys of
+    query i's sequence (non-causal, no normalisation).
+
+    q [total_q, H, D] with q_offsets [B + 1], or with broadcast_q learned seeds [n_q, H, D]
+    shared by all samples (q_offsets ignored); k, v [total_kv, H, D] with kv_offsets [B + 1];
+    activation 'gelu' (erf), 'silu', 'relu' or 'none' -> out [total_q, H, D] ([B * n_q, H, D]
+    with broadcast_q). The Triton path syncs the host once per forward and once per backward:
+    the longest sequence sizes the launch. Differentiable in q, k and v.
+    """
+    _attn.check_gdpa(q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _gdpa_op(q, k, v, None if broadcast_q else q_offsets, kv_offsets, activation, scale, broadcast_q)
+
+
+# target_attention ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("recforge::target_attention", mutates_args=())
+def _target_attention_op(
+    q_cand: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    cand_to_request: torch.Tensor,
+    activation: str,
+    scale: float,
+    need_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    num_cand, seeds, num_heads, _ = q_cand.shape
+    lse_shape = (num_heads, num_cand * seeds) if need_lse and activation == "softmax" else None
+    impl = _resolve_attention("target_attention", q_cand)
+    args = (q_cand, k, v, kv_offsets, cand_to_request)
+    kwargs = dict(activation=activation, scale=scale)
+    return _forward_with_lse(impl, _attn.target_attention_forward, args, kwargs, lse_shape, q_cand)
+
+
+@_target_attention_op.register_fake
+def _(q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse):
+    num_cand, seeds, num_heads, _ = q_cand.shape
+    lse_shape = (num_heads, num_cand * seeds) if need_lse and activation == "softmax" else (0,)
+    return q_cand.new_empty(q_cand.shape), q_cand.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("recforge::target_attention_backward", mutates_args=())
+def _target_attention_backward_op(
+    grad_out: torch.Tensor,
+    q_cand: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    cand_to_request: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    activation: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if triton_usable(q_cand.device):
+        return _attn.target_attention_backward(
+            grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation=activation, scale=scale
+        )
+    dq, dk, dv = _reference_grads(
+        lambda q, k, v: target_attention_reference(
+            q, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale
+        ),
+        grad_out,
+        q_cand,
+        k,
+        v,
+    )
+    return dq, dk, dv
+
+
+@_target_attention_backward_op.register_fake
+def _(grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation, scale):
+    return q_cand.new_empty(q_cand.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _target_attention_setup_context(ctx, inputs, output):
+    q_cand, k, v, kv_offsets, cand_to_request, activation, scale, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q_cand, k, v, kv_offsets, cand_to_request, out, lse)
+    ctx.attrs = (activation, scale)
+
+
+def _target_attention_backward(ctx, grad_out, _grad_lse):
+    q_cand, k, v, kv_offsets, cand_to_request, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.recforge.target_attention_backward(
+        grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, *ctx.attrs
+    )
+    return dq, dk, dv, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "recforge::target_attention", _target_attention_backward, setup_context=_target_attention_setup_context
+)
+
+
+def target_attention(
+    q_cand: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    cand_to_request: torch.Tensor,
+    *,
+    activation: str = "softmax",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Request-broadcast target attention: every seed of candidate c attends to the history of
+    request cand_to_request[c], which is never copied per candidate.
+
+    q_cand [C, S, H, D]; k, v [total_kv, H, D] with kv_offsets [R + 1] (request r's history is
+    rows kv_offsets[r]:kv_offsets[r + 1]); cand_to_request [C] in [0, R), in any order;
+    activation 'softmax' or 'silu' (unnormalised) -> out [C, S, H, D]; an empty history gives
+    zeros. The Triton path syncs the host once per forward and once per backward (grouping the
+    candidates by request and sizing the launch). Differentiable in q_cand, k and v.
+    """
+    _attn.check_target_attention(q_cand, k, v, kv_offsets, cand_to_request, activation=activation)
+    scale = q_cand.shape[-1] ** -0.5 if scale is None else float(scale)
+    need_lse = _needs_lse(activation, q_cand, k, v)
+    out, _ = _target_attention_op(q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse)
+    return out

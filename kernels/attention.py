@@ -1,0 +1,1606 @@
+"""The attention family (jagged self-attention, GDPA, target attention): the library's hand-written
+default kernels, forward and backward.
+
+One forward kernel and one backward (a dK/dV kernel and a dQ kernel, plus a small kernel for the
+softmax row terms) serve all three ops; constexpr flags select the mask, the bias and the
+activation. Per sequence b and head h, with i and j positions within the sequence:
+
+    s_ij = scale * q_i . k_j (+ rel_bias[h, bucket(|i - j|)])
+    softmax:  p_ij = exp(s_ij - lse_i) on allowed pairs,  lse_i = log sum_{allowed j} exp(s_ij)
+    other:    p_ij = act(s_ij) * act_scale on allowed pairs   (act_scale = 1 / max_seq_len for
+              jagged silu, else 1; act in silu | gelu (erf) | relu | none)
+    out_i = sum_j p_ij v_j
+
+    dv_j = sum_i p_ij dO_i,   dp_ij = dO_i . v_j
+    ds_ij = p_ij (dp_ij - delta_i), delta_i = dO_i . out_i         (softmax)
+    ds_ij = dp_ij act'(s_ij) act_scale                              (other)
+    dq_i = scale sum_j ds_ij k_j,  dk_j = scale sum_i ds_ij q_i,
+    d rel_bias[h, e] = sum_{(i, j) allowed, bucket(|i - j|) = e} ds_ij
+
+Which pairs are allowed (search_space/attention.py is the definition):
+- jagged_attention (SELF_ATTN): allowed(i, j) = j == i or (j < n_hist and (not causal or j <= i or
+  i >= n_hist)), n_hist = n - num_targets[b] (HAS_TARGETS), else n_hist = n.
+- gdpa and target_attention: every query of sequence b against every key of sequence b. For
+  gdpa with BROADCAST_Q every sequence reads the same query rows (learned seeds); target
+  attention first groups the seeds of all candidates of a request into one query range, so it
+  is the same cross-attention (softmax or silu, no mask) and no key is ever copied.
+
+Algorithm (FlashAttention-2 structure, on jagged offsets):
+- Forward: a program owns BLOCK_M query rows of one (sequence, head) and streams BLOCK_N-key
+  tiles through registers: s = q k^T, then online softmax in base 2 (log2(e) folded into the
+  score scale; running max m and sum l, rescaled by exp2(m_old - m_new)) or the pointwise
+  activation, and acc += p v, all accumulated in fp32. Softmax stores lse (base 2) per row.
+- Key tiles come in up to three ranges: tiles every row of the block may see, with no mask at
+  all (the bulk of the work); boundary tiles (the causal diagonal, a sequence's last partial
+  tile), masked; and with targets the block's own diagonal among the target keys, masked.
+  Tiles with no allowed pair are never visited: causally nothing past the diagonal, and target
+  keys only on the diagonal.
+- Backward: delta_i = dO_i . out_i first (softmax); the dK/dV kernel keeps a BLOCK_N key tile
+  resident and streams the query tiles that can see it, recomputing p from lse; the dQ kernel
+  keeps a query tile and streams key tiles over the same ranges as the forward. No atomics:
+  each dK/dV program writes its own d rel_bias partial sums and one torch reduction adds them,
+  so the backward is deterministic.
+- d rel_bias per tile: bucket(|i - j|) depends only on the diagonal i - j, so each ds tile is
+  first skewed (tl.gather: row c rotated by c) so that diagonals become columns, summed into at
+  most BLOCK_M + BLOCK_N - 1 diagonal sums, and only those are binned into the buckets.
+- Grid: (query blocks of the longest sequence x sequences, heads), query blocks in reverse so
+  that the heaviest (last, for causal) block of a sequence starts first; programs past a
+  sequence's end return at once. The dK/dV kernel keeps key blocks in natural order (under a
+  causal mask the first key blocks see the most queries).
+
+Relative buckets are integer-exact: floor(log2 d) is the float32 exponent of d and the upper
+half-octave bit is the next mantissa bit (exact for d < 2^24), never a float log2.
+
+Layouts: q, k, v, out are [tokens, heads, dim] with unit stride along dim; lse and delta are
+fp32 [heads, tokens]. Head dims are powers of two from 16 to 256. fp32 inputs use exact
+(`ieee`) dot products; bf16 and fp16 go through the tensor cores with p cast to the input dtype
+for the p @ v product. Shape suffixes: M query rows, N key rows, D head dim, B buckets.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ACTIVATIONS = {
+    "jagged_attention": ("softmax", "silu"),
+    "gdpa": ("gelu", "silu", "relu", "none"),
+    "target_attention": ("softmax", "silu"),
+}
+
+
+# --- device helpers ---------------------------------------------------------------------------
+
+# Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
+# (triton-lang/triton#11584). Interpreted, they go through fp32 instead: exact, so the products
+# are the ones a GPU forms. Read like triton.jit reads it, when this module is imported.
+_BF16_DOT_VIA_FP32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    if _BF16_DOT_VIA_FP32 and a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _relative_bucket(dist, NUM_BUCKETS: tl.constexpr, LOG2_EXACT: tl.constexpr):
+    # search_space.attention.relative_bucket: d below E = NUM_BUCKETS / 2, else two buckets per
+    # octave. d < 2^24 is exact in float32, so its exponent is floor(log2 d) and the mantissa's
+    # top bit says d >= 1.5 * 2^floor(log2 d).
+    bits = dist.to(tl.float32).to(tl.int32, bitcast=True)
+    octave = (bits >> 23) - 127
+    upper = (bits >> 22) & 1
+    far = NUM_BUCKETS // 2 + 2 * (octave - LOG2_EXACT) + upper
+    return tl.where(dist < NUM_BUCKETS // 2, dist, tl.minimum(far, NUM_BUCKETS - 1))
+
+
+@triton.jit
+def _rel_bias(bias_head_ptr, pos_q, pos_k, NUM_BUCKETS: tl.constexpr, LOG2_EXACT: tl.constexpr):
+    # A gather from one head's NUM_BUCKETS-entry row: it stays in L1 for the whole program.
+    bucket = _relative_bucket(tl.abs(pos_q - pos_k), NUM_BUCKETS, LOG2_EXACT)
+    return tl.load(bias_head_ptr + bucket)
+
+
+@triton.jit
+def _activation(s, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "silu":
+        return s * tl.sigmoid(s)
+    elif ACTIVATION == "gelu":
+        return 0.5 * s * (1.0 + tl.erf(s * 0.7071067811865476))
+    elif ACTIVATION == "relu":
+        return tl.maximum(s, 0.0)
+    else:
+        return s
+
+
+@triton.jit
+def _activation_grad(s, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "silu":
+        sig = tl.sigmoid(s)
+        return sig * (1.0 + s * (1.0 - sig))
+    elif ACTIVATION == "gelu":
+        # d/ds [s Phi(s)] = Phi(s) + s phi(s)
+        return 0.5 * (1.0 + tl.erf(s * 0.7071067811865476)) + s * 0.3989422804014327 * tl.exp(-0.5 * s * s)
+    elif ACTIVATION == "relu":
+        return tl.where(s > 0.0, 1.0, 0.0)
+    else:
+        return tl.full(s.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _allowed(
+    pos_q,
+    pos_k,
+    n_q,
+    n_k,
+    n_hist,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+):
+    # Broadcast-agnostic: pos_q [M, 1] with pos_k [1, N] or pos_q [1, M] with pos_k [N, 1].
+    ok = (pos_q < n_q) & (pos_k < n_k)
+    if SELF_ATTN:
+        if CAUSAL:
+            history = (pos_k < n_hist) & ((pos_k <= pos_q) | (pos_q >= n_hist))
+            ok = ok & (history | (pos_q == pos_k))
+        elif HAS_TARGETS:
+            ok = ok & ((pos_k < n_hist) | (pos_q == pos_k))
+    return ok
+
+
+@triton.jit
+def _sequence(
+    q_offsets_ptr,
+    kv_offsets_ptr,
+    num_targets_ptr,
+    seq,
+    SELF_ATTN: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    BROADCAST_Q: tl.constexpr,
+):
+    """Rows of sequence `seq`: out/dO/lse rows start at out_start, q rows at q_start (row 0 of
+    the shared seeds with BROADCAST_Q), k/v rows at kv_start; lengths n_q, n_k; n_hist keys
+    before the targets."""
+    out_start = tl.load(q_offsets_ptr + seq).to(tl.int64)
+    n_q = (tl.load(q_offsets_ptr + seq + 1).to(tl.int64) - out_start).to(tl.int32)
+    q_start = tl.full([], 0, tl.int64) if BROADCAST_Q else out_start
+    if SELF_ATTN:
+        kv_start = out_start
+        n_k = n_q
+    else:
+        kv_start = tl.load(kv_offsets_ptr + seq).to(tl.int64)
+        n_k = (tl.load(kv_offsets_ptr + seq + 1).to(tl.int64) - kv_start).to(tl.int32)
+    n_hist = n_k
+    if HAS_TARGETS:
+        num_targets = tl.load(num_targets_ptr + seq).to(tl.int32)
+        n_hist = n_k - tl.minimum(tl.maximum(num_targets, 0), n_k)
+    return out_start, q_start, kv_start, n_q, n_k, n_hist
+
+
+@triton.jit
+def _key_ranges(
+    m0,
+    n_k,
+    n_hist,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Key tiles of the query block [m0, m0 + BLOCK_M): [0, full_end) every row sees whole (no
+    mask); [full_end, masked_end) boundary tiles; [diag_lo, diag_hi) the block's own diagonal
+    among target keys (empty without targets). The ranges never overlap."""
+    all_see = n_hist  # keys j with allowed(i, j) for every row i of the block
+    some_see = n_hist  # history keys some row of the block may see
+    if SELF_ATTN and CAUSAL:
+        all_see = tl.minimum(m0, n_hist)
+        some_see = tl.minimum(n_hist, m0 + BLOCK_M)
+    full_end = all_see // BLOCK_N * BLOCK_N
+    masked_end = full_end + tl.cdiv(some_see - full_end, BLOCK_N) * BLOCK_N
+    diag_lo = masked_end
+    diag_hi = masked_end
+    if HAS_TARGETS:
+        diag_lo = tl.maximum(masked_end, m0)
+        diag_hi = tl.minimum(m0 + BLOCK_M, n_k)
+    return full_end, masked_end, diag_lo, diag_hi
+
+
+@triton.jit
+def _query_ranges(
+    n0,
+    n_q,
+    n_k,
+    n_hist,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Query tiles that see some key of the block [n0, n0 + BLOCK_N): [lo, mid) masked, then
+    [mid, hi) with no pair mask (every real pair allowed; padded rows have zero gradients)."""
+    lo = tl.full([], 0, tl.int32)
+    mid = tl.full([], 0, tl.int32)
+    hi = n_q
+    if SELF_ATTN:
+        if CAUSAL:
+            lo = n0
+            # From row n0 + BLOCK_N - 1 on, every row sees the whole key block.
+            mid = n0 + tl.cdiv(tl.minimum(BLOCK_N, n_q - n0), BLOCK_M) * BLOCK_M
+        if HAS_TARGETS:
+            # A target key is seen by its own row only: a block holding one has no unmasked rows,
+            # and a block of target keys alone needs just its diagonal rows.
+            block_end = tl.minimum(n0 + BLOCK_N, n_k)
+            only_targets = n0 >= n_hist
+            lo = tl.where(only_targets, n0, lo)
+            hi = tl.where(only_targets, block_end, hi)
+            mid = tl.where(block_end > n_hist, hi, mid)
+    return lo, mid, hi
+
+
+@triton.jit
+def _bucket_sums(
+    ds_NM,
+    diag0,
+    NUM_BUCKETS: tl.constexpr,
+    LOG2_EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """sum of ds_NM (key c, query r; i - j = diag0 + r - c) per relative-position bucket."""
+    c_N = tl.arange(0, BLOCK_N)
+    t_M = tl.arange(0, BLOCK_M)
+    # skew[c, t] = ds[c, (c + t) mod BLOCK_M] lies on diagonal r - c = t - wrap * BLOCK_M: after the
+    # rotation a diagonal is (a wrap-split) column, so BLOCK_N x BLOCK_M values reduce to at most
+    # BLOCK_M + BLOCK_N - 1 diagonal sums before anything is binned.
+    rolled_NM = c_N[:, None] + t_M[None, :]
+    skew_NM = tl.gather(ds_NM, rolled_NM % BLOCK_M, axis=1)
+    wrap_NM = rolled_NM // BLOCK_M
+    buckets_B = tl.arange(0, NUM_BUCKETS)
+    sums_B = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
+    for wrap in tl.static_range(0, (BLOCK_N + BLOCK_M - 2) // BLOCK_M + 1):
+        diag_M = tl.sum(tl.where(wrap_NM == wrap, skew_NM, 0.0), axis=0)
+        bucket_M = _relative_bucket(tl.abs(diag0 + t_M - wrap * BLOCK_M), NUM_BUCKETS, LOG2_EXACT)
+        sums_B += tl.sum(tl.where(bucket_M[:, None] == buckets_B[None, :], diag_M[:, None], 0.0), axis=0)
+    return sums_B
+
+
+# --- forward ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc_MD,
+    m_M,
+    l_M,
+    q_MD,
+    k_seq_ptr,
+    v_seq_ptr,
+    bias_head_ptr,
+    stride_k_row,
+    stride_v_row,
+    offs_m,
+    lo,
+    hi,
+    n_q,
+    n_k,
+    n_hist,
+    qk_scale,
+    bias_scale,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+    MASKED: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
+    LOG2_EXACT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASKED:
+            in_N = offs_n < n_k
+            k_ND = tl.load(
+                k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :], mask=in_N[:, None], other=0.0
+            )
+            v_ND = tl.load(
+                v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :], mask=in_N[:, None], other=0.0
+            )
+        else:
+            k_ND = tl.load(k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :])
+            v_ND = tl.load(v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :])
+        s_MN = _dot(q_MD, tl.trans(k_ND), None, DOT_PRECISION) * qk_scale
+        if HAS_BIAS:
+            bias_MN = _rel_bias(bias_head_ptr, offs_m[:, None], offs_n[None, :], NUM_BUCKETS, LOG2_EXACT)
+            s_MN += bias_MN * bias_scale
+        if MASKED:
+            allowed_MN = _allowed(
+                offs_m[:, None], offs_n[None, :], n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN
+            )
+        if ACTIVATION == "softmax":
+            if MASKED:
+                s_MN = tl.where(allowed_MN, s_MN, float("-inf"))
+            m_new_M = tl.maximum(m_M, tl.max(s_MN, axis=1))
+            m_use_M = m_new_M
+            if MASKED:
+                # A row with nothing allowed yet keeps m = -inf; exponentiate against 0 instead
+                # so that it adds exact zeros rather than NaN.
+                m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+            p_MN = tl.exp2(s_MN - m_use_M[:, None])
+            alpha_M = tl.exp2(m_M - m_use_M)
+            l_M = l_M * alpha_M + tl.sum(p_MN, axis=1)
+            acc_MD = acc_MD * alpha_M[:, None]
+            m_M = m_new_M
+        else:
+            p_MN = _activation(s_MN, ACTIVATION)
+            if MASKED:
+                p_MN = tl.where(allowed_MN, p_MN, 0.0)
+        acc_MD = _dot(p_MN.to(v_ND.dtype), v_ND, acc_MD, DOT_PRECISION)
+    return acc_MD, m_M, l_M
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    q_offsets_ptr,
+    kv_offsets_ptr,
+    num_targets_ptr,
+    rel_bias_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_out_row,
+    stride_out_head,
+    stride_lse_head,
+    stride_bias_head,
+    num_q_blocks,
+    qk_scale,
+    bias_scale,
+    act_scale,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+    BROADCAST_Q: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
+    LOG2_EXACT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seq = pid // num_q_blocks
+    block = num_q_blocks - 1 - pid % num_q_blocks  # heaviest (causally: last) block first
+    head = tl.program_id(1).to(tl.int64)
+    out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
+        q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
+    )
+    m0 = block * BLOCK_M
+    if m0 >= n_q:
+        return
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_M = offs_m < n_q
+    q_seq_ptr = q_ptr + q_start * stride_q_row + head * stride_q_head
+    q_MD = tl.load(
+        q_seq_ptr + offs_m[:, None] * stride_q_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    )
+    k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
+    v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
+    bias_head_ptr = rel_bias_ptr + head * stride_bias_head
+
+    acc_MD = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    full_end, masked_end, diag_lo, diag_hi = _key_ranges(
+        m0, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N
+    )
+    # The three ranges are the same loop, specialised: the unmasked one carries no mask at all.
+    acc_MD, m_M, l_M = _fwd_inner(
+        acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
+        offs_m, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+        ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    acc_MD, m_M, l_M = _fwd_inner(
+        acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
+        offs_m, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+        ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    if HAS_TARGETS:
+        acc_MD, m_M, l_M = _fwd_inner(
+            acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
+            offs_m, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
+            ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+
+    if ACTIVATION == "softmax":
+        # l = 0 only for a query with no keys at all (an empty history): its output is 0.
+        acc_MD = acc_MD / tl.where(l_M > 0.0, l_M, 1.0)[:, None]
+        if STORE_LSE:
+            lse_M = m_M + tl.log2(tl.where(l_M > 0.0, l_M, 1.0))
+            tl.store(lse_ptr + head * stride_lse_head + out_start + offs_m, lse_M, mask=in_M)
+    else:
+        acc_MD = acc_MD * act_scale
+    out_seq_ptr = out_ptr + out_start * stride_out_row + head * stride_out_head
+    tl.store(
+        out_seq_ptr + offs_m[:, None] * stride_out_row + offs_d[None, :],
+        acc_MD.to(out_ptr.dtype.element_ty),
+        mask=in_M[:, None],
+    )
+
+
+# --- backward ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(
+    out_ptr,
+    do_ptr,
+    delta_ptr,
+    stride_out_row,
+    stride_out_head,
+    stride_do_row,
+    stride_do_head,
+    stride_delta_head,
+    num_rows,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    # delta_i = dO_i . out_i = sum_j p_ij dp_ij: the softmax backward's row term, once per row
+    # instead of once per key tile.
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+    head = tl.program_id(1).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_M = row0 + offs_m < num_rows
+    o_block_ptr = out_ptr + row0 * stride_out_row + head * stride_out_head
+    do_block_ptr = do_ptr + row0 * stride_do_row + head * stride_do_head
+    o_MD = tl.load(
+        o_block_ptr + offs_m[:, None] * stride_out_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    )
+    do_MD = tl.load(
+        do_block_ptr + offs_m[:, None] * stride_do_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    )
+    delta_M = tl.sum(o_MD.to(tl.float32) * do_MD.to(tl.float32), axis=1)
+    tl.store(delta_ptr + head * stride_delta_head + row0 + offs_m, delta_M, mask=in_M)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk_ND,
+    dv_ND,
+    dbias_B,
+    k_ND,
+    v_ND,
+    q_seq_ptr,
+    do_seq_ptr,
+    lse_seq_ptr,
+    delta_seq_ptr,
+    bias_head_ptr,
+    stride_q_row,
+    stride_do_row,
+    n0,
+    lo,
+    hi,
+    n_q,
+    n_k,
+    n_hist,
+    qk_scale,
+    bias_scale,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+    MASKED: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
+    LOG2_EXACT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Tiles are [keys, queries] (the transpose of the forward's) so that dk and dv accumulate
+    # as (BLOCK_N x BLOCK_M) @ (BLOCK_M x HEAD_DIM) products without transposing p or ds.
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_N = offs_n < n_k
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        in_M = offs_m < n_q
+        # Rows past the sequence load as zeros (dO = 0, delta = 0, lse = +inf), which makes
+        # both their p and their ds exactly 0: no pair mask needed for them.
+        q_MD = tl.load(
+            q_seq_ptr + offs_m[:, None] * stride_q_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+        )
+        do_MD = tl.load(
+            do_seq_ptr + offs_m[:, None] * stride_do_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+        )
+        s_NM = _dot(k_ND, tl.trans(q_MD), None, DOT_PRECISION) * qk_scale
+        if HAS_BIAS:
+            bias_NM = _rel_bias(bias_head_ptr, offs_m[None, :], offs_n[:, None], NUM_BUCKETS, LOG2_EXACT)
+            s_NM += bias_NM * bias_scale
+        dp_NM = _dot(v_ND, tl.trans(do_MD), None, DOT_PRECISION)
+        if ACTIVATION == "softmax":
+            lse_M = tl.load(lse_seq_ptr + offs_m, mask=in_M, other=float("inf"))
+            delta_M = tl.load(delta_seq_ptr + offs_m, mask=in_M, other=0.0)
+            p_NM = tl.exp2(s_NM - lse_M[None, :])
+            ds_NM = p_NM * (dp_NM - delta_M[None, :])
+        else:
+            p_NM = _activation(s_NM, ACTIVATION)
+            ds_NM = dp_NM * _activation_grad(s_NM, ACTIVATION)
+        if MASKED:
+            allowed_NM = _allowed(
+                offs_m[None, :], offs_n[:, None], n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN
+            )
+            # where, not a product: p of a masked pair may overflow to inf.
+            p_NM = tl.where(allowed_NM, p_NM, 0.0)
+            ds_NM = tl.where(allowed_NM, ds_NM, 0.0)
+        elif HAS_BIAS:
+            # Padded keys of the sequence's last block: their dk/dv rows are never stored, but
+            # their ds would land in the bias sums.
+            ds_NM = tl.where(in_N[:, None], ds_NM, 0.0)
+        dv_ND = _dot(p_NM.to(do_MD.dtype), do_MD, dv_ND, DOT_PRECISION)
+        dk_ND = _dot(ds_NM.to(q_MD.dtype), q_MD, dk_ND, DOT_PRECISION)
+        if HAS_BIAS:
+            dbias_B += _bucket_sums(ds_NM, start_m - n0, NUM_BUCKETS, LOG2_EXACT, BLOCK_M, BLOCK_N)
+    return dk_ND, dv_ND, dbias_B
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    dbias_ptr,
+    q_offsets_ptr,
+    kv_offsets_ptr,
+    num_targets_ptr,
+    rel_bias_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_do_row,
+    stride_do_head,
+    stride_dk_row,
+    stride_dk_head,
+    stride_dv_row,
+    stride_dv_head,
+    stride_lse_head,
+    stride_bias_head,
+    stride_dbias_head,
+    num_k_blocks,
+    qk_scale,
+    bias_scale,
+    scale,
+    act_scale,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+    BROADCAST_Q: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
+    LOG2_EXACT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    seq = pid // num_k_blocks
+    n0 = (pid % num_k_blocks) * BLOCK_N
+    head = tl.program_id(1).to(tl.int64)
+    out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
+        q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
+    )
+    if n0 >= n_k:
+        return
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_N = offs_n < n_k
+    k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
+    v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
+    k_ND = tl.load(
+        k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :], mask=in_N[:, None], other=0.0
+    )
+    v_ND = tl.load(
+        v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :], mask=in_N[:, None], other=0.0
+    )
+    q_seq_ptr = q_ptr + q_start * stride_q_row + head * stride_q_head
+    do_seq_ptr = do_ptr + out_start * stride_do_row + head * stride_do_head
+    lse_seq_ptr = lse_ptr + head * stride_lse_head + out_start
+    delta_seq_ptr = delta_ptr + head * stride_lse_head + out_start
+    bias_head_ptr = rel_bias_ptr + head * stride_bias_head
+
+    dk_ND = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv_ND = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dbias_B = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
+    lo, mid, hi = _query_ranges(n0, n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N)
+    dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
+        dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_seq_ptr, do_seq_ptr, lse_seq_ptr, delta_seq_ptr,
+        bias_head_ptr, stride_q_row, stride_do_row, n0, lo, mid, n_q, n_k, n_hist,
+        qk_scale, bias_scale, ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
+        dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_seq_ptr, do_seq_ptr, lse_seq_ptr, delta_seq_ptr,
+        bias_head_ptr, stride_q_row, stride_do_row, n0, mid, hi, n_q, n_k, n_hist,
+        qk_scale, bias_scale, ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+
+    dk_seq_ptr = dk_ptr + kv_start * stride_dk_row + head * stride_dk_head
+    dv_seq_ptr = dv_ptr + kv_start * stride_dv_row + head * stride_dv_head
+    tl.store(
+        dk_seq_ptr + offs_n[:, None] * stride_dk_row + offs_d[None, :],
+        (dk_ND * (scale * act_scale)).to(dk_ptr.dtype.element_ty),
+        mask=in_N[:, None],
+    )
+    tl.store(
+        dv_seq_ptr + offs_n[:, None] * stride_dv_row + offs_d[None, :],
+        (dv_ND * act_scale).to(dv_ptr.dtype.element_ty),
+        mask=in_N[:, None],
+    )
+    if HAS_BIAS:
+        # One row of partial sums per program, added up by the launcher: deterministic, and no
+        # contention on the few hundred bias entries.
+        buckets_B = tl.arange(0, NUM_BUCKETS)
+        tl.store(dbias_ptr + head * stride_dbias_head + pid * NUM_BUCKETS + buckets_B, dbias_B * act_scale)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq_MD,
+    q_MD,
+    do_MD,
+    lse_M,
+    delta_M,
+    k_seq_ptr,
+    v_seq_ptr,
+    bias_head_ptr,
+    stride_k_row,
+    stride_v_row,
+    offs_m,
+    lo,
+    hi,
+    n_q,
+    n_k,
+    n_hist,
+    qk_scale,
+    bias_scale,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+    MASKED: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
+    LOG2_EXACT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASKED:
+            in_N = offs_n < n_k
+            k_ND = tl.load(
+                k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :], mask=in_N[:, None], other=0.0
+            )
+            v_ND = tl.load(
+                v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :], mask=in_N[:, None], other=0.0
+            )
+        else:
+            k_ND = tl.load(k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :])
+            v_ND = tl.load(v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :])
+        s_MN = _dot(q_MD, tl.trans(k_ND), None, DOT_PRECISION) * qk_scale
+        if HAS_BIAS:
+            bias_MN = _rel_bias(bias_head_ptr, offs_m[:, None], offs_n[None, :], NUM_BUCKETS, LOG2_EXACT)
+            s_MN += bias_MN * bias_scale
+        dp_MN = _dot(do_MD, tl.trans(v_ND), None, DOT_PRECISION)
+        if ACTIVATION == "softmax":
+            ds_MN = tl.exp2(s_MN - lse_M[:, None]) * (dp_MN - delta_M[:, None])
+        else:
+            ds_MN = dp_MN * _activation_grad(s_MN, ACTIVATION)
+        if MASKED:
+            allowed_MN = _allowed(
+                offs_m[:, None], offs_n[None, :], n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN
+            )
+            ds_MN = tl.where(allowed_MN, ds_MN, 0.0)
+        dq_MD = _dot(ds_MN.to(k_ND.dtype), k_ND, dq_MD, DOT_PRECISION)
+    return dq_MD
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    q_offsets_ptr,
+    kv_offsets_ptr,
+    num_targets_ptr,
+    rel_bias_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_k_row,
+    stride_k_head,
+    stride_v_row,
+    stride_v_head,
+    stride_do_row,
+    stride_do_head,
+    stride_dq_row,
+    stride_dq_head,
+    stride_lse_head,
+    stride_bias_head,
+    num_q_blocks,
+    qk_scale,
+    bias_scale,
+    scale,
+    act_scale,
+    ACTIVATION: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SELF_ATTN: tl.constexpr,
+    BROADCAST_Q: tl.constexpr,
+    NUM_BUCKETS: tl.constexpr,
+    LOG2_EXACT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # dq goes to the out rows: with BROADCAST_Q that is one partial dq per sequence, summed by
+    # the launcher.
+    pid = tl.program_id(0)
+    seq = pid // num_q_blocks
+    block = num_q_blocks - 1 - pid % num_q_blocks
+    head = tl.program_id(1).to(tl.int64)
+    out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
+        q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
+    )
+    m0 = block * BLOCK_M
+    if m0 >= n_q:
+        return
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_M = offs_m < n_q
+    q_seq_ptr = q_ptr + q_start * stride_q_row + head * stride_q_head
+    do_seq_ptr = do_ptr + out_start * stride_do_row + head * stride_do_head
+    q_MD = tl.load(
+        q_seq_ptr + offs_m[:, None] * stride_q_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    )
+    do_MD = tl.load(
+        do_seq_ptr + offs_m[:, None] * stride_do_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    )
+    lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ACTIVATION == "softmax":
+        lse_M = tl.load(lse_ptr + head * stride_lse_head + out_start + offs_m, mask=in_M, other=float("inf"))
+        delta_M = tl.load(delta_ptr + head * stride_lse_head + out_start + offs_m, mask=in_M, other=0.0)
+    k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
+    v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
+    bias_head_ptr = rel_bias_ptr + head * stride_bias_head
+
+    dq_MD = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    full_end, masked_end, diag_lo, diag_hi = _key_ranges(
+        m0, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N
+    )
+    dq_MD = _bwd_dq_inner(
+        dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
+        stride_v_row, offs_m, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+        ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    dq_MD = _bwd_dq_inner(
+        dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
+        stride_v_row, offs_m, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+        ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    if HAS_TARGETS:
+        dq_MD = _bwd_dq_inner(
+            dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
+            stride_v_row, offs_m, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
+            ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+    dq_seq_ptr = dq_ptr + out_start * stride_dq_row + head * stride_dq_head
+    tl.store(
+        dq_seq_ptr + offs_m[:, None] * stride_dq_row + offs_d[None, :],
+        (dq_MD * (scale * act_scale)).to(dq_ptr.dtype.element_ty),
+        mask=in_M[:, None],
+    )
+
+
+# --- launch configuration ---------------------------------------------------------------------
+
+
+def _forward_config(head_dim: int, dtype: torch.dtype, device: torch.device, has_bias: bool = False) -> dict:
+    """Launch parameters of the forward kernel.
+
+    GPU values: FlashAttention-2 style tiles, picked from sm_90 builds (triton 3.9, cuobjdump
+    resource usage) so that the heaviest variant of each row (softmax, causal, targets, bias)
+    spills no registers or a few dozen bytes; starting points for the search, not yet timed on
+    an H200. The relative bias costs registers (a bucket and a gathered load per score), hence
+    smaller tiles with it at D = 128. In the interpreter: 16 x 16 tiles, so that short test
+    sequences span several blocks and every boundary case runs.
+    """
+    if device.type != "cuda":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    if dtype == torch.float32:  # exact fp32 products run on the FMA units, operands in registers
+        tile = 32 if head_dim <= 64 else 16
+        return {"BLOCK_M": tile, "BLOCK_N": tile, "num_warps": 4, "num_stages": 1}
+    if head_dim <= 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2 if has_bias else 3}
+    if head_dim <= 128:
+        if has_bias:
+            return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+
+
+def _backward_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device, has_bias: bool = False
+) -> dict[str, dict]:
+    """Launch parameters of the dK/dV kernel (BLOCK_N resident keys, BLOCK_M streamed queries)
+    and of the dQ kernel (BLOCK_M resident queries, BLOCK_N streamed keys), chosen like the
+    forward's. The resident side is the larger: its fp32 accumulators stay in registers while
+    the streamed tiles pass by."""
+    if device.type != "cuda":
+        tile = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+        return {"dkdv": tile, "dq": tile}
+    if dtype == torch.float32:
+        size = 32 if head_dim <= 64 else 16
+        tile = {"BLOCK_M": size, "BLOCK_N": size, "num_warps": 4, "num_stages": 1}
+        return {"dkdv": tile, "dq": tile}
+    if head_dim <= 64:
+        return {
+            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64 if has_bias else 128, "num_warps": 8, "num_stages": 2},
+            "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        }
+    if head_dim <= 128 and not has_bias:
+        return {
+            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+            "dq": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        }
+    return {
+        "dkdv": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+        "dq": {"BLOCK_M": 32, "BLOCK_N": 32 if head_dim <= 128 else 16, "num_warps": 4, "num_stages": 2},
+    }
+
+
+def _with_overrides(config: dict, block_m: int | None, block_n: int | None, num_warps, num_stages) -> dict:
+    config = dict(config)
+    for key, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n)):
+        if value is not None:
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{key.lower()} must be a power of two >= 16 (tl.dot tiles), got {value}")
+            config[key] = value
+    if num_warps is not None:
+        config["num_warps"] = num_warps
+    if num_stages is not None:
+        config["num_stages"] = num_stages
+    return config
+
+
+# --- input validation -------------------------------------------------------------------------
+
+
+def _check_offsets(name: str, offsets: torch.Tensor) -> None:
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must be [B + 1] with B >= 0, got shape {tuple(offsets.shape)}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {offsets.dtype}")
+
+
+def _check_activation(op: str, activation: str) -> None:
+    if activation not in ACTIVATIONS[op]:
+        raise ValueError(f"{op} supports activations {', '.join(ACTIVATIONS[op])}; got {activation!r}")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
+    """q [..., H, D] and k, v [tokens, H, D]: same dtype, device, heads and head dim."""
+    if k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"k and v must be [tokens, H, D], got shapes {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-2:] != k.shape[-2:]:
+        raise ValueError(
+            f"{q_name} and k must have the same heads and head dim, got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{q_name}, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"attention supports float32, bfloat16 and float16 inputs, got {q.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{q_name}, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    head_dim = q.shape[-1]
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head dim must be a power of two from 16 to 256, got {head_dim}")
+
+
+def check_jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    activation: str,
+    num_targets: torch.Tensor | None,
+    rel_bias: torch.Tensor | None,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_tokens, H, D], got shape {tuple(q.shape)}")
+    _check_qkv(q, k, v)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"self-attention needs as many k/v tokens as q tokens, got {k.shape[0]}, {q.shape[0]}"
+        )
+    _check_offsets("offsets", offsets)
+    _check_activation("jagged_attention", activation)
+    if max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+    num_seqs = offsets.numel() - 1
+    if num_targets is not None and (num_targets.shape != (num_seqs,) or num_targets.is_floating_point()):
+        raise ValueError(
+            f"num_targets must be an integer [B] = [{num_seqs}] tensor, got {tuple(num_targets.shape)} "
+            f"{num_targets.dtype}"
+        )
+    if rel_bias is not None:
+        if rel_bias.dim() != 2 or rel_bias.shape[0] != q.shape[1]:
+            raise ValueError(
+                f"rel_bias must be [H, num_buckets] = [{q.shape[1]}, ...], got {tuple(rel_bias.shape)}"
+            )
+        num_buckets = rel_bias.shape[1]
+        exact = num_buckets // 2
+        if num_buckets < 2 or exact & (exact - 1) or num_buckets % 2:
+            raise ValueError(f"rel_bias needs num_buckets twice a power of two, got {num_buckets}")
+        if not rel_bias.is_floating_point() or rel_bias.device != q.device:
+            raise ValueError(f"rel_bias must be a floating-point tensor on {q.device}")
+
+
+def check_gdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    *,
+    activation: str,
+    broadcast_q: bool,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [total_q or n_q, H, D], got shape {tuple(q.shape)}")
+    _check_qkv(q, k, v)
+    _check_offsets("kv_offsets", kv_offsets)
+    _check_activation("gdpa", activation)
+    if not broadcast_q:
+        if q_offsets is None:
+            raise ValueError("gdpa needs q_offsets unless broadcast_q")
+        _check_offsets("q_offsets", q_offsets)
+        if q_offsets.numel() != kv_offsets.numel():
+            raise ValueError(f"q_offsets has {q_offsets.numel()} entries, kv_offsets {kv_offsets.numel()}")
+
+
+def check_target_attention(
+    q_cand: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    cand_to_request: torch.Tensor,
+    *,
+    activation: str,
+) -> None:
+    if q_cand.dim() != 4:
+        raise ValueError(f"q_cand must be [C, S, H, D], got shape {tuple(q_cand.shape)}")
+    _check_qkv(q_cand, k, v, q_name="q_cand")
+    _check_offsets("kv_offsets", kv_offsets)
+    _check_activation("target_attention", activation)
+    if cand_to_request.shape != (q_cand.shape[0],) or cand_to_request.is_floating_point():
+        raise ValueError(
+            f"cand_to_request must be an integer [C] = [{q_cand.shape[0]}] tensor, got "
+            f"{tuple(cand_to_request.shape)} {cand_to_request.dtype}"
+        )
+
+
+# --- host-side layout -------------------------------------------------------------------------
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    # The kernels index the head dim with unit stride (grad_out can arrive expanded).
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _dense(x: torch.Tensor | None) -> torch.Tensor | None:
+    # Offsets, targets and the bias table are indexed as flat arrays.
+    return None if x is None else x.contiguous()
+
+
+def _host_values(*values: torch.Tensor) -> list[int]:
+    """One device-to-host copy for all the scalars a launch needs (each .item() would sync)."""
+    return torch.stack([v.reshape(()).to(torch.int64) for v in values]).tolist()
+
+
+def _cross_lengths(
+    q_rows: int, kv_rows: int, q_offsets: torch.Tensor | None, kv_offsets: torch.Tensor, n_q: int | None
+) -> tuple[int, int]:
+    """Longest query and key sequence, which size the grid: the one host sync of gdpa and
+    target_attention. Checks on the way that the offsets cover the rows and never decrease."""
+    kv_lengths = kv_offsets[1:] - kv_offsets[:-1]
+    values = [kv_lengths.max(), kv_lengths.min(), kv_offsets[0], kv_offsets[-1]]
+    if q_offsets is not None:
+        q_lengths = q_offsets[1:] - q_offsets[:-1]
+        values += [q_lengths.max(), q_lengths.min(), q_offsets[0], q_offsets[-1]]
+    host = _host_values(*values)
+    if host[1] < 0 or host[2] != 0 or host[3] != kv_rows:
+        raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
+    if q_offsets is None:
+        return int(n_q or 0), host[0]
+    if host[5] < 0 or host[6] != 0 or host[7] != q_rows:
+        raise ValueError(f"q_offsets must rise from 0 to {q_rows} (the q rows)")
+    return host[4], host[0]
+
+
+class _RequestGroups:
+    """Candidates of one request made contiguous, so that all their seeds form one query range
+    against the request's keys: cand_to_request as is when it never decreases, else one stable
+    argsort and one gather of q_cand (and the inverse scatter of the output)."""
+
+    def __init__(self, cand_to_request: torch.Tensor, kv_offsets: torch.Tensor, seeds: int, kv_rows: int):
+        num_requests = kv_offsets.numel() - 1
+        if num_requests == 0:
+            raise ValueError("cand_to_request must lie in [0, 0): kv_offsets holds no request")
+        requests = cand_to_request.to(torch.int64)
+        counts = torch.bincount(requests.clamp(0, max(num_requests - 1, 0)), minlength=num_requests)
+        kv_lengths = kv_offsets[1:] - kv_offsets[:-1]
+        is_sorted = (requests[1:] >= requests[:-1]).all()
+        host = _host_values(
+            requests.min(), requests.max(), is_sorted, counts.max(), kv_lengths.max(), kv_lengths.min(),
+            kv_offsets[0], kv_offsets[-1],
+        )  # fmt: skip
+        low, high, already_sorted, max_count, self.max_kv_len, min_kv_len, kv_first, kv_last = host
+        if low < 0 or high >= num_requests:
+            raise ValueError(f"cand_to_request must lie in [0, {num_requests}) (the requests of kv_offsets)")
+        if min_kv_len < 0 or kv_first != 0 or kv_last != kv_rows:
+            raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
+        self.max_q_len = max_count * seeds
+        self.q_offsets = torch.zeros(num_requests + 1, dtype=torch.int64, device=kv_offsets.device)
+        torch.cumsum(counts * seeds, 0, out=self.q_offsets[1:])
+        self.order = None if already_sorted else torch.argsort(requests, stable=True)
+
+    def gather(self, per_candidate: torch.Tensor) -> torch.Tensor:
+        return per_candidate if self.order is None else per_candidate.index_select(0, self.order)
+
+    def scatter(self, grouped: torch.Tensor) -> torch.Tensor:
+        if self.order is None:
+            return grouped
+        return torch.empty_like(grouped).index_copy_(0, self.order, grouped)
+
+
+# --- generic launches -------------------------------------------------------------------------
+
+
+def _check_row_offsets(max_q_len: int, max_kv_len: int, q_side: list, kv_side: list) -> None:
+    # Sequence starts are 64-bit; offsets within a sequence are 32-bit (half the address
+    # registers in every tile), which holds while the longest sequence times its row stride
+    # stays below 2^31.
+    for max_len, tensors in ((max_q_len, q_side), (max_kv_len, kv_side)):
+        widest = max(t.stride(0) for t in tensors)
+        if max_len * widest >= 2**31:
+            raise ValueError(f"a sequence of {max_len} rows of stride {widest} exceeds 32-bit offsets")
+
+
+def _bias_args(rel_bias: torch.Tensor | None) -> tuple[int, int]:
+    """(NUM_BUCKETS, LOG2_EXACT); fixed dummies without a bias, so they add no compilations."""
+    if rel_bias is None:
+        return 2, 0
+    return rel_bias.shape[1], int(math.log2(rel_bias.shape[1] // 2))
+
+
+def _launch_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    *,
+    num_out_rows: int,
+    max_q_len: int,
+    max_kv_len: int,
+    activation: str,
+    scale: float,
+    act_scale: float,
+    self_attn: bool,
+    causal: bool,
+    num_targets: torch.Tensor | None,
+    rel_bias: torch.Tensor | None,
+    broadcast_q: bool,
+    return_lse: bool,
+    config: dict,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_seqs = q_offsets.numel() - 1
+    out = torch.empty((num_out_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    softmax = activation == "softmax"
+    lse = None
+    if softmax and return_lse:
+        lse = torch.empty((num_heads, num_out_rows), dtype=torch.float32, device=q.device)
+    if num_out_rows == 0 or num_seqs == 0 or max_q_len == 0 or max_kv_len == 0:
+        # Nothing to attend to: zeros, as the reference gives (lse = log 0).
+        return out.zero_(), lse.fill_(float("-inf")) if lse is not None else None
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q_offsets, kv_offsets, num_targets, rel_bias = map(_dense, (q_offsets, kv_offsets, num_targets, rel_bias))
+    _check_row_offsets(max_q_len, max_kv_len, [q, out], [k, v])
+    num_buckets, log2_exact = _bias_args(rel_bias)
+    block_m = config["BLOCK_M"]
+    num_q_blocks = triton.cdiv(max_q_len, block_m)
+    _attn_fwd_kernel[(num_q_blocks * num_seqs, num_heads)](
+        q, k, v, out, lse if lse is not None else out,
+        q_offsets, kv_offsets, num_targets if num_targets is not None else q_offsets,
+        rel_bias if rel_bias is not None else q,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+        rel_bias.stride(0) if rel_bias is not None else 0,
+        num_q_blocks, scale * LOG2E if softmax else scale, LOG2E if softmax else 1.0, act_scale,
+        ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
+        HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
+        STORE_LSE=lse is not None, NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **config,
+    )  # fmt: skip
+    return out, lse
+
+
+def _launch_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    *,
+    max_q_len: int,
+    max_kv_len: int,
+    activation: str,
+    scale: float,
+    act_scale: float,
+    self_attn: bool,
+    causal: bool,
+    num_targets: torch.Tensor | None,
+    rel_bias: torch.Tensor | None,
+    broadcast_q: bool,
+    dkdv_config: dict,
+    dq_config: dict,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """grad_out [out rows, H, D] -> dq (like q), dk, dv, d rel_bias (fp32 [H, num_buckets])."""
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_seqs = q_offsets.numel() - 1
+    num_out_rows = grad_out.shape[0]
+    softmax = activation == "softmax"
+    device = q.device
+    # Every row of dk, dv and dq_rows belongs to some program (offsets cover the rows).
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    # Broadcast seeds get one partial dq per sequence (in fp32), summed below.
+    dq_rows = torch.empty(
+        (num_out_rows, num_heads, head_dim), dtype=torch.float32 if broadcast_q else q.dtype, device=device
+    )
+    num_buckets, log2_exact = _bias_args(rel_bias)
+    block_n = dkdv_config["BLOCK_N"]
+    num_k_blocks = triton.cdiv(max_kv_len, block_n)
+    dbias_partial = None
+    if rel_bias is not None:
+        dbias_partial = torch.zeros(
+            (num_heads, num_k_blocks * num_seqs, num_buckets), dtype=torch.float32, device=device
+        )
+
+    if num_out_rows == 0 or num_seqs == 0 or max_q_len == 0 or max_kv_len == 0:
+        # Nothing attends to anything.
+        for grad in (dk, dv, dq_rows):
+            grad.zero_()
+    else:
+        grad_out, q, k, v = _unit_last(grad_out), _unit_last(q), _unit_last(k), _unit_last(v)
+        q_offsets, kv_offsets, num_targets, rel_bias = map(
+            _dense, (q_offsets, kv_offsets, num_targets, rel_bias)
+        )
+        _check_row_offsets(max_q_len, max_kv_len, [q, grad_out, dq_rows, out], [k, v, dk, dv])
+        delta = lse
+        if softmax:
+            assert lse is not None and lse.shape == (num_heads, num_out_rows), "softmax backward needs lse"
+            out = _unit_last(out)
+            delta = torch.empty_like(lse)
+            _attn_bwd_delta_kernel[(triton.cdiv(num_out_rows, 64), num_heads)](
+                out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
+                delta.stride(0), num_out_rows, HEAD_DIM=head_dim, BLOCK_M=64,
+            )  # fmt: skip
+        else:
+            lse = delta = grad_out  # unused pointers
+        common = dict(
+            ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
+            HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
+            NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+        scalars = (scale * LOG2E if softmax else scale, LOG2E if softmax else 1.0, scale, act_scale)
+        targets_arg = num_targets if num_targets is not None else q_offsets
+        bias_arg = rel_bias if rel_bias is not None else q
+        lse_stride = lse.stride(0) if softmax else 0
+        bias_stride = rel_bias.stride(0) if rel_bias is not None else 0
+        _attn_bwd_dkdv_kernel[(num_k_blocks * num_seqs, num_heads)](
+            q, k, v, grad_out, lse, delta, dk, dv,
+            dbias_partial if dbias_partial is not None else dk,
+            q_offsets, kv_offsets, targets_arg, bias_arg,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            lse_stride, bias_stride, dbias_partial.stride(0) if dbias_partial is not None else 0,
+            num_k_blocks, *scalars, **common, **dkdv_config,
+        )  # fmt: skip
+        num_q_blocks = triton.cdiv(max_q_len, dq_config["BLOCK_M"])
+        _attn_bwd_dq_kernel[(num_q_blocks * num_seqs, num_heads)](
+            q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, targets_arg, bias_arg,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
+            lse_stride, bias_stride, num_q_blocks, *scalars, **common, **dq_config,
+        )  # fmt: skip
+
+    dq = dq_rows
+    if broadcast_q:
+        dq = dq_rows.view(num_seqs, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
+    d_rel_bias = None
+    if dbias_partial is not None:
+        d_rel_bias = dbias_partial.sum(1).to(rel_bias.dtype)
+    return dq, dk, dv, d_rel_bias
+
+
+def _default_scale(head_dim: int, scale: float | None) -> float:
+    return head_dim**-0.5 if scale is None else float(scale)
+
+
+def _configs(
+    q: torch.Tensor,
+    has_bias: bool,
+    block_m: int | None,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+    dq_overrides: tuple | None = None,
+) -> dict | tuple[dict, dict]:
+    """The default launch configuration with the caller's overrides: the forward's, or with
+    dq_overrides the backward's (dK/dV, dQ)."""
+    head_dim, dtype, device = q.shape[-1], q.dtype, q.device
+    if dq_overrides is None:
+        defaults = _forward_config(head_dim, dtype, device, has_bias)
+        return _with_overrides(defaults, block_m, block_n, num_warps, num_stages)
+    defaults = _backward_config(head_dim, dtype, device, has_bias)
+    return (
+        _with_overrides(defaults["dkdv"], block_m, block_n, num_warps, num_stages),
+        _with_overrides(defaults["dq"], *dq_overrides),
+    )
+
+
+# --- public launchers -------------------------------------------------------------------------
+
+
+def jagged_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_seq_len: int,
+    activation: str = "softmax",
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    """HSTU self-attention over jagged sequences; no host sync.
+
+    q, k, v [total_tokens, H, D]; offsets [B + 1] (sequence b is rows offsets[b]:offsets[b + 1],
+    offsets[0] = 0 and offsets[-1] = total_tokens); max_seq_len >= every length (it sizes the
+    grid and is the silu normaliser); num_targets [B]; rel_bias [H, num_buckets].
+    -> out [total_tokens, H, D], and with return_lse the softmax lse (base 2) fp32 [H, total_tokens]
+    (None for silu).
+    """
+    check_jagged_attention(
+        q,
+        k,
+        v,
+        offsets,
+        max_seq_len=max_seq_len,
+        activation=activation,
+        num_targets=num_targets,
+        rel_bias=rel_bias,
+    )
+    out, lse = _launch_forward(
+        q, k, v, offsets, offsets,
+        num_out_rows=q.shape[0], max_q_len=max_seq_len, max_kv_len=max_seq_len, activation=activation,
+        scale=_default_scale(q.shape[-1], scale),
+        act_scale=1.0 / max_seq_len if activation == "silu" and max_seq_len > 0 else 1.0,
+        self_attn=True, causal=causal, num_targets=num_targets, rel_bias=rel_bias, broadcast_q=False,
+        return_lse=return_lse,
+        config=_configs(q, rel_bias is not None, block_m, block_n, num_warps, num_stages),
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def jagged_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    *,
+    max_seq_len: int,
+    activation: str = "softmax",
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    rel_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    dq_block_m: int | None = None,
+    dq_block_n: int | None = None,
+    dq_num_warps: int | None = None,
+    dq_num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """grad_out [total_tokens, H, D], the forward's out and lse (softmax) -> dq, dk, dv
+    [total_tokens, H, D] and d rel_bias [H, num_buckets] (None without a bias). block_m / block_n /
+    num_warps / num_stages configure the dK/dV kernel, dq_* the dQ kernel."""
+    dkdv_config, dq_config = _configs(
+        q, rel_bias is not None, block_m, block_n, num_warps, num_stages,
+        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages),
+    )  # fmt: skip
+    return _launch_backward(
+        grad_out, q, k, v, out, lse, offsets, offsets,
+        max_q_len=max_seq_len, max_kv_len=max_seq_len, activation=activation,
+        scale=_default_scale(q.shape[-1], scale),
+        act_scale=1.0 / max_seq_len if activation == "silu" and max_seq_len > 0 else 1.0,
+        self_attn=True, causal=causal, num_targets=num_targets, rel_bias=rel_bias, broadcast_q=False,
+        dkdv_config=dkdv_config, dq_config=dq_config,
+    )  # fmt: skip
+
+
+def _gdpa_layout(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    broadcast_q: bool,
+) -> tuple[torch.Tensor, int, int]:
+    """(q_offsets as the kernels take them, longest query and key sequence): one host sync."""
+    num_seqs = kv_offsets.numel() - 1
+    if num_seqs == 0:
+        return torch.zeros(1, dtype=torch.int64, device=q.device), 0, 0
+    if broadcast_q:
+        # Out rows of sample b are b * n_q + [0, n_q): the same offsets the jagged case reads.
+        out_offsets = torch.arange(num_seqs + 1, dtype=torch.int64, device=q.device) * q.shape[0]
+        max_q_len, max_kv_len = _cross_lengths(q.shape[0], k.shape[0], None, kv_offsets, q.shape[0])
+        return out_offsets, max_q_len, max_kv_len
+    assert q_offsets is not None
+    max_q_len, max_kv_len = _cross_lengths(q.shape[0], k.shape[0], q_offsets, kv_offsets, None)
+    return q_offsets, max_q_len, max_kv_len
+
+
+def gdpa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    *,
+    activation: str = "gelu",
+    scale: float | None = None,
+    broadcast_q: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Generalized dot-product attention (non-causal, unnormalised activation).
+
+    q [total_q, H, D] with q_offsets [B + 1], or with broadcast_q one set of seeds [n_q, H, D]
+    for every sample; k, v [total_kv, H, D] with kv_offsets [B + 1]
+    -> out [total_q, H, D] ([B * n_q, H, D] with broadcast_q). One host sync (the longest
+    sequence sizes the grid).
+    """
+    check_gdpa(q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q)
+    out_offsets, max_q_len, max_kv_len = _gdpa_layout(q, k, q_offsets, kv_offsets, broadcast_q)
+    num_out_rows = (kv_offsets.numel() - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    out, _ = _launch_forward(
+        q, k, v, out_offsets, kv_offsets,
+        num_out_rows=num_out_rows, max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
+        scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
+        num_targets=None, rel_bias=None, broadcast_q=broadcast_q, return_lse=False,
+        config=_configs(q, False, block_m, block_n, num_warps, num_stages),
+    )  # fmt: skip
+    return out
+
+
+def gdpa_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    kv_offsets: torch.Tensor,
+    *,
+    activation: str = "gelu",
+    scale: float | None = None,
+    broadcast_q: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    dq_block_m: int | None = None,
+    dq_block_n: int | None = None,
+    dq_num_warps: int | None = None,
+    dq_num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grad_out like gdpa's out -> dq (like q; summed over samples with broadcast_q), dk, dv."""
+    out_offsets, max_q_len, max_kv_len = _gdpa_layout(q, k, q_offsets, kv_offsets, broadcast_q)
+    dkdv_config, dq_config = _configs(
+        q,
+        False,
+        block_m,
+        block_n,
+        num_warps,
+        num_stages,
+        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages),
+    )
+    dq, dk, dv, _ = _launch_backward(
+        grad_out, q, k, v, grad_out, None, out_offsets, kv_offsets,
+        max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
+        scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
+        num_targets=None, rel_bias=None, broadcast_q=broadcast_q,
+        dkdv_config=dkdv_config, dq_config=dq_config,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def target_attention_forward(
+    q_cand: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    cand_to_request: torch.Tensor,
+    *,
+    activation: str = "softmax",
+    scale: float | None = None,
+    return_lse: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+    """Request-broadcast target attention.
+
+    q_cand [C, S, H, D] (S seeds per candidate); k, v [total_kv, H, D] with kv_offsets [R + 1];
+    cand_to_request [C] in [0, R) -> out [C, S, H, D], and with return_lse the softmax lse fp32
+    [H, C * S] in request-grouped row order. Histories are never copied per candidate; one host
+    sync (grouping and grid size).
+    """
+    check_target_attention(q_cand, k, v, kv_offsets, cand_to_request, activation=activation)
+    num_cand, seeds, num_heads, head_dim = q_cand.shape
+    if num_cand == 0 or seeds == 0:
+        out = torch.empty_like(q_cand)
+        lse = None
+        if return_lse and activation == "softmax":
+            lse = torch.empty((num_heads, 0), dtype=torch.float32, device=q_cand.device)
+        return (out, lse) if return_lse else out
+    groups = _RequestGroups(cand_to_request, kv_offsets, seeds, k.shape[0])
+    q_rows = groups.gather(q_cand).reshape(num_cand * seeds, num_heads, head_dim)
+    out_rows, lse = _launch_forward(
+        q_rows, k, v, groups.q_offsets, kv_offsets,
+        num_out_rows=num_cand * seeds, max_q_len=groups.max_q_len, max_kv_len=groups.max_kv_len,
+        activation=activation,
+        scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
+        num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
+        config=_configs(q_cand, False, block_m, block_n, num_warps, num_stages),
+    )  # fmt: skip
+    out = groups.scatter(out_rows.view(num_cand, seeds, num_heads, head_dim))
+    return (out, lse) if return_lse else out
+
+
+def target_attention_backward(
+    grad_out: torch.Tensor,
+    q_cand: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    cand_to_request: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    *,
+    activation: str = "softmax",
+    scale: float | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    dq_block_m: int | None = None,
+    dq_block_n: int | None = None,
+    dq_num_warps: int | None = None,
+    dq_num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grad_out [C, S, H, D], the forward's out and lse -> dq_cand [C, S, H, D], dk, dv. Regroups
+    the candidates as the forward did (one host sync; the argsort is stable, so the same order)."""
+    num_cand, seeds, num_heads, head_dim = q_cand.shape
+    if num_cand == 0 or seeds == 0:
+        return torch.zeros_like(q_cand), torch.zeros_like(k), torch.zeros_like(v)
+    groups = _RequestGroups(cand_to_request, kv_offsets, seeds, k.shape[0])
+    rows = num_cand * seeds
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:
+        return groups.gather(x).reshape(rows, num_heads, head_dim)
+
+    dkdv_config, dq_config = _configs(
+        q_cand, False, block_m, block_n, num_warps, num_stages,
+        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages),
+    )  # fmt: skip
+    dq_rows, dk, dv, _ = _launch_backward(
+        grouped(grad_out), grouped(q_cand), k, v, grouped(out), lse, groups.q_offsets, kv_offsets,
+        max_q_len=groups.max_q_len, max_kv_len=groups.max_kv_len, activation=activation,
+        scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
+        num_targets=None, rel_bias=None, broadcast_q=False,
+        dkdv_config=dkdv_config, dq_config=dq_config,
+    )  # fmt: skip
+    return groups.scatter(dq_rows.view(num_cand, seeds, num_heads, head_dim)), dk, dv

@@ -1,0 +1,715 @@
+"""The attention family's default kernels (kernels/attention.py) and the recforge::jagged_attention,
+recforge::gdpa and recforge::target_attention ops, forward and every gradient, against autograd of
+search_space.attention's references computed in fp64 on the same inputs.
+
+On a CPU the kernels run in the Triton interpreter with 16 x 16 tiles, so the short sequences
+here (0, 1, 5, 17 and 40 tokens) cover empty and single-token sequences, partial tiles, and
+query blocks that see unmasked, boundary and diagonal key tiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels import attention as attn
+from kernels import ops
+from kernels.registry import DISPATCHER
+from sandbox.protocol import compare
+from search_space import attention as reference
+from search_space.problem import Tolerance
+
+# Errors against fp64 on the same inputs. fp32: exact (ieee) products, so only summation order
+# differs (measured around 3e-7 relative). bf16: p and ds are rounded to bf16 for the tensor-core
+# products and the outputs once more; in the interpreter every fp32 -> bf16 conversion truncates
+# instead of rounding to nearest, which biases those errors and about doubles them (measured
+# norm errors 4e-3 to 7e-3, the worst element at 7e-2 of the RMS, in gradients).
+TOLERANCES = {
+    "fp32": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=2e-5),
+    "bf16": Tolerance(atol=1e-1, rtol=5e-2, norm_rtol=1.5e-2),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HEADS, DIM = 2, 16
+LENGTHS = [0, 1, 5, 17, 40]
+# Targets per sequence of LENGTHS: 2 of none, the one token, 2 of 5, 20 of 17 (all of them: the
+# count is clamped), 3 of 40.
+NUM_TARGETS = [2, 1, 2, 20, 3]
+NUM_BUCKETS = 8  # distances from 12 on share the last bucket
+
+
+def assert_close(got: torch.Tensor, want64: torch.Tensor, dtype: str, what: str) -> None:
+    ok, details = compare(got.detach().double(), want64.detach(), TOLERANCES[dtype])
+    assert ok, (
+        f"{what}: {details['message']} (max abs err {details.get('max_abs_err', 0):.3g}, "
+        f"relative error norm {details.get('norm_rel_err', 0):.3g})"
+    )
+
+
+def _offsets(lengths: list[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.tensor(
+        [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=dtype, device=device
+    )
+
+
+def _randn(shape: tuple, dtype: str, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=device).to(DTYPES[dtype])
+
+
+def check_against_reference(
+    op: Callable[..., torch.Tensor],
+    ref: Callable[..., torch.Tensor],
+    inputs: dict[str, torch.Tensor | None],
+    dtype: str,
+    what: str,
+    seed: int = 1,
+) -> None:
+    """op(**inputs) and the gradient of every floating-point input vs autograd of ref on fp64
+    copies, each side on its own leaf tensors."""
+    floats = [n for n, t in inputs.items() if t is not None and t.is_floating_point()]
+    leaves = {n: (t.clone().requires_grad_() if n in floats else t) for n, t in inputs.items()}
+    out = op(**leaves)
+    gen = torch.Generator(device=out.device).manual_seed(seed)
+    grad_out = torch.randn(out.shape, generator=gen, device=out.device).to(out.dtype)
+    out.backward(grad_out)
+
+    leaves64 = {n: (t.detach().double().requires_grad_() if n in floats else t) for n, t in inputs.items()}
+    out64 = ref(**leaves64)
+    if out64.requires_grad:  # else nothing attends to anything: every gradient is zero
+        out64.backward(grad_out.double())
+
+    assert out.dtype == next(t for t in inputs.values() if t is not None).dtype
+    assert_close(out, out64, dtype, f"{what}: out")
+    for name in floats:
+        grad, grad64 = leaves[name].grad, leaves64[name].grad
+        assert grad is not None and grad.dtype == inputs[name].dtype, name
+        assert_close(
+            grad, torch.zeros_like(leaves64[name]) if grad64 is None else grad64, dtype, f"{what}: d{name}"
+        )
+
+
+# --- jagged_attention -----------------------------------------------------------------------
+
+
+def _jagged_inputs(
+    device: torch.device,
+    dtype: str = "fp32",
+    *,
+    lengths: list[int] = LENGTHS,
+    targets: list[int] | None = None,
+    bias: bool = False,
+    index_dtype: torch.dtype = torch.int64,
+    seed: int = 0,
+    heads: int = HEADS,
+    dim: int = DIM,
+    num_buckets: int = NUM_BUCKETS,
+) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (_randn((total, heads, dim), dtype, gen, device) for _ in range(3))
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "offsets": _offsets(lengths, device, index_dtype),
+        "num_targets": None if targets is None else torch.tensor(targets, device=device, dtype=index_dtype),
+        "rel_bias": torch.randn((heads, num_buckets), generator=gen, device=device) if bias else None,
+    }
+
+
+def _jagged(fn: Callable, **options) -> Callable[..., torch.Tensor]:
+    def call(q, k, v, offsets, num_targets, rel_bias):
+        return fn(q, k, v, offsets, num_targets=num_targets, rel_bias=rel_bias, **options)
+
+    return call
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("targets", [False, True], ids=["no-targets", "targets"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "rel-bias"])
+def test_jagged_attention(
+    activation: str, causal: bool, targets: bool, bias: bool, device: torch.device, empty_library
+) -> None:
+    inputs = _jagged_inputs(device, targets=NUM_TARGETS if targets else None, bias=bias)
+    options = {"max_seq_len": max(LENGTHS), "activation": activation, "causal": causal}
+    check_against_reference(
+        _jagged(ops.jagged_attention, **options),
+        _jagged(reference.jagged_attention_reference, **options),
+        inputs,
+        "fp32",
+        f"jagged_attention {options}, targets={targets}, bias={bias}",
+    )
+    assert DISPATCHER.last["jagged_attention"] == "default"
+
+
+@pytest.mark.parametrize(
+    "activation, causal",
+    [("softmax", True), ("silu", False)],
+)
+def test_jagged_attention_bf16(activation: str, causal: bool, device: torch.device, empty_library) -> None:
+    inputs = _jagged_inputs(device, "bf16", targets=NUM_TARGETS, bias=True)
+    options = {"max_seq_len": max(LENGTHS), "activation": activation, "causal": causal}
+    check_against_reference(
+        _jagged(ops.jagged_attention, **options),
+        _jagged(reference.jagged_attention_reference, **options),
+        inputs,
+        "bf16",
+        f"bf16 jagged_attention {options}",
+    )
+
+
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (64, 16)], ids=lambda b: f"{b[0]}x{b[1]}")
+def test_jagged_attention_tile_shapes(blocks: tuple[int, int], device: torch.device) -> None:
+    """Query and key tiles of different sizes (the search will try them): the key ranges, the
+    diagonal skew of the bias gradient and the masks must not assume square tiles."""
+    block_m, block_n = blocks
+    lengths, targets = [70, 17, 0, 33], [3, 17, 0, 40]
+    inputs = _jagged_inputs(device, lengths=lengths, targets=targets, bias=True)
+    options = {"max_seq_len": 70, "activation": "softmax", "causal": True}
+
+    class Launchers(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, rel_bias, offsets, num_targets):
+            out, lse = attn.jagged_attention_forward(
+                q, k, v, offsets, num_targets=num_targets, rel_bias=rel_bias, return_lse=True,
+                block_m=block_m, block_n=block_n, **options,
+            )  # fmt: skip
+            ctx.save_for_backward(q, k, v, rel_bias, offsets, num_targets, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, rel_bias, offsets, num_targets, out, lse = ctx.saved_tensors
+            dq, dk, dv, d_rel_bias = attn.jagged_attention_backward(
+                grad_out, q, k, v, offsets, out, lse, num_targets=num_targets, rel_bias=rel_bias,
+                block_m=block_n, block_n=block_m, dq_block_m=block_m, dq_block_n=block_n, **options,
+            )  # fmt: skip
+            return dq, dk, dv, d_rel_bias, None, None
+
+    check_against_reference(
+        lambda q, k, v, offsets, num_targets, rel_bias: Launchers.apply(
+            q, k, v, rel_bias, offsets, num_targets
+        ),
+        _jagged(reference.jagged_attention_reference, **options),
+        inputs,
+        "fp32",
+        f"jagged_attention with {block_m} x {block_n} tiles",
+    )
+
+
+# --- gdpa -----------------------------------------------------------------------------------
+
+Q_LENGTHS = [3, 0, 17, 40, 1]
+KV_LENGTHS = [5, 7, 0, 33, 1]  # a sequence with queries and no keys, one with keys and no queries
+NUM_SEEDS = 5
+
+
+def _gdpa_inputs(
+    device: torch.device,
+    dtype: str = "fp32",
+    *,
+    broadcast_q: bool = False,
+    q_lengths: list[int] = Q_LENGTHS,
+    kv_lengths: list[int] = KV_LENGTHS,
+    num_seeds: int = NUM_SEEDS,
+    index_dtype: torch.dtype = torch.int64,
+    seed: int = 0,
+    heads: int = HEADS,
+    dim: int = DIM,
+) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q_rows = num_seeds if broadcast_q else sum(q_lengths)
+    return {
+        "q": _randn((q_rows, heads, dim), dtype, gen, device),
+        "k": _randn((sum(kv_lengths), heads, dim), dtype, gen, device),
+        "v": _randn((sum(kv_lengths), heads, dim), dtype, gen, device),
+        "q_offsets": None if broadcast_q else _offsets(q_lengths, device, index_dtype),
+        "kv_offsets": _offsets(kv_lengths, device, index_dtype),
+    }
+
+
+def _gdpa(fn: Callable, **options) -> Callable[..., torch.Tensor]:
+    return lambda q, k, v, q_offsets, kv_offsets: fn(q, k, v, q_offsets, kv_offsets, **options)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu", "relu", "none"])
+@pytest.mark.parametrize("broadcast_q", [False, True], ids=["jagged-q", "broadcast-q"])
+def test_gdpa(activation: str, broadcast_q: bool, device: torch.device, empty_library) -> None:
+    inputs = _gdpa_inputs(device, broadcast_q=broadcast_q)
+    options = {"activation": activation, "broadcast_q": broadcast_q}
+    check_against_reference(
+        _gdpa(ops.gdpa, **options),
+        _gdpa(reference.gdpa_reference, **options),
+        inputs,
+        "fp32",
+        f"gdpa {options}",
+    )
+    assert DISPATCHER.last["gdpa"] == "default"
+
+
+@pytest.mark.parametrize("activation, broadcast_q", [("gelu", False), ("silu", True)])
+def test_gdpa_bf16(activation: str, broadcast_q: bool, device: torch.device, empty_library) -> None:
+    inputs = _gdpa_inputs(device, "bf16", broadcast_q=broadcast_q)
+    options = {"activation": activation, "broadcast_q": broadcast_q}
+    check_against_reference(
+        _gdpa(ops.gdpa, **options),
+        _gdpa(reference.gdpa_reference, **options),
+        inputs,
+        "bf16",
+        f"bf16 gdpa {options}",
+    )
+
+
+# --- target_attention -----------------------------------------------------------------------
+
+REQUEST_LENGTHS = [5, 0, 33, 1, 9]  # request 1 has an empty history, request 4 no candidate
+CAND_TO_REQUEST = [2, 0, 3, 2, 1, 0, 2]
+NUM_CAND_SEEDS = 3
+
+
+def _target_inputs(
+    device: torch.device,
+    dtype: str = "fp32",
+    *,
+    cand_to_request: list[int] = CAND_TO_REQUEST,
+    kv_lengths: list[int] = REQUEST_LENGTHS,
+    seeds: int = NUM_CAND_SEEDS,
+    index_dtype: torch.dtype = torch.int64,
+    seed: int = 0,
+    heads: int = HEADS,
+    dim: int = DIM,
+) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return {
+        "q_cand": _randn((len(cand_to_request), seeds, heads, dim), dtype, gen, device),
+        "k": _randn((sum(kv_lengths), heads, dim), dtype, gen, device),
+        "v": _randn((sum(kv_lengths), heads, dim), dtype, gen, device),
+        "kv_offsets": _offsets(kv_lengths, device, index_dtype),
+        "cand_to_request": torch.tensor(cand_to_request, device=device, dtype=index_dtype),
+    }
+
+
+def _target(fn: Callable, **options) -> Callable[..., torch.Tensor]:
+    return lambda q_cand, k, v, kv_offsets, cand_to_request: fn(
+        q_cand, k, v, kv_offsets, cand_to_request, **options
+    )
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("order", ["sorted", "unsorted"])
+def test_target_attention(activation: str, order: str, device: torch.device, empty_library) -> None:
+    requests = sorted(CAND_TO_REQUEST) if order == "sorted" else CAND_TO_REQUEST
+    inputs = _target_inputs(device, cand_to_request=requests)
+    options = {"activation": activation}
+    check_against_reference(
+        _target(ops.target_attention, **options),
+        _target(reference.target_attention_reference, **options),
+        inputs,
+        "fp32",
+        f"target_attention {options}, {order} candidates",
+    )
+    assert DISPATCHER.last["target_attention"] == "default"
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_target_attention_bf16(activation: str, device: torch.device, empty_library) -> None:
+    inputs = _target_inputs(device, "bf16")
+    options = {"activation": activation}
+    check_against_reference(
+        _target(ops.target_attention, **options),
+        _target(reference.target_attention_reference, **options),
+        inputs,
+        "bf16",
+        f"bf16 target_attention {options}",
+    )
+
+
+# --- shared edge cases ----------------------------------------------------------------------
+
+
+def test_int32_offsets(device: torch.device, empty_library) -> None:
+    """int32 offsets, num_targets and cand_to_request, through every op."""
+    options = {"max_seq_len": max(LENGTHS), "activation": "softmax", "causal": True}
+    check_against_reference(
+        _jagged(ops.jagged_attention, **options),
+        _jagged(reference.jagged_attention_reference, **options),
+        _jagged_inputs(device, targets=NUM_TARGETS, bias=True, index_dtype=torch.int32),
+        "fp32",
+        "jagged_attention, int32 offsets",
+    )
+    check_against_reference(
+        _gdpa(ops.gdpa, activation="gelu"),
+        _gdpa(reference.gdpa_reference, activation="gelu"),
+        _gdpa_inputs(device, index_dtype=torch.int32),
+        "fp32",
+        "gdpa, int32 offsets",
+    )
+    check_against_reference(
+        _target(ops.target_attention, activation="softmax"),
+        _target(reference.target_attention_reference, activation="softmax"),
+        _target_inputs(device, index_dtype=torch.int32),
+        "fp32",
+        "target_attention, int32 offsets",
+    )
+
+
+def test_empty_inputs(device: torch.device, empty_library) -> None:
+    """No sequences, only empty sequences, no candidates: zeros (or nothing) and zero grads."""
+    cases = [
+        (_jagged(ops.jagged_attention, max_seq_len=0), _jagged_inputs(device, lengths=[])),
+        (_jagged(ops.jagged_attention, max_seq_len=0), _jagged_inputs(device, lengths=[0, 0])),
+        (_gdpa(ops.gdpa), _gdpa_inputs(device, q_lengths=[], kv_lengths=[])),
+        (_gdpa(ops.gdpa), _gdpa_inputs(device, q_lengths=[0, 4], kv_lengths=[3, 0])),
+        (_gdpa(ops.gdpa, broadcast_q=True), _gdpa_inputs(device, broadcast_q=True, kv_lengths=[0, 0])),
+        (_target(ops.target_attention), _target_inputs(device, cand_to_request=[])),
+        (_target(ops.target_attention), _target_inputs(device, cand_to_request=[0, 1], kv_lengths=[0, 0])),
+    ]
+    for op, inputs in cases:
+        leaves = {
+            n: (t.clone().requires_grad_() if t is not None and t.is_floating_point() else t)
+            for n, t in inputs.items()
+        }
+        out = op(**leaves)
+        assert torch.equal(out, torch.zeros_like(out))
+        out.sum().backward()
+        for t in leaves.values():
+            if t is not None and t.is_floating_point():
+                assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+@triton.jit
+def _bucket_kernel(
+    dist_ptr, out_ptr, n, NUM_BUCKETS: tl.constexpr, LOG2_EXACT: tl.constexpr, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    dist = tl.load(dist_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + offs, attn._relative_bucket(dist, NUM_BUCKETS, LOG2_EXACT), mask=offs < n)
+
+
+@pytest.mark.parametrize("num_buckets", [2, 8, 64])
+def test_relative_bucket_in_kernel_is_exact(num_buckets: int, device: torch.device) -> None:
+    """The kernels' bucket (float32 exponent and mantissa bits) equals the reference's at every
+    octave boundary and half-octave, up to the 2^24 where float32 stops being exact."""
+    edges = [0, 1, 2, 3]
+    for e in range(2, 24):
+        for d in (2**e, 3 * 2 ** (e - 1)):
+            edges += [d - 1, d, d + 1]
+    dist = torch.tensor(sorted(set(edges)) + list(range(4096)), dtype=torch.int32, device=device)
+    out = torch.empty_like(dist)
+    exact = num_buckets // 2
+    _bucket_kernel[(triton.cdiv(dist.numel(), 1024),)](
+        dist, out, dist.numel(), NUM_BUCKETS=num_buckets, LOG2_EXACT=exact.bit_length() - 1, BLOCK=1024
+    )
+    want = reference.relative_bucket(dist.long(), num_buckets).to(torch.int32)
+    bad = (out != want).nonzero().flatten()
+    assert bad.numel() == 0, (
+        f"distance {dist[bad[0]].item()}: kernel {out[bad[0]].item()}, reference {want[bad[0]].item()}"
+    )
+
+
+# --- torch.compile and the fallback ---------------------------------------------------------
+
+OP_CASES = {
+    "jagged_attention": (
+        lambda device: _jagged_inputs(device, targets=NUM_TARGETS, bias=True),
+        lambda **kw: _jagged(ops.jagged_attention, max_seq_len=max(LENGTHS))(**kw),
+        lambda **kw: _jagged(reference.jagged_attention_reference, max_seq_len=max(LENGTHS))(**kw),
+    ),
+    "gdpa": (
+        lambda device: _gdpa_inputs(device, broadcast_q=True),
+        lambda **kw: _gdpa(ops.gdpa, broadcast_q=True)(**kw),
+        lambda **kw: _gdpa(reference.gdpa_reference, broadcast_q=True)(**kw),
+    ),
+    "target_attention": (
+        _target_inputs,
+        lambda **kw: _target(ops.target_attention)(**kw),
+        lambda **kw: _target(reference.target_attention_reference)(**kw),
+    ),
+}
+
+
+@pytest.mark.parametrize("op_name", list(OP_CASES))
+def test_compiled_matches_eager(op_name: str, device: torch.device, empty_library) -> None:
+    """The fake implementations and autograd registrations let torch.compile trace a caller in one
+    graph; the compiled forward and gradients equal the eager ones."""
+    make_inputs, op, _ = OP_CASES[op_name]
+    inputs = make_inputs(device)
+
+    def loss(**kw):
+        out = op(**kw)
+        return out, (out * out).sum()
+
+    results = {}
+    for name, fn in [("eager", loss), ("compiled", torch.compile(loss, backend="aot_eager", fullgraph=True))]:
+        leaves = {
+            n: (t.clone().requires_grad_() if t is not None and t.is_floating_point() else t)
+            for n, t in inputs.items()
+        }
+        out, total = fn(**leaves)
+        total.backward()
+        results[name] = [out.detach()] + [
+            t.grad for t in leaves.values() if t is not None and t.is_floating_point()
+        ]
+    for eager, compiled in zip(results["eager"], results["compiled"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op_name", list(OP_CASES))
+def test_op_without_triton_falls_back_to_reference(
+    op_name: str, empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU tensors without the interpreter: the forward is the reference, the backward its vjp."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    make_inputs, op, ref = OP_CASES[op_name]
+    check_against_reference(op, ref, make_inputs(torch.device("cpu")), "fp32", f"{op_name} without Triton")
+    assert DISPATCHER.last[op_name] == "reference"
+
+
+# --- properties over random jagged lengths --------------------------------------------------
+
+PROPERTY_SETTINGS = settings(
+    max_examples=4, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@PROPERTY_SETTINGS
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    activation=st.sampled_from(["softmax", "silu"]),
+    causal=st.booleans(),
+    with_targets=st.booleans(),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_jagged_attention(
+    device: torch.device,
+    lengths: list[int],
+    activation: str,
+    causal: bool,
+    with_targets: bool,
+    with_bias: bool,
+    seed: int,
+) -> None:
+    targets = torch.Generator().manual_seed(seed)
+    num_targets = torch.randint(0, 6, (len(lengths),), generator=targets).tolist() if with_targets else None
+    inputs = _jagged_inputs(device, lengths=lengths, targets=num_targets, bias=with_bias, seed=seed)
+    options = {"max_seq_len": max(lengths), "activation": activation, "causal": causal}
+    check_against_reference(
+        _jagged(ops.jagged_attention, **options),
+        _jagged(reference.jagged_attention_reference, **options),
+        inputs,
+        "fp32",
+        f"jagged_attention lengths={lengths} targets={num_targets} bias={with_bias} {options}",
+    )
+
+
+@PROPERTY_SETTINGS
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=4),
+    activation=st.sampled_from(["gelu", "silu", "relu", "none"]),
+    broadcast_q=st.booleans(),
+    num_seeds=st.integers(1, 20),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_gdpa(
+    device: torch.device,
+    lengths: list[tuple[int, int]],
+    activation: str,
+    broadcast_q: bool,
+    num_seeds: int,
+    seed: int,
+) -> None:
+    q_lengths, kv_lengths = [n for n, _ in lengths], [n for _, n in lengths]
+    inputs = _gdpa_inputs(
+        device,
+        broadcast_q=broadcast_q,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        num_seeds=num_seeds,
+        seed=seed,
+    )
+    options = {"activation": activation, "broadcast_q": broadcast_q}
+    check_against_reference(
+        _gdpa(ops.gdpa, **options),
+        _gdpa(reference.gdpa_reference, **options),
+        inputs,
+        "fp32",
+        f"gdpa q={q_lengths} kv={kv_lengths} seeds={num_seeds} {options}",
+    )
+
+
+@PROPERTY_SETTINGS
+@given(
+    kv_lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    num_cand=st.integers(0, 8),
+    seeds=st.integers(1, 4),
+    activation=st.sampled_from(["softmax", "silu"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_target_attention(
+    device: torch.device, kv_lengths: list[int], num_cand: int, seeds: int, activation: str, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    requests = torch.randint(0, len(kv_lengths), (num_cand,), generator=gen).tolist()
+    inputs = _target_inputs(device, cand_to_request=requests, kv_lengths=kv_lengths, seeds=seeds, seed=seed)
+    options = {"activation": activation}
+    check_against_reference(
+        _target(ops.target_attention, **options),
+        _target(reference.target_attention_reference, **options),
+        inputs,
+        "fp32",
+        f"target_attention kv={kv_lengths} requests={requests} seeds={seeds} {options}",
+    )
+
+
+# --- input validation -----------------------------------------------------------------------
+
+
+def _jagged_call(device: torch.device, changes: dict[str, Callable[[dict], object]]) -> Callable[[], object]:
+    """ops.jagged_attention on valid small inputs, with `changes` (name -> new value from the
+    arguments) applied."""
+    args = _jagged_inputs(device, lengths=[3, 2], targets=[1, 0], bias=True)
+    args |= {"max_seq_len": 3, "activation": "softmax"}
+    args |= {name: change(args) for name, change in changes.items()}
+    return lambda: ops.jagged_attention(
+        args.pop("q"), args.pop("k"), args.pop("v"), args.pop("offsets"), **args
+    )
+
+
+JAGGED_BAD = {
+    "q-2d": ({"q": lambda a: a["q"][:, 0]}, "q must be"),
+    "heads-differ": ({"k": lambda a: a["k"][:, :1], "v": lambda a: a["v"][:, :1]}, "same heads"),
+    "v-dim-differs": ({"v": lambda a: torch.cat([a["v"], a["v"]], -1)}, "same shape"),
+    "dims-differ": ({"q": lambda a: a["q"][..., :8]}, "same heads and head dim"),
+    "dtype-mismatch": ({"k": lambda a: a["k"].half()}, "share a dtype"),
+    "tokens-differ": ({"k": lambda a: a["k"][:4], "v": lambda a: a["v"][:4]}, "as many k/v tokens"),
+    "offsets-2d": ({"offsets": lambda a: a["offsets"][None]}, "offsets"),
+    "offsets-float": ({"offsets": lambda a: a["offsets"].float()}, "int32 or int64"),
+    "unknown-activation": ({"activation": lambda a: "gelu"}, "activations softmax, silu"),
+    "num-targets-length": ({"num_targets": lambda a: a["num_targets"][:1]}, "num_targets"),
+    "rel-bias-heads": ({"rel_bias": lambda a: a["rel_bias"][:1]}, "rel_bias"),
+    "rel-bias-buckets": ({"rel_bias": lambda a: a["rel_bias"][:, :6]}, "twice a power of two"),
+    "max-seq-len": ({"max_seq_len": lambda a: -1}, "max_seq_len"),
+}
+
+
+@pytest.mark.parametrize("case", list(JAGGED_BAD))
+def test_jagged_attention_rejects_bad_input(case: str, device: torch.device) -> None:
+    changes, message = JAGGED_BAD[case]
+    with pytest.raises(ValueError, match=message):
+        _jagged_call(device, changes)()
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 512])
+def test_head_dim_must_be_a_power_of_two(head_dim: int, device: torch.device) -> None:
+    q = torch.randn(4, 2, head_dim, device=device)
+    with pytest.raises(ValueError, match="power of two from 16 to 256"):
+        ops.jagged_attention(q, q, q, torch.tensor([0, 4], device=device), max_seq_len=4)
+
+
+def test_gdpa_and_target_attention_reject_bad_input(device: torch.device) -> None:
+    g = _gdpa_inputs(device)
+    with pytest.raises(ValueError, match="needs q_offsets"):
+        ops.gdpa(g["q"], g["k"], g["v"], None, g["kv_offsets"])
+    with pytest.raises(ValueError, match="q_offsets has 3 entries"):
+        ops.gdpa(g["q"], g["k"], g["v"], g["q_offsets"][:3], g["kv_offsets"])
+    with pytest.raises(ValueError, match="activations gelu, silu, relu, none"):
+        ops.gdpa(g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"], activation="softmax")
+    with pytest.raises(ValueError, match="kv_offsets must rise from 0"):
+        attn.gdpa_forward(g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"] - 1)
+    t = _target_inputs(device)
+    with pytest.raises(ValueError, match="q_cand must be"):
+        ops.target_attention(t["q_cand"][0], t["k"], t["v"], t["kv_offsets"], t["cand_to_request"])
+    with pytest.raises(ValueError, match="cand_to_request must be"):
+        ops.target_attention(t["q_cand"], t["k"], t["v"], t["kv_offsets"], t["cand_to_request"][:2])
+    with pytest.raises(ValueError, match="activations softmax, silu"):
+        ops.target_attention(
+            t["q_cand"], t["k"], t["v"], t["kv_offsets"], t["cand_to_request"], activation="relu"
+        )
+    with pytest.raises(ValueError, match=r"cand_to_request must lie in \[0, 5\)"):
+        attn.target_attention_forward(t["q_cand"], t["k"], t["v"], t["kv_offsets"], t["cand_to_request"] + 3)
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        attn.gdpa_forward(g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"], block_m=24)
+
+
+# --- a GPU at realistic sizes ---------------------------------------------------------------
+
+REALISTIC = {"heads": 4, "dim": 128}  # bf16, D = 128: the production head shape
+
+
+def _realistic_lengths(gen: torch.Generator, count: int, longest: int) -> list[int]:
+    lengths = torch.randint(0, longest + 1, (count,), generator=gen).tolist()
+    lengths[0] = longest  # one sequence at the maximum, the rest anywhere below
+    return lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_jagged_attention_realistic_on_gpu(activation: str, empty_library) -> None:
+    """B = 8 sequences up to 1024 tokens, H = 4, D = 128, bf16, 16 targets each and a 64-bucket
+    relative bias, with the default GPU launch configuration, forward and backward."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = _realistic_lengths(gen, 8, 1024)
+    inputs = _jagged_inputs(
+        torch.device("cuda"),
+        "bf16",
+        lengths=lengths,
+        targets=[16] * 8,
+        bias=True,
+        num_buckets=64,
+        **REALISTIC,
+    )
+    options = {"max_seq_len": 1024, "activation": activation, "causal": True}
+    check_against_reference(
+        _jagged(ops.jagged_attention, **options),
+        _jagged(reference.jagged_attention_reference, **options),
+        inputs,
+        "bf16",
+        f"jagged_attention lengths={lengths} {options}",
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("broadcast_q", [False, True], ids=["jagged-q", "broadcast-q"])
+def test_gdpa_realistic_on_gpu(broadcast_q: bool, empty_library) -> None:
+    """8 samples, queries up to 256 (or 64 shared seeds) against histories up to 1024, D = 128."""
+    gen = torch.Generator().manual_seed(1)
+    q_lengths, kv_lengths = _realistic_lengths(gen, 8, 256), _realistic_lengths(gen, 8, 1024)
+    inputs = _gdpa_inputs(
+        torch.device("cuda"), "bf16", broadcast_q=broadcast_q, q_lengths=q_lengths, kv_lengths=kv_lengths,
+        num_seeds=64, **REALISTIC,
+    )  # fmt: skip
+    options = {"activation": "gelu", "broadcast_q": broadcast_q}
+    check_against_reference(
+        _gdpa(ops.gdpa, **options),
+        _gdpa(reference.gdpa_reference, **options),
+        inputs,
+        "bf16",
+        f"gdpa q={q_lengths} kv={kv_lengths} {options}",
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_target_attention_realistic_on_gpu(activation: str, empty_library) -> None:
+    """64 candidates x 4 seeds spread over 8 requests with histories up to 1024, D = 128."""
+    gen = torch.Generator().manual_seed(2)
+    kv_lengths = _realistic_lengths(gen, 8, 1024)
+    requests = torch.randint(0, 8, (64,), generator=gen).tolist()
+    inputs = _target_inputs(
+        torch.device("cuda"), "bf16", cand_to_request=requests, kv_lengths=kv_lengths, seeds=4, **REALISTIC
+    )
+    options = {"activation": activation}
+    check_against_reference(
+        _target(ops.target_attention, **options),
+        _target(reference.target_attention_reference, **options),
+        inputs,
+        "bf16",
+        f"target_attention kv={kv_lengths} {options}",
+    )
