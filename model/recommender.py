@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from model.embeddings import EmbeddingBagCollection, JaggedFeature, SparseFeatureConfig
+from model.sequence import SequenceArch, SequenceConfig, UserHistory
 
 
 @dataclass(kw_only=True)
@@ -18,6 +19,8 @@ class RecommenderConfig:
     num_dense_features: int = 13
     dense_mlp_dims: list[int] = field(default_factory=lambda: [64, 32])
     interaction_mlp_dims: list[int] = field(default_factory=lambda: [128, 64])
+    # The user-history encoder and target attention; None: a model of sparse and dense features only.
+    sequence: SequenceConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.sparse_features:
@@ -49,12 +52,25 @@ class Recommender(nn.Module):
         self.sparse_arch = EmbeddingBagCollection(config.sparse_features, device=device)
         self.dense_arch = mlp(config.num_dense_features, config.dense_mlp_dims, device=device)
         interaction_in = self.sparse_arch.output_dim + config.dense_mlp_dims[-1]
+        self.sequence_arch = None
+        if config.sequence is not None:
+            self.sequence_arch = SequenceArch(config.sequence, device=device)
+            interaction_in += config.sequence.output_dim
         self.interaction_arch = mlp(interaction_in, config.interaction_mlp_dims, device=device)
         self.head = nn.Linear(config.interaction_mlp_dims[-1], 1, device=device)
 
-    def forward(self, dense_BF: torch.Tensor, sparse: Mapping[str, JaggedFeature]) -> torch.Tensor:
-        """dense_BF [B, num_dense_features]; sparse: feature name -> B bags -> CTR logits [B]."""
-        pooled_BE = self.sparse_arch(sparse)
-        dense_BH = self.dense_arch(dense_BF)
-        hidden_BH = self.interaction_arch(torch.cat([pooled_BE, dense_BH], dim=1))
+    def forward(
+        self,
+        dense_BF: torch.Tensor,
+        sparse: Mapping[str, JaggedFeature],
+        history: UserHistory | None = None,
+    ) -> torch.Tensor:
+        """dense_BF [B, num_dense_features]; sparse: feature name -> B bags; history: the requests'
+        item histories (needed when the config has a sequence encoder) -> CTR logits [B]."""
+        features = [self.sparse_arch(sparse), self.dense_arch(dense_BF)]
+        if self.sequence_arch is not None:
+            if history is None:
+                raise ValueError("this model encodes user histories: pass history=UserHistory(...)")
+            features.append(self.sequence_arch(history))
+        hidden_BH = self.interaction_arch(torch.cat(features, dim=1))
         return self.head(hidden_BH).squeeze(1)

@@ -12,8 +12,12 @@ import torch.nn.functional as F
 
 from model.embeddings import JaggedFeature
 from model.recommender import Recommender, RecommenderConfig
+from model.sequence import SequenceConfig, UserHistory
 from search_space import workload
 from search_space.embedding_bag import bag_lengths
+
+# Candidates scored per request in a synthetic batch (a serving request ranks tens of ads).
+CANDIDATES_PER_REQUEST = 4
 
 
 @dataclass(kw_only=True)
@@ -21,6 +25,7 @@ class Batch:
     dense_BF: torch.Tensor  # [B, num_dense_features]
     sparse: dict[str, JaggedFeature]  # each with B bags
     labels_B: torch.Tensor  # [B] float, 1.0 for a click
+    history: UserHistory | None = None  # for models with a sequence encoder
 
     @property
     def batch_size(self) -> int:
@@ -31,6 +36,7 @@ class Batch:
             dense_BF=self.dense_BF.to(device),
             sparse={name: jagged.to(device) for name, jagged in self.sparse.items()},
             labels_B=self.labels_B.to(device),
+            history=None if self.history is None else self.history.to(device),
         )
 
 
@@ -67,14 +73,38 @@ def make_synthetic_batch(
     # Clicks depend on the dense features, so a model has something to learn.
     ctr_B = torch.sigmoid(dense_BF.sum(1) / math.sqrt(config.num_dense_features) - 1.0)
     labels_B = torch.bernoulli(ctr_B, generator=gen)
-    return Batch(dense_BF=dense_BF, sparse=sparse, labels_B=labels_B).to(device)
+    history = None
+    if config.sequence is not None:
+        history = synthetic_history(config.sequence, batch_size, gen, empty_fraction=empty_fraction)
+    return Batch(dense_BF=dense_BF, sparse=sparse, labels_B=labels_B, history=history).to(device)
+
+
+def synthetic_history(
+    config: SequenceConfig, batch_size: int, gen: torch.Generator, *, empty_fraction: float = 0.1
+) -> UserHistory:
+    """Candidates grouped into requests of about CANDIDATES_PER_REQUEST (in order, as a serving
+    batch arrives), each request with a power-law history in [1, max_seq_len] (some empty)."""
+    num_requests = max(1, math.ceil(batch_size / CANDIDATES_PER_REQUEST))
+    cand_to_request = torch.arange(batch_size) * num_requests // batch_size
+    lengths_R = bag_lengths(
+        num_requests, config.max_seq_len, workload.BAG_LENGTH_ALPHA, gen, torch.device("cpu")
+    )
+    lengths_R[torch.rand(num_requests, generator=gen) < empty_fraction] = 0
+    offsets = torch.zeros(num_requests + 1, dtype=torch.int64)
+    torch.cumsum(lengths_R, 0, out=offsets[1:])
+    return UserHistory(
+        item_ids=torch.randint(0, config.num_items, (int(offsets[-1]),), generator=gen),
+        offsets=offsets,
+        cand_to_request=cand_to_request,
+        candidate_item_ids=torch.randint(0, config.num_items, (batch_size,), generator=gen),
+    )
 
 
 def train_step(model: Recommender, batch: Batch, optimizer: torch.optim.Optimizer) -> float:
     """One step of binary cross-entropy on the click labels; returns the loss."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    logits_B = model(batch.dense_BF, batch.sparse)
+    logits_B = model(batch.dense_BF, batch.sparse, batch.history)
     loss = F.binary_cross_entropy_with_logits(logits_B, batch.labels_B)
     loss.backward()
     optimizer.step()
@@ -95,4 +125,4 @@ def serve(model: Recommender, batch: Batch, *, compile: bool = False) -> torch.T
             _COMPILED[model] = torch.compile(model)
         forward = _COMPILED[model]
     with torch.inference_mode():
-        return torch.sigmoid(forward(batch.dense_BF, batch.sparse))
+        return torch.sigmoid(forward(batch.dense_BF, batch.sparse, batch.history))
