@@ -93,7 +93,10 @@ def sweep(op: str, shape_name: str, device: torch.device, quick: bool) -> list[d
     tol = problem.tolerance(shape.dtype)
     flops = problem.flops(shape)
     rows = []
-    default_out, lse = _call(op, inputs, return_lse=True)
+    if op == "gdpa":
+        default_out, lse = _call(op, inputs), None
+    else:
+        default_out, lse = _call(op, inputs, return_lse=True)
     fwd_configs = FWD_CONFIGS[:3] if quick else FWD_CONFIGS
     for cfg in fwd_configs:
         row = {"op": op, "shape": shape_name, "pass": "fwd", "config": list(cfg)}
