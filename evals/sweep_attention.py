@@ -147,7 +147,9 @@ def sweep(op: str, shape_name: str, device: torch.device, quick: bool) -> list[d
 
 
 def diagnose_realistic(device: torch.device) -> None:
-    """Where the default forward disagrees with the fp32 reference on the GPU test's case."""
+    """Where the default kernels disagree with the fp32 reference on a realistic case: every
+    combination of targets and relative bias, under several forward configurations, plus the
+    backward's gradients against autograd of the reference."""
     from search_space.attention import jagged_attention_reference
 
     lengths = [1024, 639, 58, 460, 313, 29, 27, 403]
@@ -156,23 +158,33 @@ def diagnose_realistic(device: torch.device) -> None:
     total = int(offsets[-1])
     gen = torch.Generator(device=device).manual_seed(1)
     q, k, v = (torch.randn(total, 4, 128, generator=gen, device=device).bfloat16() for _ in range(3))
-    ref = jagged_attention_reference(q.float(), k.float(), v.float(), offsets, max_seq_len=1024)
+    bias = torch.randn(4, 64, generator=gen, device=device)
+    targets = torch.full((len(lengths),), 16, device=device)
     starts = offsets[:-1].tolist()
-    for cfg in [None, (128, 64, 8, 1), (64, 64, 4, 2), (128, 128, 8, 2), (64, 32, 4, 2), (16, 16, 1, 1)]:
-        config = {} if cfg is None else _named("", cfg)
-        out = ka.jagged_attention_forward(q, k, v, offsets, max_seq_len=1024, **config).float()
-        err = (out - ref).abs()
-        rms = ref.pow(2).mean().sqrt()
-        bad = (err > 0.05 * rms + 0.02 * ref.abs()).any(-1)  # [T, H]
-        rows = bad.nonzero().tolist()
-        where = []
-        for t, h in rows[:6]:
-            seq = max(i for i, s in enumerate(starts) if s <= t)
-            where.append((seq, t - starts[seq], h))
-        print(
-            f"diag cfg={cfg or 'default'} max_err={err.max().item():.4f} bad_rows={len(rows)} first={where}",
-            flush=True,
-        )
+    for activation in ("softmax", "silu"):
+        for with_targets, with_bias in ((False, False), (True, False), (False, True), (True, True)):
+            extra = {
+                "num_targets": targets if with_targets else None,
+                "rel_bias": bias if with_bias else None,
+                "max_seq_len": 1024,
+                "activation": activation,
+            }
+            ref = jagged_attention_reference(q.float(), k.float(), v.float(), offsets, **extra)
+            rms = ref.pow(2).mean().sqrt()
+            for cfg in [None, (64, 32, 4, 1), (64, 32, 4, 3), (128, 64, 8, 3), (16, 16, 1, 1)]:
+                config = {} if cfg is None else _named("", cfg)
+                out = ka.jagged_attention_forward(q, k, v, offsets, **extra, **config).float()
+                err = (out - ref).abs()
+                bad = (err > 0.05 * rms + 0.02 * ref.abs()).any(-1)  # [T, H]
+                where = []
+                for t, h in bad.nonzero().tolist()[:4]:
+                    seq = max(i for i, s in enumerate(starts) if s <= t)
+                    where.append((seq, t - starts[seq], h))
+                print(
+                    f"diag {activation} targets={with_targets} bias={with_bias} cfg={cfg or 'default'} "
+                    f"max_err={err.max().item():.4f} bad_rows={int(bad.sum())} first={where}",
+                    flush=True,
+                )
 
 
 def main() -> None:
