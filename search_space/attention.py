@@ -43,8 +43,11 @@ def relative_bucket(distance: torch.Tensor, num_buckets: int) -> torch.Tensor:
     if num_buckets < 2 or exact & (exact - 1):
         raise ValueError(f"num_buckets must be twice a power of two, got {num_buckets}")
     d = distance.to(torch.int64)
-    octave = torch.floor(torch.log2(d.clamp(min=1).double())).to(torch.int64)
-    upper = (2 * d >= 3 * torch.pow(2, octave)).to(torch.int64)
+    # frexp is exact (d = m 2^e with m in [0.5, 1)): floor(log2 d) = e - 1, and the upper half
+    # of the octave is m >= 0.75. A float log2 may round 2^k down on some devices.
+    mantissa, exponent = torch.frexp(d.clamp(min=1).double())
+    octave = exponent.to(torch.int64) - 1
+    upper = (mantissa >= 0.75).to(torch.int64)
     far = exact + 2 * (octave - int(math.log2(exact))) + upper
     return torch.where(d < exact, d, far.clamp(max=num_buckets - 1))
 
