@@ -38,7 +38,7 @@ from sandbox.protocol import all_baselines, compare, fresh_seed
 from sandbox.timing import benchmark
 from sandbox.worker import baseline_providers
 from search_space import get_problem
-from search_space.problem import Problem, Shape
+from search_space.problem import Inputs, Problem, Shape
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 BWD_FLOP_FACTOR = 2.5
@@ -108,7 +108,8 @@ def _providers(problem: Problem, shape: Shape, device: torch.device, kernel: Cal
 
 def _time_forward(fn, arg_sets, ref, problem, shape, device) -> dict:
     args, kwargs = arg_sets[0]
-    ok, details = compare(fn(*args, **kwargs), ref, problem.tolerance(shape.dtype))
+    scale = problem.tolerance_scale(Inputs(args=args, kwargs=kwargs))
+    ok, details = compare(fn(*args, **kwargs), ref, problem.tolerance(shape.dtype), scale)
     stats = benchmark(fn, arg_sets, device=device)
     return {
         "stats": stats,

@@ -29,7 +29,7 @@ from sandbox.protocol import all_baselines, compare, fresh_seed
 from sandbox.timing import benchmark
 from sandbox.worker import baseline_providers
 from search_space import get_problem, problem_names
-from search_space.problem import Problem, Shape
+from search_space.problem import Inputs, Problem, Shape
 
 COPY_BYTES = 2 * 1024**3
 FAMILIES = ("embedding", "attention", "all")
@@ -155,7 +155,8 @@ def run_op_benchmark(
         nbytes = problem.bytes(shape)
         results = {}
         for name, fn in _providers(problem, lib, device, shape).items():
-            ok, details = compare(fn(*args, **kwargs), ref, problem.tolerance(shape.dtype))
+            scale = problem.tolerance_scale(Inputs(args=args, kwargs=kwargs))
+            ok, details = compare(fn(*args, **kwargs), ref, problem.tolerance(shape.dtype), scale)
             results[name] = (benchmark(fn, arg_sets, device=device), ok, details.get("message", ""))
         torch_us = next((s.median_us for n, (s, _, _) in results.items() if n.startswith("torch.")), None)
         for name, (stats, ok, msg) in results.items():

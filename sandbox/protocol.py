@@ -97,22 +97,25 @@ def _nbytes(out: Output) -> int:
     return sum(t.numel() * t.element_size() for t in output_tensors(out))
 
 
-def compare(out: object, ref: Output, tol: Tolerance) -> tuple[bool, dict]:
-    """Closeness of `out` to `ref` under `tol`; the details say where and by how much. A tuple
-    reference (several outputs, such as gradients) needs a tuple of as many tensors, each close."""
+def compare(out: object, ref: Output, tol: Tolerance, scale: float | None = None) -> tuple[bool, dict]:
+    """Closeness of `out` to `ref` under `tol`; the details say where and by how much. `scale`
+    is what atol is relative to (None: the reference's RMS). A tuple reference (several
+    outputs, such as gradients) needs a tuple of as many tensors, each close."""
     if isinstance(ref, tuple):
         if not isinstance(out, tuple | list) or len(out) != len(ref):
             got = f"{len(out)} values" if isinstance(out, tuple | list) else type(out).__name__
             return False, {"message": f"returned {got}, expected a tuple of {len(ref)} tensors"}
         for i, (o, r) in enumerate(zip(out, ref, strict=True)):
-            ok, details = compare(o, r, tol)
+            ok, details = compare(o, r, tol, scale)
             if not ok:
                 return False, {**details, "message": f"output {i}: {details['message']}"}
         return True, {}
-    return _compare_tensor(out, ref, tol)
+    return _compare_tensor(out, ref, tol, scale)
 
 
-def _compare_tensor(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[bool, dict]:
+def _compare_tensor(
+    out: object, ref: torch.Tensor, tol: Tolerance, scale: float | None = None
+) -> tuple[bool, dict]:
     if not isinstance(out, torch.Tensor):
         return False, {"message": f"returned {type(out).__name__}, expected a Tensor"}
     if out.shape != ref.shape or out.dtype != ref.dtype or out.device != ref.device:
@@ -124,8 +127,9 @@ def _compare_tensor(out: object, ref: torch.Tensor, tol: Tolerance) -> tuple[boo
         return True, {}
     out64, ref64 = out.double(), ref.double()
     diff = (out64 - ref64).abs()
-    rms = ref64.pow(2).mean().sqrt().item()
-    scale = max(rms, 1e-6)
+    if scale is None:
+        scale = ref64.pow(2).mean().sqrt().item()
+    scale = max(scale, 1e-6)
     bound = tol.atol * scale + tol.rtol * ref64.abs()
     bad = ~(diff <= bound)  # NaN compares false, so NaN counts as bad
     norm_rel = ((out64 - ref64).norm() / max(ref64.norm().item(), 1e-12)).item()
@@ -189,7 +193,8 @@ def check_shape(
         seen.add(storage)
         if held is not None:
             held.append(tensor)
-    ok, details = compare(out, ref, problem.tolerance(shape.dtype))
+    tol, scale = problem.tolerance(shape.dtype), problem.tolerance_scale(pristine)
+    ok, details = compare(out, ref, tol, scale)
     if ok and repeat:
         poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))
         second = fn(*inputs.args, **inputs.kwargs)
@@ -198,7 +203,7 @@ def check_shape(
             t.numel() > 0 and t.untyped_storage().data_ptr() in first_storages for t in output_tensors(second)
         ):
             return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
-        again, _ = compare(second, out, problem.tolerance(shape.dtype))
+        again, _ = compare(second, out, tol, scale)
         if not again:
             return ShapeCheck(
                 **base,
@@ -244,7 +249,7 @@ def kernels_do_the_work(problem: Problem, fn: Callable, device: torch.device) ->
     poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))
     with kernels_disabled():
         out = fn(*inputs.args, **inputs.kwargs)
-    still_ok, _ = compare(out, ref, problem.tolerance(shape.dtype))
+    still_ok, _ = compare(out, ref, problem.tolerance(shape.dtype), problem.tolerance_scale(ref_inputs))
     message = "output is still correct with every Triton kernel disabled" if still_ok else ""
     return ShapeCheck(shape=shape.name, dtype=shape.dtype, trial=-1, ok=not still_ok, message=message)
 

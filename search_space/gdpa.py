@@ -30,6 +30,7 @@ from search_space.attention_common import (
     pad,
     permuted,
     randn,
+    softmax_error_scale,
     token_positions,
     unpad,
 )
@@ -325,6 +326,7 @@ PROBLEM = Problem(
     timing_shapes=TIMING_SHAPES,
     interpreted_timing_shapes=INTERPRETED_TIMING_SHAPES,
     tolerances=TOLERANCES,
+    error_scale=softmax_error_scale,
     make_inputs=make_inputs,
     reference=gdpa_reference,
     baselines={"torch.padded": torch_padded},

@@ -39,6 +39,7 @@ from search_space.attention_common import (
     permuted,
     randn,
     sdpa,
+    softmax_error_scale,
     token_positions,
     unpad,
 )
@@ -397,6 +398,7 @@ PROBLEM = Problem(
     timing_shapes=TIMING_SHAPES,
     interpreted_timing_shapes=INTERPRETED_TIMING_SHAPES,
     tolerances=TOLERANCES,
+    error_scale=softmax_error_scale,
     make_inputs=make_inputs,
     reference=jagged_attention_reference,
     baselines={"torch.padded": torch_padded},

@@ -35,10 +35,11 @@ class Shape:
 
 @dataclass(frozen=True, kw_only=True)
 class Tolerance:
-    """Closeness rule: |out - ref| <= atol * rms(ref) + rtol * |ref| element-wise.
+    """Closeness rule: |out - ref| <= atol * scale + rtol * |ref| element-wise, with scale the
+    output's root-mean-square (or the problem's `error_scale`).
 
-    atol is relative to the output's root-mean-square so that returning zeros cannot pass on
-    outputs of small magnitude, and `norm_rtol` bounds ||out - ref|| / ||ref|| as a whole.
+    atol is relative to a magnitude of the call, not absolute, so that returning zeros cannot
+    pass on outputs of small magnitude, and `norm_rtol` bounds ||out - ref|| / ||ref|| as a whole.
     """
 
     atol: float
@@ -102,6 +103,12 @@ class Problem:
     shape_baselines: Mapping[str, ShapeBaseline] = field(default_factory=dict)
     # torch functions that compute this op: a candidate may not fall back to them.
     forbidden_ops: tuple[str, ...] = ()
+    # The magnitude a correct kernel's rounding errors scale with, from the call's inputs, where
+    # that is not the output's RMS (Tolerance's default); None: the output's RMS.
+    error_scale: Callable[[Inputs], float | None] | None = None
+
+    def tolerance_scale(self, inputs: Inputs) -> float | None:
+        return None if self.error_scale is None else self.error_scale(inputs)
 
     def tolerance(self, dtype: str) -> Tolerance:
         if dtype not in self.tolerances:

@@ -38,6 +38,7 @@ from search_space.attention_common import (
     permuted,
     randn,
     sdpa,
+    softmax_error_scale,
     token_positions,
 )
 from search_space.problem import Inputs, Problem, Shape, ShapeBaseline
@@ -446,6 +447,7 @@ PROBLEM = Problem(
     timing_shapes=TIMING_SHAPES,
     interpreted_timing_shapes=INTERPRETED_TIMING_SHAPES,
     tolerances=TOLERANCES,
+    error_scale=softmax_error_scale,
     make_inputs=make_inputs,
     reference=reference,
     baselines={"torch.padded": torch_padded, "torch.replicate_kv": torch_replicate_kv},

@@ -201,3 +201,17 @@ def test_check_shape_with_several_outputs(candidate, message: str) -> None:
     check = check_shape(PAIR, candidate, PAIR.check_shapes[0], 0, CPU, repeat=True, held=[])
     assert check.ok == (message == ""), check.message
     assert message in check.message
+
+
+def test_compare_scale_replaces_the_reference_rms() -> None:
+    """A problem's error scale (e.g. the values' RMS for softmax attention) sets what atol is
+    relative to; the norm bound still fails an output that is wrong as a whole."""
+    ref = torch.ones(100)
+    ref[0] = 1e-3
+    near = ref.clone()
+    near[0] += 0.03  # 1.5 x atol of the output's RMS (about 1), within atol of a scale of 2
+    tol = Tolerance(atol=2e-2, rtol=2e-2, norm_rtol=1e-2)
+    assert not compare(near, ref, tol)[0]
+    assert compare(near, ref, tol, scale=2.0)[0]
+    ok, details = compare(torch.zeros(100), ref, tol, scale=1000.0)
+    assert not ok and "relative error norm" in details["message"]
