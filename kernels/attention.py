@@ -861,15 +861,19 @@ def _attn_bwd_dq_kernel(
 # --- launch configuration ---------------------------------------------------------------------
 
 
-def _forward_config(head_dim: int, dtype: torch.dtype, device: torch.device, has_bias: bool = False) -> dict:
+def _forward_config(
+    head_dim: int, dtype: torch.dtype, device: torch.device, has_bias: bool = False, softmax: bool = True
+) -> dict:
     """Launch parameters of the forward kernel.
 
     GPU values: FlashAttention-2 style tiles, picked from sm_90 builds (triton 3.9, cuobjdump
     resource usage) so that the heaviest variant of each row (softmax, causal, targets, bias)
-    spills no registers or a few dozen bytes; starting points for the search, not yet timed on
-    an H200. The relative bias costs registers (a bucket and a gathered load per score), hence
-    smaller tiles with it at D = 128. In the interpreter: 16 x 16 tiles, so that short test
-    sequences span several blocks and every boundary case runs.
+    spills no registers or a few dozen bytes; at D = 128 without a bias, the fastest of ten
+    tilings timed on an H200 (evals/sweep_attention.py, BENCHMARKS.md): 128 x 64 with 8 warps for
+    softmax, 128 x 32 with 4 warps for pointwise activations (10% faster for silu and gelu,
+    whose tile holds no running max and sum). The relative bias costs registers (a bucket and a
+    gathered load per score), hence smaller tiles with it at D = 128. In the interpreter: 16 x 16
+    tiles, so that short test sequences span several blocks and every boundary case runs.
     """
     if device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
@@ -881,6 +885,8 @@ def _forward_config(head_dim: int, dtype: torch.dtype, device: torch.device, has
     if head_dim <= 128:
         if has_bias:
             return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        if not softmax:
+            return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
 
@@ -905,9 +911,12 @@ def _backward_config(
             "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
         }
     if head_dim <= 128 and not has_bias:
+        # Timed on an H200 at D = 128 (evals/sweep_attention.py): these beat the 8-warp,
+        # 2-stage tiles of the first cut by 1.4x (dK/dV) and 1.1x to 1.4x (dQ) on softmax, silu,
+        # gelu and target attention alike.
         return {
-            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-            "dq": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
+            "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+            "dq": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
         }
     return {
         "dkdv": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
@@ -1308,6 +1317,7 @@ def _default_scale(head_dim: int, scale: float | None) -> float:
 def _configs(
     q: torch.Tensor,
     has_bias: bool,
+    softmax: bool,
     block_m: int | None,
     block_n: int | None,
     num_warps: int | None,
@@ -1318,7 +1328,7 @@ def _configs(
     dq_overrides the backward's (dK/dV, dQ)."""
     head_dim, dtype, device = q.shape[-1], q.dtype, q.device
     if dq_overrides is None:
-        defaults = _forward_config(head_dim, dtype, device, has_bias)
+        defaults = _forward_config(head_dim, dtype, device, has_bias, softmax)
         return _with_overrides(defaults, block_m, block_n, num_warps, num_stages)
     defaults = _backward_config(head_dim, dtype, device, has_bias)
     return (
@@ -1373,7 +1383,9 @@ def jagged_attention_forward(
         act_scale=1.0 / max_seq_len if activation == "silu" and max_seq_len > 0 else 1.0,
         self_attn=True, causal=causal, num_targets=num_targets, rel_bias=rel_bias, broadcast_q=False,
         return_lse=return_lse,
-        config=_configs(q, rel_bias is not None, block_m, block_n, num_warps, num_stages),
+        config=_configs(
+            q, rel_bias is not None, activation == "softmax", block_m, block_n, num_warps, num_stages
+        ),
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -1406,7 +1418,7 @@ def jagged_attention_backward(
     [total_tokens, H, D] and d rel_bias [H, num_buckets] (None without a bias). block_m / block_n /
     num_warps / num_stages configure the dK/dV kernel, dq_* the dQ kernel."""
     dkdv_config, dq_config = _configs(
-        q, rel_bias is not None, block_m, block_n, num_warps, num_stages,
+        q, rel_bias is not None, activation == "softmax", block_m, block_n, num_warps, num_stages,
         (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages),
     )  # fmt: skip
     return _launch_backward(
@@ -1470,7 +1482,7 @@ def gdpa_forward(
         num_out_rows=num_out_rows, max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=broadcast_q, return_lse=False,
-        config=_configs(q, False, block_m, block_n, num_warps, num_stages),
+        config=_configs(q, False, False, block_m, block_n, num_warps, num_stages),
     )  # fmt: skip
     return out
 
@@ -1499,6 +1511,7 @@ def gdpa_backward(
     out_offsets, max_q_len, max_kv_len = _gdpa_layout(q, k, q_offsets, kv_offsets, broadcast_q)
     dkdv_config, dq_config = _configs(
         q,
+        False,
         False,
         block_m,
         block_n,
@@ -1554,7 +1567,7 @@ def target_attention_forward(
         activation=activation,
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
-        config=_configs(q_cand, False, block_m, block_n, num_warps, num_stages),
+        config=_configs(q_cand, False, activation == "softmax", block_m, block_n, num_warps, num_stages),
     )  # fmt: skip
     out = groups.scatter(out_rows.view(num_cand, seeds, num_heads, head_dim))
     return (out, lse) if return_lse else out
@@ -1593,7 +1606,7 @@ def target_attention_backward(
         return groups.gather(x).reshape(rows, num_heads, head_dim)
 
     dkdv_config, dq_config = _configs(
-        q_cand, False, block_m, block_n, num_warps, num_stages,
+        q_cand, False, activation == "softmax", block_m, block_n, num_warps, num_stages,
         (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages),
     )  # fmt: skip
     dq_rows, dk, dv, _ = _launch_backward(
