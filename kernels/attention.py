@@ -60,7 +60,6 @@ for the p @ v product. Shape suffixes: M query rows, N key rows, D head dim, B b
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -78,17 +77,27 @@ ACTIVATIONS = {
 # --- device helpers ---------------------------------------------------------------------------
 
 # Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
-# (triton-lang/triton#11584). Interpreted, they go through fp32 instead: exact, so the products
-# are the ones a GPU forms. Read like triton.jit reads it, when this module is imported.
-_BF16_DOT_VIA_FP32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# (triton-lang/triton#11584). Interpreted (tensors on the CPU), the launchers pass
+# DOT_PRECISION = "via_fp32": bfloat16 operands go through exact fp32 products instead, the
+# ones a GPU forms.
+INTERPRETED_BF16 = "via_fp32"
+
+
+def _dot_precision(x: torch.Tensor) -> str:
+    if x.dtype == torch.float32:
+        return "ieee"
+    return INTERPRETED_BF16 if x.device.type != "cuda" else "tf32"
 
 
 @triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr):
-    if _BF16_DOT_VIA_FP32 and a.dtype == tl.bfloat16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if DOT_PRECISION == "via_fp32":
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -1146,6 +1155,12 @@ def _check_row_offsets(max_q_len: int, max_kv_len: int, q_side: list, kv_side: l
             raise ValueError(f"a sequence of {max_len} rows of stride {widest} exceeds 32-bit offsets")
 
 
+def _fp32_bias(rel_bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias table as the kernels read it: fp32, dense ([H, num_buckets], a few hundred bytes,
+    so whatever dtype the model keeps it in costs one tiny copy)."""
+    return None if rel_bias is None else rel_bias.float().contiguous()
+
+
 def _bias_args(rel_bias: torch.Tensor | None) -> tuple[int, int]:
     """(NUM_BUCKETS, LOG2_EXACT); fixed dummies without a bias, so they add no compilations."""
     if rel_bias is None:
@@ -1185,7 +1200,8 @@ def _launch_forward(
         # Nothing to attend to: zeros, as the reference gives (lse = log 0).
         return out.zero_(), lse.fill_(float("-inf")) if lse is not None else None
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    q_offsets, kv_offsets, num_targets, rel_bias = map(_dense, (q_offsets, kv_offsets, num_targets, rel_bias))
+    q_offsets, kv_offsets, num_targets = map(_dense, (q_offsets, kv_offsets, num_targets))
+    rel_bias = _fp32_bias(rel_bias)
     _check_row_offsets(max_q_len, max_kv_len, [q, out], [k, v])
     num_buckets, log2_exact = _bias_args(rel_bias)
     block_m = config["BLOCK_M"]
@@ -1201,7 +1217,7 @@ def _launch_forward(
         ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
         HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
         STORE_LSE=lse is not None, NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=_dot_precision(q),
         **config,
     )  # fmt: skip
     return out, lse
@@ -1243,6 +1259,8 @@ def _launch_backward(
     dq_rows = torch.empty(
         (num_out_rows, num_heads, head_dim), dtype=torch.float32 if broadcast_q else q.dtype, device=device
     )
+    bias_dtype = None if rel_bias is None else rel_bias.dtype
+    rel_bias = _fp32_bias(rel_bias)
     num_buckets, log2_exact = _bias_args(rel_bias)
     block_n = dkdv_config["BLOCK_N"]
     num_k_blocks = triton.cdiv(max_kv_len, block_n)
@@ -1277,7 +1295,7 @@ def _launch_backward(
             ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
             HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
             NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION=_dot_precision(q),
         )  # fmt: skip
         scalars = (scale * LOG2E if softmax else scale, LOG2E if softmax else 1.0, scale, act_scale)
         targets_arg = num_targets if num_targets is not None else q_offsets
@@ -1306,7 +1324,7 @@ def _launch_backward(
         dq = dq_rows.view(num_seqs, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
     d_rel_bias = None
     if dbias_partial is not None:
-        d_rel_bias = dbias_partial.sum(1).to(rel_bias.dtype)
+        d_rel_bias = dbias_partial.sum(1).to(bias_dtype)
     return dq, dk, dv, d_rel_bias
 
 

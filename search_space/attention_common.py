@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from search_space import workload
 from search_space.problem import Inputs, Shape, Tolerance
+from search_space.template import Knob, KnobTemplate
 
 # Closeness of attention outputs (RMS-relative, see Tolerance). A correct kernel accumulating in
 # fp32 differs from the fp32 reference by two roundings: the weights P (softmax probabilities or
@@ -409,3 +410,35 @@ def softmax_error_scale(inputs: Inputs) -> float | None:
         return None
     v = inputs.args[2]
     return v.double().pow(2).mean().sqrt().item() if v.numel() else None
+
+
+# --- the search space of the attention forward: its tiling ------------------------------------
+
+TILE_KNOBS = (
+    Knob("BLOCK_M", (32, 64, 128), default=128, help="query rows a program keeps resident"),
+    Knob("BLOCK_N", (16, 32, 64, 128), default=64, help="key rows streamed per step"),
+    Knob("num_warps", (4, 8), default=8, help="warps per program"),
+    Knob("num_stages", (1, 2, 3, 4), default=3, help="software pipelining depth of the key loop"),
+)
+
+
+def tile_constraint(knobs: dict) -> str | None:
+    """Tiles whose fp32 score and accumulator tiles cannot fit a program's registers."""
+    if knobs["BLOCK_M"] * knobs["BLOCK_N"] > 128 * 64:
+        return f"BLOCK_M * BLOCK_N = {knobs['BLOCK_M'] * knobs['BLOCK_N']} > 8192 scores per step spill"
+    if knobs["BLOCK_M"] < 16 * knobs["num_warps"] // 4:
+        return f"BLOCK_M = {knobs['BLOCK_M']} leaves warps of {knobs['num_warps']} without query rows"
+    return None
+
+
+def tile_template(problem: str) -> KnobTemplate:
+    """The library's attention module with an entry point that launches `problem`'s forward under
+    the knobs' tiling (see search_space/templates/<problem>.py.tmpl)."""
+    return KnobTemplate(
+        problem=problem,
+        template_file=f"{problem}.py.tmpl",
+        entry=problem,
+        knobs=TILE_KNOBS,
+        constraint=tile_constraint,
+        base_module="kernels.attention",
+    )

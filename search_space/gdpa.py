@@ -31,6 +31,7 @@ from search_space.attention_common import (
     permuted,
     randn,
     softmax_error_scale,
+    tile_template,
     token_positions,
     unpad,
 )
@@ -333,6 +334,8 @@ PROBLEM = Problem(
     flops=flops,
     bytes=bytes_moved,
     bucket=bucket,
-    template=None,
+    template="gdpa",
     forbidden_ops=FORBIDDEN_OPS,
 )
+
+TEMPLATE = tile_template("gdpa")

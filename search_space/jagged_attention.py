@@ -40,6 +40,7 @@ from search_space.attention_common import (
     randn,
     sdpa,
     softmax_error_scale,
+    tile_template,
     token_positions,
     unpad,
 )
@@ -406,6 +407,8 @@ PROBLEM = Problem(
     flops=flops,
     bytes=bytes_moved,
     bucket=bucket,
-    template=None,
+    template="jagged_attention",
     forbidden_ops=FORBIDDEN_OPS,
 )
+
+TEMPLATE = tile_template("jagged_attention")

@@ -39,6 +39,7 @@ from search_space.attention_common import (
     randn,
     sdpa,
     softmax_error_scale,
+    tile_template,
     token_positions,
 )
 from search_space.problem import Inputs, Problem, Shape, ShapeBaseline
@@ -455,6 +456,8 @@ PROBLEM = Problem(
     flops=flops,
     bytes=bytes_moved,
     bucket=bucket,
-    template=None,
+    template="target_attention",
     forbidden_ops=FORBIDDEN_OPS,
 )
+
+TEMPLATE = tile_template("target_attention")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 
@@ -29,11 +31,17 @@ class Knob:
 
 @dataclass(frozen=True, kw_only=True)
 class KnobTemplate:
+    """`template_file` (under search_space/templates) with `$KNOB` placeholders; with
+    `base_module`, the rendered text follows that module's source, verbatim: the template is then
+    an entry point that launches the module's kernels with the knobs' configuration (the module
+    is read as text, not imported, and must itself pass the screen)."""
+
     problem: str
     template_file: str
     entry: str
     knobs: tuple[Knob, ...]
     constraint: Callable[[dict[str, Any]], str | None]
+    base_module: str | None = None
 
     def defaults(self) -> dict[str, Any]:
         return {k.name: k.default for k in self.knobs}
@@ -60,10 +68,19 @@ class KnobTemplate:
     def source_template(self) -> str:
         return resources.files("search_space").joinpath("templates", self.template_file).read_text()
 
+    def base_source(self) -> str:
+        if self.base_module is None:
+            return ""
+        spec = importlib.util.find_spec(self.base_module)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"template {self.problem!r}: no module {self.base_module!r} to build on")
+        return Path(spec.origin).read_text()
+
     def render(self, knobs: dict[str, Any]) -> str:
         """Complete module source for these knob values (validated first)."""
         full = self.validate(knobs)
-        return string.Template(self.source_template()).substitute({k: repr(v) for k, v in full.items()})
+        entry = string.Template(self.source_template()).substitute({k: repr(v) for k, v in full.items()})
+        return self.base_source() + entry
 
 
 def source_hash(source: str) -> str:

@@ -1,0 +1,66 @@
+"""The attention problems' search space: the library's forward under a tiling chosen by knobs,
+rendered as a self-contained candidate that passes the screen and the sandbox."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sandbox.candidate import Candidate
+from sandbox.local import LocalBackend
+from sandbox.result import Status
+from sandbox.screen import screen
+from search_space import get_problem
+from search_space.template import get_template
+
+OPS = ("jagged_attention", "gdpa", "target_attention")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_rendered_template_is_a_screen_clean_module_with_the_tiling(op: str) -> None:
+    template, problem = get_template(op), get_problem(op)
+    assert problem.template == op
+    source = template.render({"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2})
+    assert screen(source, problem.entry, problem.forbidden_ops) == []
+    assert '"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2' in source
+    assert source != template.render(template.defaults())
+
+
+def test_tilings_that_cannot_fit_are_refused() -> None:
+    template = get_template("jagged_attention")
+    with pytest.raises(ValueError, match="spill"):
+        template.render({"BLOCK_M": 128, "BLOCK_N": 128})
+    with pytest.raises(ValueError, match="not one of"):
+        template.render({"BLOCK_M": 48})
+
+
+@pytest.mark.slow
+def test_sandbox_accepts_the_default_tiling(tmp_path) -> None:
+    """Target attention (the quickest of the three interpreted): every check shape, bf16 and
+    fp32, with the NaN-poisoned allocator and the no-op proof."""
+    template = get_template("target_attention")
+    candidate = Candidate(
+        problem="target_attention",
+        source=template.render(template.defaults()),
+        entry=template.entry,
+        origin="template",
+    )
+    result = LocalBackend(scratch_root=tmp_path).evaluate(candidate, timing=False)
+    assert result.status == Status.OK, result.message
+    assert {c.dtype for c in result.checks} >= {"bf16", "fp32"}
+
+
+def test_a_bf16_bias_table_reads_as_its_values(device: torch.device) -> None:
+    """A model may keep its relative bias in bf16; the kernels read it as fp32 values."""
+    from kernels.attention import jagged_attention_forward
+    from search_space.attention import jagged_attention_reference
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(40, 2, 16, generator=gen, device=device).bfloat16() for _ in range(3))
+    offsets = torch.tensor([0, 17, 40], device=device)
+    bias = torch.randn(2, 8, generator=gen, device=device).bfloat16()
+    out = jagged_attention_forward(q, k, v, offsets, max_seq_len=23, rel_bias=bias)
+    want = jagged_attention_reference(
+        q.float(), k.float(), v.float(), offsets, max_seq_len=23, rel_bias=bias.float()
+    )
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
