@@ -63,7 +63,7 @@ def test_problems_are_registered() -> None:
     for name, p in PROBLEMS.items():
         assert p.name == p.entry == name and p.op_family == "attention"
         assert p.signature.startswith(f"{name}(") and "scale" in p.signature
-        assert p.template is None and p.description
+        assert p.template == name and p.description
         for shape in (*p.check_shapes, *p.timing_shapes, *p.interpreted_timing_shapes):
             p.tolerance(shape.dtype)
         assert {s.dtype for s in p.check_shapes} == {"fp32", "bf16", "fp16"}
