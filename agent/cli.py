@@ -193,7 +193,7 @@ def sandbox_eval(
 ) -> None:
     """Check and time one candidate in an isolated worker process."""
     from sandbox import Candidate, LocalBackend, Status
-    from sandbox.protocol import all_baselines
+    from sandbox.protocol import campaign_baselines
     from search_space import get_problem
 
     try:
@@ -208,7 +208,7 @@ def sandbox_eval(
         raise fail(f"cannot read {source}: {exc}") from None
     candidate = Candidate(problem=prob.name, source=text, entry=entry or prob.entry, origin="human")
     result = LocalBackend(timeout_s=timeout).evaluate(
-        candidate, timing=timing, baselines=all_baselines(prob) if baselines else []
+        candidate, timing=timing, baselines=campaign_baselines(prob) if baselines else []
     )
     if as_json:
         print(result.model_dump_json(indent=2))

@@ -15,7 +15,7 @@ from agent.proposers import ProposalRequest, propose_batch
 from agent.report import write_report
 from agent.state import CampaignContext, CampaignState
 from agent.store import EvaluationRow
-from sandbox.protocol import all_baselines
+from sandbox.protocol import campaign_baselines
 from sandbox.result import EvalResult, Status, TimingStats
 
 # A new best must beat the old by more than the timing noise, and never by less than this.
@@ -91,7 +91,7 @@ def route_after_propose(state: CampaignState) -> Literal["evaluate", "register"]
 def _baselines(ctx: CampaignContext, problem: str) -> list[str]:
     from search_space import get_problem
 
-    return list(ctx.config.sandbox.baselines or all_baselines(get_problem(problem)))
+    return list(ctx.config.sandbox.baselines or campaign_baselines(get_problem(problem)))
 
 
 def _baselines_to_time(ctx: CampaignContext, problem: str) -> list[str]:

@@ -61,6 +61,13 @@ def all_baselines(problem: Problem) -> list[str]:
     return ["reference", "reference.compile", *problem.baselines]
 
 
+def campaign_baselines(problem: Problem) -> list[str]:
+    """The baselines a campaign times by default: the problem's choice, else all of them."""
+    if problem.campaign_baselines is not None:
+        return list(problem.campaign_baselines)
+    return all_baselines(problem)
+
+
 def fresh_seed() -> int:
     return secrets.randbits(62)
 

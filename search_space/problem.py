@@ -103,6 +103,10 @@ class Problem:
     shape_baselines: Mapping[str, ShapeBaseline] = field(default_factory=dict)
     # torch functions that compute this op: a candidate may not fall back to them.
     forbidden_ops: tuple[str, ...] = ()
+    # What a campaign times its candidates against when its config names no baselines; None:
+    # every baseline (see sandbox.protocol.all_baselines). Problems whose plain reference takes
+    # minutes at the timing shapes (a Python loop over sequences) leave it out.
+    campaign_baselines: tuple[str, ...] | None = None
     # The magnitude a correct kernel's rounding errors scale with, from the call's inputs, where
     # that is not the output's RMS (Tolerance's default); None: the output's RMS.
     error_scale: Callable[[Inputs], float | None] | None = None

@@ -64,3 +64,13 @@ def test_a_bf16_bias_table_reads_as_its_values(device: torch.device) -> None:
         q.float(), k.float(), v.float(), offsets, max_seq_len=23, rel_bias=bias.float()
     )
     torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_campaigns_time_attention_against_the_padded_baseline_only() -> None:
+    """The loop reference takes minutes at the timing shapes; embedding bags keep every baseline."""
+    from sandbox.protocol import all_baselines, campaign_baselines
+
+    for op in OPS:
+        assert campaign_baselines(get_problem(op)) == ["torch.padded"]
+    embedding = get_problem("embedding_bag")
+    assert campaign_baselines(embedding) == all_baselines(embedding)
