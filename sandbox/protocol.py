@@ -105,9 +105,10 @@ def _nbytes(out: Output) -> int:
 
 
 def compare(out: object, ref: Output, tol: Tolerance, scale: float | None = None) -> tuple[bool, dict]:
-    """Closeness of `out` to `ref` under `tol`; the details say where and by how much. `scale`
-    is what atol is relative to (None: the reference's RMS). A tuple reference (several
-    outputs, such as gradients) needs a tuple of as many tensors, each close."""
+    """Closeness of `out` to `ref` under `tol`; the details say where and by how much. atol is
+    relative to the reference's RMS, or to `scale` where that is larger (a problem's error
+    scale: the magnitude its rounding errors come with). A tuple reference (several outputs,
+    such as gradients) needs a tuple of as many tensors, each close."""
     if isinstance(ref, tuple):
         if not isinstance(out, tuple | list) or len(out) != len(ref):
             got = f"{len(out)} values" if isinstance(out, tuple | list) else type(out).__name__
@@ -134,12 +135,12 @@ def _compare_tensor(
         return True, {}
     out64, ref64 = out.double(), ref.double()
     diff = (out64 - ref64).abs()
-    if scale is None:
-        scale = ref64.pow(2).mean().sqrt().item()
-    scale = max(scale, 1e-6)
+    rms = ref64.pow(2).mean().sqrt().item()
+    scale = max(rms, scale or 0.0, 1e-6)
     bound = tol.atol * scale + tol.rtol * ref64.abs()
     bad = ~(diff <= bound)  # NaN compares false, so NaN counts as bad
-    norm_rel = ((out64 - ref64).norm() / max(ref64.norm().item(), 1e-12)).item()
+    ref_norm = ref64.norm().item()
+    norm_rel = ((out64 - ref64).norm() / max(ref_norm, 1e-12)).item()
     worst = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
     worst_index = list(torch.unravel_index(torch.tensor(worst), ref.shape))
     details = {
@@ -155,7 +156,9 @@ def _compare_tensor(
             f"expected {ref64.flatten()[worst].item():.6g}"
         )
         return False, details
-    if not norm_rel <= tol.norm_rtol:
+    # Against an all-zero reference (dq of one-key softmax rows) there is no relative norm: the
+    # element-wise bound above, relative to the problem's error scale, is the test.
+    if ref_norm > 0 and not norm_rel <= tol.norm_rtol:
         details["message"] = f"relative error norm {norm_rel:.3g} exceeds {tol.norm_rtol:.3g}"
         return False, details
     return True, details

@@ -36,7 +36,7 @@ class Shape:
 @dataclass(frozen=True, kw_only=True)
 class Tolerance:
     """Closeness rule: |out - ref| <= atol * scale + rtol * |ref| element-wise, with scale the
-    output's root-mean-square (or the problem's `error_scale`).
+    output's root-mean-square, or the problem's `error_scale` where that is larger.
 
     atol is relative to a magnitude of the call, not absolute, so that returning zeros cannot
     pass on outputs of small magnitude, and `norm_rtol` bounds ||out - ref|| / ||ref|| as a whole.
@@ -107,8 +107,8 @@ class Problem:
     # every baseline (see sandbox.protocol.all_baselines). Problems whose plain reference takes
     # minutes at the timing shapes (a Python loop over sequences) leave it out.
     campaign_baselines: tuple[str, ...] | None = None
-    # The magnitude a correct kernel's rounding errors scale with, from the call's inputs, where
-    # that is not the output's RMS (Tolerance's default); None: the output's RMS.
+    # The magnitude a correct kernel's rounding errors come with, from the call's inputs, where
+    # that exceeds the output's RMS (Tolerance's default); None: the output's RMS.
     error_scale: Callable[[Inputs], float | None] | None = None
 
     def tolerance_scale(self, inputs: Inputs) -> float | None:
@@ -126,6 +126,9 @@ _PROBLEM_MODULES = {
     "jagged_attention": "search_space.jagged_attention",
     "gdpa": "search_space.gdpa",
     "target_attention": "search_space.target_attention",
+    "jagged_attention_grad": "search_space.jagged_attention_grad",
+    "gdpa_grad": "search_space.gdpa_grad",
+    "target_attention_grad": "search_space.target_attention_grad",
 }
 
 

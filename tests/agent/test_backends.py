@@ -40,24 +40,30 @@ def _run(tmp_path: Path, backend: str) -> dict[str, str]:
     return {r.candidate.id: r.result.status.value for r in campaigns.store.evaluations(outcome.campaign_id)}
 
 
-def test_local_and_ray_campaigns_agree(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The campaign on the local backend, run once for every comparison."""
+    statuses = _run(tmp_path_factory.mktemp("local"), "local")
+    assert len(statuses) == 3
+    return statuses
+
+
+def test_local_and_ray_campaigns_agree(tmp_path: Path, local: dict[str, str]) -> None:
     import ray
 
-    local = _run(tmp_path, "local")
     try:
         on_ray = _run(tmp_path, "ray")
     finally:
         ray.shutdown()
-    assert len(local) == 3 and on_ray == local
+    assert on_ray == local
 
 
 @pytest.mark.docker
-def test_local_and_docker_campaigns_agree(tmp_path: Path) -> None:
+def test_local_and_docker_campaigns_agree(tmp_path: Path, local: dict[str, str]) -> None:
     from sandbox.docker_image import DockerUnavailable, docker_client
 
     try:
         docker_client()
     except DockerUnavailable as exc:
         pytest.skip(str(exc))
-    local = _run(tmp_path, "local")
-    assert len(local) == 3 and _run(tmp_path, "docker") == local
+    assert _run(tmp_path, "docker") == local

@@ -1,0 +1,148 @@
+"""The gradients of the attention ops as problems of their own, so the sandbox checks backward
+kernels the way it checks forwards and the search can tune their tiling.
+
+A gradient problem's call is the forward's inputs plus `grad_out` (first); it returns the
+gradients of every differentiable input: (dq, dk, dv), and d rel_bias where the call has a bias.
+How a candidate gets the forward statistics it needs (a softmax's row sums) is its own affair:
+the timed call goes from inputs to gradients. The reference is autograd of the forward's
+reference in fp32 (fp64 when given fp64); baselines are autograd of the forward's baselines.
+
+    FLOPs   = 2.5 x the forward's (q.k recomputed, dP = dO v^T, dV = P^T dO, dQ, dK)
+    bytes   = 2.5 x the forward's minimum traffic (q, k, v, dO and O read; dq, dk, dv written)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from search_space.problem import Inputs, Problem, Shape, Tolerance
+from search_space.template import Knob, KnobTemplate
+
+BACKWARD_FLOP_FACTOR = 2.5
+
+# Gradients go through more roundings than the forward (dS = P (dP - delta) subtracts two
+# nearly equal terms, with delta = rowsum(dO * O) from the rounded O, an error shared by a
+# whole row; dK of target attention sums such errors over thousands of queries): correct bf16
+# kernels stay within these on the check shapes (two dK elements of a 2000-key history reached
+# 0.2 of the RMS), and a dropped key or a wrong mask is far outside the norm bound. A gradient
+# that is exactly zero (dq of a one-key softmax row) is compared against a hundredth of
+# grad_out's RMS instead of its own zero RMS (`grad_error_scale`).
+GRAD_TOLERANCES = {
+    "fp32": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=2e-5),
+    "bf16": Tolerance(atol=3e-1, rtol=5e-2, norm_rtol=1.5e-2),
+    "fp16": Tolerance(atol=2e-2, rtol=1e-2, norm_rtol=3e-3),
+}
+
+NUM_DIFFERENTIABLE = 3  # q, k, v lead every attention op's arguments
+
+
+def gradients_of(forward: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """fn(grad_out, *args, **kwargs) -> autograd gradients of `forward(*args, **kwargs)` for
+    q, k, v (and rel_bias where given), computed in fp32 (fp64 for fp64), in the inputs' dtypes."""
+
+    def grads(grad_out: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, ...]:
+        acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+        originals = list(args[:NUM_DIFFERENTIABLE])
+        names = [None] * NUM_DIFFERENTIABLE
+        if kwargs.get("rel_bias") is not None:
+            originals.append(kwargs["rel_bias"])
+            names.append("rel_bias")
+        leaves = [t.detach().to(acc).requires_grad_() for t in originals]
+        call_args = (*leaves[:NUM_DIFFERENTIABLE], *args[NUM_DIFFERENTIABLE:])
+        call_kwargs = dict(kwargs)
+        for name, leaf in zip(names, leaves, strict=True):
+            if name is not None:
+                call_kwargs[name] = leaf
+        with torch.enable_grad():
+            out = forward(*call_args, **call_kwargs)
+            if out.requires_grad:
+                found = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
+            else:  # nothing attends to anything (empty sequences): every gradient is zero
+                found = (None,) * len(leaves)
+        return tuple(
+            (torch.zeros_like(leaf) if g is None else g).to(t.dtype)
+            for g, leaf, t in zip(found, leaves, originals, strict=True)
+        )
+
+    return grads
+
+
+def grad_error_scale(inputs: Inputs) -> float:
+    """A floor under each gradient's RMS: a hundredth of the upstream gradient's."""
+    grad_out = inputs.args[0]
+    return 0.01 * grad_out.double().pow(2).mean().sqrt().item() if grad_out.numel() else 0.0
+
+
+def grad_problem(
+    forward: Problem,
+    *,
+    output_shape: Callable[[Inputs], tuple[int, ...]],
+    timing_shapes: tuple[Shape, ...],
+) -> Problem:
+    """The gradient problem of `forward` (see the module docstring). `output_shape` gives the
+    forward's output shape from its inputs (grad_out has it); `timing_shapes` are the forward's
+    shapes where the baselines' autograd fits in memory."""
+    name = f"{forward.name}_grad"
+
+    def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
+        fwd = forward.make_inputs(shape, seed, device)
+        gen = torch.Generator(device=device).manual_seed(seed ^ 0x6A7D)
+        grad_out = torch.randn(output_shape(fwd), generator=gen, device=device).to(shape.torch_dtype)
+        return Inputs(args=(grad_out, *fwd.args), kwargs=fwd.kwargs)
+
+    return dataclasses.replace(
+        forward,
+        name=name,
+        entry=name,
+        signature=f"{name}(grad_out, <the inputs of {forward.signature}>) -> (dq, dk, dv[, d_rel_bias])",
+        description=f"Gradients of {forward.name}.\n\n{__doc__}\n\n{forward.description}",
+        timing_shapes=timing_shapes,
+        tolerances=GRAD_TOLERANCES,
+        make_inputs=make_inputs,
+        reference=gradients_of(forward.reference),
+        baselines={key: gradients_of(fn) for key, fn in forward.baselines.items()},
+        shape_baselines={},
+        flops=lambda shape: BACKWARD_FLOP_FACTOR * forward.flops(shape),
+        bytes=lambda shape: BACKWARD_FLOP_FACTOR * forward.bytes(shape),
+        template=name,
+        error_scale=grad_error_scale,
+        forbidden_ops=(*forward.forbidden_ops, "autograd", "grad", "backward", "vjp", "jvp"),
+    )
+
+
+GRAD_KNOBS = (
+    Knob("BLOCK_M", (16, 32, 64), default=32, help="dK/dV kernel: query rows streamed per step"),
+    Knob("BLOCK_N", (32, 64, 128), default=64, help="dK/dV kernel: key rows a program keeps resident"),
+    Knob("num_warps", (4, 8), default=4, help="dK/dV kernel: warps per program"),
+    Knob("num_stages", (1, 2, 3), default=3, help="dK/dV kernel: pipelining depth of the query loop"),
+    Knob("DQ_BLOCK_M", (32, 64, 128), default=128, help="dQ kernel: query rows a program keeps resident"),
+    Knob("DQ_BLOCK_N", (16, 32, 64), default=64, help="dQ kernel: key rows streamed per step"),
+    Knob("DQ_num_warps", (4, 8), default=8, help="dQ kernel: warps per program"),
+    Knob("DQ_num_stages", (1, 2, 3), default=2, help="dQ kernel: pipelining depth of the key loop"),
+)
+
+
+def _grad_constraint(knobs: dict) -> str | None:
+    """The resident side keeps two fp32 accumulators of [rows, D] in registers (dk and dv; dq
+    and the query tile): 128 resident rows need 8 warps, or they spill."""
+    if knobs["BLOCK_N"] == 128 and knobs["num_warps"] < 8:
+        return "BLOCK_N = 128 resident keys need num_warps = 8 (dk and dv accumulators spill)"
+    if knobs["DQ_BLOCK_M"] == 128 and knobs["DQ_num_warps"] < 8:
+        return "DQ_BLOCK_M = 128 resident queries need DQ_num_warps = 8 (the dq accumulator spills)"
+    return None
+
+
+def grad_template(problem: str) -> KnobTemplate:
+    """The library's attention module with an entry that runs its forward (for the softmax
+    statistics) and its backward under the knobs' tilings."""
+    return KnobTemplate(
+        problem=problem,
+        template_file=f"{problem}.py.tmpl",
+        entry=problem,
+        knobs=GRAD_KNOBS,
+        constraint=_grad_constraint,
+        base_module="kernels.attention",
+    )
