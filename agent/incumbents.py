@@ -14,6 +14,7 @@ import torch
 from kernels import ops  # noqa: F401 - registers each op's default kernel with the dispatcher
 from kernels.registry import DISPATCHER, KernelLibrary, device_arch
 from sandbox.candidate import Candidate
+from search_space.template import get_template
 
 ORIGIN = "library"
 
@@ -24,9 +25,15 @@ def campaign_arch() -> str:
 
 
 def incumbents(problem: str, library: KernelLibrary, arch: str) -> list[Candidate]:
-    """The default kernel of `problem` and every kernel the library holds for `arch`."""
-    default = DISPATCHER.default(problem)
-    sources = [(Path(inspect.getsourcefile(default)).read_text(), default.__name__)]
+    """The default kernel of `problem` and every kernel the library holds for `arch`. A problem
+    that dispatch does not serve as an op of its own (an op's gradients, run inside its backward)
+    has its template at the default knobs instead: the library's kernels as they launch today."""
+    if problem in DISPATCHER.ops():
+        default = DISPATCHER.default(problem)
+        sources = [(Path(inspect.getsourcefile(default)).read_text(), default.__name__)]
+    else:
+        template = get_template(problem)
+        sources = [(template.render(template.defaults()), template.entry)]
     sources += [
         ((library.root / e.source_file).read_text(), e.entry)
         for e in library.entries()

@@ -194,6 +194,10 @@ class Dispatcher:
         self._defaults[op] = default
         self._references[op] = reference
 
+    def ops(self) -> list[str]:
+        """The ops registered for dispatch."""
+        return sorted(self._defaults)
+
     def default(self, op: str) -> Callable[..., torch.Tensor]:
         """The library's hand-written default kernel of `op`."""
         if op not in self._defaults:
