@@ -8,8 +8,11 @@ STAMP := $(VENV)/.installed
 # or apt-get, run `make test ENGINE=` (its tests skip when no daemon answers).
 ENGINE ?= engine
 DOCKERD_LOG ?= /tmp/recforge-dockerd.log
+# Headless chromium, which the HTML report's rendering test opens the report in; without root
+# or apt-get, run `make test BROWSER=` (that test then skips).
+BROWSER ?= browser
 
-.PHONY: demo test lint engine
+.PHONY: demo test lint engine browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +24,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/recforge campaign run campaigns/demo.toml
 
-test: $(STAMP) $(ENGINE)
+test: $(STAMP) $(ENGINE) $(BROWSER)
 	$(VENV)/bin/python -m pytest -q
 
 # Nothing to do when a daemon answers. Otherwise, as root on Debian or Ubuntu: install the
@@ -44,6 +47,17 @@ engine:
 		cat $(DOCKERD_LOG); exit 1; \
 	fi; \
 	echo "engine: dockerd started (log: $(DOCKERD_LOG))"
+
+# Nothing to do when chromium is there. Otherwise, as root on Debian or Ubuntu: install it.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ]; then \
+		echo "browser: no chromium, and installing it here needs root and apt-get; the report's browser test skips"; \
+		exit 0; \
+	fi; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends chromium >/dev/null || exit 1; \
+	echo "browser: chromium installed"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

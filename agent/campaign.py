@@ -18,7 +18,9 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 
 from agent.config import CampaignConfig, LLMConfigError, SandboxConfig
 from agent.graph import compile_graph
+from agent.nodes import campaign_progress, pick_best
 from agent.proposers import make_proposers
+from agent.report import ReportFiles, render_report
 from agent.state import Backend, CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
@@ -70,7 +72,7 @@ class CampaignOutcome:
     stop_reason: str | None
     best: dict[str, str]
     registered: list[str]
-    report: Path
+    report: Path  # Markdown; the HTML page is beside it (report.html)
     library: Path
 
 
@@ -151,6 +153,7 @@ class Campaigns:
                     "registered": [],
                     "stop_reason": None,
                 }
+            events.progress(campaign_progress(ctx))
             try:
                 final = graph.invoke(initial, run_config, context=ctx)
             except KeyboardInterrupt:
@@ -172,3 +175,36 @@ class Campaigns:
             report=Path(ctx.report_dir) / "report.md",
             library=ctx.library.root,
         )
+
+    def report(self, campaign_id: str, out_dir: Path | None = None) -> ReportFiles:
+        """Write the campaign's report (Markdown and a self-contained HTML page) from the store,
+        whether it is finished, stopped or still running; by default where the campaign writes
+        it at its end (the config's output_dir / ID)."""
+        row = self.store.campaign(campaign_id)
+        if row is None:
+            known = ", ".join(c.id for c in self.store.campaigns()[:5]) or "none"
+            raise CampaignError(f"no campaign {campaign_id!r} in {self.home}; recent: {known}")
+        config = CampaignConfig.model_validate_json(row.config_json)
+        best = self._checkpointed_best(campaign_id)
+        if best is None:  # no checkpoint (e.g. a copied store): replay the selection
+            best = {}
+            for problem in config.problems:
+                chosen = pick_best(self.store.evaluations(campaign_id, problem))
+                if chosen is not None:
+                    best[problem] = chosen.candidate.id
+        return render_report(
+            self.store,
+            campaign_id,
+            config,
+            best=best,
+            stop_reason=row.stop_reason,
+            out_dir=out_dir or config.output_dir / campaign_id,
+        )
+
+    def _checkpointed_best(self, campaign_id: str) -> dict[str, str] | None:
+        if not self.checkpoints.exists():
+            return None
+        run_config = {"configurable": {"thread_id": campaign_id}}
+        with SqliteSaver.from_conn_string(str(self.checkpoints)) as saver:
+            values = compile_graph(saver).get_state(run_config).values
+        return values.get("best") if values else None

@@ -6,15 +6,19 @@ import json
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
 from sandbox.result import EvalResult
+
+if TYPE_CHECKING:
+    from agent.state import CampaignProgress
 
 app = typer.Typer(
     help="recforge: agentic Triton kernel optimization for ads ranking models.",
@@ -53,28 +57,93 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _amount(done: float, limit: float, unit: str = "", digits: int = 0) -> str:
+    left = max(0.0, limit - done)
+    return f"{done:.{digits}f} of {limit:.{digits}f}{unit} ({left:.{digits}f}{unit} left)"
+
+
+class _CampaignProgress(Progress):
+    """Bars for the budgets (evaluations, wall time and, where configured, GPU seconds and LLM
+    tokens and money) over a line per problem: its evaluations, best speedup and last status."""
+
+    def __init__(self, config, *, console: Console) -> None:
+        self.budget = config.budget
+        self.problems: dict[str, dict] = {
+            p: {"evaluations": 0, "best": "", "last": ""} for p in config.problems
+        }
+        # Wall time runs on between reports: the last one reported and when it came.
+        self._wall_s, self._wall_at = 0.0, time.monotonic()
+        self.tasks_by_budget: dict[str, TaskID] = {}  # Progress.__init__ draws the display once, empty
+        columns = (TextColumn("{task.description:<13}"), BarColumn(), TextColumn("{task.fields[amount]}"))
+        super().__init__(*columns, console=console)
+        limits = {
+            "evaluations": ("evaluations", self.budget.max_evaluations),
+            "wall": ("wall time", self.budget.max_wall_s),
+            "gpu": ("GPU seconds", self.budget.max_gpu_s),
+            "tokens": ("LLM tokens", self.budget.max_llm_tokens),
+            "cost": ("LLM money", self.budget.max_llm_cost),
+        }
+        self.tasks_by_budget = {
+            name: self.add_task(label, total=limit, amount="")
+            for name, (label, limit) in limits.items()
+            if limit is not None
+        }
+
+    def report(self, progress: CampaignProgress) -> None:
+        spent = progress.spent
+        self._wall_s, self._wall_at = spent.wall_s, time.monotonic()
+        values = {
+            "evaluations": (spent.evaluations, _amount(spent.evaluations, self.budget.max_evaluations)),
+            "gpu": (spent.gpu_s, _amount(spent.gpu_s, self.budget.max_gpu_s or 0, " s", 1)),
+            "tokens": (spent.llm_tokens, _amount(spent.llm_tokens, self.budget.max_llm_tokens or 0)),
+            "cost": (spent.llm_cost, _amount(spent.llm_cost, self.budget.max_llm_cost or 0, "", 4)),
+        }
+        for name, (done, amount) in values.items():
+            if name in self.tasks_by_budget:
+                self.update(self.tasks_by_budget[name], completed=done, amount=amount)
+        for problem, p in progress.problems.items():
+            line = self.problems.setdefault(problem, {"last": ""})
+            line["evaluations"] = p.evaluations
+            if p.best_speedup is None:
+                line["best"] = "no correct candidate yet"
+            elif p.interpreted:
+                line["best"] = "interpreted timings: no speed figure"
+            else:
+                line["best"] = f"best {p.best_speedup:.2f}x over {p.baseline}"
+
+    def get_renderables(self):
+        if "wall" in self.tasks_by_budget:
+            wall = self._wall_s + time.monotonic() - self._wall_at
+            self.update(
+                self.tasks_by_budget["wall"],
+                completed=min(wall, self.budget.max_wall_s),
+                amount=_amount(wall, self.budget.max_wall_s, " s"),
+            )
+        yield from super().get_renderables()
+        table = Table.grid(padding=(0, 2))
+        for problem, line in self.problems.items():
+            table.add_row(problem, f"{line['evaluations']} evaluated", line["best"], line["last"])
+        yield table
+
+
 class _ProgressEvents:
-    def __init__(self, progress: Progress, task) -> None:
-        self.progress, self.task = progress, task
+    def __init__(self, display: _CampaignProgress) -> None:
+        self.display = display
 
     def evaluated(self, result: EvalResult, best_speedup: float | None) -> None:
-        if result.interpreted:
-            best = "interpreted: no speed figures"
-        else:
-            best = f"best {best_speedup:.2f}x" if best_speedup else "no correct candidate yet"
-        self.progress.update(
-            self.task, advance=1, description=f"{result.problem}: {result.status.value:<15} {best}"
-        )
+        line = self.display.problems.setdefault(result.problem, {"evaluations": 0, "best": ""})
+        line["last"] = f"last: {result.status.value}"
+
+    def progress(self, progress: CampaignProgress) -> None:
+        self.display.report(progress)
 
     def message(self, text: str) -> None:
-        self.progress.console.print(text)
+        self.display.console.print(text)
 
 
-def _run_with_progress(start, total: int, done: int):
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("evaluating", total=total, completed=done)
-        return start(_ProgressEvents(progress, task))
+def _run_with_progress(start, config):
+    with _CampaignProgress(config, console=console) as progress:
+        return start(_ProgressEvents(progress))
 
 
 def _print_outcome(outcome) -> None:
@@ -84,7 +153,7 @@ def _print_outcome(outcome) -> None:
     for kernel_id in outcome.registered:
         console.print(f"  registered [green]{kernel_id}[/] in {outcome.library}")
     console.print(f"result: {outcome.library / 'manifest.json'}")
-    console.print(f"report: {outcome.report}")
+    console.print(f"report: {outcome.report} and {outcome.report.with_suffix('.html')}")
 
 
 @campaign_app.command("run")
@@ -101,7 +170,7 @@ def campaign_run(
         raise fail(str(exc)) from None
     campaigns = Campaigns(home)
     try:
-        outcome = _run_with_progress(lambda ev: campaigns.start(cfg, ev), cfg.budget.max_evaluations, 0)
+        outcome = _run_with_progress(lambda ev: campaigns.start(cfg, ev), cfg)
     except CampaignError as exc:
         raise fail(str(exc)) from None
     _print_outcome(outcome)
@@ -122,13 +191,33 @@ def campaign_resume(campaign_id: str, home: HomeOption = None) -> None:
 
     campaigns = Campaigns(home)
     row = _campaign_row(campaigns, campaign_id)
-    total = CampaignConfig.model_validate_json(row.config_json).budget.max_evaluations
-    done = campaigns.store.count_evaluations(campaign_id)
+    config = CampaignConfig.model_validate_json(row.config_json)
     try:
-        outcome = _run_with_progress(lambda ev: campaigns.resume(campaign_id, ev), total, done)
+        outcome = _run_with_progress(lambda ev: campaigns.resume(campaign_id, ev), config)
     except CampaignError as exc:
         raise fail(str(exc)) from None
     _print_outcome(outcome)
+
+
+@campaign_app.command("report")
+def campaign_report(
+    campaign_id: str,
+    home: HomeOption = None,
+    output: Annotated[
+        Path | None, typer.Option(help="folder to write into (default: the config's output_dir / ID)")
+    ] = None,
+) -> None:
+    """Write a campaign's report: Markdown and a self-contained HTML page with its plots."""
+    from agent.campaign import CampaignError, Campaigns
+
+    campaigns = Campaigns(home)
+    _campaign_row(campaigns, campaign_id)
+    try:
+        files = campaigns.report(campaign_id, output)
+    except CampaignError as exc:
+        raise fail(str(exc)) from None
+    console.print(f"report: {files.markdown}")
+    console.print(f"report: {files.html}")
 
 
 @campaign_app.command("list")
@@ -160,7 +249,10 @@ def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
     campaigns = Campaigns(home)
     row = _campaign_row(campaigns, campaign_id)
     rows = campaigns.store.evaluations(campaign_id)
-    console.print(f"[bold]{row.id}[/]: {row.status} {row.stop_reason or ''}; wall {row.wall_s:.0f} s")
+    gpu_s = campaigns.store.device_seconds(campaign_id)
+    console.print(
+        f"[bold]{row.id}[/]: {row.status} {row.stop_reason or ''}; wall {row.wall_s:.0f} s, GPU {gpu_s:.1f} s"
+    )
     counts = Counter(r.result.status.value for r in rows)
     console.print("statuses: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
     spent = campaigns.store.llm_spent(campaign_id)

@@ -7,6 +7,7 @@ Errors name the file and the offending field, e.g.
 from __future__ import annotations
 
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -123,15 +124,43 @@ class LLMConfig(_Strict):
         ) / 1e6
 
 
+@dataclass(frozen=True)
+class BudgetSpent:
+    """What a campaign has used of its budgets, summed from the store (so it survives a resume)."""
+
+    evaluations: int
+    wall_s: float
+    gpu_s: float  # see BudgetConfig.max_gpu_s
+    llm_tokens: int = 0
+    llm_cost: float = 0.0
+
+
 class BudgetConfig(_Strict):
     """The campaign stops cleanly at the first budget reached and says which."""
 
     max_evaluations: int = Field(..., ge=1)
     max_wall_s: float = Field(..., gt=0)
+    max_gpu_s: float | None = Field(
+        None,
+        gt=0,
+        description="device seconds of the evaluations: the sum of each one's check and timing phases "
+        "(the phases that run kernels; not the worker's start-up, the import or the wait for the timing "
+        "lock), on the interpreter the CPU's; parallel workers' checks add up like CPU-seconds",
+    )
     max_llm_tokens: int | None = Field(None, ge=1, description="prompt plus completion tokens")
     max_llm_cost: float | None = Field(
         None, gt=0, description="money spent on the LLM, in the unit of llm.cost_per_million_*"
     )
+
+    def reached(self, spent: BudgetSpent) -> str | None:
+        """The first budget that `spent` uses up, in words, or None."""
+        if spent.evaluations >= self.max_evaluations:
+            return f"evaluation budget reached ({spent.evaluations} of {self.max_evaluations})"
+        if spent.wall_s >= self.max_wall_s:
+            return f"wall-time budget reached ({spent.wall_s:.0f} s of {self.max_wall_s:.0f} s)"
+        if self.max_gpu_s is not None and spent.gpu_s >= self.max_gpu_s:
+            return f"GPU-seconds budget reached ({spent.gpu_s:.1f} s of {self.max_gpu_s:.1f} s)"
+        return self.llm_reached(spent.llm_tokens, spent.llm_cost)
 
     def llm_reached(self, tokens: int, cost: float) -> str | None:
         """The LLM budget that `tokens` and `cost` use up, in words, or None."""

@@ -9,12 +9,13 @@ from typing import Literal
 
 from langgraph.runtime import Runtime
 
+from agent.config import BudgetSpent
 from agent.incumbents import ORIGIN as INCUMBENT
 from agent.incumbents import campaign_arch, incumbents
 from agent.proposers import ProposalRequest, propose_batch
 from agent.report import write_report
-from agent.state import CampaignContext, CampaignState
-from agent.store import EvaluationRow
+from agent.state import CampaignContext, CampaignProgress, CampaignState, ProblemProgress
+from agent.store import EvaluationRow, device_seconds
 from sandbox.protocol import campaign_baselines
 from sandbox.result import EvalResult, Status, TimingStats
 
@@ -26,20 +27,35 @@ SUSPICIOUS_SPEEDUP = 10.0
 
 def plan(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     ctx = runtime.context
-    budget = ctx.config.budget
-    done = ctx.store.count_evaluations(ctx.campaign_id)
-    if done >= budget.max_evaluations:
-        return {"stop_reason": f"evaluation budget reached ({done} of {budget.max_evaluations})"}
-    if ctx.wall_s() >= budget.max_wall_s:
-        return {
-            "stop_reason": f"wall-time budget reached ({ctx.wall_s():.0f} s of {budget.max_wall_s:.0f} s)"
-        }
-    spent = ctx.store.llm_spent(ctx.campaign_id)
-    if reached := budget.llm_reached(spent.tokens, spent.cost):
+    spent = ctx.spent()
+    ctx.events.progress(campaign_progress(ctx, spent))
+    if reached := ctx.config.budget.reached(spent):
         return {"stop_reason": reached}
     # Every problem gets its turn: the one with the fewest evaluations goes next.
     problem = min(ctx.config.problems, key=lambda p: ctx.store.count_evaluations(ctx.campaign_id, p))
     return {"problem": problem, "iteration": state.get("iteration", 0) + 1, "stop_reason": None}
+
+
+def campaign_progress(ctx: CampaignContext, spent: BudgetSpent | None = None) -> CampaignProgress:
+    problems = {}
+    for problem in ctx.config.problems:
+        best = ctx.store.evaluations(ctx.campaign_id, problem, best_only=True)
+        problems[problem] = ProblemProgress(
+            evaluations=ctx.store.count_evaluations(ctx.campaign_id, problem),
+            best_speedup=best_speedup(ctx, problem),
+            baseline=primary_baseline(problem),
+            interpreted=bool(best) and best[0].result.interpreted,
+        )
+    return CampaignProgress(spent=spent or ctx.spent(), problems=problems)
+
+
+def _device_budget_left(ctx: CampaignContext) -> bool:
+    """Wall time and GPU seconds left to evaluate with (the other budgets stop proposing, not
+    the evaluation of what was proposed)."""
+    budget = ctx.config.budget
+    if ctx.wall_s() >= budget.max_wall_s:
+        return False
+    return budget.max_gpu_s is None or ctx.store.device_seconds(ctx.campaign_id) < budget.max_gpu_s
 
 
 def route_after_plan(state: CampaignState) -> Literal["propose", "register"]:
@@ -110,7 +126,7 @@ def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
         for cid in state.get("pending", [])
         if not ctx.store.is_evaluated(ctx.campaign_id, cid)
     ]
-    while todo and ctx.wall_s() < ctx.config.budget.max_wall_s:
+    while todo and _device_budget_left(ctx):
         baselines = _baselines_to_time(ctx, todo[0].problem)
         batch, todo = (todo[:1], todo[1:]) if baselines else (todo, [])
         results = ctx.backend.evaluate_many(batch, baselines=baselines, trials=ctx.config.sandbox.trials)
@@ -122,6 +138,7 @@ def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
             ctx.store.add_evaluation(ctx.campaign_id, result)
             ctx.store.set_wall(ctx.campaign_id, ctx.wall_s())
             ctx.events.evaluated(result, best_speedup(ctx, candidate.problem))
+            ctx.events.progress(campaign_progress(ctx))
     return {"pending": []}
 
 
@@ -150,6 +167,7 @@ def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> Eva
     note = f"{remeasured:.1f}x" if remeasured is not None else f"{again.status.value}: {again.message}"
     return result.model_copy(
         update={
+            "phase_s": result.phase_s | {"remeasure": device_seconds(again)},
             "status": Status.SUSPICIOUS,
             "message": f"{speedup:.1f}x over the fastest baseline; re-measured in a fresh worker: {note}; "
             f"not accepted without review",
@@ -183,9 +201,18 @@ def select(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     ctx = runtime.context
     problem = state["problem"]
     best = dict(state.get("best", {}))
-    rows = {r.candidate.id: r for r in ctx.store.evaluations(ctx.campaign_id, problem)}
-    incumbent = rows.get(best.get(problem, ""))
-    for row in sorted(rows.values(), key=lambda r: r.seq):
+    rows = ctx.store.evaluations(ctx.campaign_id, problem)
+    incumbent = pick_best(rows, best.get(problem))
+    if incumbent is not None:
+        best[problem] = incumbent.candidate.id
+    return {"best": best}
+
+
+def pick_best(rows: list[EvaluationRow], incumbent_id: str | None = None) -> EvaluationRow | None:
+    """Going through `rows` in order from the incumbent (if any), each correct row replaces the
+    best so far only if it is faster by more than either's timing noise."""
+    incumbent = next((r for r in rows if r.candidate.id == incumbent_id), None)
+    for row in sorted(rows, key=lambda r: r.seq):
         if row.score_us is None or row is incumbent:
             continue
         if incumbent is None:
@@ -194,9 +221,7 @@ def select(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
         margin = max(MIN_IMPROVEMENT, _noise(row.result), _noise(incumbent.result))
         if row.score_us < incumbent.score_us * (1 - margin):
             incumbent = row
-    if incumbent is not None:
-        best[problem] = incumbent.candidate.id
-    return {"best": best}
+    return incumbent
 
 
 def register(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:

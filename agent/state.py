@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict
 
-from agent.config import CampaignConfig
+from agent.config import BudgetSpent, CampaignConfig
 from agent.proposers import Proposer
 from agent.store import Store
 from kernels.registry import KernelLibrary
@@ -53,16 +53,37 @@ class Backend(Protocol):
     ) -> list[EvalResult]: ...
 
 
+@dataclass(frozen=True)
+class ProblemProgress:
+    evaluations: int
+    best_speedup: float | None  # over `baseline`, the problem's production op (nodes.best_speedup)
+    baseline: str
+    interpreted: bool  # its timings ran in the interpreter: the speedup says nothing about a GPU
+
+
+@dataclass(frozen=True)
+class CampaignProgress:
+    """Where a campaign stands: sent when it starts or resumes, at each plan and after each evaluation."""
+
+    spent: BudgetSpent
+    problems: dict[str, ProblemProgress]
+
+
 class Events(Protocol):
     """What the loop reports as it goes (the CLI draws progress bars from it)."""
 
     def evaluated(self, result: EvalResult, best_speedup: float | None) -> None: ...
+
+    def progress(self, progress: CampaignProgress) -> None: ...
 
     def message(self, text: str) -> None: ...
 
 
 class _QuietEvents:
     def evaluated(self, result: EvalResult, best_speedup: float | None) -> None:
+        pass
+
+    def progress(self, progress: CampaignProgress) -> None:
         pass
 
     def message(self, text: str) -> None:
@@ -84,3 +105,13 @@ class CampaignContext:
 
     def wall_s(self) -> float:
         return self.wall_offset_s + time.monotonic() - self.segment_start
+
+    def spent(self) -> BudgetSpent:
+        llm = self.store.llm_spent(self.campaign_id)
+        return BudgetSpent(
+            evaluations=self.store.count_evaluations(self.campaign_id),
+            wall_s=self.wall_s(),
+            gpu_s=self.store.device_seconds(self.campaign_id),
+            llm_tokens=llm.tokens,
+            llm_cost=llm.cost,
+        )

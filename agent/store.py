@@ -122,6 +122,18 @@ class LLMProposalRow:
     messages: list[dict]
 
 
+# The phases of an evaluation that run kernels on its device, and so count against the GPU-seconds
+# budget: the worker's checks and timing, and a suspicious result's re-measurement in a fresh
+# worker (`remeasure`, added by the campaign). Not counted: the worker's start-up, the candidate's
+# import, `lock_wait` (waiting for another worker's timing to finish), and the re-verification of
+# winners at registration, which runs after the budgets have stopped the loop.
+DEVICE_PHASES = ("check", "timing", "remeasure")
+
+
+def device_seconds(result: EvalResult) -> float:
+    return sum(result.phase_s.get(phase, 0.0) for phase in DEVICE_PHASES)
+
+
 # The model's own fault, not the endpoint's: these are not transport failures.
 _MODEL_OUTCOMES = ("replied", "proposal", "invalid")
 
@@ -254,6 +266,21 @@ class Store:
             EvaluationRow(seq, _candidate(rest), EvalResult.model_validate_json(result_json))
             for seq, result_json, *rest in self._db.execute(sql, args).fetchall()
         ]
+
+    def device_seconds(self, campaign_id: str) -> float:
+        """`device_seconds` summed over the campaign's evaluations, in SQL (no result parsed)."""
+        terms = " + ".join(f"COALESCE(json_extract(result_json, '$.phase_s.{p}'), 0)" for p in DEVICE_PHASES)
+        row = self._db.execute(
+            f"SELECT COALESCE(SUM({terms}), 0) FROM evaluations WHERE campaign_id = ?", (campaign_id,)
+        ).fetchone()
+        return float(row[0])
+
+    def evaluation_times(self, campaign_id: str) -> dict[int, str]:
+        """When each evaluation was recorded (seq -> ISO time, UTC)."""
+        rows = self._db.execute(
+            "SELECT seq, created_at FROM evaluations WHERE campaign_id = ?", (campaign_id,)
+        ).fetchall()
+        return dict(rows)
 
     # baselines and acceptance
     def add_baselines(self, campaign_id: str, problem: str, result: EvalResult) -> None:

@@ -3,7 +3,8 @@
 It applies the real static screen, imports the candidate in this process and checks it with
 the real protocol (`check_shape`) on two small check shapes, so broken and wrong kernels fail
 as they would in the sandbox, with the same statuses and mismatch details; it does not time
-anything: a correct candidate gets a synthetic, interpreted timing from `speed(candidate)`.
+anything: a correct candidate gets a synthetic, interpreted timing from `speed(candidate)`,
+and every result the phase seconds `phase_s` of the phases it got through (load, check, timing).
 The real backends are tested in tests/sandbox; this one keeps a campaign to a few seconds.
 """
 
@@ -35,8 +36,13 @@ def hashed_speed(candidate: Candidate) -> float:
 class QuickBackend:
     name = "quick"
 
-    def __init__(self, speed: Callable[[Candidate], float] = hashed_speed, delay_s: float = 0.0) -> None:
-        self.speed, self.delay_s = speed, delay_s
+    def __init__(
+        self,
+        speed: Callable[[Candidate], float] = hashed_speed,
+        delay_s: float = 0.0,
+        phase_s: dict[str, float] | None = None,
+    ) -> None:
+        self.speed, self.delay_s, self.phase_s = speed, delay_s, phase_s or {}
         self.evaluated: list[str] = []
         self._dir = Path(tempfile.mkdtemp(prefix="quick-backend-"))
 
@@ -52,6 +58,8 @@ class QuickBackend:
         if rejected is not None:
             return rejected
         base = {"problem": candidate.problem, "candidate_id": candidate.id, "device": DEVICE}
+        phases = self.phase_s
+        base["phase_s"] = {k: v for k, v in phases.items() if k == "load"}
         problem = get_problem(candidate.problem)
         path = self._dir / f"{candidate.id}.py"
         path.write_text(candidate.source)
@@ -66,6 +74,7 @@ class QuickBackend:
             )
         from sandbox.protocol import check_shape
 
+        base["phase_s"] = {k: v for k, v in phases.items() if k in ("load", "check")}
         checks = []
         for shape in (s for s in problem.check_shapes if s.name in QUICK_SHAPES and s.dtype == "fp32"):
             try:
@@ -102,4 +111,6 @@ class QuickBackend:
                 achieved_gbps=1e6 / median / 1e3,
             )
         ]
+        if timing:
+            base["phase_s"] = dict(phases)
         return EvalResult(status=Status.OK, checks=checks, timings=timings if timing else [], **base)

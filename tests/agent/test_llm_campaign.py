@@ -33,6 +33,9 @@ class Recorder:
     def evaluated(self, result, best_speedup) -> None:
         pass
 
+    def progress(self, progress) -> None:
+        pass
+
     def message(self, text: str) -> None:
         self.messages.append(text)
 

@@ -9,6 +9,7 @@ import pytest
 from agent import nodes
 from agent.config import ConfigError, load_config, parse_config
 from agent.proposers import SearchProposer
+from agent.state import CampaignContext
 from agent.store import Store
 from sandbox.candidate import Candidate
 from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
@@ -129,6 +130,7 @@ class _ScriptedBackend:
 
 def _timed(candidate: Candidate, median: float, baseline: float) -> EvalResult:
     result = _result(candidate, median)
+    result.phase_s = {"load": 10.0, "check": 1.0, "lock_wait": 10.0, "timing": 2.0}
     stats = TimingStats(median_us=baseline, p20_us=baseline, p80_us=baseline, reps=20)
     result.timings[0].baselines["torch.embedding_bag"] = stats
     return result.model_copy(
@@ -147,18 +149,22 @@ def test_implausible_speedups_are_remeasured_and_never_accepted(tmp_path, median
     store.add_candidate("c", cand)
     backend = _ScriptedBackend([_timed(cand, median, 100.0), _timed(cand, median, 100.0)])
     config = parse_config(VALID)
-    ctx = SimpleNamespace(
+    ctx = CampaignContext(
         campaign_id="c",
+        config=config,
         store=store,
         backend=backend,
-        config=config,
-        wall_s=lambda: 0.0,
-        events=SimpleNamespace(evaluated=lambda *a: None),
+        library=None,
+        proposers={},
+        report_dir="",
     )
     nodes.evaluate({"pending": [cand.id]}, SimpleNamespace(context=ctx))
     [row] = store.evaluations("c")
     assert row.result.status == expected
     if expected == Status.SUSPICIOUS:  # 20x over the fastest baseline: measured twice, flagged
         assert backend.calls == 2 and "20.0x" in row.result.message and "review" in row.result.message
+        # The re-measurement held the device too: it counts against the GPU-seconds budget.
+        assert store.device_seconds("c") == pytest.approx(2 * 3.0)
     else:  # 2x: plausible, measured once
         assert backend.calls == 1
+        assert store.device_seconds("c") == pytest.approx(3.0)
