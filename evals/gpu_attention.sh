@@ -2,7 +2,8 @@
 # Attention-family GPU evidence in one call: environment, the GPU tests of the kernels, problems
 # and model, then `bench ops` per attention op. Logs and JSONL rows go to $OUT (or ./gpu-out).
 # Usage (repo root, on a GPU host whose python3 has torch and triton):
-#   bash evals/gpu_attention.sh [tests|bench|all] [extra bench ops options...]
+#   bash evals/gpu_attention.sh [tests|bench|all|campaign] [extra bench ops options...]
+# `campaign` runs campaigns/attention-h200.toml (search over the attention tilings) instead.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -26,4 +27,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   for op in jagged_attention gdpa target_attention; do
     python3 -m agent bench ops --op "$op" --output "$OUT/bench_rows.jsonl" "$@" 2>&1 | tee "$OUT/bench_$op.txt"
   done
+fi
+if [ "$what" = campaign ]; then
+  export RECFORGE_HOME=$PWD/.recforge
+  python3 -m agent campaign run campaigns/attention-h200.toml 2>&1 | tee "$OUT/campaign.txt"
+  tar czf "$OUT/runs.tgz" runs/attention .recforge/store.db
 fi
