@@ -13,6 +13,7 @@ read once per occurrence, indices and offsets read, output written once):
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import subprocess
 from collections.abc import Callable
@@ -66,6 +67,10 @@ def measure_copy_bandwidth(device: torch.device) -> float | None:
 
 
 def git_commit() -> str:
+    """The checkout's commit; RECFORGE_COMMIT overrides it where the tree is a copy whose git
+    metadata is not the checkout's (a GPU host that receives the working tree)."""
+    if os.environ.get("RECFORGE_COMMIT"):
+        return os.environ["RECFORGE_COMMIT"]
     try:
         return (
             subprocess.run(

@@ -4,6 +4,7 @@
 # Usage (repo root, on a GPU host whose python3 has torch and triton):
 #   bash evals/gpu_attention.sh [tests|bench|all|campaign] [extra bench ops options...]
 # `campaign` runs campaigns/attention-h200.toml (search over the attention tilings) instead.
+# Where the tree is a copy without its git history, pass RECFORGE_COMMIT=<commit> for the rows.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
