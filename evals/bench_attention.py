@@ -24,17 +24,15 @@ oracle, and the reference's backward would keep every sequence's score matrices.
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import triton
 from rich.console import Console
 from rich.table import Table
 
-from evals.bench_ops import git_commit, select_shapes
-from sandbox.protocol import all_baselines, compare, fresh_seed
+from evals.bench_ops import BenchRun, select_shapes
+from sandbox.protocol import all_baselines, compare
 from sandbox.timing import benchmark
 from sandbox.worker import baseline_providers
 from search_space import get_problem
@@ -178,11 +176,9 @@ def run_attention_benchmark(
     if unknown:
         raise ValueError(f"unknown passes {sorted(unknown)}; known: {', '.join(PASSES)}")
     console = console or Console()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    interpreted = device.type != "cuda"
-    if shapes is None:
-        shapes = problem.interpreted_timing_shapes if interpreted else problem.timing_shapes
-    shapes = select_shapes(shapes, only_shapes)
+    run = BenchRun.here()
+    device = run.device
+    shapes = run.shapes(problem, only_shapes) if shapes is None else select_shapes(shapes, only_shapes)
     if library is not None:
         from kernels.registry import DISPATCHER
 
@@ -191,10 +187,7 @@ def run_attention_benchmark(
     if kernel is None:
         console.print(f"[yellow]{missing}: timing the baselines alone[/]")
     peak = measure_matmul_peak(device)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
-    versions = f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
-    commit = git_commit()
-    title = f"{op} on {gpu}; {versions}; commit {commit}"
+    title = run.title(op)
     if peak:
         title += f"; measured bf16 matmul {peak / 1e12:.0f} TFLOP/s"
     table = Table(
@@ -212,12 +205,7 @@ def run_attention_benchmark(
     )
     rows: list[dict] = []
     for shape in shapes:
-        arg_sets = [
-            (i.args, i.kwargs)
-            for i in (
-                problem.make_inputs(shape, fresh_seed(), device) for _ in range(1 if interpreted else 3)
-            )
-        ]
+        arg_sets = run.input_sets(problem, shape)
         args, kwargs = arg_sets[0]
         ref = problem.reference(*args, **kwargs)
         forward_flops = problem.flops(shape)
@@ -237,15 +225,13 @@ def run_attention_benchmark(
             timed = {n: r["stats"].median_us for n, r in results.items() if "stats" in r}
             for name, r in results.items():
                 row = _row(op, name, shape, pass_name, flops, peak, r, kernel_us, timed)
-                row |= {"gpu": gpu, "versions": versions, "commit": commit, "interpreted": interpreted}
+                row |= run.fields()
                 rows.append(row)
                 table.add_row(*_cells(row))
         del arg_sets, args, kwargs, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    console.print(table)
-    if interpreted:
-        console.print("[yellow]interpreted Triton on a CPU: these timings say nothing about GPU speed[/]")
+    run.finish(console, table)
     return rows
 
 

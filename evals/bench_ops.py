@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +35,65 @@ from search_space.problem import Inputs, Problem, Shape
 
 COPY_BYTES = 2 * 1024**3
 FAMILIES = ("embedding", "attention", "all")
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """What every benchmark row carries and every table's title shows: the device, software and
+    commit it ran on; and how a benchmark draws its shapes and input sets on that device."""
+
+    device: torch.device
+    gpu: str
+    versions: str
+    commit: str
+
+    @classmethod
+    def here(cls) -> BenchRun:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(
+            device=device,
+            gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
+            versions=(
+                f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
+            ),
+            commit=git_commit(),
+        )
+
+    @property
+    def interpreted(self) -> bool:
+        return self.device.type != "cuda"
+
+    def title(self, op: str) -> str:
+        return f"{op} on {self.gpu}; {self.versions}; commit {self.commit}"
+
+    def fields(self) -> dict:
+        return {
+            "gpu": self.gpu,
+            "versions": self.versions,
+            "commit": self.commit,
+            "interpreted": self.interpreted,
+        }
+
+    def shapes(self, problem: Problem, only: list[str] | None = None) -> tuple[Shape, ...]:
+        """The problem's timing shapes for this device (interpreted ones on a CPU), filtered."""
+        return select_shapes(
+            problem.interpreted_timing_shapes if self.interpreted else problem.timing_shapes, only
+        )
+
+    def input_sets(self, problem: Problem, shape: Shape) -> list[tuple[tuple, dict]]:
+        """Fresh inputs to rotate over: three on a GPU (nothing stays cached), one interpreted."""
+        return [
+            (i.args, i.kwargs)
+            for i in (
+                problem.make_inputs(shape, fresh_seed(), self.device)
+                for _ in range(1 if self.interpreted else 3)
+            )
+        ]
+
+    def finish(self, console: Console, table: Table) -> None:
+        console.print(table)
+        if self.interpreted:
+            console.print("[yellow]interpreted Triton on a CPU: these timings say nothing about GPU speed[/]")
 
 
 def family_ops(family: str) -> list[str]:
@@ -123,17 +183,11 @@ def run_op_benchmark(
             passes=passes or PASSES,
         )
     console = console or Console()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run = BenchRun.here()
+    device = run.device
     lib = KernelLibrary(library) if library else DISPATCHER.library
-    interpreted = device.type != "cuda"
-    shapes = select_shapes(
-        problem.interpreted_timing_shapes if interpreted else problem.timing_shapes, only_shapes
-    )
     copy_bw = measure_copy_bandwidth(device)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
-    versions = f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
-    commit = git_commit()
-    title = f"{op} on {gpu}; {versions}; commit {commit}"
+    title = run.title(op)
     if copy_bw:
         title += f"; measured copy bandwidth {copy_bw / 1e12:.2f} TB/s"
     table = Table(
@@ -149,20 +203,15 @@ def run_op_benchmark(
         title=title,
     )
     rows = []
-    for shape in shapes:
-        arg_sets = [
-            (i.args, i.kwargs)
-            for i in (
-                problem.make_inputs(shape, fresh_seed(), device) for _ in range(1 if interpreted else 3)
-            )
-        ]
+    for shape in run.shapes(problem, only_shapes):
+        arg_sets = run.input_sets(problem, shape)
         args, kwargs = arg_sets[0]
         ref = problem.reference(*args, **kwargs)
         nbytes = problem.bytes(shape)
+        tol, scale = problem.tolerance(shape.dtype), problem.tolerance_scale(Inputs(args=args, kwargs=kwargs))
         results = {}
         for name, fn in _providers(problem, lib, device, shape).items():
-            scale = problem.tolerance_scale(Inputs(args=args, kwargs=kwargs))
-            ok, details = compare(fn(*args, **kwargs), ref, problem.tolerance(shape.dtype), scale)
+            ok, details = compare(fn(*args, **kwargs), ref, tol, scale)
             results[name] = (benchmark(fn, arg_sets, device=device), ok, details.get("message", ""))
         torch_us = next((s.median_us for n, (s, _, _) in results.items() if n.startswith("torch.")), None)
         for name, (stats, ok, msg) in results.items():
@@ -193,16 +242,11 @@ def run_op_benchmark(
                     "copy_fraction": frac,
                     "speedup_vs_torch": speedup,
                     "correct": ok,
-                    "gpu": gpu,
-                    "versions": versions,
-                    "commit": commit,
-                    "interpreted": interpreted,
+                    **run.fields(),
                 }
             )
         del arg_sets, args, kwargs, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    console.print(table)
-    if interpreted:
-        console.print("[yellow]interpreted Triton on a CPU: these timings say nothing about GPU speed[/]")
+    run.finish(console, table)
     return rows
