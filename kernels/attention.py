@@ -1276,9 +1276,7 @@ def _launch_backward(
             grad.zero_()
     else:
         grad_out, q, k, v = _unit_last(grad_out), _unit_last(q), _unit_last(k), _unit_last(v)
-        q_offsets, kv_offsets, num_targets, rel_bias = map(
-            _dense, (q_offsets, kv_offsets, num_targets, rel_bias)
-        )
+        q_offsets, kv_offsets, num_targets = map(_dense, (q_offsets, kv_offsets, num_targets))
         _check_row_offsets(max_q_len, max_kv_len, [q, grad_out, dq_rows, out], [k, v, dk, dv])
         delta = lse
         if softmax:

@@ -431,14 +431,19 @@ def tile_constraint(knobs: dict) -> str | None:
     return None
 
 
-def tile_template(problem: str) -> KnobTemplate:
-    """The library's attention module with an entry point that launches `problem`'s forward under
-    the knobs' tiling (see search_space/templates/<problem>.py.tmpl)."""
+def library_template(problem: str, knobs: tuple[Knob, ...], constraint) -> KnobTemplate:
+    """The library's attention module followed by `problem`'s entry point, which launches its
+    kernels under the knobs (search_space/templates/<problem>.py.tmpl)."""
     return KnobTemplate(
         problem=problem,
         template_file=f"{problem}.py.tmpl",
         entry=problem,
-        knobs=TILE_KNOBS,
-        constraint=tile_constraint,
+        knobs=knobs,
+        constraint=constraint,
         base_module="kernels.attention",
     )
+
+
+def tile_template(problem: str) -> KnobTemplate:
+    """The forward of `problem` under a searchable tiling."""
+    return library_template(problem, TILE_KNOBS, tile_constraint)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from search_space.attention_common import library_template
 from search_space.problem import Inputs, Problem, Shape, Tolerance
 from search_space.template import Knob, KnobTemplate
 
@@ -139,13 +140,6 @@ def _grad_constraint(knobs: dict) -> str | None:
 
 
 def grad_template(problem: str) -> KnobTemplate:
-    """The library's attention module with an entry that runs its forward (for the softmax
-    statistics) and its backward under the knobs' tilings."""
-    return KnobTemplate(
-        problem=problem,
-        template_file=f"{problem}.py.tmpl",
-        entry=problem,
-        knobs=GRAD_KNOBS,
-        constraint=_grad_constraint,
-        base_module="kernels.attention",
-    )
+    """An entry that runs the library's forward (for the softmax statistics) and its backward
+    under the knobs' tilings."""
+    return library_template(problem, GRAD_KNOBS, _grad_constraint)

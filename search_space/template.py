@@ -7,6 +7,7 @@ LLM or a person go through exactly the same screen, sandbox and registry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -69,18 +70,22 @@ class KnobTemplate:
         return resources.files("search_space").joinpath("templates", self.template_file).read_text()
 
     def base_source(self) -> str:
-        if self.base_module is None:
-            return ""
-        spec = importlib.util.find_spec(self.base_module)
-        if spec is None or spec.origin is None:
-            raise ValueError(f"template {self.problem!r}: no module {self.base_module!r} to build on")
-        return Path(spec.origin).read_text()
+        return "" if self.base_module is None else _module_source(self.base_module)
 
     def render(self, knobs: dict[str, Any]) -> str:
         """Complete module source for these knob values (validated first)."""
         full = self.validate(knobs)
         entry = string.Template(self.source_template()).substitute({k: repr(v) for k, v in full.items()})
         return self.base_source() + entry
+
+
+@functools.cache
+def _module_source(name: str) -> str:
+    """A module's source text, read once per process (every proposal renders the template)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"no module {name!r} for a template to build on")
+    return Path(spec.origin).read_text()
 
 
 def source_hash(source: str) -> str:
