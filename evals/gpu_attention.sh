@@ -6,19 +6,9 @@
 # `campaign` runs campaigns/attention-h200.toml (search over the attention tilings) instead.
 # Where the tree is a copy without its git history, pass RECFORGE_COMMIT=<commit> for the rows.
 set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 COLUMNS=200
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=200
 what=${1:-all}; shift || true
-{
-  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-  python3 -c 'import torch, triton, platform; print("torch", torch.__version__, "triton", triton.__version__, "python", platform.python_version())'
-} 2>&1 | tee "$OUT/env.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -x -m gpu tests/kernels/test_attention.py tests/search_space/test_attention_problems.py \
     2>&1 | tail -25 | tee "$OUT/pytest_attention.txt"

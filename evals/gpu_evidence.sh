@@ -3,19 +3,9 @@
 # shapes, then the benchmark again with the campaign's library. Logs go to $OUT (or ./gpu-out).
 # Usage (repo root, on a GPU host whose python3 has torch and triton): bash evals/gpu_evidence.sh [quick]
 set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 COLUMNS=160 RECFORGE_HOME=$PWD/.recforge
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=160 RECFORGE_HOME=$PWD/.recforge
 rf() { python3 -m agent "$@"; }
-{
-  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-  python3 -c 'import torch, triton, platform; print("torch", torch.__version__, "triton", triton.__version__, "python", platform.python_version())'
-} 2>&1 | tee "$OUT/env.txt"
 python3 -m pytest tests/kernels tests/sandbox/test_protocol.py tests/model -q -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest.txt"
 rf bench ops --op embedding_bag 2>&1 | tee "$OUT/bench_before.txt"
 [ "${1:-}" = quick ] && exit 0
