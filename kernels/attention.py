@@ -285,6 +285,124 @@ def _bucket_sums(
     return sums_B
 
 
+@triton.jit
+def _bucket_start(bucket, NUM_BUCKETS: tl.constexpr, LOG2_EXACT: tl.constexpr):
+    # The smallest distance of `bucket` (the inverse of _relative_bucket on its first distance):
+    # itself below E, else 2^octave, or 1.5 * 2^octave for the upper half of the octave.
+    far = bucket - NUM_BUCKETS // 2
+    octave = far // 2 + LOG2_EXACT
+    start = ((2 + far % 2) << octave) >> 1
+    return tl.where(bucket < NUM_BUCKETS // 2, bucket, start)
+
+
+@triton.jit
+def _bias_split(
+    q0, k0, NUM_BUCKETS: tl.constexpr, LOG2_EXACT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """Whether the tile of queries [q0, q0 + BLOCK_Q) and keys [k0, k0 + BLOCK_K) meets at most
+    two buckets, and how: a tile on one side of the diagonal (i - j of one sign) whose nearest and
+    farthest distances fall in the same or adjacent buckets, which is every tile more than a few
+    hundred positions off the diagonal (buckets grow with the distance). Then the bias of (i, j) is
+    that of b_far where sign * (i - j) >= split, else that of b_near: one compare per score
+    instead of a bucket and a gathered load."""
+    d_lo = q0 - (k0 + BLOCK_K - 1)
+    d_hi = q0 + BLOCK_Q - 1 - k0
+    below = d_lo >= 0  # every i >= j
+    sign = tl.where(below, 1, -1)
+    near = tl.where(below, d_lo, -d_hi)
+    far = tl.where(below, d_hi, -d_lo)
+    b_near = _relative_bucket(near, NUM_BUCKETS, LOG2_EXACT)
+    b_far = _relative_bucket(far, NUM_BUCKETS, LOG2_EXACT)
+    two = (below | (d_hi <= 0)) & (b_far - b_near <= 1)
+    return two, sign, _bucket_start(b_far, NUM_BUCKETS, LOG2_EXACT), b_near, b_far
+
+
+@triton.jit
+def _tile_bias(
+    bias_head_ptr,
+    pos_q,
+    pos_k,
+    q0,
+    k0,
+    NUM_BUCKETS: tl.constexpr,
+    LOG2_EXACT: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """rel_bias[bucket(|i - j|)] over a tile (pos_q, pos_k broadcast to it, either orientation)."""
+    two, sign, split, b_near, b_far = _bias_split(q0, k0, NUM_BUCKETS, LOG2_EXACT, BLOCK_Q, BLOCK_K)
+    if two:
+        bias_near = tl.load(bias_head_ptr + b_near)
+        bias_far = tl.load(bias_head_ptr + b_far)
+        bias = tl.where((pos_q - pos_k) * sign >= split, bias_far, bias_near)
+    else:
+        bias = _rel_bias(bias_head_ptr, pos_q, pos_k, NUM_BUCKETS, LOG2_EXACT)
+    return bias
+
+
+@triton.jit
+def _work_item(
+    work_ptr,
+    num_heads,
+    num_blocks,
+    REVERSE: tl.constexpr,
+    WORK_LIST: tl.constexpr,
+):
+    """(sequence, block, head) of this program; sequence -1 for a work list's spare programs.
+    Heads vary fastest, so every head of a block starts together. With WORK_LIST, the items
+    come from _schedule_kernel (longest sequences first, no empty programs); else every
+    (sequence, block) pair of the grid, blocks of a sequence together (REVERSE: last first)."""
+    pid = tl.program_id(0)
+    head = (pid % num_heads).to(tl.int64)
+    item = pid // num_heads
+    if WORK_LIST:
+        seq = tl.load(work_ptr + 2 * item)
+        block = tl.load(work_ptr + 2 * item + 1)
+    else:
+        seq = item // num_blocks
+        block = item % num_blocks
+        if REVERSE:
+            block = num_blocks - 1 - block
+    return seq, block, head
+
+
+@triton.jit
+def _schedule_kernel(
+    cum_blocks_ptr,
+    order_ptr,
+    sorted_blocks_ptr,
+    work_ptr,
+    num_seqs,
+    num_items,
+    REVERSE: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Item p belongs to the sequence of rank r = #{r : cum_blocks[r] <= p} (a binary search over
+    # the inclusive running sum of blocks, sequences in schedule order); items past the last
+    # block get sequence -1.
+    items = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.full([BLOCK], 0, tl.int32) + num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        cum = tl.load(cum_blocks_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (cum <= items), mid + 1, lo)
+        hi = tl.where(active & (cum > items), mid, hi)
+    valid = lo < num_seqs
+    rank = tl.minimum(lo, num_seqs - 1)
+    blocks = tl.load(sorted_blocks_ptr + rank)
+    within = items - (tl.load(cum_blocks_ptr + rank) - blocks)
+    block = within
+    if REVERSE:
+        block = blocks - 1 - within
+    seq = tl.where(valid, tl.load(order_ptr + rank), -1)
+    in_range = items < num_items
+    tl.store(work_ptr + 2 * items, seq.to(tl.int32), mask=in_range)
+    tl.store(work_ptr + 2 * items + 1, tl.where(valid, block, 0).to(tl.int32), mask=in_range)
+
+
 # --- forward ----------------------------------------------------------------------------------
 
 
@@ -299,7 +417,7 @@ def _fwd_inner(
     bias_head_ptr,
     stride_k_row,
     stride_v_row,
-    offs_m,
+    m0,
     lo,
     hi,
     n_q,
@@ -317,8 +435,10 @@ def _fwd_inner(
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -335,7 +455,17 @@ def _fwd_inner(
             v_ND = tl.load(v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :])
         s_MN = _dot(q_MD, tl.trans(k_ND), None, DOT_PRECISION) * qk_scale
         if HAS_BIAS:
-            bias_MN = _rel_bias(bias_head_ptr, offs_m[:, None], offs_n[None, :], NUM_BUCKETS, LOG2_EXACT)
+            bias_MN = _tile_bias(
+                bias_head_ptr,
+                offs_m[:, None],
+                offs_n[None, :],
+                m0,
+                start_n,
+                NUM_BUCKETS,
+                LOG2_EXACT,
+                BLOCK_M,
+                BLOCK_N,
+            )
             s_MN += bias_MN * bias_scale
         if MASKED:
             allowed_MN = _allowed(
@@ -384,6 +514,8 @@ def _attn_fwd_kernel(
     stride_out_head,
     stride_lse_head,
     stride_bias_head,
+    work_ptr,
+    num_heads,
     num_q_blocks,
     qk_scale,
     bias_scale,
@@ -399,13 +531,13 @@ def _attn_fwd_kernel(
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WORK_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    seq = pid // num_q_blocks
-    block = num_q_blocks - 1 - pid % num_q_blocks  # heaviest (causally: last) block first
-    head = tl.program_id(1).to(tl.int64)
+    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
+    if seq < 0:
+        return
     out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
         q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
     )
@@ -433,22 +565,22 @@ def _attn_fwd_kernel(
     # The three ranges are the same loop, specialised: the unmasked one carries no mask at all.
     acc_MD, m_M, l_M = _fwd_inner(
         acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
-        offs_m, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+        m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     acc_MD, m_M, l_M = _fwd_inner(
         acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
-        offs_m, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+        m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     if HAS_TARGETS:
         acc_MD, m_M, l_M = _fwd_inner(
             acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
-            offs_m, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
+            m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )  # fmt: skip
 
     if ACTIVATION == "softmax":
@@ -556,7 +688,17 @@ def _bwd_dkdv_inner(
         )
         s_NM = _dot(k_ND, tl.trans(q_MD), None, DOT_PRECISION) * qk_scale
         if HAS_BIAS:
-            bias_NM = _rel_bias(bias_head_ptr, offs_m[None, :], offs_n[:, None], NUM_BUCKETS, LOG2_EXACT)
+            bias_NM = _tile_bias(
+                bias_head_ptr,
+                offs_m[None, :],
+                offs_n[:, None],
+                start_m,
+                n0,
+                NUM_BUCKETS,
+                LOG2_EXACT,
+                BLOCK_M,
+                BLOCK_N,
+            )
             s_NM += bias_NM * bias_scale
         dp_NM = _dot(v_ND, tl.trans(do_MD), None, DOT_PRECISION)
         if ACTIVATION == "softmax":
@@ -581,7 +723,21 @@ def _bwd_dkdv_inner(
         dv_ND = _dot(p_NM.to(do_MD.dtype), do_MD, dv_ND, DOT_PRECISION)
         dk_ND = _dot(ds_NM.to(q_MD.dtype), q_MD, dk_ND, DOT_PRECISION)
         if HAS_BIAS:
-            dbias_B += _bucket_sums(ds_NM, start_m - n0, NUM_BUCKETS, LOG2_EXACT, BLOCK_M, BLOCK_N)
+            two, sign, split, b_near, b_far = _bias_split(
+                start_m, n0, NUM_BUCKETS, LOG2_EXACT, BLOCK_M, BLOCK_N
+            )
+            if two:
+                # Two buckets at most: the far one's sum and the rest, no skew.
+                far_sum = tl.sum(
+                    tl.sum(tl.where((offs_m[None, :] - offs_n[:, None]) * sign >= split, ds_NM, 0.0), 1), 0
+                )
+                near_sum = tl.sum(tl.sum(ds_NM, 1), 0) - far_sum
+                buckets_B = tl.arange(0, NUM_BUCKETS)
+                dbias_B += tl.where(buckets_B == b_far, far_sum, 0.0) + tl.where(
+                    buckets_B == b_near, near_sum, 0.0
+                )
+            else:
+                dbias_B += _bucket_sums(ds_NM, start_m - n0, NUM_BUCKETS, LOG2_EXACT, BLOCK_M, BLOCK_N)
     return dk_ND, dv_ND, dbias_B
 
 
@@ -615,6 +771,8 @@ def _attn_bwd_dkdv_kernel(
     stride_lse_head,
     stride_bias_head,
     stride_dbias_head,
+    work_ptr,
+    num_heads,
     num_k_blocks,
     qk_scale,
     bias_scale,
@@ -630,13 +788,15 @@ def _attn_bwd_dkdv_kernel(
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WORK_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    seq = pid // num_k_blocks
-    n0 = (pid % num_k_blocks) * BLOCK_N
-    head = tl.program_id(1).to(tl.int64)
+    seq, block, head = _work_item(work_ptr, num_heads, num_k_blocks, False, WORK_LIST)
+    if seq < 0:
+        return
+    item = tl.program_id(0) // num_heads
+    n0 = block * BLOCK_N
     out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
         q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
     )
@@ -693,7 +853,7 @@ def _attn_bwd_dkdv_kernel(
         # One row of partial sums per program, added up by the launcher: deterministic, and no
         # contention on the few hundred bias entries.
         buckets_B = tl.arange(0, NUM_BUCKETS)
-        tl.store(dbias_ptr + head * stride_dbias_head + pid * NUM_BUCKETS + buckets_B, dbias_B * act_scale)
+        tl.store(dbias_ptr + head * stride_dbias_head + item * NUM_BUCKETS + buckets_B, dbias_B * act_scale)
 
 
 @triton.jit
@@ -708,7 +868,7 @@ def _bwd_dq_inner(
     bias_head_ptr,
     stride_k_row,
     stride_v_row,
-    offs_m,
+    m0,
     lo,
     hi,
     n_q,
@@ -726,8 +886,10 @@ def _bwd_dq_inner(
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -744,7 +906,17 @@ def _bwd_dq_inner(
             v_ND = tl.load(v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :])
         s_MN = _dot(q_MD, tl.trans(k_ND), None, DOT_PRECISION) * qk_scale
         if HAS_BIAS:
-            bias_MN = _rel_bias(bias_head_ptr, offs_m[:, None], offs_n[None, :], NUM_BUCKETS, LOG2_EXACT)
+            bias_MN = _tile_bias(
+                bias_head_ptr,
+                offs_m[:, None],
+                offs_n[None, :],
+                m0,
+                start_n,
+                NUM_BUCKETS,
+                LOG2_EXACT,
+                BLOCK_M,
+                BLOCK_N,
+            )
             s_MN += bias_MN * bias_scale
         dp_MN = _dot(do_MD, tl.trans(v_ND), None, DOT_PRECISION)
         if ACTIVATION == "softmax":
@@ -785,6 +957,8 @@ def _attn_bwd_dq_kernel(
     stride_dq_head,
     stride_lse_head,
     stride_bias_head,
+    work_ptr,
+    num_heads,
     num_q_blocks,
     qk_scale,
     bias_scale,
@@ -800,15 +974,15 @@ def _attn_bwd_dq_kernel(
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WORK_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # dq goes to the out rows: with BROADCAST_Q that is one partial dq per sequence, summed by
     # the launcher.
-    pid = tl.program_id(0)
-    seq = pid // num_q_blocks
-    block = num_q_blocks - 1 - pid % num_q_blocks
-    head = tl.program_id(1).to(tl.int64)
+    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
+    if seq < 0:
+        return
     out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
         q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
     )
@@ -842,22 +1016,22 @@ def _attn_bwd_dq_kernel(
     )
     dq_MD = _bwd_dq_inner(
         dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
-        stride_v_row, offs_m, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+        stride_v_row, m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     dq_MD = _bwd_dq_inner(
         dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
-        stride_v_row, offs_m, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+        stride_v_row, m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     if HAS_TARGETS:
         dq_MD = _bwd_dq_inner(
             dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
-            stride_v_row, offs_m, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
+            stride_v_row, m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_N,
+            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     dq_seq_ptr = dq_ptr + out_start * stride_dq_row + head * stride_dq_head
     tl.store(
@@ -1168,6 +1342,56 @@ def _bias_args(rel_bias: torch.Tensor | None) -> tuple[int, int]:
     return rel_bias.shape[1], int(math.log2(rel_bias.shape[1] // 2))
 
 
+SCHEDULES = ("longest_first", "grid")
+DEFAULT_SCHEDULE = "longest_first"
+
+
+def _work_list(
+    lengths: torch.Tensor, weights: torch.Tensor, block: int, max_len: int, rows: int, reverse: bool
+) -> tuple[torch.Tensor, int]:
+    """The programs' (sequence, block) pairs as an int32 [items, 2] tensor, the sequences of most
+    work (`weights`) first, and the number of items; no host sync. `lengths` (rows per sequence,
+    in blocks of `block`) bound the items by rows / block + sequences (and by sequences x
+    max_len / block): the spare items at the end get sequence -1 and return at once, where a
+    grid over every (sequence, block of the longest) pair leaves most programs empty at
+    power-law lengths. Blocks of a sequence are listed last first with `reverse`."""
+    num_seqs = lengths.numel()
+    num_items = min(triton.cdiv(rows, block) + num_seqs, num_seqs * triton.cdiv(max_len, block))
+    blocks = (lengths.to(torch.int32) + (block - 1)) // block
+    order = torch.argsort(weights, descending=True, stable=True).to(torch.int32)
+    sorted_blocks = blocks[order]
+    cum_blocks = torch.cumsum(sorted_blocks, 0, dtype=torch.int32)
+    work = torch.empty((num_items, 2), dtype=torch.int32, device=lengths.device)
+    _schedule_kernel[(triton.cdiv(num_items, 256),)](
+        cum_blocks, order, sorted_blocks, work, num_seqs, num_items,
+        REVERSE=reverse, SEARCH_STEPS=num_seqs.bit_length() + 1, BLOCK=256,
+    )  # fmt: skip
+    return work, num_items
+
+
+def _schedule_grid(
+    schedule: str,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    block: int,
+    max_len: int,
+    rows: int,
+    *,
+    keys: bool,
+) -> tuple[torch.Tensor | None, int]:
+    """(work list or None, programs per head) for blocks of query rows (keys=False, last block
+    of a sequence first) or of key rows (keys=True)."""
+    num_seqs = q_offsets.numel() - 1
+    if schedule == "grid":
+        return None, num_seqs * triton.cdiv(max_len, block)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    q_lengths = q_offsets[1:] - q_offsets[:-1]
+    kv_lengths = q_lengths if kv_offsets is q_offsets else kv_offsets[1:] - kv_offsets[:-1]
+    weights = q_lengths * kv_lengths
+    return _work_list(kv_lengths if keys else q_lengths, weights, block, max_len, rows, reverse=not keys)
+
+
 def _launch_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1188,6 +1412,7 @@ def _launch_forward(
     broadcast_q: bool,
     return_lse: bool,
     config: dict,
+    schedule: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_seqs = q_offsets.numel() - 1
@@ -1206,18 +1431,22 @@ def _launch_forward(
     num_buckets, log2_exact = _bias_args(rel_bias)
     block_m = config["BLOCK_M"]
     num_q_blocks = triton.cdiv(max_q_len, block_m)
-    _attn_fwd_kernel[(num_q_blocks * num_seqs, num_heads)](
+    work, num_items = _schedule_grid(
+        schedule, q_offsets, kv_offsets, block_m, max_q_len, num_out_rows, keys=False
+    )
+    _attn_fwd_kernel[(num_items * num_heads,)](
         q, k, v, out, lse if lse is not None else out,
         q_offsets, kv_offsets, num_targets if num_targets is not None else q_offsets,
         rel_bias if rel_bias is not None else q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         rel_bias.stride(0) if rel_bias is not None else 0,
-        num_q_blocks, scale * LOG2E if softmax else scale, LOG2E if softmax else 1.0, act_scale,
+        work if work is not None else q_offsets, num_heads, num_q_blocks,
+        scale * LOG2E if softmax else scale, LOG2E if softmax else 1.0, act_scale,
         ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
         HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
         STORE_LSE=lse is not None, NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(q),
+        DOT_PRECISION=_dot_precision(q), WORK_LIST=work is not None,
         **config,
     )  # fmt: skip
     return out, lse
@@ -1245,6 +1474,7 @@ def _launch_backward(
     broadcast_q: bool,
     dkdv_config: dict,
     dq_config: dict,
+    schedule: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """grad_out [out rows, H, D] -> dq (like q), dk, dv, d rel_bias (fp32 [H, num_buckets])."""
     num_heads, head_dim = q.shape[-2], q.shape[-1]
@@ -1262,19 +1492,24 @@ def _launch_backward(
     bias_dtype = None if rel_bias is None else rel_bias.dtype
     rel_bias = _fp32_bias(rel_bias)
     num_buckets, log2_exact = _bias_args(rel_bias)
-    block_n = dkdv_config["BLOCK_N"]
-    num_k_blocks = triton.cdiv(max_kv_len, block_n)
     dbias_partial = None
     if rel_bias is not None:
-        dbias_partial = torch.zeros(
-            (num_heads, num_k_blocks * num_seqs, num_buckets), dtype=torch.float32, device=device
-        )
+        dbias_partial = torch.zeros((num_heads, 1, num_buckets), dtype=torch.float32, device=device)
 
     if num_out_rows == 0 or num_seqs == 0 or max_q_len == 0 or max_kv_len == 0:
         # Nothing attends to anything.
         for grad in (dk, dv, dq_rows):
             grad.zero_()
     else:
+        num_k_blocks = triton.cdiv(max_kv_len, dkdv_config["BLOCK_N"])
+        dkdv_work, dkdv_items = _schedule_grid(
+            schedule, q_offsets, kv_offsets, dkdv_config["BLOCK_N"], max_kv_len, k.shape[0], keys=True
+        )
+        if rel_bias is not None:
+            # One row of partial sums per dK/dV program (zeros for programs that return early).
+            dbias_partial = torch.zeros(
+                (num_heads, dkdv_items, num_buckets), dtype=torch.float32, device=device
+            )
         grad_out, q, k, v = _unit_last(grad_out), _unit_last(q), _unit_last(k), _unit_last(v)
         q_offsets, kv_offsets, num_targets = map(_dense, (q_offsets, kv_offsets, num_targets))
         _check_row_offsets(max_q_len, max_kv_len, [q, grad_out, dq_rows, out], [k, v, dk, dv])
@@ -1300,21 +1535,26 @@ def _launch_backward(
         bias_arg = rel_bias if rel_bias is not None else q
         lse_stride = lse.stride(0) if softmax else 0
         bias_stride = rel_bias.stride(0) if rel_bias is not None else 0
-        _attn_bwd_dkdv_kernel[(num_k_blocks * num_seqs, num_heads)](
+        _attn_bwd_dkdv_kernel[(dkdv_items * num_heads,)](
             q, k, v, grad_out, lse, delta, dk, dv,
             dbias_partial if dbias_partial is not None else dk,
             q_offsets, kv_offsets, targets_arg, bias_arg,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             lse_stride, bias_stride, dbias_partial.stride(0) if dbias_partial is not None else 0,
-            num_k_blocks, *scalars, **common, **dkdv_config,
+            dkdv_work if dkdv_work is not None else q_offsets, num_heads, num_k_blocks, *scalars,
+            **common, WORK_LIST=dkdv_work is not None, **dkdv_config,
         )  # fmt: skip
         num_q_blocks = triton.cdiv(max_q_len, dq_config["BLOCK_M"])
-        _attn_bwd_dq_kernel[(num_q_blocks * num_seqs, num_heads)](
+        dq_work, dq_items = _schedule_grid(
+            schedule, q_offsets, kv_offsets, dq_config["BLOCK_M"], max_q_len, num_out_rows, keys=False
+        )
+        _attn_bwd_dq_kernel[(dq_items * num_heads,)](
             q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, targets_arg, bias_arg,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
-            lse_stride, bias_stride, num_q_blocks, *scalars, **common, **dq_config,
+            lse_stride, bias_stride, dq_work if dq_work is not None else q_offsets, num_heads, num_q_blocks,
+            *scalars, **common, WORK_LIST=dq_work is not None, **dq_config,
         )  # fmt: skip
 
     dq = dq_rows
@@ -1373,6 +1613,7 @@ def jagged_attention_forward(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """HSTU self-attention over jagged sequences; no host sync.
 
@@ -1402,6 +1643,7 @@ def jagged_attention_forward(
         config=_configs(
             q, rel_bias is not None, activation == "softmax", block_m, block_n, num_warps, num_stages
         ),
+        schedule=schedule,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -1429,6 +1671,7 @@ def jagged_attention_backward(
     dq_block_n: int | None = None,
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """grad_out [total_tokens, H, D], the forward's out and lse (softmax) -> dq, dk, dv
     [total_tokens, H, D] and d rel_bias [H, num_buckets] (None without a bias). block_m / block_n /
@@ -1443,7 +1686,7 @@ def jagged_attention_backward(
         scale=_default_scale(q.shape[-1], scale),
         act_scale=1.0 / max_seq_len if activation == "silu" and max_seq_len > 0 else 1.0,
         self_attn=True, causal=causal, num_targets=num_targets, rel_bias=rel_bias, broadcast_q=False,
-        dkdv_config=dkdv_config, dq_config=dq_config,
+        dkdv_config=dkdv_config, dq_config=dq_config, schedule=schedule,
     )  # fmt: skip
 
 
@@ -1482,6 +1725,7 @@ def gdpa_forward(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> torch.Tensor:
     """Generalized dot-product attention (non-causal, unnormalised activation).
 
@@ -1498,7 +1742,7 @@ def gdpa_forward(
         num_out_rows=num_out_rows, max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=broadcast_q, return_lse=False,
-        config=_configs(q, False, False, block_m, block_n, num_warps, num_stages),
+        config=_configs(q, False, False, block_m, block_n, num_warps, num_stages), schedule=schedule,
     )  # fmt: skip
     return out
 
@@ -1522,6 +1766,7 @@ def gdpa_backward(
     dq_block_n: int | None = None,
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_out like gdpa's out -> dq (like q; summed over samples with broadcast_q), dk, dv."""
     out_offsets, max_q_len, max_kv_len = _gdpa_layout(q, k, q_offsets, kv_offsets, broadcast_q)
@@ -1540,7 +1785,7 @@ def gdpa_backward(
         max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=broadcast_q,
-        dkdv_config=dkdv_config, dq_config=dq_config,
+        dkdv_config=dkdv_config, dq_config=dq_config, schedule=schedule,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -1559,6 +1804,7 @@ def target_attention_forward(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Request-broadcast target attention.
 
@@ -1584,6 +1830,7 @@ def target_attention_forward(
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
         config=_configs(q_cand, False, activation == "softmax", block_m, block_n, num_warps, num_stages),
+        schedule=schedule,
     )  # fmt: skip
     out = groups.scatter(out_rows.view(num_cand, seeds, num_heads, head_dim))
     return (out, lse) if return_lse else out
@@ -1609,6 +1856,7 @@ def target_attention_backward(
     dq_block_n: int | None = None,
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
+    schedule: str = DEFAULT_SCHEDULE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_out [C, S, H, D], the forward's out and lse -> dq_cand [C, S, H, D], dk, dv. Regroups
     the candidates as the forward did (one host sync; the argsort is stable, so the same order)."""
@@ -1630,6 +1878,6 @@ def target_attention_backward(
         max_q_len=groups.max_q_len, max_kv_len=groups.max_kv_len, activation=activation,
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False,
-        dkdv_config=dkdv_config, dq_config=dq_config,
+        dkdv_config=dkdv_config, dq_config=dq_config, schedule=schedule,
     )  # fmt: skip
     return groups.scatter(dq_rows.view(num_cand, seeds, num_heads, head_dim)), dk, dv
