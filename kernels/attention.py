@@ -43,10 +43,16 @@ Algorithm (FlashAttention-2 structure, on jagged offsets):
 - d rel_bias per tile: bucket(|i - j|) depends only on the diagonal i - j, so each ds tile is
   first skewed (tl.gather: row c rotated by c) so that diagonals become columns, summed into at
   most BLOCK_M + BLOCK_N - 1 diagonal sums, and only those are binned into the buckets.
-- Grid: (query blocks of the longest sequence x sequences, heads), query blocks in reverse so
-  that the heaviest (last, for causal) block of a sequence starts first; programs past a
-  sequence's end return at once. The dK/dV kernel keeps key blocks in natural order (under a
-  causal mask the first key blocks see the most queries).
+- Schedule (`schedule`): "grid" (the default) launches a program per (sequence, block of the
+  longest sequence, head), heads varying fastest and a sequence's query blocks in reverse so that
+  the heaviest (last, for causal) block starts first; programs past a sequence's end return at
+  once. "longest_first" launches only real blocks, from a work list built on the device (no host
+  sync), sequences of most work first; on an H200 it did not win (BENCHMARKS.md), since the empty
+  programs cost less than the list's set-up and its two loads per program. The dK/dV kernel
+  takes key blocks in natural order (under a causal mask the first see the most queries).
+- Relative bias: a tile more than a few hundred positions off the diagonal meets at most two
+  buckets, so its bias is one compare per score between two loaded values and its bias gradient
+  two tile sums; only the tiles near the diagonal bucket and gather per score.
 
 Relative buckets are integer-exact: floor(log2 d) is the float32 exponent of d and the upper
 half-octave bit is the next mantissa bit (exact for d < 2^24), never a float log2.
@@ -1054,8 +1060,9 @@ def _forward_config(
     spills no registers or a few dozen bytes; at D = 128 without a bias, the fastest of ten
     tilings timed on an H200 (evals/sweep_attention.py, BENCHMARKS.md): 128 x 64 with 8 warps for
     softmax, 128 x 32 with 4 warps for pointwise activations (10% faster for silu and gelu,
-    whose tile holds no running max and sum). The relative bias costs registers (a bucket and a
-    gathered load per score), hence smaller tiles with it at D = 128. In the interpreter: 16 x 16
+    whose tile holds no running max and sum). With a relative bias, tiles near the diagonal take
+    a bucket and a gathered load per score, hence smaller tiles at D = 128 (64 x 32 stayed the
+    fastest of four once far tiles took the two-bucket path). In the interpreter: 16 x 16
     tiles, so that short test sequences span several blocks and every boundary case runs.
     """
     if device.type != "cuda":
@@ -1093,13 +1100,19 @@ def _backward_config(
             "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64 if has_bias else 128, "num_warps": 8, "num_stages": 2},
             "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
         }
-    if head_dim <= 128 and not has_bias:
+    if head_dim <= 128:
         # Timed on an H200 at D = 128 (evals/sweep_attention.py): these beat the 8-warp,
         # 2-stage tiles of the first cut by 1.4x (dK/dV) and 1.1x to 1.4x (dQ) on softmax, silu,
-        # gelu and target attention alike.
+        # gelu and target attention alike. With a bias (evals/compare_attention.py), since most
+        # tiles take the two-bucket path: the same dK/dV tiles, 2.5x faster than the 32 x 32
+        # ones, and a 64 x 64 dQ tile.
         return {
             "dkdv": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-            "dq": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+            "dq": (
+                {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+                if has_bias
+                else {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+            ),
         }
     return {
         "dkdv": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
@@ -1282,30 +1295,36 @@ def _cross_lengths(
 
 class _RequestGroups:
     """Candidates of one request made contiguous, so that all their seeds form one query range
-    against the request's keys: cand_to_request as is when it never decreases, else one stable
-    argsort and one gather of q_cand (and the inverse scatter of the output)."""
+    against the request's keys: cand_to_request as is when it never decreases, else the order of
+    one stable sort and one gather of q_cand (and the inverse scatter of the output). One host
+    sync for the checks and the grid, with as few small device ops before it as the checks allow:
+    they are most of this op's time at request shapes (its kernel runs for a few hundred µs)."""
 
     def __init__(self, cand_to_request: torch.Tensor, kv_offsets: torch.Tensor, seeds: int, kv_rows: int):
         num_requests = kv_offsets.numel() - 1
         if num_requests == 0:
             raise ValueError("cand_to_request must lie in [0, 0): kv_offsets holds no request")
+        device = kv_offsets.device
         requests = cand_to_request.to(torch.int64)
-        counts = torch.bincount(requests.clamp(0, max(num_requests - 1, 0)), minlength=num_requests)
-        kv_lengths = kv_offsets[1:] - kv_offsets[:-1]
-        is_sorted = (requests[1:] >= requests[:-1]).all()
-        host = _host_values(
-            requests.min(), requests.max(), is_sorted, counts.max(), kv_lengths.max(), kv_lengths.min(),
-            kv_offsets[0], kv_offsets[-1],
-        )  # fmt: skip
-        low, high, already_sorted, max_count, self.max_kv_len, min_kv_len, kv_first, kv_last = host
+        kv_offsets = kv_offsets.to(torch.int64)
+        sorted_requests, order = torch.sort(requests, stable=True)
+        # Candidates of request r are sorted rows [starts[r], starts[r + 1]) (searchsorted, not
+        # bincount, which syncs by itself on CUDA).
+        starts = torch.searchsorted(sorted_requests, torch.arange(num_requests + 1, device=device))
+        low_high = torch.aminmax(sorted_requests)
+        kv_min_max = torch.aminmax(kv_offsets[1:] - kv_offsets[:-1])
+        host = torch.stack([
+            low_high.min, low_high.max, (starts[1:] - starts[:-1]).max(), kv_min_max.min, kv_min_max.max,
+            kv_offsets[0], kv_offsets[-1], (requests == sorted_requests).all().to(torch.int64),
+        ]).tolist()  # fmt: skip
+        low, high, max_count, min_kv_len, self.max_kv_len, kv_first, kv_last, already_sorted = host
         if low < 0 or high >= num_requests:
             raise ValueError(f"cand_to_request must lie in [0, {num_requests}) (the requests of kv_offsets)")
         if min_kv_len < 0 or kv_first != 0 or kv_last != kv_rows:
             raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
         self.max_q_len = max_count * seeds
-        self.q_offsets = torch.zeros(num_requests + 1, dtype=torch.int64, device=kv_offsets.device)
-        torch.cumsum(counts * seeds, 0, out=self.q_offsets[1:])
-        self.order = None if already_sorted else torch.argsort(requests, stable=True)
+        self.q_offsets = starts * seeds
+        self.order = None if already_sorted else order
 
     def gather(self, per_candidate: torch.Tensor) -> torch.Tensor:
         return per_candidate if self.order is None else per_candidate.index_select(0, self.order)
@@ -1343,7 +1362,9 @@ def _bias_args(rel_bias: torch.Tensor | None) -> tuple[int, int]:
 
 
 SCHEDULES = ("longest_first", "grid")
-DEFAULT_SCHEDULE = "longest_first"
+# Measured on an H200 (BENCHMARKS.md): the work list's two loads per program and its set-up cost
+# more than the empty programs of the grid save, at power-law lengths too (0.85x to 1.02x).
+DEFAULT_SCHEDULE = "grid"
 
 
 def _work_list(

@@ -1,0 +1,200 @@
+"""Side-by-side timing of attention kernel variants on a GPU, each checked on the way.
+
+A variant is a kernel module (this tree's kernels/attention.py, or another file with the same
+launchers, such as an earlier commit's copy given with --baseline) plus launch options (tiles,
+schedule). For each case (op, timing shape) every variant's forward is compared with the fp32
+reference and its backward with the current default's gradients, then both are timed in the
+same process; ratios are against the case's first variant. With --profile, the CUDA kernels of
+one forward call of the current default are listed (where the time goes besides the kernel).
+
+    git show <commit>:kernels/attention.py > /tmp/prev_attention.py
+    python3 -m evals.compare_attention --baseline /tmp/prev_attention.py [--case NAME] [--out rows.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from functools import partial
+from types import ModuleType
+
+import torch
+
+from kernels import attention as current
+from sandbox.protocol import compare, fresh_seed
+from sandbox.timing import benchmark
+from search_space import get_problem
+
+FORWARDS = {"jagged_attention": "jagged_attention_forward", "gdpa": "gdpa_forward"}
+FORWARDS["target_attention"] = "target_attention_forward"
+
+
+def _tiles(m: int, n: int, w: int, s: int, prefix: str = "") -> dict:
+    return {f"{prefix}block_m": m, f"{prefix}block_n": n, f"{prefix}num_warps": w, f"{prefix}num_stages": s}
+
+
+# (label, module key, forward options, backward options); "prev" is the --baseline module.
+SCHEDULES = [
+    ("previous", "prev", {}, {}),
+    ("this tree", "cur", {}, {}),
+    ("longest-first", "cur", {"schedule": "longest_first"}, {"schedule": "longest_first"}),
+]
+BIAS_TILES = [
+    ("fwd 128x64 w8 s2", "cur", _tiles(128, 64, 8, 2), {}),
+    ("fwd 128x32 w4 s3", "cur", _tiles(128, 32, 4, 3), {}),
+    ("fwd 64x64 w4 s3", "cur", _tiles(64, 64, 4, 3), {}),
+    (
+        "bwd 32x64 w4 s3 / dq 128x64 w8 s2",
+        "cur",
+        {},
+        {**_tiles(32, 64, 4, 3), **_tiles(128, 64, 8, 2, "dq_")},
+    ),
+    ("bwd 32x64 w4 s3 / dq 64x64 w4 s2", "cur", {}, {**_tiles(32, 64, 4, 3), **_tiles(64, 64, 4, 2, "dq_")}),
+]
+TARGET_TILES = [
+    ("fwd 128x128 w8 s2", "cur", _tiles(128, 128, 8, 2), {}),
+    ("fwd 64x128 w4 s3", "cur", _tiles(64, 128, 4, 3), {}),
+    ("fwd 64x64 w4 s3", "cur", _tiles(64, 64, 4, 3), {}),
+    ("dkdv 64x128 w8 s2", "cur", {}, _tiles(64, 128, 8, 2)),
+]
+CASES = {
+    "jagged_attention/b256-n4096-power-softmax": SCHEDULES,
+    "jagged_attention/b256-n8192-power-softmax": SCHEDULES,
+    "jagged_attention/b512-n1024-uniform-softmax": SCHEDULES,
+    "jagged_attention/b256-n4096-uniform-silu": SCHEDULES,
+    "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES + BIAS_TILES,
+    "gdpa/self-b1024-n2048-s0.5-gelu": SCHEDULES,
+    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES + TARGET_TILES,
+    "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
+}
+
+
+def _load_module(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("baseline_attention", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _forward(module: ModuleType, op: str, inputs, options: dict, lse: bool = False):
+    fn = getattr(module, FORWARDS[op])
+    extra = {"return_lse": True} if lse and op != "gdpa" else {}
+    return fn(*inputs.args, **inputs.kwargs, **options, **extra)
+
+
+def _backward(module: ModuleType, op: str, inputs, grad_out, out, lse, options: dict):
+    fn = getattr(module, FORWARDS[op].replace("forward", "backward"))
+    if op == "gdpa":  # pointwise activations: nothing saved from the forward
+        return fn(grad_out, *inputs.args, **inputs.kwargs, **options)
+    return fn(grad_out, *inputs.args, out, lse, **inputs.kwargs, **options)
+
+
+def _median_ms(fn, device: torch.device, reps: int) -> float:
+    return benchmark(fn, [((), {})], device=device, max_reps=reps).median_us / 1e3
+
+
+def _profile(module: ModuleType, op: str, inputs) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        _forward(module, op, inputs, {})
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            _forward(module, op, inputs, {})
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+
+
+def run_case(case: str, variants: list, modules: dict, device: torch.device, profile: bool) -> list[dict]:
+    op, shape_name = case.split("/")
+    problem = get_problem(op)
+    shape = next(s for s in problem.timing_shapes if s.name == shape_name)
+    inputs = problem.make_inputs(shape, fresh_seed(), device)
+    ref = problem.reference(*inputs.args, **inputs.kwargs)
+    tol, scale = problem.tolerance(shape.dtype), problem.tolerance_scale(inputs)
+    flops = problem.flops(shape)
+    out0 = _forward(current, op, inputs, {}, lse=True)
+    out0, lse0 = out0 if isinstance(out0, tuple) else (out0, None)
+    gen = torch.Generator(device=device).manual_seed(0)
+    grad_out = torch.randn(out0.shape, generator=gen, device=device).to(out0.dtype)
+    grads0 = _backward(current, op, inputs, grad_out, out0, lse0, {})
+    if profile:
+        _profile(current, op, inputs)
+    rows = []
+    for label, key, fwd_options, bwd_options in variants:
+        if key not in modules:
+            continue
+        module = modules[key]
+        row = {"case": case, "variant": label}
+        try:
+            out = _forward(module, op, inputs, fwd_options)
+            ok, details = compare(out, ref, tol, scale)
+            row["fwd_check"] = "ok" if ok else details["message"][:80]
+            row["fwd_ms"] = _median_ms(partial(_forward, module, op, inputs, fwd_options), device, 50)
+            grads = _backward(module, op, inputs, grad_out, out0, lse0, bwd_options)
+            row["bwd_vs_default"] = max(
+                float((g.float() - d.float()).abs().max() / d.float().abs().max().clamp_min(1e-6))
+                for g, d in zip(grads[:3], grads0[:3], strict=True)
+            )
+            bwd = partial(_backward, module, op, inputs, grad_out, out0, lse0, bwd_options)
+            row["bwd_ms"] = _median_ms(bwd, device, 30)
+            row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
+            row["bwd_tflops"] = 2.5 * flops / (row["bwd_ms"] * 1e-3) / 1e12
+        except Exception as exc:  # a variant that does not compile or fit is a result too
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | variant | fwd ms | fwd TFLOP/s | fwd x | bwd ms | bwd TFLOP/s | bwd x | checks |"]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    first: dict[str, dict] = {}
+    for r in rows:
+        base = first.setdefault(r["case"], r)
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['variant']} | | | | | | | {r['error'][:60]} |")
+            continue
+        fx = base.get("fwd_ms", float("nan")) / r["fwd_ms"]
+        bx = base.get("bwd_ms", float("nan")) / r["bwd_ms"]
+        check = f"fwd {r['fwd_check']}, bwd rel {r['bwd_vs_default']:.1e}"
+        lines.append(
+            f"| {r['case']} | {r['variant']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {fx:.2f} | "
+            f"{r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | {bx:.2f} | {check} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--baseline", help="another kernels/attention.py to compare (variant 'previous')")
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases")
+    parser.add_argument("--profile", action="store_true", help="list the kernels of one forward per case")
+    parser.add_argument("--out", help="append JSON rows here")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    modules = {"cur": current}
+    if args.baseline:
+        modules["prev"] = _load_module(args.baseline)
+    t0 = time.time()
+    rows = []
+    for case in args.case or list(CASES):
+        rows += run_case(case, CASES[case], modules, device, args.profile and case.startswith("target"))
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    print(f"took {time.time() - t0:.0f} s")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
