@@ -207,6 +207,12 @@ class CampaignConfig(_Strict):
     output_dir: Path = Path("runs")
     library: Path | None = Field(None, description="kernel library folder; default: the package's")
     register_kernels: bool = Field(True, description="add each problem's re-verified best to the library")
+    start_from: Literal["library", "reference"] = Field(
+        "library",
+        description="library: the first batch measures what dispatch runs today, the bar every proposal "
+        "must clear; reference: proposals only, so the best speedup over time starts from the naive "
+        "reference (needs register_kernels = false: nothing would show that a winner beats the library)",
+    )
 
     @field_validator("problems")
     @classmethod
@@ -227,6 +233,11 @@ class CampaignConfig(_Strict):
             raise ValueError(
                 f"problem(s) {untemplated} have no knob template for the search proposer; "
                 f'searchable: {searchable} (an LLM-only campaign, proposer.kinds = ["llm"], takes any)'
+            )
+        if self.start_from == "reference" and self.register_kernels:
+            raise ValueError(
+                'start_from = "reference" needs register_kernels = false: without the library\'s kernels '
+                "measured in the campaign, nothing shows that a winner beats them"
             )
         return self
 

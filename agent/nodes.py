@@ -70,8 +70,11 @@ def propose(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     n = max(1, min(ctx.config.proposer.batch_size, remaining))
     best_id = state.get("best", {}).get(problem)
     seen = {r.candidate.id for r in rows}
-    # The first batch measures what dispatch runs today: the bar every proposal must clear.
-    seeds = [] if rows else [c for c in incumbents(problem, ctx.library, campaign_arch()) if c.id not in seen]
+    # The first batch measures what dispatch runs today: the bar every proposal must clear (unless
+    # the campaign starts from the reference, proposals only).
+    seeds = []
+    if not rows and ctx.config.start_from == "library":
+        seeds = [c for c in incumbents(problem, ctx.library, campaign_arch()) if c.id not in seen]
     seeds = seeds[:n]
     proposers = ctx.proposers[problem]
     request = ProposalRequest(

@@ -173,3 +173,30 @@ def test_campaign_run_draws_budget_bars(tmp_path: Path, monkeypatch) -> None:
     # On the interpreter the progress shows no speed figure, only that timings were interpreted.
     assert "embedding_bag" in result.output and "interpreted timings: no speed figure" in result.output
     assert "report.html" in result.output
+
+
+def test_a_campaign_from_the_reference_evaluates_proposals_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: QuickBackend())
+    config = _config(tmp_path, max_evaluations=3).model_copy(
+        update={"start_from": "reference", "register_kernels": False}
+    )
+    outcome = Campaigns(tmp_path / "home").start(config, _Interrupt(after=0))
+    rows = Campaigns(tmp_path / "home").store.evaluations(outcome.campaign_id)
+    assert len(rows) == 3
+    assert {r.candidate.origin for r in rows} == {"template"}, "no incumbent from the library"
+    # The default starts with what dispatch runs today.
+    outcome = Campaigns(tmp_path / "home2").start(_config(tmp_path, max_evaluations=3), _Interrupt(after=0))
+    rows = Campaigns(tmp_path / "home2").store.evaluations(outcome.campaign_id)
+    assert rows[0].candidate.origin == "library"
+
+
+def test_starting_from_the_reference_needs_registration_off(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="register_kernels = false"):
+        parse_config(
+            {
+                "name": "x",
+                "problems": ["embedding_bag"],
+                "start_from": "reference",
+                "budget": {"max_evaluations": 1, "max_wall_s": 60},
+            }
+        )
