@@ -25,10 +25,11 @@ def campaign_arch() -> str:
 
 
 def incumbents(problem: str, library: KernelLibrary, arch: str) -> list[Candidate]:
-    """The default kernel of `problem` and every kernel the library holds for `arch`. A problem
-    that dispatch does not serve as an op of its own (an op's gradients, run inside its backward)
-    has its template at the default knobs instead: the library's kernels as they launch today."""
-    if problem in DISPATCHER.ops():
+    """The default kernel of `problem` and every kernel the library holds for `arch`. An op's
+    gradients (dispatched inside its backward, whose default reads the statistics the forward
+    saved, so it is not a candidate going from inputs to gradients) have their template at the
+    default knobs instead: the library's kernels as they launch today."""
+    if problem in DISPATCHER.ops() and DISPATCHER.gradient_of(problem) is None:
         default = DISPATCHER.default(problem)
         sources = [(Path(inspect.getsourcefile(default)).read_text(), default.__name__)]
     else:

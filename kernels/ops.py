@@ -1,6 +1,7 @@
 """Public ops of the kernel library. Model code calls these; each is a torch custom op (with a
 fake implementation, so torch.compile and export trace through it) whose implementation asks
-the dispatcher for the best verified kernel of the call's (arch, dtype, shape bucket)."""
+the dispatcher for the best verified kernel of the call's (arch, dtype, shape bucket). The
+attention ops' backwards ask it too, for the op's gradients (`<op>_grad`)."""
 
 from __future__ import annotations
 
@@ -117,10 +118,14 @@ def embedding_bag(
 
 # --- attention family ---------------------------------------------------------------------------
 #
-# Each op is a forward custom op (dispatched: library kernel, default kernel or reference) and a
-# backward custom op (the default Triton backward, or the reference's vjp without Triton).
-# The softmax forwards also return the row statistics (lse) their backward reads; when no
-# gradient will be taken, or for silu, that second output is empty.
+# Each op is a forward custom op and a backward custom op, both dispatched (library kernel,
+# default kernel or reference): the forward as `<op>`, the backward as `<op>_grad`, the op's
+# gradient problem (search_space/<op>_grad.py). A library kernel of the gradients is called as
+# that problem calls it, fn(grad_out, *forward args, **forward kwargs) -> (dq, dk, dv) plus
+# d rel_bias where the call has a bias, and recomputes whatever forward statistics it needs; the
+# default backward reads the ones the forward saved instead. The softmax forwards also return
+# the row statistics (lse) the default backward reads; when no gradient will be taken, or for
+# silu, that second output is empty.
 
 DISPATCHER.register_op(
     "jagged_attention", default=_attn.jagged_attention_forward, reference=jagged_attention_reference
@@ -184,6 +189,52 @@ def _reference_grads(
     return [grads.get(i) for i in range(len(inputs))]
 
 
+def _default_grad(forward: Callable, backward: Callable) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The default kernels in a gradient problem's convention: fn(grad_out, *args, **kwargs) runs
+    `forward` for the statistics `backward` reads, then `backward` -> (dq, dk, dv), and d rel_bias
+    where kwargs has a bias."""
+
+    def grads(grad_out: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, ...]:
+        out, lse = forward(*args, return_lse=True, **kwargs)
+        dq, dk, dv, *d_rel_bias = backward(grad_out, *args, out, lse, **kwargs)
+        return (dq, dk, dv, *d_rel_bias) if kwargs.get("rel_bias") is not None else (dq, dk, dv)
+
+    return grads
+
+
+def _reference_grad(reference: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """The vjp of `reference` in a gradient problem's convention: fn(grad_out, q, k, v, *args,
+    **kwargs) -> (dq, dk, dv), and d rel_bias where kwargs has a bias."""
+
+    def grads(grad_out: torch.Tensor, q, k, v, *args, rel_bias=None, **kwargs) -> tuple[torch.Tensor, ...]:
+        def call(q, k, v, rel_bias):
+            bias = {} if rel_bias is None else {"rel_bias": rel_bias}
+            return reference(q, k, v, *args, **kwargs, **bias)
+
+        dq, dk, dv, d_rel_bias = _reference_grads(call, grad_out, q, k, v, rel_bias)
+        return (dq, dk, dv) if rel_bias is None else (dq, dk, dv, d_rel_bias)
+
+    return grads
+
+
+DISPATCHER.register_op(
+    "jagged_attention_grad",
+    default=_default_grad(_attn.jagged_attention_forward, _attn.jagged_attention_backward),
+    reference=_reference_grad(jagged_attention_reference),
+    gradient_of="jagged_attention",
+)
+# Pointwise attention has no forward statistics to read: gdpa_backward takes the problem's arguments.
+DISPATCHER.register_op(
+    "gdpa_grad", default=_attn.gdpa_backward, reference=_reference_grad(gdpa_reference), gradient_of="gdpa"
+)
+DISPATCHER.register_op(
+    "target_attention_grad",
+    default=_default_grad(_attn.target_attention_forward, _attn.target_attention_backward),
+    reference=_reference_grad(target_attention_reference),
+    gradient_of="target_attention",
+)
+
+
 # jagged_attention ------------------------------------------------------------------------------
 
 
@@ -239,21 +290,15 @@ def _jagged_attention_backward_op(
     kwargs = dict(
         max_seq_len=max_seq_len, activation=activation, causal=causal, num_targets=num_targets, scale=scale
     )
-    if triton_usable(q.device):
+    impl = _resolve_attention("jagged_attention_grad", q)
+    if impl.name == "default":
         dq, dk, dv, d_rel_bias = _attn.jagged_attention_backward(
             grad_out, q, k, v, offsets, out, lse, rel_bias=rel_bias, **kwargs
         )
     else:
-        dq, dk, dv, d_rel_bias = _reference_grads(
-            lambda q, k, v, rel_bias: jagged_attention_reference(
-                q, k, v, offsets, rel_bias=rel_bias, **kwargs
-            ),
-            grad_out,
-            q,
-            k,
-            v,
-            rel_bias,
-        )
+        grads = impl.fn(grad_out, q, k, v, offsets, rel_bias=rel_bias, **kwargs)
+        dq, dk, dv = grads[:3]
+        d_rel_bias = grads[3] if rel_bias is not None else None
     return dq, dk, dv, d_rel_bias if d_rel_bias is not None else q.new_empty(0, dtype=torch.float32)
 
 
@@ -366,11 +411,10 @@ def _gdpa_backward_op(
     scale: float,
     broadcast_q: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kwargs = dict(activation=activation, scale=scale, broadcast_q=broadcast_q)
-    if triton_usable(q.device):
-        return _attn.gdpa_backward(grad_out, q, k, v, q_offsets, kv_offsets, **kwargs)
-    dq, dk, dv = _reference_grads(
-        lambda q, k, v: gdpa_reference(q, k, v, q_offsets, kv_offsets, **kwargs), grad_out, q, k, v
+    # The default (gdpa_backward) needs no forward statistics: every implementation is called alike.
+    impl = _resolve_attention("gdpa_grad", q)
+    dq, dk, dv = impl.fn(
+        grad_out, q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, broadcast_q=broadcast_q
     )
     return dq, dk, dv
 
@@ -462,18 +506,13 @@ def _target_attention_backward_op(
     activation: str,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if triton_usable(q_cand.device):
+    impl = _resolve_attention("target_attention_grad", q_cand)
+    if impl.name == "default":
         return _attn.target_attention_backward(
             grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation=activation, scale=scale
         )
-    dq, dk, dv = _reference_grads(
-        lambda q, k, v: target_attention_reference(
-            q, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale
-        ),
-        grad_out,
-        q_cand,
-        k,
-        v,
+    dq, dk, dv = impl.fn(
+        grad_out, q_cand, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale
     )
     return dq, dk, dv
 

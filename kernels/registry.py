@@ -4,6 +4,10 @@ Each accepted kernel is a self-contained module (the candidate's source, byte fo
 as `<op>_<source hash>.py` beside `manifest.json`. Dispatch picks, for a call's
 (op, GPU architecture, dtype, shape bucket), the fastest accepted kernel, else the library's
 hand-written default, else the plain PyTorch reference when Triton cannot run at all.
+
+An op's gradients are ops of dispatch too (`<op>_grad`, registered with `gradient_of=<op>`):
+the op's backward resolves them the same way, so a backward kernel that a campaign accepts runs
+in training as soon as it is in the library.
 """
 
 from __future__ import annotations
@@ -179,6 +183,7 @@ class Dispatcher:
         self._library = KernelLibrary(os.environ.get("RECFORGE_LIBRARY", PACKAGE_LIBRARY))
         self._defaults: dict[str, Callable[..., torch.Tensor]] = {}
         self._references: dict[str, Callable[..., torch.Tensor]] = {}
+        self._gradient_of: dict[str, str] = {}
         self.calls: Counter[tuple[str, str]] = Counter()
         self.last: dict[str, str] = {}
 
@@ -190,9 +195,19 @@ class Dispatcher:
         self._library = KernelLibrary(root)
         return self._library
 
-    def register_op(self, op: str, *, default: Callable, reference: Callable) -> None:
+    def register_op(
+        self, op: str, *, default: Callable, reference: Callable, gradient_of: str | None = None
+    ) -> None:
+        """`gradient_of`: the op whose backward resolves `op` (its gradients), None for an op that
+        model code calls."""
         self._defaults[op] = default
         self._references[op] = reference
+        if gradient_of is not None:
+            self._gradient_of[op] = gradient_of
+
+    def gradient_of(self, op: str) -> str | None:
+        """The op whose backward dispatches `op`, or None when `op` is not an op's gradients."""
+        return self._gradient_of.get(op)
 
     def ops(self) -> list[str]:
         """The ops registered for dispatch."""

@@ -98,8 +98,9 @@ def grad_problem(
         forward,
         name=name,
         entry=name,
-        # Not an op of dispatch (its kernels run inside the op's backward): the op benchmark
-        # times the forward op's backward pass instead.
+        # Dispatched inside the forward op's backward (kernels.ops calls an accepted kernel as
+        # make_inputs gives the arguments), never by model code: the attention benchmark times the
+        # forward op's backward pass instead.
         op_family=f"{forward.op_family}-grad",
         signature=f"{name}(grad_out, <the inputs of {forward.signature}>) -> (dq, dk, dv[, d_rel_bias])",
         description=f"Gradients of {forward.name}.\n\n{__doc__}\n\n{forward.description}",

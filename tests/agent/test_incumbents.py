@@ -16,8 +16,9 @@ def test_an_op_incumbent_is_its_default_kernel(tmp_path: Path) -> None:
 
 
 def test_a_gradient_problem_incumbent_is_its_template_at_the_defaults(tmp_path: Path) -> None:
-    """Gradients run inside an op's backward, not as an op of dispatch: the library's kernels at
-    their default launch configuration are what a proposal has to beat."""
+    """Gradients are dispatched inside an op's backward, whose default reads the forward's saved
+    statistics: the library's kernels at their default launch configuration, going from inputs
+    to gradients, are what a proposal has to beat."""
     template = get_template("jagged_attention_grad")
     (only,) = incumbents("jagged_attention_grad", KernelLibrary(tmp_path / "lib"), "interpreter")
     assert only.source == template.render(template.defaults()) and only.origin == "library"
