@@ -47,8 +47,8 @@ class EvalRequest(BaseModel):
     timing: bool = True
     baselines: list[str] = []  # names among "reference", "reference.compile", problem baselines
     input_sets: int = 3
-    # A file the worker holds an exclusive lock on while it times: workers check and compile
-    # side by side, but only one at a time measures the GPU.
+    # The GPU's lock file (worker.gpu_use): workers check and compile side by side under a shared
+    # lock, and one at a time measures the GPU under an exclusive one, with no check beside it.
     timing_lock: str | None = None
     # Applied by the worker to itself before the candidate is imported (None: not set here).
     cpu_seconds: int | None = None
