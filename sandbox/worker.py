@@ -210,8 +210,9 @@ def evaluate(request: EvalRequest, log: io.StringIO) -> EvalResult:
 @contextlib.contextmanager
 def gpu_use(lock_path: str | None, *, exclusive: bool) -> Iterator[None]:
     """Use of the GPU behind `lock_path` (nothing when None): shared for checks, which run side by
-    side in several workers, exclusive for timing, which runs with no check beside it (a check
-    running next to a timed kernel made its timings spread by up to 90% on an H200). A timer
+    side in several workers, exclusive for timing, which runs with no check beside it (with
+    checks running beside them, embedding-bag timings in a four-worker H200 campaign spread by up
+    to 93%, and the noise margin then refused a 2.5x faster kernel). A timer
     waiting at the turnstile keeps new checks from starting, so checks cannot starve it. Both
     locks are flock(2) locks: the kernel releases them when the process dies."""
     if lock_path is None:
