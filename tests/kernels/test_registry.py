@@ -143,6 +143,25 @@ def test_re_adding_replaces_the_entry(tmp_path: Path) -> None:
     assert library.entries() == [again]
 
 
+def test_manifest_is_parsed_again_only_when_it_changes(tmp_path: Path, monkeypatch) -> None:
+    """Dispatch asks for the entries on every op call: an unchanged manifest is not parsed
+    again, and a kernel another process (another library object) registers is seen at once."""
+    import kernels.registry as registry
+
+    source = TEMPLATE.render({})
+    reader = KernelLibrary(tmp_path)
+    first = _add(KernelLibrary(tmp_path), source)
+    parses = []
+    real_loads = registry.json.loads
+    monkeypatch.setattr(registry.json, "loads", lambda text: parses.append(1) or real_loads(text))
+    assert reader.entries() == [first]
+    assert reader.entries() == [first]
+    assert len(parses) == 1
+    second = _add(KernelLibrary(tmp_path), source, dtype="bf16")
+    assert reader.entries() == [first, second]
+    assert len(parses) == 3  # the writer read it once to add, the reader once after the change
+
+
 def test_missing_manifest_is_an_empty_library(tmp_path: Path) -> None:
     assert KernelLibrary(tmp_path / "nowhere").entries() == []
 
