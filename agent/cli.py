@@ -414,21 +414,30 @@ def bench_ops(
     _interpret_without_gpu()
     from evals.bench_ops import run_family_benchmark, run_op_benchmark
 
+    if output:
+        try:
+            output.open("a").close()
+        except OSError as exc:
+            raise fail(f"--output {output}: {exc.strerror}") from None
+
+    def on_row(row: dict) -> None:
+        # Each row is appended as soon as it is measured, so a run cut short keeps its rows.
+        if output:
+            with output.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
     options = {
         "library": library,
         "console": console,
         "only_shapes": shape,
         "without": without,
         "passes": tuple(p.strip() for p in passes.split(",")) if passes else None,
+        "on_row": on_row,
     }
     try:
-        rows = run_op_benchmark(op, **options) if op else run_family_benchmark(family, **options)
+        run_op_benchmark(op, **options) if op else run_family_benchmark(family, **options)
     except ValueError as exc:
         raise fail(str(exc)) from None
-    if output:
-        with output.open("a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
 
 
 def main() -> None:  # pragma: no cover - console script entry

@@ -165,10 +165,12 @@ def run_attention_benchmark(
     shapes: tuple[Shape, ...] | None = None,
     only_shapes: list[str] | None = None,
     without: list[str] | None = None,
+    on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Benchmark one attention op; returns the rows (also printed as a table). `only_shapes`
     keeps the shapes whose name contains one of its substrings; `without` names providers to
-    leave out (e.g. the loop reference at sizes where it takes minutes)."""
+    leave out (e.g. the loop reference at sizes where it takes minutes); `on_row` gets each row
+    as soon as its shape and pass are measured (a run stopped midway keeps what it measured)."""
     problem = get_problem(op)
     if problem.op_family != "attention":
         raise ValueError(f"{op} is not an attention op (family {problem.op_family!r})")
@@ -228,6 +230,8 @@ def run_attention_benchmark(
                 row |= run.fields()
                 rows.append(row)
                 table.add_row(*_cells(row))
+                if on_row is not None:
+                    on_row(row)
         del arg_sets, args, kwargs, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -167,9 +167,11 @@ def run_op_benchmark(
     only_shapes: list[str] | None = None,
     without: list[str] | None = None,
     passes: tuple[str, ...] | None = None,
+    on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """`only_shapes`: substrings of the timing shapes to run; `without`: providers to leave out;
-    `passes`: for attention ops, among fwd, bwd, fwd+bwd."""
+    `passes`: for attention ops, among fwd, bwd, fwd+bwd; `on_row`: called with each row as soon
+    as it is measured."""
     problem = get_problem(op)
     if problem.op_family == "attention":
         from evals.bench_attention import PASSES, run_attention_benchmark
@@ -181,6 +183,7 @@ def run_op_benchmark(
             only_shapes=only_shapes,
             without=without,
             passes=passes or PASSES,
+            on_row=on_row,
         )
     console = console or Console()
     run = BenchRun.here()
@@ -245,6 +248,8 @@ def run_op_benchmark(
                     **run.fields(),
                 }
             )
+            if on_row is not None:
+                on_row(rows[-1])
         del arg_sets, args, kwargs, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()

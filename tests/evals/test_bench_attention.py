@@ -37,7 +37,9 @@ def test_attention_bench_rows_on_the_interpreted_shape(monkeypatch) -> None:
     # tested here, not a kernel.
     monkeypatch.setattr(bench_attention, "kernel_under_test", lambda op: (target_attention.torch_padded, ""))
     console = Console(file=io.StringIO(), width=200)
-    rows = run_attention_benchmark("target_attention", console=console)
+    streamed: list[dict] = []
+    rows = run_attention_benchmark("target_attention", console=console, on_row=streamed.append)
+    assert streamed == rows, "every row is handed on as it is measured, in order"
     by = {(r["provider"], r["pass"]): r for r in rows}
     providers = {"kernels.ops", "reference", "torch.padded", "torch.replicate_kv", "torch.flex_attention"}
     assert {p for p, _ in by} == providers
@@ -67,3 +69,9 @@ def test_bench_ops_needs_an_op_or_a_family() -> None:
         assert result.exit_code == 2 and "--op NAME or --family" in result.output
     result = runner.invoke(app, ["bench", "ops", "--family", "conv"])
     assert result.exit_code == 2 and "unknown op family 'conv'" in result.output
+
+
+def test_bench_ops_output_must_be_writable(tmp_path) -> None:
+    missing = tmp_path / "no-such-dir" / "rows.jsonl"
+    result = runner.invoke(app, ["bench", "ops", "--op", "gdpa", "--output", str(missing)])
+    assert result.exit_code == 2 and "--output" in result.output and "No such file" in result.output
