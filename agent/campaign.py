@@ -18,7 +18,8 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 
 from agent.config import CampaignConfig, LLMConfigError, SandboxConfig
 from agent.graph import compile_graph
-from agent.nodes import campaign_progress, pick_best
+from agent.nodes import campaign_progress
+from agent.population import pick_best
 from agent.proposers import make_proposers
 from agent.report import ReportFiles, render_report
 from agent.state import Backend, CampaignContext, CampaignState, Events, _QuietEvents
@@ -185,7 +186,8 @@ class Campaigns:
             known = ", ".join(c.id for c in self.store.campaigns()[:5]) or "none"
             raise CampaignError(f"no campaign {campaign_id!r} in {self.home}; recent: {known}")
         config = CampaignConfig.model_validate_json(row.config_json)
-        best = self._checkpointed_best(campaign_id)
+        checkpointed = self._checkpointed(campaign_id)
+        best = checkpointed.get("best")
         if best is None:  # no checkpoint (e.g. a copied store): replay the selection
             best = {}
             for problem in config.problems:
@@ -197,14 +199,16 @@ class Campaigns:
             campaign_id,
             config,
             best=best,
+            bucket_best=checkpointed.get("bucket_best"),  # replayed by the report if missing
             stop_reason=row.stop_reason,
             out_dir=out_dir or config.output_dir / campaign_id,
         )
 
-    def _checkpointed_best(self, campaign_id: str) -> dict[str, str] | None:
+    def _checkpointed(self, campaign_id: str) -> dict:
+        """The campaign's last checkpointed state; empty without one."""
         if not self.checkpoints.exists():
-            return None
+            return {}
         run_config = {"configurable": {"thread_id": campaign_id}}
         with SqliteSaver.from_conn_string(str(self.checkpoints)) as saver:
             values = compile_graph(saver).get_state(run_config).values
-        return values.get("best") if values else None
+        return values or {}

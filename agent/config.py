@@ -44,6 +44,13 @@ class ProposerConfig(_Strict):
     )
     sampler: Literal["tpe", "random"] = "tpe"
     batch_size: int = Field(4, ge=1, le=64, description="candidates proposed per iteration")
+    elites: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="diverse elites kept per problem (correct candidates, at most one per lineage): "
+        "the LLM improves them in turn, the search starts from them when the best's knobs are exhausted",
+    )
     seed: int = 0
 
     @model_validator(mode="before")

@@ -12,6 +12,7 @@ from langgraph.runtime import Runtime
 from agent.config import BudgetSpent
 from agent.incumbents import ORIGIN as INCUMBENT
 from agent.incumbents import campaign_arch, incumbents
+from agent.population import beats, bucket_us, buckets, elites, margin, pick_best, pick_bucket_bests
 from agent.proposers import ProposalRequest, propose_batch
 from agent.report import write_report
 from agent.state import CampaignContext, CampaignProgress, CampaignState, ProblemProgress
@@ -19,8 +20,6 @@ from agent.store import EvaluationRow, device_seconds
 from sandbox.protocol import campaign_baselines
 from sandbox.result import EvalResult, Status, TimingStats
 
-# A new best must beat the old by more than the timing noise, and never by less than this.
-MIN_IMPROVEMENT = 0.01
 # Over this speedup against the fastest baseline, a result is suspicious until a person looks.
 SUSPICIOUS_SPEEDUP = 10.0
 
@@ -83,6 +82,12 @@ def propose(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
         rows=rows,
         best=next((r for r in rows if r.candidate.id == best_id), None),
         seen=frozenset(seen | {c.id for c in seeds}),
+        elites=elites(
+            rows,
+            ctx.config.proposer.elites,
+            best_id=best_id,
+            bucket_best=state.get("bucket_best", {}).get(problem, {}).values(),
+        ),
     )
     shares = [ctx.config.proposer.share(p.kind) for p in proposers]
     candidates = seeds + propose_batch(proposers, shares, n - len(seeds), request)
@@ -178,10 +183,6 @@ def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> Eva
     )
 
 
-def _noise(result: EvalResult) -> float:
-    return max((t.candidate.spread for t in result.timings), default=0.0)
-
-
 def best_speedup(ctx: CampaignContext, problem: str) -> float | None:
     """Speedup of the fastest correct candidate so far over the problem's production baseline
     (its first eager PyTorch op, e.g. torch.embedding_bag)."""
@@ -200,31 +201,18 @@ def primary_baseline(problem: str) -> str:
 
 
 def select(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
-    """Keep the best correct candidate per problem; replace it only on a margin beyond noise."""
+    """Keep the best correct candidate per problem, and per (problem, dtype, shape bucket);
+    replace one only on a margin beyond noise."""
     ctx = runtime.context
     problem = state["problem"]
     best = dict(state.get("best", {}))
+    bucket_best = dict(state.get("bucket_best", {}))
     rows = ctx.store.evaluations(ctx.campaign_id, problem)
     incumbent = pick_best(rows, best.get(problem))
     if incumbent is not None:
         best[problem] = incumbent.candidate.id
-    return {"best": best}
-
-
-def pick_best(rows: list[EvaluationRow], incumbent_id: str | None = None) -> EvaluationRow | None:
-    """Going through `rows` in order from the incumbent (if any), each correct row replaces the
-    best so far only if it is faster by more than either's timing noise."""
-    incumbent = next((r for r in rows if r.candidate.id == incumbent_id), None)
-    for row in sorted(rows, key=lambda r: r.seq):
-        if row.score_us is None or row is incumbent:
-            continue
-        if incumbent is None:
-            incumbent = row
-            continue
-        margin = max(MIN_IMPROVEMENT, _noise(row.result), _noise(incumbent.result))
-        if row.score_us < incumbent.score_us * (1 - margin):
-            incumbent = row
-    return incumbent
+    bucket_best[problem] = pick_bucket_bests(rows, bucket_best.get(problem))
+    return {"best": best, "bucket_best": bucket_best}
 
 
 def register(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
@@ -237,49 +225,60 @@ def register(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
             if any(a[0] == problem for a in ctx.store.accepted(ctx.campaign_id)):
                 continue  # done before a kill; the library write is idempotent anyway
             registered += _register_problem(ctx, problem)
-    report = write_report(ctx, state.get("best", {}), state.get("stop_reason"))
+    report = write_report(ctx, state.get("best", {}), state.get("stop_reason"), state.get("bucket_best"))
     ctx.events.message(f"report: {report}")
     return {"registered": registered}
 
 
-def _geomean_us(row: EvaluationRow, dtype: str) -> float | None:
-    return row.result.geomean_us(dtype) if row.result.status == Status.OK else None
+def _winners(
+    ctx: CampaignContext, problem: str, rows: list[EvaluationRow]
+) -> dict[str, dict[str, list[str]]]:
+    """Candidate id -> dtype -> the shape buckets it is to serve.
 
+    On a GPU, each timed (dtype, bucket) goes to the fastest correct proposal on it, if that beats
+    the fastest incumbent (what dispatch runs today) on the same bucket by more than either's
+    timing noise there. A proposal that wins every bucket so gets one entry covering them all;
+    proposals that win different buckets get an entry each, for the buckets they win. On the
+    interpreter timings decide nothing, so the fastest correct proposal (over all the dtype's
+    shapes) is taken as it is and registered, labelled interpreted, for the interpreter only and
+    every bucket."""
+    winners: dict[str, dict[str, list[str]]] = {}
+    proposals = [r for r in rows if r.score_us is not None and r.candidate.origin != INCUMBENT]
+    held = [r for r in rows if r.score_us is not None and r.candidate.origin == INCUMBENT]
 
-def _winners(ctx: CampaignContext, problem: str, rows: list[EvaluationRow]) -> dict[str, list[str]]:
-    """Candidate id -> the dtypes it wins.
+    def fastest(among: list[EvaluationRow], dtype: str, bucket: str | None = None):
+        scored = [(r, s) for r in among if (s := bucket_us(r.result, dtype, bucket)) is not None]
+        return min(scored, key=lambda rs: rs[1], default=(None, None))
 
-    On a GPU, the fastest correct candidate per dtype wins only if it is a proposal and beats
-    the fastest incumbent (what dispatch runs today) by more than either's timing noise. On the
-    interpreter timings decide nothing, so the fastest correct proposal is taken as it is and
-    registered, labelled interpreted, for the interpreter only."""
-    winners: dict[str, list[str]] = {}
-    dtypes = sorted({t.dtype for r in rows for t in r.result.timings})
-    for dtype in dtypes:
-        scored = [(r, s) for r in rows if (s := _geomean_us(r, dtype)) is not None]
-        proposals = [(r, s) for r, s in scored if r.candidate.origin != INCUMBENT]
-        held = [(r, s) for r, s in scored if r.candidate.origin == INCUMBENT]
-        if not proposals:
+    for dtype in sorted({t.dtype for r in rows for t in r.result.timings}):
+        best, _ = fastest(proposals, dtype)
+        if best is None:
             ctx.events.message(f"{problem} {dtype}: no correct proposal; library unchanged")
             continue
-        best, best_s = min(proposals, key=lambda rs: rs[1])
-        if held and not best.result.interpreted:
-            inc, inc_s = min(held, key=lambda rs: rs[1])
-            margin = max(MIN_IMPROVEMENT, _noise(best.result), _noise(inc.result))
-            if not best_s < inc_s * (1 - margin):
+        if best.result.interpreted:
+            winners.setdefault(best.candidate.id, {})[dtype] = _all_buckets(problem)
+            continue
+        for bucket in [b for d, b in buckets(rows) if d == dtype]:
+            win, win_us = fastest(proposals, dtype, bucket)
+            if win is None:
+                continue
+            inc, inc_us = fastest(held, dtype, bucket)
+            if inc is not None and not beats(win_us, win.result, inc_us, inc.result, (dtype, bucket)):
+                needed = margin(win.result, inc.result, (dtype, bucket))
                 ctx.events.message(
-                    f"{problem} {dtype}: best proposal {best.candidate.id} ({best_s:.1f} us) does not beat "
-                    f"what dispatch runs today ({inc_s:.1f} us) by {100 * margin:.0f}%; library unchanged"
+                    f"{problem} {dtype} {bucket}: best proposal {win.candidate.id} ({win_us:.1f} us) "
+                    f"does not beat what dispatch runs today ({inc_us:.1f} us) by {100 * needed:.0f}%; "
+                    "bucket unchanged"
                 )
                 continue
-        winners.setdefault(best.candidate.id, []).append(dtype)
+            winners.setdefault(win.candidate.id, {}).setdefault(dtype, []).append(bucket)
     return winners
 
 
 def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
     rows = ctx.store.evaluations(ctx.campaign_id, problem)
     kernel_ids = []
-    for candidate_id, dtypes in _winners(ctx, problem, rows).items():
+    for candidate_id, served in _winners(ctx, problem, rows).items():
         row = next(r for r in rows if r.candidate.id == candidate_id)
         candidate, evidence = row.candidate, row.result
         recheck = ctx.backend.evaluate(candidate, timing=False, trials=ctx.config.sandbox.trials)
@@ -290,20 +289,24 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
             )
             continue
         assert evidence.device is not None
-        for dtype in dtypes:
-            timings = [t for t in evidence.timings if t.dtype == dtype]
+        for dtype, dtype_buckets in served.items():
+            # Proven correct on the check shapes of every bucket; on a GPU it serves the buckets
+            # it won, on the interpreter all of them. Its times are those of what it serves.
+            times = [
+                t.candidate.median_us
+                for t in evidence.timings
+                if t.dtype == dtype and t.bucket in dtype_buckets
+            ]
+            per_bucket = {b: us for b in dtype_buckets if (us := bucket_us(evidence, dtype, b)) is not None}
             entry = ctx.library.add(
                 op=problem,
                 entry=candidate.entry,
                 source=candidate.source,
                 arch=evidence.device.arch,
                 dtype=dtype,
-                # Proven correct on the check shapes of every bucket; on a GPU it serves the
-                # buckets its timing evidence covers, on the interpreter all of them.
-                buckets=_all_buckets(problem)
-                if evidence.interpreted
-                else sorted({t.bucket for t in timings}),
-                median_us=_geomean_us(row, dtype),
+                buckets=dtype_buckets,
+                median_us=geometric_mean(times) if times else None,
+                bucket_us=per_bucket,
                 interpreted=evidence.interpreted,
                 evidence={
                     "evaluation": evidence.model_dump(mode="json"),
@@ -317,7 +320,10 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                     "knobs": candidate.knobs,
                 },
             )
-            ctx.events.message(f"{problem} {dtype}: registered {entry.kernel_id} in {ctx.library.root}")
+            ctx.events.message(
+                f"{problem} {dtype}: registered {entry.kernel_id} for {', '.join(entry.buckets)} "
+                f"in {ctx.library.root}"
+            )
         ctx.store.add_accepted(ctx.campaign_id, problem, candidate.id, entry.kernel_id, str(ctx.library.root))
         kernel_ids.append(entry.kernel_id)
     return kernel_ids

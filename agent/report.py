@@ -20,6 +20,7 @@ import jinja2
 
 from agent.incumbents import ORIGIN as INCUMBENT
 from agent.plots import SpeedupSeries, speedup_plot
+from agent.population import bucket_key, bucket_us, buckets, pick_bucket_bests
 from agent.store import EvaluationRow, Store
 from kernels.registry import KernelLibrary, LibraryEntry
 from sandbox.result import Status, TimingStats
@@ -58,6 +59,17 @@ class Evidence:
     reverification: str = "not registered"
 
 
+@dataclass(frozen=True)
+class BucketWinner:
+    """A (dtype, shape bucket) on which another candidate than the overall best is fastest."""
+
+    dtype: str
+    bucket: str
+    row: EvaluationRow
+    us: float  # geometric mean over the bucket's timing shapes
+    best_us: float | None  # the overall best's, None if it was not timed there
+
+
 @dataclass(kw_only=True)
 class ProblemReport:
     name: str
@@ -77,6 +89,7 @@ class ProblemReport:
     vs_previous: float | None = None
     roofline: float | None = None
     evidence: Evidence = field(default_factory=Evidence)
+    bucket_winners: list[BucketWinner] = field(default_factory=list)  # where not the best
 
     @property
     def best_knobs(self) -> str:
@@ -134,8 +147,33 @@ def _evidence(best: EvaluationRow, entries: list[LibraryEntry]) -> Evidence:
     return ev
 
 
+def _bucket_winners(
+    rows: list[EvaluationRow], best: EvaluationRow | None, chosen: dict[str, str] | None
+) -> list[BucketWinner]:
+    """Per (dtype, bucket), its best (`chosen`: bucket key -> candidate id, from the campaign's
+    selection; replayed from the rows without it) where that is not the overall best."""
+    if chosen is None:
+        chosen = pick_bucket_bests(rows)
+    by_id = {r.candidate.id: r for r in rows}
+    out = []
+    for dtype, bucket in buckets(rows):
+        row = by_id.get(chosen.get(bucket_key(dtype, bucket), ""))
+        if row is None or (best is not None and row.candidate.id == best.candidate.id):
+            continue
+        us = bucket_us(row.result, dtype, bucket)
+        assert us is not None
+        best_us = bucket_us(best.result, dtype, bucket) if best is not None else None
+        out.append(BucketWinner(dtype=dtype, bucket=bucket, row=row, us=us, best_us=best_us))
+    return out
+
+
 def _problem(
-    store: Store, campaign_id: str, problem: str, best_id: str | None, entries: list[LibraryEntry]
+    store: Store,
+    campaign_id: str,
+    problem: str,
+    best_id: str | None,
+    entries: list[LibraryEntry],
+    bucket_best: dict[str, str] | None = None,
 ) -> ProblemReport:
     from agent.nodes import primary_baseline  # nodes writes reports: imported here, not at the top
 
@@ -161,6 +199,7 @@ def _problem(
     )
     if p.best is None:
         return p
+    p.bucket_winners = _bucket_winners(rows, p.best, bucket_best)
     p.reference_us = _baseline_us(p, "reference")
     p.compile_us = _baseline_us(p, "reference.compile")
     p.eager_us = {name: _baseline_us(p, name) for name in get_problem(problem).baselines}
@@ -294,13 +333,20 @@ def render_report(
     best: dict[str, str],
     stop_reason: str | None,
     out_dir: Path,
+    bucket_best: dict[str, dict[str, str]] | None = None,
 ) -> ReportFiles:
-    """Write report.md, report.html and the plots' PNG files into `out_dir`."""
+    """Write report.md, report.html and the plots' PNG files into `out_dir`. `bucket_best`: the
+    campaign's per-bucket selection (problem -> bucket key -> candidate id); replayed if None."""
     campaign = store.campaign(campaign_id)
     assert campaign is not None
     libraries = _library_entries(store, campaign_id)
     entries = [e for es in libraries.values() for e in es]
-    problems = [_problem(store, campaign_id, p, best.get(p), entries) for p in config.problems]
+    problems = [
+        _problem(
+            store, campaign_id, p, best.get(p), entries, None if bucket_best is None else bucket_best.get(p)
+        )
+        for p in config.problems
+    ]
     device = None
     for p in problems:
         for r in p.rows:
@@ -338,7 +384,12 @@ def render_report(
     return ReportFiles(markdown=markdown, html=html, plots=plots)
 
 
-def write_report(ctx: CampaignContext, best: dict[str, str], stop_reason: str | None) -> Path:
+def write_report(
+    ctx: CampaignContext,
+    best: dict[str, str],
+    stop_reason: str | None,
+    bucket_best: dict[str, dict[str, str]] | None = None,
+) -> Path:
     """The report at a campaign's end; returns the Markdown file (the HTML page is beside it)."""
     files = render_report(
         ctx.store,
@@ -347,5 +398,6 @@ def write_report(ctx: CampaignContext, best: dict[str, str], stop_reason: str | 
         best=best,
         stop_reason=stop_reason,
         out_dir=Path(ctx.report_dir),
+        bucket_best=bucket_best,
     )
     return files.markdown

@@ -25,6 +25,7 @@ class CampaignState(TypedDict, total=False):
     problem: str | None
     pending: list[str]  # candidate ids proposed and not yet evaluated
     best: dict[str, str]  # problem -> candidate id of the current best
+    bucket_best: dict[str, dict[str, str]]  # problem -> "dtype/bucket" -> candidate id of its best
     stop_reason: str | None
     registered: list[str]  # kernel ids added to the library by this campaign
 

@@ -53,7 +53,9 @@ def triton_usable(device: torch.device) -> bool:
 @dataclass(kw_only=True)
 class LibraryEntry:
     """One accepted kernel. `median_us` (geometric mean over its timing shapes) orders entries
-    of the same key; interpreted entries are only ever dispatched on the interpreter."""
+    of the same key, or per bucket `bucket_us` (the geometric mean over that bucket's timing
+    shapes) where both entries have it, since a kernel may be registered for some buckets only;
+    interpreted entries are only ever dispatched on the interpreter."""
 
     kernel_id: str
     op: str
@@ -68,6 +70,7 @@ class LibraryEntry:
     evidence: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
     registered_at: str = ""
+    bucket_us: dict[str, float] = field(default_factory=dict)  # bucket -> geometric mean there
 
 
 class KernelLibrary:
@@ -115,6 +118,7 @@ class KernelLibrary:
         interpreted: bool,
         evidence: dict,
         provenance: dict,
+        bucket_us: dict[str, float] | None = None,
     ) -> LibraryEntry:
         digest = source_hash(source)
         kernel_id = f"{op}_{digest}"
@@ -132,6 +136,7 @@ class KernelLibrary:
             evidence=evidence,
             provenance=provenance,
             registered_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            bucket_us=dict(bucket_us or {}),
         )
         with self._lock:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -154,8 +159,14 @@ class KernelLibrary:
         ]
         if not matches:
             return None
-        # Fastest first; entries without a timing (never on a GPU) rank after timed ones.
-        return min(matches, key=lambda e: (e.median_us is None, e.median_us or 0.0, e.registered_at))
+        # Fastest first, on the bucket itself when every match was timed there (entries of older
+        # manifests were not); entries without a timing (never on a GPU) rank after timed ones.
+        per_bucket = all(bucket in e.bucket_us for e in matches)
+
+        def us(e: LibraryEntry) -> float | None:
+            return e.bucket_us[bucket] if per_bucket else e.median_us
+
+        return min(matches, key=lambda e: (us(e) is None, us(e) or 0.0, e.registered_at))
 
     def load(self, entry: LibraryEntry) -> Callable[..., torch.Tensor]:
         """The entry function of an accepted kernel's module (imported once per process)."""

@@ -172,7 +172,10 @@ def propose_prompt(
     llm_rows: dict[str, LLMProposalRow],
     baselines: dict[str, dict[str, TimingStats]],
     kinds: list[str],
+    parent: EvaluationRow | None = None,
 ) -> str:
+    """The task of a fresh proposal: improve `parent` (an elite; the best if None), whose source
+    is `base`, told the best's score when the parent is another lineage's."""
     from search_space.template import get_template
 
     p = get_problem(problem)
@@ -187,8 +190,9 @@ def propose_prompt(
         hw=hw,
         interpreted=arch == "interpreter",
         best=best,
-        best_timings=_timing_lines(best.result, baselines) if best else [],
         best_score=best.result.geomean_us() if best else None,
+        parent=parent or best,
+        parent_timings=_timing_lines((parent or best).result, baselines) if parent or best else [],
         base=base,
         knobs=template.knobs if template else [],
         fusions=fusion_templates(problem) if "fusion" in kinds else {},

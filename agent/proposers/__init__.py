@@ -43,6 +43,6 @@ def make_proposers(
                 from agent.proposers.llm import LLMProposer
 
                 assert endpoint is not None
-                proposers.append(LLMProposer(problem, endpoint))
+                proposers.append(LLMProposer(problem, endpoint, seed=config.proposer.seed))
         out[problem] = proposers
     return out

@@ -1,16 +1,17 @@
 """What the campaign asks of a proposer, and how a batch is shared among several.
 
 Every proposer gets the same request: the problem, its evaluations so far (with their
-candidates), the current best and the ids already seen. A campaign lists proposers per problem
-in `proposer.kinds`; each is asked for its share of a batch, and what one does not deliver (the
-LLM paused by an outage, out of budget, or out of ideas) passes to the ones after it.
+candidates), the current best, the diverse elites (`agent.population.elites`) and the ids
+already seen. A campaign lists proposers per problem in `proposer.kinds`; each is asked for its
+share of a batch, and what one does not deliver (the LLM paused by an outage, out of budget, or
+out of ideas) passes to the ones after it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from agent.store import EvaluationRow
@@ -24,6 +25,8 @@ class ProposalRequest:
     rows: list[EvaluationRow]  # the problem's evaluations, oldest first
     best: EvaluationRow | None  # the current best (what selection keeps), if any
     seen: frozenset[str]  # candidate ids already evaluated or in this batch
+    # At most `proposer.elites` correct candidates, no two of one lineage, the best first.
+    elites: list[EvaluationRow] = field(default_factory=list)
 
 
 class Proposer(Protocol):
@@ -65,20 +68,8 @@ def propose_batch(
         want = quota + carry
         if want <= 0:
             continue
-        got = [
-            c
-            for c in proposer.propose(
-                want,
-                ProposalRequest(
-                    campaign_id=request.campaign_id,
-                    problem=request.problem,
-                    rows=request.rows,
-                    best=request.best,
-                    seen=frozenset(seen),
-                ),
-            )
-            if c.id not in seen
-        ][:want]
+        offered = proposer.propose(want, replace(request, seen=frozenset(seen)))
+        got = [c for c in offered if c.id not in seen][:want]
         seen.update(c.id for c in got)
         out += got
         carry = want - len(got)

@@ -5,8 +5,10 @@ exchange in the store (so token and money budgets survive a kill), the budgets, 
 pause. One `LLMProposer` per problem holds the conversation logic:
 
 - a fresh proposal: system prompt (reply format, screen rules) and a task prompt (problem,
-  reference, shapes, hardware ceilings, the current best kernel with its timings, roofline
-  fraction and bound, recent attempts of its lineage with their errors and mismatches);
+  reference, shapes, hardware ceilings, the kernel to improve with its timings, roofline
+  fraction and bound, recent attempts of its lineage with their errors and mismatches); the
+  kernel to improve is one of the campaign's diverse elites (`choose_parent`), the best every
+  other time, so that other lineages keep being improved too;
 - validation before anything runs (`agent.llm.proposals`); an unusable reply goes back to the
   model with the reason, at most `format_retries` times, then the conversation is recorded as
   given up;
@@ -29,7 +31,7 @@ from agent.llm.client import Attempt, ChatClient, LLMUnavailable
 from agent.llm.proposals import ProposalError, allowed_kinds, parse_proposal, proposal_schema, to_candidate
 from agent.proposers.base import ProposalRequest
 from agent.proposers.knob_source import knob_values
-from agent.store import LLMProposalRow, Store
+from agent.store import EvaluationRow, LLMProposalRow, Store
 from sandbox.candidate import Candidate
 from sandbox.result import Status
 from search_space import get_problem
@@ -43,6 +45,19 @@ REPAIRABLE = (
     Status.STATIC_REJECTED,
     Status.TIMEOUT,
 )
+
+
+def choose_parent(elites: list[EvaluationRow], *, seed: int, turn: int) -> EvaluationRow | None:
+    """The elite a fresh proposal improves: with `i = seed + turn`, the best (`elites[0]`) when
+    `i` is even, else the other elites in turn. `turn` counts the problem's fresh LLM proposals
+    so far (read from the store, so a resumed campaign continues the rotation); `seed` is the
+    campaign's `proposer.seed`."""
+    if not elites:
+        return None
+    i = seed + turn
+    if len(elites) == 1 or i % 2 == 0:
+        return elites[0]
+    return elites[1 + (i // 2) % (len(elites) - 1)]
 
 
 class _Events:
@@ -134,9 +149,10 @@ class _Conversation:
 class LLMProposer:
     kind = "llm"
 
-    def __init__(self, problem: str, endpoint: LLMEndpoint) -> None:
+    def __init__(self, problem: str, endpoint: LLMEndpoint, *, seed: int = 0) -> None:
         self.problem = problem
         self.endpoint = endpoint
+        self.seed = seed
         self.config = endpoint.config
         self.store = endpoint.store
         self.campaign_id = endpoint.campaign_id
@@ -190,11 +206,11 @@ class LLMProposer:
             self.empty_rounds += 1
         return out
 
-    def _base(self, request: ProposalRequest) -> Candidate | None:
-        """What an edit applies to and the prompt shows: the current best, else the template at
+    def _base(self, parent: EvaluationRow | None) -> Candidate | None:
+        """What an edit applies to and the prompt shows: the chosen elite, else the template at
         its defaults."""
-        if request.best is not None:
-            return request.best.candidate
+        if parent is not None:
+            return parent.candidate
         if self.template is not None:
             return Candidate(
                 problem=self.problem,
@@ -206,15 +222,18 @@ class LLMProposer:
         return None
 
     def _fresh(self, request: ProposalRequest, seen: set[str]) -> Candidate | None:
-        base = self._base(request)
-        kinds = allowed_kinds(self.problem, base is not None)
         llm_rows = self.store.llm_proposals(self.campaign_id, self.problem)
+        elites = request.elites or ([request.best] if request.best is not None else [])
+        parent = choose_parent(elites, seed=self.seed, turn=sum(r.depth == 0 for r in llm_rows.values()))
+        base = self._base(parent)
+        kinds = allowed_kinds(self.problem, base is not None)
         prompt = prompting.propose_prompt(
             problem=self.problem,
             arch=campaign_arch(),
             best=request.best,
+            parent=parent,
             base=base,
-            attempts=prompting.lineage(request.rows, request.best, self.config.history),
+            attempts=prompting.lineage(request.rows, parent, self.config.history),
             llm_rows=llm_rows,
             baselines=self.store.baselines(self.campaign_id, self.problem),
             kinds=kinds,
@@ -227,8 +246,8 @@ class LLMProposer:
             ],
             turn=0,
         )
-        parent = request.best.candidate.id if request.best else None
-        candidate, _ = self._converse(conversation, base=base, parent_id=parent, kinds=kinds, seen=seen)
+        parent_id = parent.candidate.id if parent is not None else None
+        candidate, _ = self._converse(conversation, base=base, parent_id=parent_id, kinds=kinds, seen=seen)
         return candidate
 
     def _repair(self, failed: LLMProposalRow, seen: set[str]) -> Candidate | None:

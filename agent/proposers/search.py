@@ -6,6 +6,8 @@ problem, so a resumed campaign continues the same search without Optuna's own st
 What it tunes: the template, or, when the current best is a module written outside the
 template that keeps the template's knobs in a KNOBS dict (as the LLM is asked to), that
 module's knobs. So in a mixed campaign the LLM changes the structure and the search tunes it.
+When the best's knobs are exhausted, the search goes on in the spaces of the other elites
+(`ProposalRequest.elites`, in their order), each a module of another lineage or the template.
 """
 
 from __future__ import annotations
@@ -88,7 +90,26 @@ class SearchProposer:
 
     def propose(self, n: int, request: ProposalRequest) -> list[Candidate]:
         best = request.best.candidate if request.best else None
-        space = self.space_for(best)
+        starts = [best] + [e.candidate for e in request.elites if best is None or e.candidate.id != best.id]
+        out: list[Candidate] = []
+        tried: set[str] = set()
+        for start in starts:
+            if len(out) >= n:
+                break
+            space = self.space_for(start)
+            key = structure_key(space.source) if isinstance(space, SourceKnobs) else ""
+            if key in tried:
+                continue
+            tried.add(key)
+            seen = set(request.seen) | {c.id for c in out}
+            out += self._propose_in(space, n - len(out), request, seen, start)
+        self._exhausted = f"search space of {request.problem} exhausted" if n > 0 and not out else None
+        return out
+
+    def _propose_in(
+        self, space: KnobSpace, n: int, request: ProposalRequest, seen: set[str], start: Candidate | None
+    ) -> list[Candidate]:
+        """Up to `n` new points of `space`, told every evaluated point of it; their parent is `start`."""
         if isinstance(space, SourceKnobs):
             key = structure_key(space.source)
             names = {k.name for k in space.knobs}
@@ -99,9 +120,7 @@ class SearchProposer:
             ]
         else:
             history = [(r.candidate.knobs, r.score_us) for r in request.rows if self._is_render(r.candidate)]
-        out = self.suggest(n, history, set(request.seen), parent_id=best.id if best else None, space=space)
-        self._exhausted = f"search space of {request.problem} exhausted" if n > 0 and not out else None
-        return out
+        return self.suggest(n, history, seen, parent_id=start.id if start else None, space=space)
 
     def _study(self, history: list[tuple[dict, float | None]], distributions: dict) -> optuna.Study:
         # Seeding by history length makes a resumed search propose what the original would have.

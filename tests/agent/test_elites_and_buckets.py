@@ -1,0 +1,315 @@
+"""The population a campaign keeps per problem: the best per (dtype, shape bucket) and its
+registration for the buckets it wins; diverse elites by lineage, and the proposers' use of them."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from llm_helpers import GOOD, config, knob_settings
+from llm_server import proposal
+from quick_backend import QuickBackend
+
+from agent import nodes
+from agent.config import ConfigError, parse_config
+from agent.llm.client import Attempt
+from agent.population import elites, lineage_root
+from agent.proposers import ProposalRequest, SearchProposer
+from agent.proposers.knob_source import knob_values, structure_key
+from agent.proposers.llm import LLMEndpoint, LLMProposer, choose_parent
+from agent.state import CampaignContext
+from agent.store import EvaluationRow, Store
+from kernels.registry import KernelLibrary
+from sandbox.candidate import Candidate
+from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
+from search_space.embedding_bag import TEMPLATE
+
+OP = "embedding_bag"
+GPU = DeviceInfo(name="gpu", arch="sm_90", torch="t", triton="t", python="p", interpreted=False)
+BASE = {"name": "x", "problems": [OP], "budget": {"max_evaluations": 3, "max_wall_s": 60}}
+
+
+def _candidate(origin: str = "template", parent: str | None = None, **knobs) -> Candidate:
+    knobs = TEMPLATE.validate(knobs)
+    return Candidate(
+        problem=OP, source=TEMPLATE.render(knobs), entry=OP, knobs=knobs, origin=origin, parent_id=parent
+    )
+
+
+def _result(candidate: Candidate, per_bucket: dict[str, float], spread: float = 0.0) -> EvalResult:
+    """A GPU result timed on one shape per bucket (fp32), `per_bucket`: bucket -> median us."""
+    timings = [
+        ShapeTiming(
+            shape=f"shape-{bucket}",
+            dtype="fp32",
+            bucket=bucket,
+            candidate=TimingStats(
+                median_us=us, p20_us=us * (1 - spread / 2), p80_us=us * (1 + spread / 2), reps=20
+            ),
+            flops=1.0,
+            bytes=1.0,
+            achieved_gbps=1.0,
+        )
+        for bucket, us in per_bucket.items()
+    ]
+    return EvalResult(status=Status.OK, problem=OP, candidate_id=candidate.id, timings=timings, device=GPU)
+
+
+def _context(tmp_path: Path, store: Store) -> CampaignContext:
+    cfg = parse_config(BASE)
+    if store.campaign("c") is None:
+        store.create_campaign("c", cfg.name, cfg.model_dump_json())
+    return CampaignContext(
+        campaign_id="c",
+        config=cfg,
+        store=store,
+        backend=QuickBackend(),  # re-verifies for real (the screen and the checks on the CPU)
+        library=KernelLibrary(tmp_path / "library"),
+        proposers={},
+        report_dir=str(tmp_path / "report"),
+    )
+
+
+def _evaluated(store: Store, *runs: tuple[Candidate, dict[str, float], float]) -> None:
+    for candidate, per_bucket, spread in runs:
+        store.add_candidate("c", candidate)
+        store.add_evaluation("c", _result(candidate, per_bucket, spread))
+
+
+def _select_and_register(tmp_path: Path, store: Store) -> tuple[dict, CampaignContext]:
+    ctx = _context(tmp_path, store)
+    state = nodes.select({"problem": OP}, SimpleNamespace(context=ctx))
+    nodes.register(state, SimpleNamespace(context=ctx))
+    return state, ctx
+
+
+# --- best per shape bucket, and its registration ---------------------------------------------
+
+
+def test_each_bucket_goes_to_its_winner_and_the_report_lists_them(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    held = _candidate("library", BLOCK_L=4)
+    small, large = _candidate(BLOCK_L=8), _candidate(BLOCK_L=16)
+    _evaluated(
+        store,
+        (held, {"d16": 100.0, "d64": 100.0}, 0.02),
+        (small, {"d16": 50.0, "d64": 150.0}, 0.02),  # fastest overall (86.6 us), only on d16
+        (large, {"d16": 150.0, "d64": 60.0}, 0.02),
+    )
+    state, ctx = _select_and_register(tmp_path, store)
+
+    assert state["best"] == {OP: small.id}
+    assert state["bucket_best"] == {OP: {"fp32/d16": small.id, "fp32/d64": large.id}}
+    entries = {e.source_hash: e for e in ctx.library.entries()}
+    assert set(entries) == {small.id, large.id}
+    assert entries[small.id].buckets == ["d16"] and entries[large.id].buckets == ["d64"]
+    # An entry's times are those of the buckets it serves, not of the shapes it lost.
+    assert entries[small.id].median_us == pytest.approx(50.0)
+    assert entries[large.id].bucket_us == {"d64": pytest.approx(60.0)}
+    assert ctx.library.best(OP, "sm_90", "fp32", "d16").source_hash == small.id
+    assert ctx.library.best(OP, "sm_90", "fp32", "d64").source_hash == large.id
+    assert sorted(a[1] for a in store.accepted("c")) == sorted([small.id, large.id])
+
+    # The report names the bucket the overall best does not win, and only that one.
+    report = (tmp_path / "report" / "report.md").read_text()
+    table = report.split("Shape buckets where another candidate is fastest")[1]
+    assert f"| fp32 | d64 | `{large.id}` | template | 60.0 | 150.0 |" in table
+    assert "| fp32 | d16 |" not in table
+    assert large.id in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_one_candidate_winning_every_bucket_gets_one_entry(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    held, fast = _candidate("library", BLOCK_L=4), _candidate(BLOCK_L=8)
+    _evaluated(store, (held, {"d16": 100.0, "d64": 100.0}, 0.0), (fast, {"d16": 50.0, "d64": 80.0}, 0.0))
+    _, ctx = _select_and_register(tmp_path, store)
+    [entry] = ctx.library.entries()
+    assert entry.source_hash == fast.id and entry.buckets == ["d16", "d64"]
+    assert entry.median_us == pytest.approx((50.0 * 80.0) ** 0.5)
+    assert (
+        "Shape buckets where another candidate is fastest"
+        not in (tmp_path / "report" / "report.md").read_text()
+    )
+
+
+def test_a_bucket_won_within_the_noise_is_not_registered(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s.db")
+    held = _candidate("library", BLOCK_L=4)
+    close, split = _candidate(BLOCK_L=8), _candidate(BLOCK_L=16)
+    _evaluated(
+        store,
+        (held, {"d16": 100.0, "d64": 100.0}, 0.02),
+        (close, {"d16": 99.0, "d64": 101.0}, 0.02),  # 1% faster on d16 with 2% noise: no win
+        (split, {"d16": 120.0, "d64": 90.0}, 0.02),  # 10% faster on d64: wins d64 only
+    )
+    messages: list[str] = []
+    ctx = _context(tmp_path, store)
+    ctx.events = SimpleNamespace(message=messages.append)
+    nodes.register({"best": {}}, SimpleNamespace(context=ctx))
+    [entry] = ctx.library.entries()
+    assert entry.source_hash == split.id and entry.buckets == ["d64"]
+    assert [a[1] for a in store.accepted("c")] == [split.id]
+    assert any(f"fp32 d16: best proposal {close.id} (99.0 us) does not beat" in m for m in messages), messages
+
+
+def test_dispatch_ranks_entries_by_their_time_on_the_bucket(tmp_path: Path) -> None:
+    """A kernel registered for one bucket is compared there, not by a mean over other buckets."""
+    library = KernelLibrary(tmp_path)
+    common = {"op": OP, "entry": OP, "arch": "sm_90", "dtype": "fp32", "interpreted": False}
+    both = library.add(
+        source=TEMPLATE.render({"BLOCK_L": 4}),
+        buckets=["d16", "d64"],
+        median_us=80.0,
+        bucket_us={"d16": 100.0, "d64": 64.0},
+        evidence={},
+        provenance={},
+        **common,
+    )
+    small = library.add(
+        source=TEMPLATE.render({"BLOCK_L": 8}),
+        buckets=["d16"],
+        median_us=90.0,
+        bucket_us={"d16": 90.0},
+        evidence={},
+        provenance={},
+        **common,
+    )
+    assert library.best(OP, "sm_90", "fp32", "d16") == small
+    assert library.best(OP, "sm_90", "fp32", "d64") == both
+
+
+# --- diverse elites ----------------------------------------------------------------------------
+
+
+def _row(seq: int, candidate: Candidate, us: float | None) -> EvaluationRow:
+    result = (
+        _result(candidate, {"d64": us}, 0.0)
+        if us is not None
+        else EvalResult(status=Status.WRONG, problem=OP, candidate_id=candidate.id)
+    )
+    return EvaluationRow(seq, candidate, result)
+
+
+def test_elites_are_bounded_and_one_per_lineage() -> None:
+    root1 = _candidate(BLOCK_D=16)
+    child1 = _candidate(parent=root1.id, BLOCK_D=32)
+    grandchild1 = _candidate(parent=child1.id, BLOCK_D=128)
+    root2 = _candidate(BLOCK_D=256)
+    child2 = _candidate(parent=root2.id, num_warps=1)
+    root3, root4 = _candidate(num_warps=4), _candidate(num_warps=8)
+    wrong = _candidate(num_stages=2)
+    assert len({c.id for c in (root1, child1, grandchild1, root2, child2, root3, root4, wrong)}) == 8
+    rows = [
+        _row(1, root1, 100.0),
+        _row(2, child1, 40.0),
+        _row(3, grandchild1, 30.0),
+        _row(4, root2, 50.0),
+        _row(5, child2, 45.0),
+        _row(6, root3, 70.0),
+        _row(7, root4, 80.0),
+        _row(8, wrong, None),  # the fastest never, being wrong
+    ]
+    parents = {r.candidate.id: r.candidate.parent_id for r in rows}
+    assert lineage_root(grandchild1.id, parents) == root1.id and lineage_root(root3.id, parents) == root3.id
+
+    picked = elites(rows, 3, best_id=grandchild1.id)
+    assert [r.candidate.id for r in picked] == [grandchild1.id, child2.id, root3.id]
+    # The kept best comes first even when a noisy newcomer timed a little faster.
+    assert elites(rows, 2, best_id=child1.id)[0].candidate.id == child1.id
+    # A per-bucket winner is an elite before faster members of other lineages.
+    picked = elites(rows, 3, best_id=grandchild1.id, bucket_best=[root4.id])
+    assert [r.candidate.id for r in picked] == [grandchild1.id, root4.id, child2.id]
+    assert len(elites(rows, 10)) == 4  # four lineages with a correct member
+    assert elites(rows[7:], 4) == []
+
+
+def test_elites_count_is_a_proposer_setting() -> None:
+    assert parse_config(BASE).proposer.elites == 4
+    assert parse_config({**BASE, "proposer": {"elites": 2}}).proposer.elites == 2
+    with pytest.raises(ConfigError, match=r"proposer\.elites"):
+        parse_config({**BASE, "proposer": {"elites": 0}})
+
+
+# --- the proposers' use of them ----------------------------------------------------------------
+
+
+def test_the_llm_parent_alternates_the_best_with_the_other_elites() -> None:
+    e0, e1, e2 = (_row(i, _candidate(BLOCK_L=n), 10.0 * i) for i, n in ((1, 4), (2, 8), (3, 16)))
+    order = [choose_parent([e0, e1, e2], seed=0, turn=t) for t in range(6)]
+    assert order == [e0, e1, e0, e2, e0, e1]
+    assert choose_parent([e0, e1, e2], seed=1, turn=0) is e1  # the seed shifts the rotation
+    assert [choose_parent([e0], seed=0, turn=t) for t in range(3)] == [e0, e0, e0]
+    assert choose_parent([], seed=0, turn=0) is None
+
+
+class _ScriptedClient:
+    """Answers every request with the next knob setting, and keeps the prompts."""
+
+    def __init__(self) -> None:
+        self.settings = iter(knob_settings())
+        self.prompts: list[str] = []
+
+    def complete(self, messages, *, schema, on_attempt) -> Attempt:
+        self.prompts.append(messages[-1]["content"])
+        attempt = Attempt(
+            number=0,
+            outcome="replied",
+            latency_s=0.0,
+            request={},
+            text=proposal("knobs", knobs=next(self.settings)),
+            finish_reason="stop",
+        )
+        on_attempt(attempt)
+        return attempt
+
+
+def test_llm_proposals_improve_the_elites_in_turn(tmp_path: Path) -> None:
+    cfg = config(tmp_path, "http://127.0.0.1:9/v1")
+    store = Store(tmp_path / "s.db")
+    client = _ScriptedClient()
+    endpoint = LLMEndpoint(cfg.llm, cfg.budget, store, "c", client=client)
+    llm = LLMProposer(OP, endpoint, seed=0)
+    best, other = _row(1, _candidate(BLOCK_L=4), 10.0), _row(2, _candidate(BLOCK_B=4), 20.0)
+    request = ProposalRequest(
+        campaign_id="c",
+        problem=OP,
+        rows=[best, other],
+        best=best,
+        seen=frozenset({best.candidate.id, other.candidate.id}),
+        elites=[best, other],
+    )
+    proposed = llm.propose(3, request)
+    assert [c.parent_id for c in proposed] == [best.candidate.id, other.candidate.id, best.candidate.id]
+    # The prompt shows the kernel to improve, and says which is the best.
+    assert "## Current best kernel" in client.prompts[0]
+    assert "## Kernel to improve" in client.prompts[1] and other.candidate.source in client.prompts[1]
+    assert f"The current best is `{best.candidate.id}`" in client.prompts[1]
+    # The rotation continues from the store: a new proposer (a resumed campaign) goes on with it.
+    [again] = LLMProposer(OP, endpoint, seed=0).propose(1, request)
+    assert again.parent_id == other.candidate.id
+
+
+def test_search_starts_from_the_elites_when_the_best_is_exhausted() -> None:
+    best = _row(1, _candidate(), 10.0)
+    written = Candidate(problem=OP, source=GOOD, entry=OP, knobs=knob_values(GOOD), origin="llm")
+    elite = _row(2, written, 20.0)
+    names = [k.name for k in TEMPLATE.knobs]
+    every_render = set()
+    for values in itertools.product(*(k.choices for k in TEMPLATE.knobs)):
+        try:
+            every_render.add(_candidate(**dict(zip(names, values, strict=True))).id)
+        except ValueError:
+            continue
+    seen = frozenset(every_render | {written.id})
+    search = SearchProposer(TEMPLATE, seed=3)
+    alone = ProposalRequest(campaign_id="c", problem=OP, rows=[best, elite], best=best, seen=seen)
+    assert search.propose(2, alone) == [] and search.exhausted is not None
+    with_elites = ProposalRequest(
+        campaign_id="c", problem=OP, rows=[best, elite], best=best, seen=seen, elites=[best, elite]
+    )
+    proposed = search.propose(2, with_elites)
+    assert len(proposed) == 2 and search.exhausted is None
+    for c in proposed:  # tuned knobs of the elite's module, descending from it
+        assert structure_key(c.source) == structure_key(GOOD) and c.parent_id == written.id
