@@ -6,10 +6,25 @@ Each rule is written beside the check that enforces it. A rejection names the ru
 from __future__ import annotations
 
 import ast
+import threading
 from dataclasses import dataclass
 
 from sandbox.candidate import Candidate
 from sandbox.result import EvalResult, Status
+
+# CPython 3.11 keeps the AST constructor's recursion depth in state shared by every thread: a
+# parse that another thread's parse interrupts (a finalizer run by the garbage collector hands
+# over the GIL) fails with "SystemError: AST constructor recursion depth mismatch". A parallel
+# LocalBackend screens its candidates in threads, and campaigns may run side by side: every parse
+# of candidate source goes through this lock.
+_PARSE_LOCK = threading.Lock()
+
+
+def parse_source(source: str) -> ast.Module:
+    """`ast.parse(source)`, one thread at a time (see _PARSE_LOCK); raises SyntaxError."""
+    with _PARSE_LOCK:
+        return ast.parse(source)
+
 
 # Rule imports: a candidate is a self-contained kernel module; nothing but the kernel
 # languages and math may be imported (no os, sys, ctypes, threading, socket, ...).
@@ -142,7 +157,7 @@ def screen(source: str, entry: str, forbidden_ops: tuple[str, ...] = ()) -> list
     `forbidden_ops` are the torch functions that compute the problem's op (its fallback), by
     attribute name: a candidate must do that work in a Triton kernel."""
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError as exc:
         return [Violation("syntax", exc.lineno or 0, exc.msg)]
     aliases = _aliases(tree)

@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from sandbox.candidate import Candidate
+from sandbox.screen import parse_source
 from search_space import get_problem
 from search_space.template import KnobTemplate
 
@@ -172,7 +173,7 @@ def apply_edits(source: str, edits: list[SearchReplace]) -> str:
 def _check_module(source: str, entry: str) -> None:
     """What can be known without running it: it parses and defines the entry point."""
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError as exc:
         raise ProposalError(
             f"the kernel module does not parse: line {exc.lineno}: {exc.msg}; send valid Python"

@@ -12,6 +12,7 @@ import ast
 from dataclasses import dataclass
 from typing import Any
 
+from sandbox.screen import parse_source
 from search_space.template import Knob, KnobTemplate, source_hash
 
 KNOBS_NAME = "KNOBS"
@@ -22,7 +23,7 @@ def _literal_spans(source: str) -> dict[str, tuple[Any, int, int]] | None:
     """Knob name -> (value, start byte, end byte) of its value in `source`; None without a
     top-level KNOBS dict of constants."""
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError:
         return None
     for node in tree.body:
