@@ -1,4 +1,11 @@
-"""Campaign loop end to end: run in a child process, SIGKILL it mid-run, resume, finish."""
+"""Campaigns end to end on real workers: one run in a child process, SIGKILLed mid-run, resumed
+and finished; and the backend as a config choice: one campaign, run on the local, Docker and Ray
+backends, evaluates the same candidates with the same statuses.
+
+A campaign evaluates its candidates one after another, each in a worker that keeps one core busy
+for seconds: so the campaigns of this module run side by side, each once, and together keep both
+cores of a small CI machine busy instead of one.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +15,19 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from agent.campaign import CampaignError, Campaigns
+from agent.config import load_config
 from agent.store import Store
 from kernels.registry import KernelLibrary
 from sandbox.result import Status
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,8 +54,9 @@ def _config(tmp_path: Path, max_evaluations: int) -> Path:
     return path
 
 
-@pytest.mark.slow
-def test_killed_campaign_resumes_and_finishes(tmp_path: Path) -> None:
+def _kill_then_resume(tmp_path: Path) -> None:
+    """The campaign run by the CLI in a child process, SIGKILLed after its first evaluation,
+    then resumed here to its end; asserts as it goes."""
     home = tmp_path / "home"
     # A relative home, as users give it: workers run elsewhere and must still find their files.
     env = {**os.environ, "RECFORGE_HOME": "home", "PYTHONPATH": str(REPO)}
@@ -97,3 +110,103 @@ def test_killed_campaign_resumes_and_finishes(tmp_path: Path) -> None:
     with pytest.raises(CampaignError, match="already finished"):
         campaigns.resume(row.id)
     assert campaigns.store.campaign(row.id).status == "finished"  # a refused resume changes nothing
+
+
+def _on_backend(tmp_path: Path, backend: str) -> dict[str, str]:
+    """The backend-agreement campaign on `backend`: its candidates' statuses by id. Its three
+    candidates are proposed in one batch, before any timing could steer the search."""
+    cfg = tmp_path / f"{backend}.toml"
+    cfg.write_text(
+        textwrap.dedent(f"""
+        name = "{backend}"
+        problems = ["embedding_bag"]
+        output_dir = "{tmp_path / backend / "out"}"
+        library = "{tmp_path / backend / "library"}"
+        register_kernels = false
+        [proposer]
+        batch_size = 3
+        seed = 11
+        [budget]
+        max_evaluations = 3
+        max_wall_s = 600
+        [sandbox]
+        backend = "{backend}"
+        ray_address = "local"
+        timeout_s = 120
+    """)
+    )
+    campaigns = Campaigns(tmp_path / backend / "home")
+    outcome = campaigns.start(load_config(cfg))
+    return {r.candidate.id: r.result.status.value for r in campaigns.store.evaluations(outcome.campaign_id)}
+
+
+def _on_ray(tmp_path: Path) -> dict[str, str]:
+    import ray
+
+    try:
+        return _on_backend(tmp_path, "ray")
+    finally:
+        ray.shutdown()
+
+
+def _docker_reachable() -> bool:
+    from sandbox.docker_image import DockerUnavailable, docker_client
+
+    try:
+        docker_client()
+    except DockerUnavailable:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future]:
+    """Every campaign the selected tests of this module need, run side by side: name -> its
+    run (a failed run raises in the tests that ask for it)."""
+    selected = {item.originalname for item in request.session.items if item.path == request.path}
+    work: dict[str, Callable[[Path], object]] = {}
+    if "test_killed_campaign_resumes_and_finishes" in selected:
+        work["killed"] = _kill_then_resume
+    if selected & {"test_local_and_ray_campaigns_agree", "test_local_and_docker_campaigns_agree"}:
+        work["local"] = lambda tmp: _on_backend(tmp, "local")
+    if "test_local_and_docker_campaigns_agree" in selected and _docker_reachable():
+        work["docker"] = lambda tmp: _on_backend(tmp, "docker")
+    started: dict[str, Future] = {}
+    with ThreadPoolExecutor(max_workers=max(1, len(work))) as pool:
+        for name, fn in work.items():
+            started[name] = pool.submit(fn, tmp_path_factory.mktemp(name))
+        if "test_local_and_ray_campaigns_agree" in selected:
+            # Ray in this thread, the one that started the test session, as a Ray driver expects.
+            started["ray"] = Future()
+            try:
+                started["ray"].set_result(_on_ray(tmp_path_factory.mktemp("ray")))
+            except Exception as exc:
+                started["ray"].set_exception(exc)
+    return started
+
+
+def test_killed_campaign_resumes_and_finishes(runs: dict[str, Future]) -> None:
+    runs["killed"].result()  # the assertions are in _kill_then_resume
+
+
+@pytest.fixture(scope="module")
+def local(runs: dict[str, Future]) -> dict[str, str]:
+    """The campaign on the local backend, the one every other backend is compared with."""
+    statuses = runs["local"].result()
+    assert len(statuses) == 3
+    return statuses
+
+
+def test_local_and_ray_campaigns_agree(runs: dict[str, Future], local: dict[str, str]) -> None:
+    assert runs["ray"].result() == local
+
+
+@pytest.mark.docker
+def test_local_and_docker_campaigns_agree(runs: dict[str, Future], local: dict[str, str]) -> None:
+    from sandbox.docker_image import DockerUnavailable, docker_client
+
+    try:
+        docker_client()
+    except DockerUnavailable as exc:
+        pytest.skip(str(exc))
+    assert runs["docker"].result() == local

@@ -13,11 +13,12 @@ import socket
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from sandbox import Candidate, LocalBackend, Status
+from sandbox import Candidate, EvalResult, LocalBackend, Status
 from sandbox.local import network_namespace_prefix
 
 HERE = Path(__file__).parent / "adversarial"
@@ -43,19 +44,44 @@ def test_the_suite_covers_every_exploit_and_fault() -> None:
         assert path.read_text().startswith('"""'), f"{path.name} has no docstring saying what it tries"
 
 
+@pytest.fixture(scope="module")
+def outcomes(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Future[EvalResult], Path, Path]]:
+    """Every case evaluated once, two at a time: a worker keeps one core busy, and the cases that
+    run a worker (or spin until the timeout) would otherwise leave the second core of a small CI
+    machine idle. Case name -> (its evaluation, its scratch directory, a canary directory beside it)."""
+    # Only the cases this session runs: `-k control_correct` evaluates that one alone.
+    selected = {
+        item.callspec.params["path"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_adversarial_candidate_gets_its_status"
+    }
+    runs = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for path in sorted(selected):
+            source, expected, _ = _source(path)
+            root = tmp_path_factory.mktemp(path.stem)
+            scratch, canary = root / "scratch", root / "canary"
+            canary.mkdir()
+            (canary / "keep").write_text("unchanged")
+            # Cases that must time out get a short limit; the rest a generous one for slow CI machines.
+            backend = LocalBackend(timeout_s=8 if expected == Status.TIMEOUT else 120, scratch_root=scratch)
+            candidate = Candidate(problem="embedding_bag", source=source, entry="embedding_bag")
+            runs[path.stem] = (
+                pool.submit(backend.evaluate, candidate, trials=2, timing=False),
+                scratch,
+                canary,
+            )
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
-def test_adversarial_candidate_gets_its_status(path: Path, tmp_path: Path) -> None:
-    source, expected, fragment = _source(path)
-    scratch, canary = tmp_path / "scratch", tmp_path / "canary"
-    canary.mkdir()
-    (canary / "keep").write_text("unchanged")
-    # Cases that must time out get a short limit; the rest a generous one for slow CI machines.
-    backend = LocalBackend(timeout_s=8 if expected == Status.TIMEOUT else 120, scratch_root=scratch)
-
-    result = backend.evaluate(
-        Candidate(problem="embedding_bag", source=source, entry="embedding_bag"), trials=2, timing=False
-    )
+def test_adversarial_candidate_gets_its_status(path: Path, outcomes) -> None:
+    _, expected, fragment = _source(path)
+    run, scratch, canary = outcomes[path.stem]
+    result = run.result()
 
     assert result.status == expected, (
         f"{path.name}: {result.status.value}: {result.message}\n{result.log_tail}"

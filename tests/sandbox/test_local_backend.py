@@ -6,12 +6,13 @@ outcome gets exactly one candidate and correct candidates run one trial per chec
 
 import os
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from sandbox import Candidate, LocalBackend, Status
+from sandbox import Candidate, EvalResult, LocalBackend, Status
 from search_space.embedding_bag import CHECK_SHAPES, ENTRY, INTERPRETED_TIMING_SHAPES, TEMPLATE
 
 pytestmark = pytest.mark.slow
@@ -55,8 +56,34 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen]:
     return processes
 
 
-def test_default_template_is_ok(backend: LocalBackend, scratch: Path) -> None:
-    result = backend.evaluate(_candidate(DEFAULT_SOURCE), trials=1)
+UNTIMED = {"timing": False, "trials": 1}
+CASES = {
+    "correct": (DEFAULT_SOURCE, {"trials": 1}),
+    "wrong": (_edit(STORE, f"(acc * 2.0).{STORE[4:]}"), UNTIMED),
+    "raising": (_edit(ENTRY_BODY, '    raise RuntimeError("candidate gave up")\n' + ENTRY_BODY), UNTIMED),
+    # A module-level call of a name the module never defines.
+    "undefined-name": (DEFAULT_SOURCE + "\nHELPER = _make_helper()\n", UNTIMED),
+    # Parses (so it passes the screen's ast.parse) but does not compile.
+    "return-outside-function": (_edit("import torch\n", "import torch\n\nreturn None\n"), UNTIMED),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Future[EvalResult], Path]]:
+    """Each case evaluated once, two workers at a time (a worker keeps one core busy, and a small
+    CI machine has two): name -> (its evaluation, its backend's scratch directory)."""
+    runs = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name, (source, kwargs) in CASES.items():
+            scratch = tmp_path_factory.mktemp(f"local-{name}") / "scratch"
+            backend = LocalBackend(timeout_s=120, scratch_root=scratch)
+            runs[name] = (pool.submit(backend.evaluate, _candidate(source), **kwargs), scratch)
+    return runs
+
+
+def test_default_template_is_ok(outcomes) -> None:
+    run, scratch = outcomes["correct"]
+    result = run.result()
     assert result.status == Status.OK, f"{result.message}\n{result.log_tail}"
     # two trials per check shape (the least the worker runs), then the no-op proof (trial -1)
     assert len(result.checks) == 2 * len(CHECK_SHAPES) + 1 and result.checks[-1].trial == -1
@@ -73,9 +100,8 @@ def test_default_template_is_ok(backend: LocalBackend, scratch: Path) -> None:
     assert list(scratch.iterdir()) == []  # the scratch directory is removed afterwards
 
 
-def test_wrong_kernel_names_the_shape(backend: LocalBackend) -> None:
-    source = _edit(STORE, f"(acc * 2.0).{STORE[4:]}")
-    result = backend.evaluate(_candidate(source), timing=False, trials=1)
+def test_wrong_kernel_names_the_shape(outcomes) -> None:
+    result = outcomes["wrong"][0].result()
     first = CHECK_SHAPES[0]
     assert result.status == Status.WRONG, f"{result.message}\n{result.log_tail}"
     assert result.message.startswith(first.describe())
@@ -84,9 +110,8 @@ def test_wrong_kernel_names_the_shape(backend: LocalBackend) -> None:
     assert result.timings == []
 
 
-def test_raising_entry_is_a_runtime_error(backend: LocalBackend) -> None:
-    source = _edit(ENTRY_BODY, '    raise RuntimeError("candidate gave up")\n' + ENTRY_BODY)
-    result = backend.evaluate(_candidate(source), timing=False, trials=1)
+def test_raising_entry_is_a_runtime_error(outcomes) -> None:
+    result = outcomes["raising"][0].result()
     assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
     assert "RuntimeError: candidate gave up" in result.message
     assert CHECK_SHAPES[0].name in result.message
@@ -97,12 +122,12 @@ def test_hanging_entry_times_out_and_its_process_group_dies(
     scratch: Path, started: list[subprocess.Popen]
 ) -> None:
     source = _edit(ENTRY_BODY, "    while True:\n        pass\n" + ENTRY_BODY)
-    result = LocalBackend(timeout_s=15, scratch_root=scratch).evaluate(
+    result = LocalBackend(timeout_s=8, scratch_root=scratch).evaluate(
         _candidate(source), timing=False, trials=1
     )
     assert result.status == Status.TIMEOUT, f"{result.message}\n{result.log_tail}"
-    assert "killed after 15 s" in result.message
-    assert 15 <= result.wall_s < 30
+    assert "killed after 8 s" in result.message
+    assert 8 <= result.wall_s < 20
     (worker,) = started
     assert worker.returncode is not None  # reaped
     # The worker led its own session, so its process group id is its pid.
@@ -111,17 +136,12 @@ def test_hanging_entry_times_out_and_its_process_group_dies(
 
 
 @pytest.mark.parametrize(
-    ("source", "error"),
-    [
-        # A module-level call of a name the module never defines.
-        (DEFAULT_SOURCE + "\nHELPER = _make_helper()\n", "NameError"),
-        # Parses (so it passes the screen's ast.parse) but does not compile.
-        (_edit("import torch\n", "import torch\n\nreturn None\n"), "SyntaxError"),
-    ],
+    ("case", "error"),
+    [("undefined-name", "NameError"), ("return-outside-function", "SyntaxError")],
     ids=["undefined-name", "return-outside-function"],
 )
-def test_import_failure_is_a_compile_error(backend: LocalBackend, source: str, error: str) -> None:
-    result = backend.evaluate(_candidate(source), timing=False, trials=1)
+def test_import_failure_is_a_compile_error(outcomes, case: str, error: str) -> None:
+    result = outcomes[case][0].result()
     assert result.status == Status.COMPILE_ERROR, f"{result.message}\n{result.log_tail}"
     assert result.message.startswith(f"import failed: {error}")
     assert result.checks == []

@@ -3,8 +3,8 @@ backend's statuses in order, rejections never reach the cluster, and a task that
 runtime error.
 
 A local cluster takes about 5 s to start and an evaluation 4-12 s on a small CPU machine, so one
-cluster serves the module, the correct candidate is evaluated only in the batch, untimed, with
-one trial per check shape.
+cluster serves the module, and the correct and the wrong candidate are evaluated only in the
+batch, which every test about them shares, untimed, with one trial per check shape.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sandbox import Candidate, LocalBackend, Status
+from sandbox import Candidate, EvalResult, LocalBackend, Status
 from sandbox.local import REPO_ROOT
 from sandbox.ray_backend import RayBackend
 from search_space.embedding_bag import CHECK_SHAPES, ENTRY, TEMPLATE
@@ -80,15 +80,10 @@ def test_source_edits_still_apply() -> None:
     assert REJECTED_SOURCE != DEFAULT_SOURCE
 
 
-def test_wrong_candidate_names_the_shape(backend: RayBackend) -> None:
-    result = backend.evaluate(_candidate(WRONG_SOURCE), timing=False, trials=1)
-    assert result.status == Status.WRONG, f"{result.message}\n{result.log_tail}"
-    assert result.message.startswith(FIRST_MEAN_SHAPE.describe())
-    assert "outside tolerance" in result.message
-    assert result.timings == []
-
-
-def test_a_batch_gets_the_local_statuses_in_order(backend: RayBackend, scratch: Path) -> None:
+@pytest.fixture(scope="module")
+def batch(backend: RayBackend, scratch: Path) -> tuple[list[Candidate], list[EvalResult], list[EvalResult]]:
+    """A correct, a wrong and a rejected candidate, as one batch on the cluster and one after
+    another on the local backend: (candidates, Ray's results, the local backend's results)."""
     candidates = [_candidate(s) for s in (DEFAULT_SOURCE, WRONG_SOURCE, REJECTED_SOURCE)]
     local = LocalBackend(timeout_s=120, scratch_root=scratch)
     # The local backend runs beside the cluster: once the short wrong candidate is done, one
@@ -97,7 +92,19 @@ def test_a_batch_gets_the_local_statuses_in_order(backend: RayBackend, scratch: 
         local_future = pool.submit(lambda: [local.evaluate(c, timing=False, trials=1) for c in candidates])
         on_ray = backend.evaluate_many(candidates, timing=False, trials=1)
         on_local = local_future.result()
+    return candidates, on_ray, on_local
 
+
+def test_wrong_candidate_names_the_shape(batch) -> None:
+    _, (_, result, _), _ = batch
+    assert result.status == Status.WRONG, f"{result.message}\n{result.log_tail}"
+    assert result.message.startswith(FIRST_MEAN_SHAPE.describe())
+    assert "outside tolerance" in result.message
+    assert result.timings == []
+
+
+def test_a_batch_gets_the_local_statuses_in_order(backend: RayBackend, scratch: Path, batch) -> None:
+    candidates, on_ray, on_local = batch
     expected = [Status.OK, Status.WRONG, Status.STATIC_REJECTED]
     assert [r.status for r in on_ray] == expected, [f"{r.message}\n{r.log_tail}" for r in on_ray]
     assert [r.status for r in on_local] == expected, [f"{r.message}\n{r.log_tail}" for r in on_local]
