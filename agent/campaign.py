@@ -139,10 +139,14 @@ class Campaigns:
             snapshot = graph.get_state(run_config)
             started = bool(snapshot.values)
             if started and not snapshot.next:
-                raise CampaignError(
-                    f"campaign {campaign_id} already finished "
-                    f"({row.stop_reason or row.status}); see `recforge campaign status {campaign_id}`"
-                )
+                if row.status != "running":
+                    raise CampaignError(
+                        f"campaign {campaign_id} already finished "
+                        f"({row.stop_reason or row.status}); see `recforge campaign status {campaign_id}`"
+                    )
+                # Killed after its last step and before the store said so: only the bookkeeping
+                # is left (the graph registered and reported already).
+                return self._finished(campaign_id, ctx, snapshot.values)
             self.store.set_status(campaign_id, "running")
             initial: CampaignState | None = None
             if fresh or not started:
@@ -165,6 +169,9 @@ class Campaigns:
                 self.store.set_wall(campaign_id, ctx.wall_s())
                 self.store.set_status(campaign_id, "failed", f"{type(exc).__name__}: {exc}")
                 raise
+        return self._finished(campaign_id, ctx, final)
+
+    def _finished(self, campaign_id: str, ctx: CampaignContext, final: dict) -> CampaignOutcome:
         self.store.set_wall(campaign_id, ctx.wall_s())
         self.store.set_status(campaign_id, "finished", final.get("stop_reason"))
         return CampaignOutcome(

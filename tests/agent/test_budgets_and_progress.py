@@ -200,3 +200,21 @@ def test_starting_from_the_reference_needs_registration_off(tmp_path: Path) -> N
                 "budget": {"max_evaluations": 1, "max_wall_s": 60},
             }
         )
+
+
+def test_resume_after_a_kill_past_the_last_step_finishes_the_bookkeeping(tmp_path: Path, monkeypatch) -> None:
+    """SIGKILL after the graph's last step but before the store marked the campaign finished:
+    resume completes it instead of refusing a campaign that is 'running' forever."""
+    monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: QuickBackend())
+    campaigns = Campaigns(tmp_path / "home")
+    done = campaigns.start(_config(tmp_path, max_evaluations=2), _Interrupt(after=0))
+    campaigns.store.set_status(done.campaign_id, "running")  # the state such a kill leaves
+
+    again = Campaigns(tmp_path / "home").resume(done.campaign_id)
+
+    assert again.status == "finished" and again.stop_reason == done.stop_reason
+    assert again.best == done.best
+    row = Campaigns(tmp_path / "home").store.campaign(done.campaign_id)
+    assert row.status == "finished"
+    with pytest.raises(agent.campaign.CampaignError, match="already finished"):
+        Campaigns(tmp_path / "home").resume(done.campaign_id)
