@@ -41,32 +41,45 @@ SCHEDULES = [
     ("this tree", "cur", {}, {}),
     ("longest-first", "cur", {"schedule": "longest_first"}, {"schedule": "longest_first"}),
 ]
-BIAS_TILES = [
-    ("fwd 128x64 w8 s2", "cur", _tiles(128, 64, 8, 2), {}),
-    ("fwd 128x32 w4 s3", "cur", _tiles(128, 32, 4, 3), {}),
-    ("fwd 64x64 w4 s3", "cur", _tiles(64, 64, 4, 3), {}),
-    (
-        "bwd 32x64 w4 s3 / dq 128x64 w8 s2",
-        "cur",
-        {},
-        {**_tiles(32, 64, 4, 3), **_tiles(128, 64, 8, 2, "dq_")},
-    ),
-    ("bwd 32x64 w4 s3 / dq 64x64 w4 s2", "cur", {}, {**_tiles(32, 64, 4, 3), **_tiles(64, 64, 4, 2, "dq_")}),
-]
 TARGET_TILES = [
     ("fwd 128x128 w8 s2", "cur", _tiles(128, 128, 8, 2), {}),
     ("fwd 64x128 w4 s3", "cur", _tiles(64, 128, 4, 3), {}),
     ("fwd 64x64 w4 s3", "cur", _tiles(64, 64, 4, 3), {}),
     ("dkdv 64x128 w8 s2", "cur", {}, _tiles(64, 128, 8, 2)),
 ]
+# silu in its tanh form (the bf16 default now) against s * sigmoid(s), and tilings that its
+# cheaper activation may favour.
+EXACT_SILU = {"fast_silu": False}
+SILU_FORMS = [
+    ("sigmoid form", "cur", EXACT_SILU, EXACT_SILU),
+    ("tanh form (default)", "cur", {}, {}),
+    ("tanh, fwd 128x64 w8 s3", "cur", _tiles(128, 64, 8, 3), {}),
+    ("tanh, fwd 128x128 w8 s2", "cur", _tiles(128, 128, 8, 2), {}),
+    ("tanh, fwd 64x64 w4 s3", "cur", _tiles(64, 64, 4, 3), {}),
+]
+BWD_TILES = [
+    ("dkdv 32x128 w8 s3", "cur", {}, _tiles(32, 128, 8, 3)),
+    ("dkdv 64x128 w8 s2", "cur", {}, _tiles(64, 128, 8, 2)),
+    ("dkdv 64x64 w4 s2", "cur", {}, _tiles(64, 64, 4, 2)),
+    ("dq 128x32 w8 s3", "cur", {}, _tiles(128, 32, 8, 3, "dq_")),
+]
+# The default kernels through the public op (forward only, no gradient), and launched with
+# bounds (target attention: no host sync) directly or replayed from a CUDA graph.
+OP_PATHS = [("kernels.ops", "ops", {}, {})]
+BOUNDS = {"bounds": True}
+SYNC_FREE = [
+    ("bounds (no host sync)", "cur", BOUNDS, BOUNDS),
+    ("bounds, CUDA graph", "graph", BOUNDS, BOUNDS),
+    ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
+]
 CASES = {
-    "jagged_attention/b256-n4096-power-softmax": SCHEDULES,
+    "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + OP_PATHS + BWD_TILES,
     "jagged_attention/b256-n8192-power-softmax": SCHEDULES,
     "jagged_attention/b512-n1024-uniform-softmax": SCHEDULES,
-    "jagged_attention/b256-n4096-uniform-silu": SCHEDULES,
-    "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES + BIAS_TILES,
+    "jagged_attention/b256-n4096-uniform-silu": [SCHEDULES[0], *SILU_FORMS, *BWD_TILES[:3]],
+    "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES[:2] + SILU_FORMS[:1],
     "gdpa/self-b1024-n2048-s0.5-gelu": SCHEDULES,
-    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES + TARGET_TILES,
+    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2] + OP_PATHS + SYNC_FREE + TARGET_TILES,
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
 }
 
@@ -83,6 +96,39 @@ def _forward(module: ModuleType, op: str, inputs, options: dict, lse: bool = Fal
     fn = getattr(module, FORWARDS[op])
     extra = {"return_lse": True} if lse and op != "gdpa" else {}
     return fn(*inputs.args, **inputs.kwargs, **options, **extra)
+
+
+def _op_forward(op: str, inputs, options: dict):
+    from kernels import ops
+
+    with torch.no_grad():
+        return getattr(ops, op)(*inputs.args, **inputs.kwargs, **options)
+
+
+def _bounds(op: str, inputs, options: dict) -> dict:
+    """options with {"bounds": True} replaced by the case's max_candidates and max_history
+    (measured here, outside any timing)."""
+    if not options.pop("bounds", False):
+        return options
+    assert op == "target_attention", op
+    _, _, _, kv_offsets, cand_to_request = inputs.args
+    max_candidates = int(torch.bincount(cand_to_request).max())
+    max_history = int((kv_offsets[1:] - kv_offsets[:-1]).max())
+    return {**options, "max_candidates": max_candidates, "max_history": max_history}
+
+
+def _graphed(fn):
+    """(replay, outputs): fn captured in a CUDA graph after a warm-up on a side stream."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph.replay, outputs
 
 
 def _backward(module: ModuleType, op: str, inputs, grad_out, out, lse, options: dict):
@@ -126,23 +172,43 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
         _profile(current, op, inputs)
     rows = []
     for label, key, fwd_options, bwd_options in variants:
-        if key not in modules:
+        if key not in modules and key not in ("ops", "graph", "ops-graph"):
             continue
-        module = modules[key]
+        module = modules.get(key, current)
+        fwd_options, bwd_options = (
+            _bounds(op, inputs, dict(fwd_options)),
+            _bounds(op, inputs, dict(bwd_options)),
+        )
         row = {"case": case, "variant": label}
         try:
-            out = _forward(module, op, inputs, fwd_options)
+            if key.startswith("ops"):
+                forward = partial(_op_forward, op, inputs, fwd_options)
+            else:
+                forward = partial(_forward, module, op, inputs, fwd_options)
+            if key.endswith("graph"):
+                forward, out = _graphed(forward)
+                forward()
+            else:
+                out = forward()
             ok, details = compare(out, ref, tol, scale)
             row["fwd_check"] = "ok" if ok else details["message"][:80]
-            row["fwd_ms"] = _median_ms(partial(_forward, module, op, inputs, fwd_options), device, 50)
-            grads = _backward(module, op, inputs, grad_out, out0, lse0, bwd_options)
+            row["fwd_ms"] = _median_ms(forward, device, 50)
+            row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
+            if key.startswith("ops"):  # the op's backward runs under autograd: not timed here
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            backward = partial(_backward, module, op, inputs, grad_out, out0, lse0, bwd_options)
+            if key == "graph":
+                backward, grads = _graphed(backward)
+                backward()
+            else:
+                grads = backward()
             row["bwd_vs_default"] = max(
                 float((g.float() - d.float()).abs().max() / d.float().abs().max().clamp_min(1e-6))
                 for g, d in zip(grads[:3], grads0[:3], strict=True)
             )
-            bwd = partial(_backward, module, op, inputs, grad_out, out0, lse0, bwd_options)
-            row["bwd_ms"] = _median_ms(bwd, device, 30)
-            row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
+            row["bwd_ms"] = _median_ms(backward, device, 30)
             row["bwd_tflops"] = 2.5 * flops / (row["bwd_ms"] * 1e-3) / 1e12
         except Exception as exc:  # a variant that does not compile or fit is a result too
             row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
@@ -161,12 +227,13 @@ def table(rows: list[dict]) -> str:
             lines.append(f"| {r['case']} | {r['variant']} | | | | | | | {r['error'][:60]} |")
             continue
         fx = base.get("fwd_ms", float("nan")) / r["fwd_ms"]
-        bx = base.get("bwd_ms", float("nan")) / r["bwd_ms"]
-        check = f"fwd {r['fwd_check']}, bwd rel {r['bwd_vs_default']:.1e}"
-        lines.append(
-            f"| {r['case']} | {r['variant']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {fx:.2f} | "
-            f"{r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | {bx:.2f} | {check} |"
-        )
+        fwd = f"{r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {fx:.2f}"
+        bwd, check = "| |", f"fwd {r['fwd_check']}"
+        if "bwd_ms" in r:
+            bx = base.get("bwd_ms", float("nan")) / r["bwd_ms"]
+            bwd = f"{r['bwd_ms']:.3f} | {r['bwd_tflops']:.0f} | {bx:.2f}"
+            check += f", bwd rel {r['bwd_vs_default']:.1e}"
+        lines.append(f"| {r['case']} | {r['variant']} | {fwd} | {bwd} | {check} |")
     return "\n".join(lines)
 
 

@@ -126,9 +126,24 @@ def _rel_bias(bias_head_ptr, pos_q, pos_k, NUM_BUCKETS: tl.constexpr, LOG2_EXACT
 
 
 @triton.jit
-def _activation(s, ACTIVATION: tl.constexpr):
+def _tanh(x, SILU: tl.constexpr):
+    if SILU == "tanh.approx":
+        # One MUFU instruction (sm_75+), max relative error 2^-11: the bf16/fp16 path on a GPU.
+        return tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _activation(s, ACTIVATION: tl.constexpr, SILU: tl.constexpr):
     if ACTIVATION == "silu":
-        return s * tl.sigmoid(s)
+        if SILU == "sigmoid":
+            return s * tl.sigmoid(s)
+        else:
+            # s is h = s / 2 here (the launcher halved the score scales): silu(2h) = h (1 + tanh h).
+            return s + s * _tanh(s, SILU)
     elif ACTIVATION == "gelu":
         return 0.5 * s * (1.0 + tl.erf(s * 0.7071067811865476))
     elif ACTIVATION == "relu":
@@ -138,10 +153,16 @@ def _activation(s, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _activation_grad(s, ACTIVATION: tl.constexpr):
+def _activation_grad(s, ACTIVATION: tl.constexpr, SILU: tl.constexpr):
+    # d act / d s with respect to the unhalved score, whatever form s takes (see _activation).
     if ACTIVATION == "silu":
-        sig = tl.sigmoid(s)
-        return sig * (1.0 + s * (1.0 - sig))
+        if SILU == "sigmoid":
+            sig = tl.sigmoid(s)
+            return sig * (1.0 + s * (1.0 - sig))
+        else:
+            # sigmoid(2h) = (1 + t) / 2 and 1 - sigmoid(2h) = (1 - t) / 2, t = tanh h.
+            t = _tanh(s, SILU)
+            return 0.5 * (1.0 + t) * (1.0 + s - s * t)
     elif ACTIVATION == "gelu":
         # d/ds [s Phi(s)] = Phi(s) + s phi(s)
         return 0.5 * (1.0 + tl.erf(s * 0.7071067811865476)) + s * 0.3989422804014327 * tl.exp(-0.5 * s * s)
@@ -149,6 +170,16 @@ def _activation_grad(s, ACTIVATION: tl.constexpr):
         return tl.where(s > 0.0, 1.0, 0.0)
     else:
         return tl.full(s.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _activation_and_grad(s, ACTIVATION: tl.constexpr, SILU: tl.constexpr):
+    """(act(s), act'(s)); silu's tanh form takes one tanh for both."""
+    if ACTIVATION == "silu" and SILU != "sigmoid":
+        u = 1.0 + _tanh(s, SILU)
+        return s * u, 0.5 * u * (1.0 + s * (2.0 - u))
+    else:
+        return _activation(s, ACTIVATION, SILU), _activation_grad(s, ACTIVATION, SILU)
 
 
 @triton.jit
@@ -432,6 +463,7 @@ def _fwd_inner(
     qk_scale,
     bias_scale,
     ACTIVATION: tl.constexpr,
+    SILU: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -492,7 +524,7 @@ def _fwd_inner(
             acc_MD = acc_MD * alpha_M[:, None]
             m_M = m_new_M
         else:
-            p_MN = _activation(s_MN, ACTIVATION)
+            p_MN = _activation(s_MN, ACTIVATION, SILU)
             if MASKED:
                 p_MN = tl.where(allowed_MN, p_MN, 0.0)
         acc_MD = _dot(p_MN.to(v_ND.dtype), v_ND, acc_MD, DOT_PRECISION)
@@ -527,6 +559,7 @@ def _attn_fwd_kernel(
     bias_scale,
     act_scale,
     ACTIVATION: tl.constexpr,
+    SILU: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -572,20 +605,20 @@ def _attn_fwd_kernel(
     acc_MD, m_M, l_M = _fwd_inner(
         acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
         m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-        ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
+        ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     acc_MD, m_M, l_M = _fwd_inner(
         acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
         m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-        ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+        ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     if HAS_TARGETS:
         acc_MD, m_M, l_M = _fwd_inner(
             acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
             m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
-            ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+            ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )  # fmt: skip
 
@@ -664,6 +697,7 @@ def _bwd_dkdv_inner(
     qk_scale,
     bias_scale,
     ACTIVATION: tl.constexpr,
+    SILU: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -713,8 +747,8 @@ def _bwd_dkdv_inner(
             p_NM = tl.exp2(s_NM - lse_M[None, :])
             ds_NM = p_NM * (dp_NM - delta_M[None, :])
         else:
-            p_NM = _activation(s_NM, ACTIVATION)
-            ds_NM = dp_NM * _activation_grad(s_NM, ACTIVATION)
+            p_NM, grad_NM = _activation_and_grad(s_NM, ACTIVATION, SILU)
+            ds_NM = dp_NM * grad_NM
         if MASKED:
             allowed_NM = _allowed(
                 offs_m[None, :], offs_n[:, None], n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN
@@ -785,6 +819,7 @@ def _attn_bwd_dkdv_kernel(
     scale,
     act_scale,
     ACTIVATION: tl.constexpr,
+    SILU: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -833,13 +868,13 @@ def _attn_bwd_dkdv_kernel(
     dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
         dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_seq_ptr, do_seq_ptr, lse_seq_ptr, delta_seq_ptr,
         bias_head_ptr, stride_q_row, stride_do_row, n0, lo, mid, n_q, n_k, n_hist,
-        qk_scale, bias_scale, ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+        qk_scale, bias_scale, ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
         dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_seq_ptr, do_seq_ptr, lse_seq_ptr, delta_seq_ptr,
         bias_head_ptr, stride_q_row, stride_do_row, n0, mid, hi, n_q, n_k, n_hist,
-        qk_scale, bias_scale, ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
+        qk_scale, bias_scale, ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
@@ -883,6 +918,7 @@ def _bwd_dq_inner(
     qk_scale,
     bias_scale,
     ACTIVATION: tl.constexpr,
+    SILU: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -928,7 +964,7 @@ def _bwd_dq_inner(
         if ACTIVATION == "softmax":
             ds_MN = tl.exp2(s_MN - lse_M[:, None]) * (dp_MN - delta_M[:, None])
         else:
-            ds_MN = dp_MN * _activation_grad(s_MN, ACTIVATION)
+            ds_MN = dp_MN * _activation_grad(s_MN, ACTIVATION, SILU)
         if MASKED:
             allowed_MN = _allowed(
                 offs_m[:, None], offs_n[None, :], n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN
@@ -971,6 +1007,7 @@ def _attn_bwd_dq_kernel(
     scale,
     act_scale,
     ACTIVATION: tl.constexpr,
+    SILU: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -1023,20 +1060,20 @@ def _attn_bwd_dq_kernel(
     dq_MD = _bwd_dq_inner(
         dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
         stride_v_row, m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-        ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
+        ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     dq_MD = _bwd_dq_inner(
         dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
         stride_v_row, m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-        ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+        ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
     )  # fmt: skip
     if HAS_TARGETS:
         dq_MD = _bwd_dq_inner(
             dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
             stride_v_row, m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
-            ACTIVATION, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+            ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     dq_seq_ptr = dq_ptr + out_start * stride_dq_row + head * stride_dq_head
@@ -1242,6 +1279,8 @@ def check_target_attention(
     cand_to_request: torch.Tensor,
     *,
     activation: str,
+    max_candidates: int | None = None,
+    max_history: int | None = None,
 ) -> None:
     if q_cand.dim() != 4:
         raise ValueError(f"q_cand must be [C, S, H, D], got shape {tuple(q_cand.shape)}")
@@ -1253,6 +1292,19 @@ def check_target_attention(
             f"cand_to_request must be an integer [C] = [{q_cand.shape[0]}] tensor, got "
             f"{tuple(cand_to_request.shape)} {cand_to_request.dtype}"
         )
+    _check_bounds(max_candidates, max_history)
+
+
+def _check_bounds(max_candidates: int | None, max_history: int | None) -> None:
+    if (max_candidates is None) != (max_history is None):
+        raise ValueError("max_candidates and max_history go together (both bound the launch, or neither)")
+    for name, value in (("max_candidates", max_candidates), ("max_history", max_history)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def _bounds(max_candidates: int | None, max_history: int | None) -> tuple[int, int] | None:
+    return None if max_candidates is None or max_history is None else (max_candidates, max_history)
 
 
 # --- host-side layout -------------------------------------------------------------------------
@@ -1295,23 +1347,42 @@ def _cross_lengths(
 
 class _RequestGroups:
     """Candidates of one request made contiguous, so that all their seeds form one query range
-    against the request's keys: cand_to_request as is when it never decreases, else one stable
-    argsort and one gather of q_cand (and the inverse scatter of the output). One host sync for
-    the checks and the grid, with few small device ops before it: at request shapes they and the
-    sync take longer than the kernel itself (a few hundred µs on an H200)."""
+    against the request's keys.
 
-    def __init__(self, cand_to_request: torch.Tensor, kv_offsets: torch.Tensor, seeds: int, kv_rows: int):
+    Without bounds: cand_to_request as is when it never decreases, else one stable argsort and
+    one gather of q_cand (and the inverse scatter of the output); one host sync for the checks
+    and the grid, with few small device ops before it. At request shapes they and the sync take
+    longer than the kernel itself (a few hundred µs on an H200).
+    With bounds (the most candidates of any request, the longest history) there is no host sync
+    and nothing is checked: the grid comes from the bounds and the candidates always take the
+    stable argsort, so the op can be captured in a CUDA graph."""
+
+    def __init__(
+        self,
+        cand_to_request: torch.Tensor,
+        kv_offsets: torch.Tensor,
+        seeds: int,
+        kv_rows: int,
+        bounds: tuple[int, int] | None = None,
+    ):
         num_requests = kv_offsets.numel() - 1
         if num_requests == 0:
             raise ValueError("cand_to_request must lie in [0, 0): kv_offsets holds no request")
         device = kv_offsets.device
         requests = cand_to_request.to(torch.int64)
-        kv_offsets = kv_offsets.to(torch.int64)
         # Candidates per request by index_add (bincount syncs by itself on CUDA); out-of-range
         # requests are clamped here and rejected below.
         counts = torch.zeros(num_requests, dtype=torch.int64, device=device).index_add_(
             0, requests.clamp(0, num_requests - 1), torch.ones_like(requests)
         )
+        self.q_offsets = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts * seeds, 0, out=self.q_offsets[1:])
+        if bounds is not None:
+            max_candidates, self.max_kv_len = bounds
+            self.max_q_len = max_candidates * seeds
+            self.order = torch.argsort(requests, stable=True)
+            return
+        kv_offsets = kv_offsets.to(torch.int64)
         low_high = torch.aminmax(requests)
         kv_min_max = torch.aminmax(kv_offsets[1:] - kv_offsets[:-1])
         is_sorted = (requests[1:] >= requests[:-1]).all().to(torch.int64)
@@ -1325,8 +1396,6 @@ class _RequestGroups:
         if min_kv_len < 0 or kv_first != 0 or kv_last != kv_rows:
             raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
         self.max_q_len = max_count * seeds
-        self.q_offsets = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
-        torch.cumsum(counts * seeds, 0, out=self.q_offsets[1:])
         self.order = None if already_sorted else torch.argsort(requests, stable=True)
 
     def gather(self, per_candidate: torch.Tensor) -> torch.Tensor:
@@ -1416,6 +1485,15 @@ def _schedule_grid(
     return _work_list(kv_lengths if keys else q_lengths, weights, block, max_len, rows, reverse=not keys)
 
 
+def _score_scales(scale: float, activation: str, config: dict) -> tuple[float, float]:
+    """(qk_scale, bias_scale): what the kernels multiply q . k and the bias by to get their s.
+    Softmax works in base 2 (log2 e folded in); silu's tanh form takes h = s / 2."""
+    if activation == "softmax":
+        return scale * LOG2E, LOG2E
+    half = 0.5 if config["SILU"] != "sigmoid" else 1.0
+    return scale * half, half
+
+
 def _launch_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1466,7 +1544,7 @@ def _launch_forward(
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         rel_bias.stride(0) if rel_bias is not None else 0,
         work if work is not None else q_offsets, num_heads, num_q_blocks,
-        scale * LOG2E if softmax else scale, LOG2E if softmax else 1.0, act_scale,
+        *_score_scales(scale, activation, config), act_scale,
         ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
         HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
         STORE_LSE=lse is not None, NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
@@ -1554,7 +1632,7 @@ def _launch_backward(
             NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
             DOT_PRECISION=_dot_precision(q),
         )  # fmt: skip
-        scalars = (scale * LOG2E if softmax else scale, LOG2E if softmax else 1.0, scale, act_scale)
+        scalars = (*_score_scales(scale, activation, dkdv_config), scale, act_scale)
         targets_arg = num_targets if num_targets is not None else q_offsets
         bias_arg = rel_bias if rel_bias is not None else q
         lse_stride = lse.stride(0) if softmax else 0
@@ -1594,26 +1672,41 @@ def _default_scale(head_dim: int, scale: float | None) -> float:
     return head_dim**-0.5 if scale is None else float(scale)
 
 
+def _silu_form(q: torch.Tensor, activation: str, fast_silu: bool | None) -> str:
+    """How the kernels evaluate silu (the SILU constexpr): "sigmoid", s * sigmoid(s) as written,
+    exact division included; or, by default for bf16 and fp16, h (1 + tanh h) with h = s / 2, one
+    MUFU instruction per score on a GPU ("tanh.approx"; "tanh" from exp in the interpreter, which
+    has no PTX). Other activations take the fixed "sigmoid", so they add no compilations."""
+    if activation != "silu":
+        return "sigmoid"
+    if not (q.dtype != torch.float32 if fast_silu is None else fast_silu):
+        return "sigmoid"
+    return "tanh.approx" if q.device.type == "cuda" else "tanh"
+
+
 def _configs(
     q: torch.Tensor,
     has_bias: bool,
-    softmax: bool,
+    activation: str,
     block_m: int | None,
     block_n: int | None,
     num_warps: int | None,
     num_stages: int | None,
     dq_overrides: tuple | None = None,
+    *,
+    fast_silu: bool | None = None,
 ) -> dict | tuple[dict, dict]:
     """The default launch configuration with the caller's overrides: the forward's, or with
-    dq_overrides the backward's (dK/dV, dQ)."""
+    dq_overrides the backward's (dK/dV, dQ); each carries the kernels' SILU form."""
     head_dim, dtype, device = q.shape[-1], q.dtype, q.device
+    silu = {"SILU": _silu_form(q, activation, fast_silu)}
     if dq_overrides is None:
-        defaults = _forward_config(head_dim, dtype, device, has_bias, softmax)
-        return _with_overrides(defaults, block_m, block_n, num_warps, num_stages)
+        defaults = _forward_config(head_dim, dtype, device, has_bias, activation == "softmax")
+        return {**_with_overrides(defaults, block_m, block_n, num_warps, num_stages), **silu}
     defaults = _backward_config(head_dim, dtype, device, has_bias)
     return (
-        _with_overrides(defaults["dkdv"], block_m, block_n, num_warps, num_stages),
-        _with_overrides(defaults["dq"], *dq_overrides),
+        {**_with_overrides(defaults["dkdv"], block_m, block_n, num_warps, num_stages), **silu},
+        {**_with_overrides(defaults["dq"], *dq_overrides), **silu},
     )
 
 
@@ -1638,6 +1731,7 @@ def jagged_attention_forward(
     num_warps: int | None = None,
     num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    fast_silu: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """HSTU self-attention over jagged sequences; no host sync.
 
@@ -1665,7 +1759,7 @@ def jagged_attention_forward(
         self_attn=True, causal=causal, num_targets=num_targets, rel_bias=rel_bias, broadcast_q=False,
         return_lse=return_lse,
         config=_configs(
-            q, rel_bias is not None, activation == "softmax", block_m, block_n, num_warps, num_stages
+            q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu
         ),
         schedule=schedule,
     )  # fmt: skip
@@ -1696,13 +1790,14 @@ def jagged_attention_backward(
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    fast_silu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """grad_out [total_tokens, H, D], the forward's out and lse (softmax) -> dq, dk, dv
     [total_tokens, H, D] and d rel_bias [H, num_buckets] (None without a bias). block_m / block_n /
     num_warps / num_stages configure the dK/dV kernel, dq_* the dQ kernel."""
     dkdv_config, dq_config = _configs(
-        q, rel_bias is not None, activation == "softmax", block_m, block_n, num_warps, num_stages,
-        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages),
+        q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages,
+        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,
     )  # fmt: skip
     return _launch_backward(
         grad_out, q, k, v, out, lse, offsets, offsets,
@@ -1750,6 +1845,7 @@ def gdpa_forward(
     num_warps: int | None = None,
     num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    fast_silu: bool | None = None,
 ) -> torch.Tensor:
     """Generalized dot-product attention (non-causal, unnormalised activation).
 
@@ -1766,7 +1862,8 @@ def gdpa_forward(
         num_out_rows=num_out_rows, max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=broadcast_q, return_lse=False,
-        config=_configs(q, False, False, block_m, block_n, num_warps, num_stages), schedule=schedule,
+        config=_configs(q, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu),
+        schedule=schedule,
     )  # fmt: skip
     return out
 
@@ -1791,19 +1888,14 @@ def gdpa_backward(
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    fast_silu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_out like gdpa's out -> dq (like q; summed over samples with broadcast_q), dk, dv."""
     out_offsets, max_q_len, max_kv_len = _gdpa_layout(q, k, q_offsets, kv_offsets, broadcast_q)
     dkdv_config, dq_config = _configs(
-        q,
-        False,
-        False,
-        block_m,
-        block_n,
-        num_warps,
-        num_stages,
-        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages),
-    )
+        q, False, activation, block_m, block_n, num_warps, num_stages,
+        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,
+    )  # fmt: skip
     dq, dk, dv, _ = _launch_backward(
         grad_out, q, k, v, grad_out, None, out_offsets, kv_offsets,
         max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
@@ -1824,20 +1916,27 @@ def target_attention_forward(
     activation: str = "softmax",
     scale: float | None = None,
     return_lse: bool = False,
+    max_candidates: int | None = None,
+    max_history: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    fast_silu: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Request-broadcast target attention.
 
     q_cand [C, S, H, D] (S seeds per candidate); k, v [total_kv, H, D] with kv_offsets [R + 1];
     cand_to_request [C] in [0, R) -> out [C, S, H, D], and with return_lse the softmax lse fp32
-    [H, C * S] in request-grouped row order. Histories are never copied per candidate; one host
-    sync (grouping and grid size).
+    [H, C * S] in request-grouped row order. Histories are never copied per candidate. One host
+    sync (checks, grouping and grid size), or none with max_candidates (>= the candidates of
+    every request) and max_history (>= every history length), which are then trusted.
     """
-    check_target_attention(q_cand, k, v, kv_offsets, cand_to_request, activation=activation)
+    check_target_attention(
+        q_cand, k, v, kv_offsets, cand_to_request, activation=activation,
+        max_candidates=max_candidates, max_history=max_history,
+    )  # fmt: skip
     num_cand, seeds, num_heads, head_dim = q_cand.shape
     if num_cand == 0 or seeds == 0:
         out = torch.empty_like(q_cand)
@@ -1845,7 +1944,9 @@ def target_attention_forward(
         if return_lse and activation == "softmax":
             lse = torch.empty((num_heads, 0), dtype=torch.float32, device=q_cand.device)
         return (out, lse) if return_lse else out
-    groups = _RequestGroups(cand_to_request, kv_offsets, seeds, k.shape[0])
+    groups = _RequestGroups(
+        cand_to_request, kv_offsets, seeds, k.shape[0], _bounds(max_candidates, max_history)
+    )
     q_rows = groups.gather(q_cand).reshape(num_cand * seeds, num_heads, head_dim)
     out_rows, lse = _launch_forward(
         q_rows, k, v, groups.q_offsets, kv_offsets,
@@ -1853,7 +1954,9 @@ def target_attention_forward(
         activation=activation,
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
-        config=_configs(q_cand, False, activation == "softmax", block_m, block_n, num_warps, num_stages),
+        config=_configs(
+            q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu
+        ),
         schedule=schedule,
     )  # fmt: skip
     out = groups.scatter(out_rows.view(num_cand, seeds, num_heads, head_dim))
@@ -1872,6 +1975,8 @@ def target_attention_backward(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    max_candidates: int | None = None,
+    max_history: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -1881,21 +1986,26 @@ def target_attention_backward(
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
+    fast_silu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_out [C, S, H, D], the forward's out and lse -> dq_cand [C, S, H, D], dk, dv. Regroups
-    the candidates as the forward did (one host sync; the argsort is stable, so the same order)."""
+    the candidates as the forward did (the argsort is stable, so the same order): one host sync,
+    or none with the forward's max_candidates and max_history."""
     num_cand, seeds, num_heads, head_dim = q_cand.shape
     if num_cand == 0 or seeds == 0:
         return torch.zeros_like(q_cand), torch.zeros_like(k), torch.zeros_like(v)
-    groups = _RequestGroups(cand_to_request, kv_offsets, seeds, k.shape[0])
+    _check_bounds(max_candidates, max_history)
+    groups = _RequestGroups(
+        cand_to_request, kv_offsets, seeds, k.shape[0], _bounds(max_candidates, max_history)
+    )
     rows = num_cand * seeds
 
     def grouped(x: torch.Tensor) -> torch.Tensor:
         return groups.gather(x).reshape(rows, num_heads, head_dim)
 
     dkdv_config, dq_config = _configs(
-        q_cand, False, activation == "softmax", block_m, block_n, num_warps, num_stages,
-        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages),
+        q_cand, False, activation, block_m, block_n, num_warps, num_stages,
+        (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,
     )  # fmt: skip
     dq_rows, dk, dv, _ = _launch_backward(
         grouped(grad_out), grouped(q_cand), k, v, grouped(out), lse, groups.q_offsets, kv_offsets,

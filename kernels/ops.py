@@ -6,6 +6,7 @@ attention ops' backwards ask it too, for the op's gradients (`<op>_grad`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -477,17 +478,25 @@ def _target_attention_op(
     activation: str,
     scale: float,
     need_lse: bool,
+    max_candidates: int | None,
+    max_history: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_cand, seeds, num_heads, _ = q_cand.shape
     lse_shape = (num_heads, num_cand * seeds) if need_lse and activation == "softmax" else None
     impl = _resolve_attention("target_attention", q_cand)
     args = (q_cand, k, v, kv_offsets, cand_to_request)
     kwargs = dict(activation=activation, scale=scale)
-    return _forward_with_lse(impl, _attn.target_attention_forward, args, kwargs, lse_shape, q_cand)
+    default = _attn.target_attention_forward
+    if max_candidates is not None:
+        # The bounds make the default kernels free of host syncs; other implementations take
+        # the problem's arguments only.
+        default = partial(default, max_candidates=max_candidates, max_history=max_history)
+        impl = Implementation("default", default) if impl.name == "default" else impl
+    return _forward_with_lse(impl, default, args, kwargs, lse_shape, q_cand)
 
 
 @_target_attention_op.register_fake
-def _(q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse):
+def _(q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse, max_candidates, max_history):
     num_cand, seeds, num_heads, _ = q_cand.shape
     lse_shape = (num_heads, num_cand * seeds) if need_lse and activation == "softmax" else (0,)
     return q_cand.new_empty(q_cand.shape), q_cand.new_empty(lse_shape, dtype=torch.float32)
@@ -505,12 +514,15 @@ def _target_attention_backward_op(
     lse: torch.Tensor,
     activation: str,
     scale: float,
+    max_candidates: int | None,
+    max_history: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     impl = _resolve_attention("target_attention_grad", q_cand)
     if impl.name == "default":
         return _attn.target_attention_backward(
-            grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation=activation, scale=scale
-        )
+            grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation=activation,
+            scale=scale, max_candidates=max_candidates, max_history=max_history,
+        )  # fmt: skip
     dq, dk, dv = impl.fn(
         grad_out, q_cand, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale
     )
@@ -518,15 +530,15 @@ def _target_attention_backward_op(
 
 
 @_target_attention_backward_op.register_fake
-def _(grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation, scale):
+def _(grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation, scale, *bounds):
     return q_cand.new_empty(q_cand.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _target_attention_setup_context(ctx, inputs, output):
-    q_cand, k, v, kv_offsets, cand_to_request, activation, scale, _ = inputs
+    q_cand, k, v, kv_offsets, cand_to_request, activation, scale, _, max_candidates, max_history = inputs
     out, lse = output
     ctx.save_for_backward(q_cand, k, v, kv_offsets, cand_to_request, out, lse)
-    ctx.attrs = (activation, scale)
+    ctx.attrs = (activation, scale, max_candidates, max_history)
 
 
 def _target_attention_backward(ctx, grad_out, _grad_lse):
@@ -534,7 +546,7 @@ def _target_attention_backward(ctx, grad_out, _grad_lse):
     dq, dk, dv = torch.ops.recforge.target_attention_backward(
         grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, *ctx.attrs
     )
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(
@@ -551,6 +563,8 @@ def target_attention(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    max_candidates: int | None = None,
+    max_history: int | None = None,
 ) -> torch.Tensor:
     """Request-broadcast target attention: every seed of candidate c attends to the history of
     request cand_to_request[c], which is never copied per candidate.
@@ -558,11 +572,21 @@ def target_attention(
     q_cand [C, S, H, D]; k, v [total_kv, H, D] with kv_offsets [R + 1] (request r's history is
     rows kv_offsets[r]:kv_offsets[r + 1]); cand_to_request [C] in [0, R), in any order;
     activation 'softmax' or 'silu' (unnormalised) -> out [C, S, H, D]; an empty history gives
-    zeros. The Triton path syncs the host once per forward and once per backward (grouping the
-    candidates by request and sizing the launch). Differentiable in q_cand, k and v.
+    zeros. Differentiable in q_cand, k and v.
+
+    The Triton path syncs the host once per forward and once per backward (checking the inputs,
+    grouping the candidates by request and sizing the launch). Given max_candidates (>= the
+    candidates of any one request) and max_history (>= every history length), the default
+    kernels sync never and check nothing on the device (like jagged_attention's max_seq_len,
+    the bounds are trusted), so the call can be captured in a CUDA graph.
     """
-    _attn.check_target_attention(q_cand, k, v, kv_offsets, cand_to_request, activation=activation)
+    _attn.check_target_attention(
+        q_cand, k, v, kv_offsets, cand_to_request, activation=activation,
+        max_candidates=max_candidates, max_history=max_history,
+    )  # fmt: skip
     scale = q_cand.shape[-1] ** -0.5 if scale is None else float(scale)
     need_lse = _needs_lse(activation, q_cand, k, v)
-    out, _ = _target_attention_op(q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse)
+    out, _ = _target_attention_op(
+        q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse, max_candidates, max_history
+    )
     return out

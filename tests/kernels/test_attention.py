@@ -204,6 +204,30 @@ def _jagged_launchers(options: dict, **launch) -> Callable[..., torch.Tensor]:
     )
 
 
+def test_silu_tanh_form_at_fp32_precision(device: torch.device) -> None:
+    # bf16 and fp16 silu default to h (1 + tanh h), h = s / 2 (tanh.approx on a GPU, from exp
+    # here): forced on fp32 inputs, its algebra (the halved score and bias scales, the gradient
+    # from one tanh) is held to the fp32 tolerance, with targets and a bias.
+    inputs = _jagged_inputs(device, targets=NUM_TARGETS, bias=True)
+    options = {"max_seq_len": max(LENGTHS), "activation": "silu", "causal": True}
+    check_against_reference(
+        _jagged_launchers(options, fast_silu=True),
+        _jagged(reference.jagged_attention_reference, **options),
+        inputs,
+        "fp32",
+        "silu in its tanh form",
+    )
+
+
+def test_silu_form_defaults() -> None:
+    cpu, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
+    assert attn._silu_form(bf16, "silu", None) == "tanh"
+    assert attn._silu_form(cpu, "silu", None) == "sigmoid"
+    assert attn._silu_form(cpu, "silu", True) == "tanh"
+    assert attn._silu_form(bf16, "silu", False) == "sigmoid"
+    assert attn._silu_form(bf16, "gelu", True) == "sigmoid"
+
+
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (64, 16)], ids=lambda b: f"{b[0]}x{b[1]}")
 def test_jagged_attention_tile_shapes(blocks: tuple[int, int], device: torch.device) -> None:
     """Query and key tiles of different sizes (the search will try them): the key ranges, the
@@ -383,6 +407,33 @@ def test_target_attention_bf16(activation: str, device: torch.device, empty_libr
         "bf16",
         f"bf16 target_attention {options}",
     )
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_target_attention_with_bounds(activation: str, device: torch.device, empty_library) -> None:
+    # Unsorted candidates, loose bounds (3 candidates at most per request, histories up to 33):
+    # the sync-free path groups by argsort and sizes the grid from the bounds.
+    options = {"activation": activation, "max_candidates": 5, "max_history": 40}
+    check_against_reference(
+        _target(ops.target_attention, **options),
+        _target(reference.target_attention_reference, activation=activation),
+        _target_inputs(device),
+        "fp32",
+        f"target_attention {options}",
+    )
+
+
+def test_target_attention_rejects_bad_bounds(device: torch.device) -> None:
+    t = _target_inputs(device)
+    args = (t["q_cand"], t["k"], t["v"], t["kv_offsets"], t["cand_to_request"])
+    with pytest.raises(ValueError, match="max_candidates and max_history go together"):
+        ops.target_attention(*args, max_candidates=3)
+    with pytest.raises(ValueError, match="max_history must be an int >= 0, got -1"):
+        ops.target_attention(*args, max_candidates=3, max_history=-1)
+    with pytest.raises(ValueError, match="max_candidates must be an int >= 0, got 2.5"):
+        attn.target_attention_backward(
+            t["q_cand"], *args, t["q_cand"], None, max_candidates=2.5, max_history=3
+        )
 
 
 # --- shared edge cases ----------------------------------------------------------------------
@@ -780,3 +831,49 @@ def test_target_attention_realistic_on_gpu(activation: str, empty_library) -> No
         "bf16",
         f"target_attention kv={kv_lengths} {options}",
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_target_attention_with_bounds_never_syncs_and_replays_in_a_cuda_graph(
+    activation: str, empty_library
+) -> None:
+    """With max_candidates and max_history the op (forward and backward) runs with CUDA's sync
+    debug mode set to raise, and a CUDA graph of it replays to the eager result."""
+    gen = torch.Generator().manual_seed(3)
+    kv_lengths = _realistic_lengths(gen, 8, 1024)
+    requests = torch.randint(0, 8, (64,), generator=gen).tolist()
+    t = _target_inputs(
+        torch.device("cuda"), "bf16", cand_to_request=requests, kv_lengths=kv_lengths, seeds=4, **REALISTIC
+    )
+    bounds = {"max_candidates": max(requests.count(r) for r in range(8)), "max_history": max(kv_lengths)}
+    q_cand = t["q_cand"].requires_grad_()
+    args = (q_cand, t["k"], t["v"], t["kv_offsets"], t["cand_to_request"])
+    grad_out = torch.randn_like(q_cand)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        out = ops.target_attention(*args, activation=activation, **bounds)
+        (dq,) = torch.autograd.grad(out, q_cand, grad_out)
+        # Detached, so that no autograd graph (and its node of the leaf q_cand, tied to the
+        # stream it was made on) outlives the step into the capture.
+        return out.detach(), dq
+
+    eager = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up on a side stream, as graph capture asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager, strict=True):
+        assert torch.equal(got, want)
