@@ -20,11 +20,72 @@ from search_space.problem import DTYPES
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
+
+# --- eager calls --------------------------------------------------------------------------------
+#
+# A torch custom op costs about 0.1 ms of host time per eager call (its autograd wrapper, the
+# redispatch and the guard that keeps torch.compile out of the implementation), more than some
+# of these kernels take. In plain eager mode each op runs its implementation directly, with the
+# same autograd formula in a torch.autograd.Function; under torch.compile or export tracing, a
+# functorch transform, or on tensor subclasses (fake tensors included) it goes through the custom
+# op as registered.
+
+
+def _plain_eager(args: tuple) -> bool:
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+
+
+class _EagerOp:
+    """Calls `op` (a custom op) as its implementation `impl` where _plain_eager allows, with
+    `setup_context` and `backward` (the formula registered for the op, if any) for autograd."""
+
+    def __init__(
+        self,
+        op: Callable,
+        impl: Callable,
+        setup_context: Callable | None = None,
+        backward: Callable | None = None,
+    ) -> None:
+        self.op, self.impl = op, impl
+        self.function = None
+        if backward is not None:
+            assert setup_context is not None
+
+            class Function(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, *args):
+                    output = impl(*args)
+                    setup_context(ctx, args, output)
+                    ctx.num_args = len(args)
+                    # Statistics returned beside the output (lse) get None, not a zero tensor.
+                    ctx.set_materialize_grads(False)
+                    return output
+
+                @staticmethod
+                def backward(ctx, *grads):
+                    if grads[0] is None:  # only outputs that are not differentiated were used
+                        return (None,) * ctx.num_args
+                    return backward(ctx, *grads)
+
+            self.function = Function
+
+    def __call__(self, *args):
+        if not _plain_eager(args):
+            return self.op(*args)
+        needs_grad = torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        )
+        if self.function is not None and needs_grad:
+            return self.function.apply(*args)
+        return self.impl(*args)
+
+
 DISPATCHER.register_op("embedding_bag", default=_eb.embedding_bag_forward, reference=embedding_bag_reference)
 
 
-@torch.library.custom_op("recforge::embedding_bag", mutates_args=())
-def _embedding_bag_op(
+def _embedding_bag_impl(
     weight: torch.Tensor,
     indices: torch.Tensor,
     offsets: torch.Tensor,
@@ -40,13 +101,15 @@ def _embedding_bag_op(
     return impl.fn(weight, indices, offsets, mode=mode, per_sample_weights=per_sample_weights)
 
 
+_embedding_bag_op = torch.library.custom_op("recforge::embedding_bag", mutates_args=())(_embedding_bag_impl)
+
+
 @_embedding_bag_op.register_fake
 def _(weight, indices, offsets, mode, per_sample_weights):
     return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
 
 
-@torch.library.custom_op("recforge::embedding_bag_backward", mutates_args=())
-def _embedding_bag_backward_op(
+def _embedding_bag_backward_impl(
     grad_out: torch.Tensor,
     indices: torch.Tensor,
     offsets: torch.Tensor,
@@ -70,6 +133,11 @@ def _embedding_bag_backward_op(
     return grad_weight.index_add_(0, indices, upd).to(grad_out.dtype)
 
 
+_embedding_bag_backward_op = torch.library.custom_op("recforge::embedding_bag_backward", mutates_args=())(
+    _embedding_bag_backward_impl
+)
+
+
 @_embedding_bag_backward_op.register_fake
 def _(grad_out, indices, offsets, per_sample_weights, num_rows, mode):
     return grad_out.new_empty((num_rows, grad_out.shape[1]))
@@ -85,7 +153,7 @@ def _backward(ctx, grad_out):
     weight, indices, offsets, per_sample_weights = ctx.saved_tensors
     grad_weight = grad_psw = None
     if ctx.needs_input_grad[0]:
-        grad_weight = torch.ops.recforge.embedding_bag_backward(
+        grad_weight = _embedding_bag_backward_call(
             grad_out, indices, offsets, per_sample_weights, weight.shape[0], ctx.mode
         )
     if ctx.needs_input_grad[4]:
@@ -97,6 +165,8 @@ def _backward(ctx, grad_out):
 
 
 torch.library.register_autograd("recforge::embedding_bag", _backward, setup_context=_setup_context)
+_embedding_bag_call = _EagerOp(_embedding_bag_op, _embedding_bag_impl, _setup_context, _backward)
+_embedding_bag_backward_call = _EagerOp(_embedding_bag_backward_op, _embedding_bag_backward_impl)
 
 
 def embedding_bag(
@@ -114,7 +184,7 @@ def embedding_bag(
     Differentiable in weight and per_sample_weights.
     """
     _eb._check(weight, indices, offsets, mode, per_sample_weights)
-    return _embedding_bag_op(weight, indices, offsets, mode, per_sample_weights)
+    return _embedding_bag_call(weight, indices, offsets, mode, per_sample_weights)
 
 
 # --- attention family ---------------------------------------------------------------------------
@@ -239,8 +309,7 @@ DISPATCHER.register_op(
 # jagged_attention ------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("recforge::jagged_attention", mutates_args=())
-def _jagged_attention_op(
+def _jagged_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -266,14 +335,18 @@ def _jagged_attention_op(
     return _forward_with_lse(impl, _attn.jagged_attention_forward, (q, k, v, offsets), kwargs, lse_shape, q)
 
 
+_jagged_attention_op = torch.library.custom_op("recforge::jagged_attention", mutates_args=())(
+    _jagged_attention_impl
+)
+
+
 @_jagged_attention_op.register_fake
 def _(q, k, v, offsets, max_seq_len, activation, causal, num_targets, rel_bias, scale, need_lse):
     lse_shape = (q.shape[1], q.shape[0]) if need_lse and activation == "softmax" else (0,)
     return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("recforge::jagged_attention_backward", mutates_args=())
-def _jagged_attention_backward_op(
+def _jagged_attention_backward_impl(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -303,6 +376,11 @@ def _jagged_attention_backward_op(
     return dq, dk, dv, d_rel_bias if d_rel_bias is not None else q.new_empty(0, dtype=torch.float32)
 
 
+_jagged_attention_backward_op = torch.library.custom_op(
+    "recforge::jagged_attention_backward", mutates_args=()
+)(_jagged_attention_backward_impl)
+
+
 @_jagged_attention_backward_op.register_fake
 def _(grad_out, q, k, v, offsets, out, lse, max_seq_len, activation, causal, num_targets, rel_bias, scale):
     d_rel_bias = (
@@ -321,7 +399,7 @@ def _jagged_attention_setup_context(ctx, inputs, output):
 def _jagged_attention_backward(ctx, grad_out, _grad_lse):
     q, k, v, offsets, num_targets, rel_bias, out, lse = ctx.saved_tensors
     max_seq_len, activation, causal, scale = ctx.attrs
-    dq, dk, dv, d_rel_bias = torch.ops.recforge.jagged_attention_backward(
+    dq, dk, dv, d_rel_bias = _jagged_attention_backward_call(
         grad_out, q, k, v, offsets, out, lse, max_seq_len, activation, causal, num_targets, rel_bias, scale
     )
     d_rel_bias = d_rel_bias if rel_bias is not None else None
@@ -331,6 +409,10 @@ def _jagged_attention_backward(ctx, grad_out, _grad_lse):
 torch.library.register_autograd(
     "recforge::jagged_attention", _jagged_attention_backward, setup_context=_jagged_attention_setup_context
 )
+_jagged_attention_call = _EagerOp(
+    _jagged_attention_op, _jagged_attention_impl, _jagged_attention_setup_context, _jagged_attention_backward
+)
+_jagged_attention_backward_call = _EagerOp(_jagged_attention_backward_op, _jagged_attention_backward_impl)
 
 
 def jagged_attention(
@@ -368,7 +450,7 @@ def jagged_attention(
     )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     need_lse = _needs_lse(activation, q, k, v, rel_bias)
-    out, _ = _jagged_attention_op(
+    out, _ = _jagged_attention_call(
         q, k, v, offsets, max_seq_len, activation, causal, num_targets, rel_bias, scale, need_lse
     )
     return out
@@ -377,8 +459,7 @@ def jagged_attention(
 # gdpa ------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("recforge::gdpa", mutates_args=())
-def _gdpa_op(
+def _gdpa_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -394,14 +475,16 @@ def _gdpa_op(
     )
 
 
+_gdpa_op = torch.library.custom_op("recforge::gdpa", mutates_args=())(_gdpa_impl)
+
+
 @_gdpa_op.register_fake
 def _(q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q):
     rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty((rows, q.shape[1], q.shape[2]))
 
 
-@torch.library.custom_op("recforge::gdpa_backward", mutates_args=())
-def _gdpa_backward_op(
+def _gdpa_backward_impl(
     grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -420,6 +503,9 @@ def _gdpa_backward_op(
     return dq, dk, dv
 
 
+_gdpa_backward_op = torch.library.custom_op("recforge::gdpa_backward", mutates_args=())(_gdpa_backward_impl)
+
+
 @_gdpa_backward_op.register_fake
 def _(grad_out, q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -433,11 +519,13 @@ def _gdpa_setup_context(ctx, inputs, output):
 
 def _gdpa_backward(ctx, grad_out):
     q, k, v, q_offsets, kv_offsets = ctx.saved_tensors
-    dq, dk, dv = torch.ops.recforge.gdpa_backward(grad_out, q, k, v, q_offsets, kv_offsets, *ctx.attrs)
+    dq, dk, dv = _gdpa_backward_call(grad_out, q, k, v, q_offsets, kv_offsets, *ctx.attrs)
     return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd("recforge::gdpa", _gdpa_backward, setup_context=_gdpa_setup_context)
+_gdpa_call = _EagerOp(_gdpa_op, _gdpa_impl, _gdpa_setup_context, _gdpa_backward)
+_gdpa_backward_call = _EagerOp(_gdpa_backward_op, _gdpa_backward_impl)
 
 
 def gdpa(
@@ -462,14 +550,13 @@ def gdpa(
     """
     _attn.check_gdpa(q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _gdpa_op(q, k, v, None if broadcast_q else q_offsets, kv_offsets, activation, scale, broadcast_q)
+    return _gdpa_call(q, k, v, None if broadcast_q else q_offsets, kv_offsets, activation, scale, broadcast_q)
 
 
 # target_attention ------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("recforge::target_attention", mutates_args=())
-def _target_attention_op(
+def _target_attention_impl(
     q_cand: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -495,6 +582,11 @@ def _target_attention_op(
     return _forward_with_lse(impl, default, args, kwargs, lse_shape, q_cand)
 
 
+_target_attention_op = torch.library.custom_op("recforge::target_attention", mutates_args=())(
+    _target_attention_impl
+)
+
+
 @_target_attention_op.register_fake
 def _(q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse, max_candidates, max_history):
     num_cand, seeds, num_heads, _ = q_cand.shape
@@ -502,8 +594,7 @@ def _(q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse, ma
     return q_cand.new_empty(q_cand.shape), q_cand.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("recforge::target_attention_backward", mutates_args=())
-def _target_attention_backward_op(
+def _target_attention_backward_impl(
     grad_out: torch.Tensor,
     q_cand: torch.Tensor,
     k: torch.Tensor,
@@ -529,6 +620,11 @@ def _target_attention_backward_op(
     return dq, dk, dv
 
 
+_target_attention_backward_op = torch.library.custom_op(
+    "recforge::target_attention_backward", mutates_args=()
+)(_target_attention_backward_impl)
+
+
 @_target_attention_backward_op.register_fake
 def _(grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation, scale, *bounds):
     return q_cand.new_empty(q_cand.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -543,7 +639,7 @@ def _target_attention_setup_context(ctx, inputs, output):
 
 def _target_attention_backward(ctx, grad_out, _grad_lse):
     q_cand, k, v, kv_offsets, cand_to_request, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.recforge.target_attention_backward(
+    dq, dk, dv = _target_attention_backward_call(
         grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, *ctx.attrs
     )
     return dq, dk, dv, None, None, None, None, None, None, None
@@ -552,6 +648,10 @@ def _target_attention_backward(ctx, grad_out, _grad_lse):
 torch.library.register_autograd(
     "recforge::target_attention", _target_attention_backward, setup_context=_target_attention_setup_context
 )
+_target_attention_call = _EagerOp(
+    _target_attention_op, _target_attention_impl, _target_attention_setup_context, _target_attention_backward
+)
+_target_attention_backward_call = _EagerOp(_target_attention_backward_op, _target_attention_backward_impl)
 
 
 def target_attention(
@@ -586,7 +686,7 @@ def target_attention(
     )  # fmt: skip
     scale = q_cand.shape[-1] ** -0.5 if scale is None else float(scale)
     need_lse = _needs_lse(activation, q_cand, k, v)
-    out, _ = _target_attention_op(
+    out, _ = _target_attention_call(
         q_cand, k, v, kv_offsets, cand_to_request, activation, scale, need_lse, max_candidates, max_history
     )
     return out

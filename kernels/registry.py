@@ -78,6 +78,7 @@ class KernelLibrary:
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
+        self._manifest_file = os.fspath(self.root / MANIFEST)  # stat on every op call: no Path per call
         self._modules: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._entries: tuple[tuple[int, int, int], list[LibraryEntry]] | None = None
@@ -91,7 +92,7 @@ class KernelLibrary:
         op call: reading and parsing it each time cost a quarter of a millisecond per call). A
         write replaces the file by rename, so its inode, size or mtime tells a new version."""
         try:
-            stat = self.manifest_path.stat()
+            stat = os.stat(self._manifest_file)
         except FileNotFoundError:
             return []
         version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)

@@ -579,6 +579,44 @@ def test_compiled_matches_eager(op_name: str, device: torch.device, empty_librar
 
 
 @pytest.mark.parametrize("op_name", list(OP_CASES))
+def test_eager_calls_bypass_the_custom_op_and_traced_calls_use_it(
+    op_name: str, device: torch.device, empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain eager calls (with and without gradients) run the implementation directly; calls on
+    fake tensors, as torch.compile and export trace them, go through the registered custom op."""
+    make_inputs, op, _ = OP_CASES[op_name]
+    inputs = make_inputs(device)
+    eager = getattr(ops, f"_{op_name}_call")
+    custom_op_calls = []
+
+    def counted(*args):
+        custom_op_calls.append(args)
+        return eager_op(*args)
+
+    eager_op = eager.op
+    monkeypatch.setattr(eager, "op", counted)
+    with torch.no_grad():
+        plain = op(**inputs)
+    leaves = {
+        n: (t.clone().requires_grad_() if t is not None and t.is_floating_point() else t)
+        for n, t in inputs.items()
+    }
+    out = op(**leaves)
+    out.sum().backward()
+    assert custom_op_calls == []
+    torch.testing.assert_close(out.detach(), plain, rtol=0, atol=0)
+    assert all(t.grad is not None for t in leaves.values() if t is not None and t.is_floating_point())
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = {n: None if t is None else mode.from_tensor(t) for n, t in inputs.items()}
+        fake_out = op(**fakes)
+    assert len(custom_op_calls) == 1
+    assert fake_out.shape == plain.shape
+
+
+@pytest.mark.parametrize("op_name", list(OP_CASES))
 def test_op_without_triton_falls_back_to_reference(
     op_name: str, empty_library, monkeypatch: pytest.MonkeyPatch
 ) -> None:
