@@ -73,13 +73,13 @@ SYNC_FREE = [
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
 CASES = {
-    "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + OP_PATHS + BWD_TILES,
+    "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + OP_PATHS,
     "jagged_attention/b256-n8192-power-softmax": SCHEDULES,
     "jagged_attention/b512-n1024-uniform-softmax": SCHEDULES,
     "jagged_attention/b256-n4096-uniform-silu": [SCHEDULES[0], *SILU_FORMS, *BWD_TILES[:3]],
     "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES[:2] + SILU_FORMS[:1],
     "gdpa/self-b1024-n2048-s0.5-gelu": SCHEDULES,
-    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2] + OP_PATHS + SYNC_FREE + TARGET_TILES,
+    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2] + OP_PATHS + SYNC_FREE,
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
 }
 
