@@ -72,14 +72,26 @@ SYNC_FREE = [
     ("bounds, CUDA graph", "graph", BOUNDS, BOUNDS),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
+# The forward's key and value tiles by TMA boxes (tensor descriptors), with and without warp
+# specialisation of the key loop and with other tiles.
+TMA = {"tma": True}
+TMA_LOADS = [
+    ("TMA", "cur", TMA, {}),
+    ("TMA, warp-specialised", "cur", {**TMA, "warp_specialize": True}, {}),
+    ("TMA, 128x128 w8 s3", "cur", {**TMA, **_tiles(128, 128, 8, 3)}, {}),
+    ("TMA, 128x64 w8 s4", "cur", {**TMA, **_tiles(128, 64, 8, 4)}, {}),
+]
 CASES = {
-    "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + OP_PATHS,
-    "jagged_attention/b256-n8192-power-softmax": SCHEDULES,
+    "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + TMA_LOADS,
+    "jagged_attention/b256-n8192-power-softmax": SCHEDULES[1:2] + TMA_LOADS[:2],
     "jagged_attention/b512-n1024-uniform-softmax": SCHEDULES,
-    "jagged_attention/b256-n4096-uniform-silu": [SCHEDULES[0], *SILU_FORMS, *BWD_TILES[:3]],
+    "jagged_attention/b256-n4096-uniform-silu": [SCHEDULES[0], SILU_FORMS[1], *TMA_LOADS[:2]],
     "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES[:2] + SILU_FORMS[:1],
     "gdpa/self-b1024-n2048-s0.5-gelu": SCHEDULES,
-    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2] + OP_PATHS + SYNC_FREE,
+    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2]
+    + OP_PATHS
+    + SYNC_FREE
+    + [("bounds, CUDA graph, TMA", "graph", {**BOUNDS, **TMA}, BOUNDS)],
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
 }
 

@@ -451,6 +451,10 @@ def _fwd_inner(
     q_MD,
     k_seq_ptr,
     v_seq_ptr,
+    k_desc,
+    v_desc,
+    kv_row0,
+    head_col,
     bias_head_ptr,
     stride_k_row,
     stride_v_row,
@@ -475,12 +479,23 @@ def _fwd_inner(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASKED:
+        if USE_TMA:
+            # Tensor-memory-accelerator copies of [BLOCK_N, HEAD_DIM] boxes of the [rows, H * D]
+            # views: no address arithmetic in registers. Rows past the sequence are the next
+            # sequence's (zeros past the last row); their scores are masked below, and their
+            # values zeroed, since p = 0 times a non-finite value would not be 0.
+            k_ND = k_desc.load([kv_row0 + start_n, head_col])
+            v_ND = v_desc.load([kv_row0 + start_n, head_col])
+            if MASKED:
+                v_ND = tl.where((offs_n < n_k)[:, None], v_ND, 0.0)
+        elif MASKED:
             in_N = offs_n < n_k
             k_ND = tl.load(
                 k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :], mask=in_N[:, None], other=0.0
@@ -536,6 +551,8 @@ def _attn_fwd_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    k_desc,
+    v_desc,
     out_ptr,
     lse_ptr,
     q_offsets_ptr,
@@ -573,6 +590,8 @@ def _attn_fwd_kernel(
     WORK_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
     if seq < 0:
@@ -593,6 +612,8 @@ def _attn_fwd_kernel(
     )
     k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
     v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
+    kv_row0 = kv_start.to(tl.int32)  # the TMA boxes' coordinates in the [rows, H * D] views
+    head_col = (head * HEAD_DIM).to(tl.int32)
     bias_head_ptr = rel_bias_ptr + head * stride_bias_head
 
     acc_MD = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -603,23 +624,26 @@ def _attn_fwd_kernel(
     )
     # The three ranges are the same loop, specialised: the unmasked one carries no mask at all.
     acc_MD, m_M, l_M = _fwd_inner(
-        acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
+        acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
+        bias_head_ptr, stride_k_row, stride_v_row,
         m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
     )  # fmt: skip
     acc_MD, m_M, l_M = _fwd_inner(
-        acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
+        acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
+        bias_head_ptr, stride_k_row, stride_v_row,
         m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
     )  # fmt: skip
     if HAS_TARGETS:
         acc_MD, m_M, l_M = _fwd_inner(
-            acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row, stride_v_row,
+            acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
+            bias_head_ptr, stride_k_row, stride_v_row,
             m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
+            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
         )  # fmt: skip
 
     if ACTIVATION == "softmax":
@@ -1494,6 +1518,36 @@ def _score_scales(scale: float, activation: str, config: dict) -> tuple[float, f
     return scale * half, half
 
 
+def _tma_problem(k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why k and v cannot be read by TMA boxes of their [rows, H * D] views, or None."""
+    if k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9:
+        return "TMA loads need a CUDA GPU of compute capability 9.0 or newer"
+    for name, x in (("k", k), ("v", v)):
+        if x.stride(1) != x.shape[2] or x.stride(2) != 1:
+            return f"TMA loads need the heads of {name} side by side in a row (strides {x.stride()})"
+        if x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+            return f"TMA loads need {name} and its row stride aligned to 16 bytes"
+    return None
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, config: dict) -> tuple[bool, object, object]:
+    """(TMA on, k's and v's descriptors): descriptors of [rows, H * D] views (heads side by side
+    in a row) with [BLOCK_N, D] boxes where config["USE_TMA"] asks for them (None: off by
+    default); else k and v themselves, unused."""
+    if not config["USE_TMA"] or k.shape[0] == 0:  # no rows, nothing to describe
+        return False, k, v
+    problem = _tma_problem(k, v)
+    if problem is not None:
+        raise ValueError(problem)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def describe(x: torch.Tensor) -> TensorDescriptor:
+        rows, heads, dim = x.shape
+        return TensorDescriptor(x, [rows, heads * dim], [x.stride(0), 1], [config["BLOCK_N"], dim])
+
+    return True, describe(k), describe(v)
+
+
 def _launch_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1536,8 +1590,9 @@ def _launch_forward(
     work, num_items = _schedule_grid(
         schedule, q_offsets, kv_offsets, block_m, max_q_len, num_out_rows, keys=False
     )
+    use_tma, k_desc, v_desc = _kv_descriptors(k, v, config)
     _attn_fwd_kernel[(num_items * num_heads,)](
-        q, k, v, out, lse if lse is not None else out,
+        q, k, v, k_desc, v_desc, out, lse if lse is not None else out,
         q_offsets, kv_offsets, num_targets if num_targets is not None else q_offsets,
         rel_bias if rel_bias is not None else q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -1549,7 +1604,7 @@ def _launch_forward(
         HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
         STORE_LSE=lse is not None, NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q), WORK_LIST=work is not None,
-        **config,
+        **{**config, "USE_TMA": use_tma},
     )  # fmt: skip
     return out, lse
 
@@ -1695,14 +1750,19 @@ def _configs(
     dq_overrides: tuple | None = None,
     *,
     fast_silu: bool | None = None,
+    tma: bool | None = None,
+    warp_specialize: bool = False,
 ) -> dict | tuple[dict, dict]:
     """The default launch configuration with the caller's overrides: the forward's, or with
-    dq_overrides the backward's (dK/dV, dQ); each carries the kernels' SILU form."""
+    dq_overrides the backward's (dK/dV, dQ); each carries the kernels' SILU form, the forward
+    also whether its key loop loads by TMA (None: the default, settled at launch) and is warp
+    specialised."""
     head_dim, dtype, device = q.shape[-1], q.dtype, q.device
     silu = {"SILU": _silu_form(q, activation, fast_silu)}
     if dq_overrides is None:
         defaults = _forward_config(head_dim, dtype, device, has_bias, activation == "softmax")
-        return {**_with_overrides(defaults, block_m, block_n, num_warps, num_stages), **silu}
+        loads = {"USE_TMA": tma, "WARP_SPECIALIZE": warp_specialize}
+        return {**_with_overrides(defaults, block_m, block_n, num_warps, num_stages), **silu, **loads}
     defaults = _backward_config(head_dim, dtype, device, has_bias)
     return (
         {**_with_overrides(defaults["dkdv"], block_m, block_n, num_warps, num_stages), **silu},
@@ -1732,6 +1792,8 @@ def jagged_attention_forward(
     num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
+    tma: bool | None = None,
+    warp_specialize: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """HSTU self-attention over jagged sequences; no host sync.
 
@@ -1759,7 +1821,8 @@ def jagged_attention_forward(
         self_attn=True, causal=causal, num_targets=num_targets, rel_bias=rel_bias, broadcast_q=False,
         return_lse=return_lse,
         config=_configs(
-            q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu
+            q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
+            tma=tma, warp_specialize=warp_specialize,
         ),
         schedule=schedule,
     )  # fmt: skip
@@ -1846,6 +1909,8 @@ def gdpa_forward(
     num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
+    tma: bool | None = None,
+    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """Generalized dot-product attention (non-causal, unnormalised activation).
 
@@ -1862,7 +1927,10 @@ def gdpa_forward(
         num_out_rows=num_out_rows, max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=broadcast_q, return_lse=False,
-        config=_configs(q, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu),
+        config=_configs(
+            q, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu, tma=tma,
+            warp_specialize=warp_specialize,
+        ),
         schedule=schedule,
     )  # fmt: skip
     return out
@@ -1924,6 +1992,8 @@ def target_attention_forward(
     num_stages: int | None = None,
     schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
+    tma: bool | None = None,
+    warp_specialize: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Request-broadcast target attention.
 
@@ -1955,7 +2025,8 @@ def target_attention_forward(
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
         config=_configs(
-            q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu
+            q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
+            tma=tma, warp_specialize=warp_specialize,
         ),
         schedule=schedule,
     )  # fmt: skip

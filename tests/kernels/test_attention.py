@@ -219,6 +219,14 @@ def test_silu_tanh_form_at_fp32_precision(device: torch.device) -> None:
     )
 
 
+def test_tma_loads_need_a_hopper_gpu(device: torch.device) -> None:
+    inputs = _jagged_inputs(device)
+    with pytest.raises(ValueError, match="TMA loads need a CUDA GPU of compute capability 9.0"):
+        attn.jagged_attention_forward(
+            inputs["q"], inputs["k"], inputs["v"], inputs["offsets"], max_seq_len=max(LENGTHS), tma=True
+        )
+
+
 def test_silu_form_defaults() -> None:
     cpu, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
     assert attn._silu_form(bf16, "silu", None) == "tanh"
@@ -915,3 +923,26 @@ def test_target_attention_with_bounds_never_syncs_and_replays_in_a_cuda_graph(
     torch.cuda.synchronize()
     for got, want in zip(captured, eager, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_tma_forward_equals_pointer_loads_on_gpu(activation: str) -> None:
+    """The forward with TMA boxes for keys and values (rows past a sequence read from the next
+    one, then masked) gives the pointer loads' output bit for bit, with targets, for jagged
+    attention and for gdpa."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    gen = torch.Generator().manual_seed(4)
+    lengths = _realistic_lengths(gen, 8, 1024)
+    t = _jagged_inputs(torch.device("cuda"), "bf16", lengths=lengths, targets=[16] * 8, **REALISTIC)
+    args = (t["q"], t["k"], t["v"], t["offsets"])
+    options = {"max_seq_len": max(lengths), "activation": activation, "num_targets": t["num_targets"]}
+    pointer = attn.jagged_attention_forward(*args, **options, return_lse=True)
+    boxes = attn.jagged_attention_forward(*args, **options, return_lse=True, tma=True)
+    assert torch.equal(boxes[0], pointer[0])
+    if activation == "softmax":
+        assert torch.equal(boxes[1], pointer[1])
+    g = _gdpa_inputs(torch.device("cuda"), "bf16", **REALISTIC)
+    gdpa_args = (g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"])
+    assert torch.equal(attn.gdpa_forward(*gdpa_args, tma=True), attn.gdpa_forward(*gdpa_args))
