@@ -81,9 +81,10 @@ TMA_LOADS = [
     ("TMA, 128x128 w8 s3", "cur", {**TMA, **_tiles(128, 128, 8, 3)}, {}),
     ("TMA, 128x64 w8 s4", "cur", {**TMA, **_tiles(128, 64, 8, 4)}, {}),
 ]
+POINTER_LOADS = [("pointer loads, 128x64 (old default)", "cur", {"tma": False}, {})]
 CASES = {
-    "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + TMA_LOADS,
-    "jagged_attention/b256-n8192-power-softmax": SCHEDULES[1:2] + TMA_LOADS[:2],
+    "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + POINTER_LOADS + OP_PATHS,
+    "jagged_attention/b256-n8192-power-softmax": SCHEDULES[:2] + POINTER_LOADS,
     "jagged_attention/b512-n1024-uniform-softmax": SCHEDULES,
     "jagged_attention/b256-n4096-uniform-silu": [SCHEDULES[0], SILU_FORMS[1], *TMA_LOADS[:2]],
     "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES[:2] + SILU_FORMS[:1],
@@ -91,7 +92,7 @@ CASES = {
     "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2]
     + OP_PATHS
     + SYNC_FREE
-    + [("bounds, CUDA graph, TMA", "graph", {**BOUNDS, **TMA}, BOUNDS)],
+    + [("bounds, CUDA graph, pointer loads 128x64", "graph", {**BOUNDS, "tma": False}, BOUNDS)],
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
 }
 

@@ -53,6 +53,10 @@ Algorithm (FlashAttention-2 structure, on jagged offsets):
 - Relative bias: a tile more than a few hundred positions off the diagonal meets at most two
   buckets, so its bias is one compare per score between two loaded values and its bias gradient
   two tile sums; only the tiles near the diagonal bucket and gather per score.
+- silu in bf16 and fp16 is h (1 + tanh h) with h = s / 2 folded into the score scale: one
+  tanh.approx per score instead of an exponential and a division (`_silu_form`).
+- On Hopper the softmax forward loads its key and value tiles by TMA boxes of the [rows, H * D]
+  views of k and v (`_tma_default`); rows past a sequence come from the next one and are masked.
 
 Relative buckets are integer-exact: floor(log2 d) is the float32 exponent of d and the upper
 half-octave bit is the next mantissa bit (exact for d < 2^24), never a float log2.
@@ -1112,7 +1116,12 @@ def _attn_bwd_dq_kernel(
 
 
 def _forward_config(
-    head_dim: int, dtype: torch.dtype, device: torch.device, has_bias: bool = False, softmax: bool = True
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    has_bias: bool = False,
+    softmax: bool = True,
+    tma: bool = False,
 ) -> dict:
     """Launch parameters of the forward kernel.
 
@@ -1123,8 +1132,11 @@ def _forward_config(
     softmax, 128 x 32 with 4 warps for pointwise activations (10% faster for silu and gelu,
     whose tile holds no running max and sum). With a relative bias, tiles near the diagonal take
     a bucket and a gathered load per score, hence smaller tiles at D = 128 (64 x 32 stayed the
-    fastest of four once far tiles took the two-bucket path). In the interpreter: 16 x 16
-    tiles, so that short test sequences span several blocks and every boundary case runs.
+    fastest of four once far tiles took the two-bucket path). Softmax with TMA loads (`tma`):
+    128 x 128 with 8 warps, 1.05x the 128 x 64 tile of pointer loads on an H200, where TMA with
+    128 x 64 tied (with pointer loads 128 x 128 was 3% slower: the boxes free the registers
+    that addresses took). In the interpreter: 16 x 16 tiles, so that short test sequences span
+    several blocks and every boundary case runs.
     """
     if device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
@@ -1138,7 +1150,7 @@ def _forward_config(
             return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
         if not softmax:
             return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": 128, "BLOCK_N": 128 if tma else 64, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
 
 
@@ -1520,7 +1532,7 @@ def _score_scales(scale: float, activation: str, config: dict) -> tuple[float, f
 
 def _tma_problem(k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why k and v cannot be read by TMA boxes of their [rows, H * D] views, or None."""
-    if k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9:
+    if k.device.type != "cuda" or _capability_major() < 9:
         return "TMA loads need a CUDA GPU of compute capability 9.0 or newer"
     for name, x in (("k", k), ("v", v)):
         if x.stride(1) != x.shape[2] or x.stride(2) != 1:
@@ -1532,13 +1544,15 @@ def _tma_problem(k: torch.Tensor, v: torch.Tensor) -> str | None:
 
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, config: dict) -> tuple[bool, object, object]:
     """(TMA on, k's and v's descriptors): descriptors of [rows, H * D] views (heads side by side
-    in a row) with [BLOCK_N, D] boxes where config["USE_TMA"] asks for them (None: off by
-    default); else k and v themselves, unused."""
-    if not config["USE_TMA"] or k.shape[0] == 0:  # no rows, nothing to describe
+    in a row) with [BLOCK_N, D] boxes where config["USE_TMA"] is True (an error if the layout
+    does not allow them) or None (TMA if the layout allows); else k and v themselves, unused."""
+    if config["USE_TMA"] is False or k.shape[0] == 0:  # no rows, nothing to describe
         return False, k, v
     problem = _tma_problem(k, v)
     if problem is not None:
-        raise ValueError(problem)
+        if config["USE_TMA"]:
+            raise ValueError(problem)
+        return False, k, v
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def describe(x: torch.Tensor) -> TensorDescriptor:
@@ -1739,6 +1753,25 @@ def _silu_form(q: torch.Tensor, activation: str, fast_silu: bool | None) -> str:
     return "tanh.approx" if q.device.type == "cuda" else "tanh"
 
 
+def _capability_major() -> int:
+    """The compute capability's major version of the current CUDA device, as Triton targets it."""
+    return triton.runtime.driver.active.get_current_target().arch // 10
+
+
+def _tma_default(q: torch.Tensor, has_bias: bool, activation: str) -> bool:
+    """Whether the forward loads keys and values by TMA unless told: softmax without a bias at
+    D = 128, bf16 or fp16, on Hopper or newer (BENCHMARKS.md: 1.05x to 1.06x at power-law lengths;
+    pointwise activations gained nothing, and warp specialisation of the loop neither)."""
+    return (
+        activation == "softmax"
+        and not has_bias
+        and q.shape[-1] == 128
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.device.type == "cuda"
+        and _capability_major() >= 9
+    )
+
+
 def _configs(
     q: torch.Tensor,
     has_bias: bool,
@@ -1760,7 +1793,11 @@ def _configs(
     head_dim, dtype, device = q.shape[-1], q.dtype, q.device
     silu = {"SILU": _silu_form(q, activation, fast_silu)}
     if dq_overrides is None:
-        defaults = _forward_config(head_dim, dtype, device, has_bias, activation == "softmax")
+        if tma is None:  # by default TMA where it won, if the layout allows (None, settled at launch)
+            tma = None if _tma_default(q, has_bias, activation) else False
+        defaults = _forward_config(
+            head_dim, dtype, device, has_bias, activation == "softmax", tma is not False
+        )
         loads = {"USE_TMA": tma, "WARP_SPECIALIZE": warp_specialize}
         return {**_with_overrides(defaults, block_m, block_n, num_warps, num_stages), **silu, **loads}
     defaults = _backward_config(head_dim, dtype, device, has_bias)

@@ -27,8 +27,16 @@ def parse_source(source: str) -> ast.Module:
 
 
 # Rule imports: a candidate is a self-contained kernel module; nothing but the kernel
-# languages and math may be imported (no os, sys, ctypes, threading, socket, ...).
-ALLOWED_IMPORTS = {"torch", "triton", "triton.language", "math", "__future__"}
+# languages (TMA tensor descriptors included) and math may be imported (no os, sys, ctypes,
+# threading, socket, ...).
+ALLOWED_IMPORTS = {
+    "torch",
+    "triton",
+    "triton.language",
+    "triton.tools.tensor_descriptor",
+    "math",
+    "__future__",
+}
 
 # Rule builtins: no file, code-loading or introspection builtins.
 FORBIDDEN_CALLS = {

@@ -424,8 +424,11 @@ TILE_KNOBS = (
 
 def tile_constraint(knobs: dict) -> str | None:
     """Tiles whose fp32 score and accumulator tiles cannot fit a program's registers."""
-    if knobs["BLOCK_M"] * knobs["BLOCK_N"] > 128 * 64:
-        return f"BLOCK_M * BLOCK_N = {knobs['BLOCK_M'] * knobs['BLOCK_N']} > 8192 scores per step spill"
+    # 64 scores per thread at most (128 x 128 with 8 warps is the TMA softmax default).
+    limit = 64 * 32 * knobs["num_warps"]
+    if knobs["BLOCK_M"] * knobs["BLOCK_N"] > limit:
+        scores = knobs["BLOCK_M"] * knobs["BLOCK_N"]
+        return f"BLOCK_M * BLOCK_N = {scores} > {limit} scores per step spill with {knobs['num_warps']} warps"
     if knobs["BLOCK_M"] < 16 * knobs["num_warps"] // 4:
         return f"BLOCK_M = {knobs['BLOCK_M']} leaves warps of {knobs['num_warps']} without query rows"
     return None

@@ -39,6 +39,12 @@ def test_minimal_kernel_passes() -> None:
     assert screen(_with_body("pass"), ENTRY) == []
 
 
+def test_tma_descriptors_are_part_of_the_kernel_language() -> None:
+    source = _with_header("from triton.tools.tensor_descriptor import TensorDescriptor")
+    assert screen(source, ENTRY) == []
+    assert [v.rule for v in screen(_with_header("import triton.tools.disasm"), ENTRY)] == ["imports"]
+
+
 def test_rendered_template_passes() -> None:
     assert screen(TEMPLATE.render({}), ENTRY) == []
     assert screen(TEMPLATE.render({"ACC_3D": True, "EVICT_ROWS": "evict_first"}), ENTRY) == []

@@ -28,8 +28,11 @@ def test_rendered_template_is_a_screen_clean_module_with_the_tiling(op: str) -> 
 
 def test_tilings_that_cannot_fit_are_refused() -> None:
     template = get_template("jagged_attention")
-    with pytest.raises(ValueError, match="spill"):
-        template.render({"BLOCK_M": 128, "BLOCK_N": 128})
+    with pytest.raises(ValueError, match="16384 > 8192 scores per step spill with 4 warps"):
+        template.render({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4})
+    assert '"block_n": 128, "num_warps": 8' in template.render(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8}
+    )
     with pytest.raises(ValueError, match="not one of"):
         template.render({"BLOCK_M": 48})
 
