@@ -47,21 +47,11 @@ TARGET_TILES = [
     ("fwd 64x64 w4 s3", "cur", _tiles(64, 64, 4, 3), {}),
     ("dkdv 64x128 w8 s2", "cur", {}, _tiles(64, 128, 8, 2)),
 ]
-# silu in its tanh form (the bf16 default now) against s * sigmoid(s), and tilings that its
-# cheaper activation may favour.
+# silu in its tanh form (the bf16 default now) against s * sigmoid(s).
 EXACT_SILU = {"fast_silu": False}
 SILU_FORMS = [
     ("sigmoid form", "cur", EXACT_SILU, EXACT_SILU),
     ("tanh form (default)", "cur", {}, {}),
-    ("tanh, fwd 128x64 w8 s3", "cur", _tiles(128, 64, 8, 3), {}),
-    ("tanh, fwd 128x128 w8 s2", "cur", _tiles(128, 128, 8, 2), {}),
-    ("tanh, fwd 64x64 w4 s3", "cur", _tiles(64, 64, 4, 3), {}),
-]
-BWD_TILES = [
-    ("dkdv 32x128 w8 s3", "cur", {}, _tiles(32, 128, 8, 3)),
-    ("dkdv 64x128 w8 s2", "cur", {}, _tiles(64, 128, 8, 2)),
-    ("dkdv 64x64 w4 s2", "cur", {}, _tiles(64, 64, 4, 2)),
-    ("dq 128x32 w8 s3", "cur", {}, _tiles(128, 32, 8, 3, "dq_")),
 ]
 # The default kernels through the public op (forward only, no gradient), and launched with
 # bounds (target attention: no host sync) directly or replayed from a CUDA graph.
@@ -73,20 +63,18 @@ SYNC_FREE = [
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
 # The forward's key and value tiles by TMA boxes (tensor descriptors), with and without warp
-# specialisation of the key loop and with other tiles.
+# specialisation of the key loop; and the pointer loads that were the softmax default before.
 TMA = {"tma": True}
 TMA_LOADS = [
     ("TMA", "cur", TMA, {}),
     ("TMA, warp-specialised", "cur", {**TMA, "warp_specialize": True}, {}),
-    ("TMA, 128x128 w8 s3", "cur", {**TMA, **_tiles(128, 128, 8, 3)}, {}),
-    ("TMA, 128x64 w8 s4", "cur", {**TMA, **_tiles(128, 64, 8, 4)}, {}),
 ]
 POINTER_LOADS = [("pointer loads, 128x64 (old default)", "cur", {"tma": False}, {})]
 CASES = {
     "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + POINTER_LOADS + OP_PATHS,
     "jagged_attention/b256-n8192-power-softmax": SCHEDULES[:2] + POINTER_LOADS,
     "jagged_attention/b512-n1024-uniform-softmax": SCHEDULES,
-    "jagged_attention/b256-n4096-uniform-silu": [SCHEDULES[0], SILU_FORMS[1], *TMA_LOADS[:2]],
+    "jagged_attention/b256-n4096-uniform-silu": [SCHEDULES[0], SILU_FORMS[1], *TMA_LOADS],
     "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES[:2] + SILU_FORMS[:1],
     "gdpa/self-b1024-n2048-s0.5-gelu": SCHEDULES,
     "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2]

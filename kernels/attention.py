@@ -74,6 +74,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -164,9 +165,7 @@ def _activation_grad(s, ACTIVATION: tl.constexpr, SILU: tl.constexpr):
             sig = tl.sigmoid(s)
             return sig * (1.0 + s * (1.0 - sig))
         else:
-            # sigmoid(2h) = (1 + t) / 2 and 1 - sigmoid(2h) = (1 - t) / 2, t = tanh h.
-            t = _tanh(s, SILU)
-            return 0.5 * (1.0 + t) * (1.0 + s - s * t)
+            return _silu_tanh_grad(s, 1.0 + _tanh(s, SILU))
     elif ACTIVATION == "gelu":
         # d/ds [s Phi(s)] = Phi(s) + s phi(s)
         return 0.5 * (1.0 + tl.erf(s * 0.7071067811865476)) + s * 0.3989422804014327 * tl.exp(-0.5 * s * s)
@@ -177,11 +176,17 @@ def _activation_grad(s, ACTIVATION: tl.constexpr, SILU: tl.constexpr):
 
 
 @triton.jit
+def _silu_tanh_grad(h, u):
+    # silu'(2h) from u = 1 + tanh h: sigmoid(2h) = u / 2 and 1 - sigmoid(2h) = (2 - u) / 2.
+    return 0.5 * u * (1.0 + h * (2.0 - u))
+
+
+@triton.jit
 def _activation_and_grad(s, ACTIVATION: tl.constexpr, SILU: tl.constexpr):
     """(act(s), act'(s)); silu's tanh form takes one tanh for both."""
     if ACTIVATION == "silu" and SILU != "sigmoid":
         u = 1.0 + _tanh(s, SILU)
-        return s * u, 0.5 * u * (1.0 + s * (2.0 - u))
+        return s * u, _silu_tanh_grad(s, u)
     else:
         return _activation(s, ACTIVATION, SILU), _activation_grad(s, ACTIVATION, SILU)
 
@@ -1340,7 +1345,8 @@ def _check_bounds(max_candidates: int | None, max_history: int | None) -> None:
 
 
 def _bounds(max_candidates: int | None, max_history: int | None) -> tuple[int, int] | None:
-    return None if max_candidates is None or max_history is None else (max_candidates, max_history)
+    # After _check_bounds: both given or neither.
+    return None if max_candidates is None else (max_candidates, max_history)
 
 
 # --- host-side layout -------------------------------------------------------------------------
@@ -1553,7 +1559,6 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, config: dict) -> tuple[boo
         if config["USE_TMA"]:
             raise ValueError(problem)
         return False, k, v
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     def describe(x: torch.Tensor) -> TensorDescriptor:
         rows, heads, dim = x.shape
