@@ -35,7 +35,9 @@ def _tiles(m: int, n: int, w: int, s: int, prefix: str = "") -> dict:
     return {f"{prefix}block_m": m, f"{prefix}block_n": n, f"{prefix}num_warps": w, f"{prefix}num_stages": s}
 
 
-# (label, module key, forward options, backward options); "prev" is the --baseline module.
+# (label, module key, forward options, backward options). The key is "prev" (the --baseline
+# module), "cur" (this tree) or "ops" (this tree through kernels.ops, forward only), with
+# "-graph" for calls replayed from a CUDA graph.
 SCHEDULES = [
     ("previous", "prev", {}, {}),
     ("this tree", "cur", {}, {}),
@@ -59,7 +61,7 @@ OP_PATHS = [("kernels.ops", "ops", {}, {})]
 BOUNDS = {"bounds": True}
 SYNC_FREE = [
     ("bounds (no host sync)", "cur", BOUNDS, BOUNDS),
-    ("bounds, CUDA graph", "graph", BOUNDS, BOUNDS),
+    ("bounds, CUDA graph", "cur-graph", BOUNDS, BOUNDS),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
 # The forward's key and value tiles by TMA boxes (tensor descriptors), with and without warp
@@ -79,8 +81,12 @@ CASES = {
     "gdpa/self-b1024-n2048-s0.5-gelu": SCHEDULES,
     "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2]
     + OP_PATHS
+    + [("previous, bounds, CUDA graph", "prev-graph", BOUNDS, BOUNDS)]
     + SYNC_FREE
-    + [("bounds, CUDA graph, pointer loads 128x64", "graph", {**BOUNDS, "tma": False}, BOUNDS)],
+    + [
+        (f"bounds, CUDA graph, {label}", "cur-graph", {**BOUNDS, **fwd}, {**BOUNDS, **bwd})
+        for label, _, fwd, bwd in (SCHEDULES[2], *TARGET_TILES)
+    ],
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
 }
 
@@ -146,12 +152,13 @@ def _median_ms(fn, device: torch.device, reps: int) -> float:
 def _profile(module: ModuleType, op: str, inputs) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    options = _bounds(op, inputs, {"bounds": op == "target_attention"})
     for _ in range(2):
-        _forward(module, op, inputs, {})
+        _forward(module, op, inputs, options)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            _forward(module, op, inputs, {})
+            _forward(module, op, inputs, options)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
 
@@ -173,20 +180,21 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
         _profile(current, op, inputs)
     rows = []
     for label, key, fwd_options, bwd_options in variants:
-        if key not in modules and key not in ("ops", "graph", "ops-graph"):
+        module_key, graphed = key.removesuffix("-graph"), key.endswith("-graph")
+        if module_key not in modules and module_key != "ops":
             continue
-        module = modules.get(key, current)
+        module = modules.get(module_key, current)
         fwd_options, bwd_options = (
             _bounds(op, inputs, dict(fwd_options)),
             _bounds(op, inputs, dict(bwd_options)),
         )
         row = {"case": case, "variant": label}
         try:
-            if key.startswith("ops"):
+            if module_key == "ops":
                 forward = partial(_op_forward, op, inputs, fwd_options)
             else:
                 forward = partial(_forward, module, op, inputs, fwd_options)
-            if key.endswith("graph"):
+            if graphed:
                 forward, out = _graphed(forward)
                 forward()
             else:
@@ -195,12 +203,12 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
             row["fwd_check"] = "ok" if ok else details["message"][:80]
             row["fwd_ms"] = _median_ms(forward, device, 50)
             row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
-            if key.startswith("ops"):  # the op's backward runs under autograd: not timed here
+            if module_key == "ops":  # the op's backward runs under autograd: not timed here
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 continue
             backward = partial(_backward, module, op, inputs, grad_out, out0, lse0, bwd_options)
-            if key == "graph":
+            if graphed:
                 backward, grads = _graphed(backward)
                 backward()
             else:

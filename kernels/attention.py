@@ -22,8 +22,10 @@ Which pairs are allowed (search_space/attention.py is the definition):
   i >= n_hist)), n_hist = n - num_targets[b] (HAS_TARGETS), else n_hist = n.
 - gdpa and target_attention: every query of sequence b against every key of sequence b. For
   gdpa with BROADCAST_Q every sequence reads the same query rows (learned seeds); target
-  attention first groups the seeds of all candidates of a request into one query range, so it
-  is the same cross-attention (softmax or silu, no mask) and no key is ever copied.
+  attention groups the seeds of all candidates of a request into one query range, so it is the
+  same cross-attention (softmax or silu, no mask) and no key is ever copied. The grouping is a
+  row map (ROW_MAP, a stable argsort of the candidates by request): the kernels read q and dO
+  and write out and dq at each candidate's own rows, and nothing is gathered or scattered.
 
 Algorithm (FlashAttention-2 structure, on jagged offsets):
 - Forward: a program owns BLOCK_M query rows of one (sequence, head) and streams BLOCK_N-key
@@ -240,6 +242,32 @@ def _sequence(
         num_targets = tl.load(num_targets_ptr + seq).to(tl.int32)
         n_hist = n_k - tl.minimum(tl.maximum(num_targets, 0), n_k)
     return out_start, q_start, kv_start, n_q, n_k, n_hist
+
+
+@triton.jit
+def _row_ptrs(
+    seq_ptr,
+    offs_m,
+    stride_row,
+    offs_d,
+    in_M,
+    row_map_ptr,
+    map_start,
+    ROW_MAP: tl.constexpr,
+    ROWS_PER_INDEX: tl.constexpr,
+):
+    """[M, D] pointers to rows offs_m of a sequence whose rows start at seq_ptr. With ROW_MAP the
+    sequence's rows are scattered: seq_ptr points at the tensor's row 0, and the sequence's row
+    m is row map_start + m of a grouped order whose row r lies at row
+    row_map[r // G] * G + r % G of the tensor (G = ROWS_PER_INDEX, a candidate's seeds). Rows
+    are read and written where they lie instead of being gathered and scattered around the
+    kernel."""
+    if ROW_MAP:
+        rows = map_start + offs_m
+        index = tl.load(row_map_ptr + rows // ROWS_PER_INDEX, mask=in_M, other=0).to(tl.int64)
+        rows = index * ROWS_PER_INDEX + rows % ROWS_PER_INDEX
+        return seq_ptr + rows[:, None] * stride_row + offs_d[None, :]
+    return seq_ptr + offs_m[:, None] * stride_row + offs_d[None, :]
 
 
 @triton.jit
@@ -568,6 +596,7 @@ def _attn_fwd_kernel(
     kv_offsets_ptr,
     num_targets_ptr,
     rel_bias_ptr,
+    row_map_ptr,
     stride_q_row,
     stride_q_head,
     stride_k_row,
@@ -591,6 +620,8 @@ def _attn_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     SELF_ATTN: tl.constexpr,
     BROADCAST_Q: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    ROWS_PER_INDEX: tl.constexpr,
     STORE_LSE: tl.constexpr,
     NUM_BUCKETS: tl.constexpr,
     LOG2_EXACT: tl.constexpr,
@@ -615,10 +646,15 @@ def _attn_fwd_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_M = offs_m < n_q
-    q_seq_ptr = q_ptr + q_start * stride_q_row + head * stride_q_head
-    q_MD = tl.load(
-        q_seq_ptr + offs_m[:, None] * stride_q_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    q_seq_ptr = q_ptr + head * stride_q_head
+    out_seq_ptr = out_ptr + head * stride_out_head
+    if not ROW_MAP:
+        q_seq_ptr += q_start * stride_q_row
+        out_seq_ptr += out_start * stride_out_row
+    q_ptrs = _row_ptrs(
+        q_seq_ptr, offs_m, stride_q_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
     )
+    q_MD = tl.load(q_ptrs, mask=in_M[:, None], other=0.0)
     k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
     v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
     kv_row0 = kv_start.to(tl.int32)  # the TMA boxes' coordinates in the [rows, H * D] views
@@ -663,12 +699,10 @@ def _attn_fwd_kernel(
             tl.store(lse_ptr + head * stride_lse_head + out_start + offs_m, lse_M, mask=in_M)
     else:
         acc_MD = acc_MD * act_scale
-    out_seq_ptr = out_ptr + out_start * stride_out_row + head * stride_out_head
-    tl.store(
-        out_seq_ptr + offs_m[:, None] * stride_out_row + offs_d[None, :],
-        acc_MD.to(out_ptr.dtype.element_ty),
-        mask=in_M[:, None],
+    out_ptrs = _row_ptrs(
+        out_seq_ptr, offs_m, stride_out_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
     )
+    tl.store(out_ptrs, acc_MD.to(out_ptr.dtype.element_ty), mask=in_M[:, None])
 
 
 # --- backward ---------------------------------------------------------------------------------
@@ -679,6 +713,7 @@ def _attn_bwd_delta_kernel(
     out_ptr,
     do_ptr,
     delta_ptr,
+    row_map_ptr,
     stride_out_row,
     stride_out_head,
     stride_do_row,
@@ -687,22 +722,29 @@ def _attn_bwd_delta_kernel(
     num_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    ROWS_PER_INDEX: tl.constexpr,
 ):
     # delta_i = dO_i . out_i = sum_j p_ij dp_ij: the softmax backward's row term, once per row
-    # instead of once per key tile.
+    # instead of once per key tile. Rows are in the grouped order of lse (see _row_ptrs).
     row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
     head = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_M = row0 + offs_m < num_rows
-    o_block_ptr = out_ptr + row0 * stride_out_row + head * stride_out_head
-    do_block_ptr = do_ptr + row0 * stride_do_row + head * stride_do_head
-    o_MD = tl.load(
-        o_block_ptr + offs_m[:, None] * stride_out_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    o_block_ptr = out_ptr + head * stride_out_head
+    do_block_ptr = do_ptr + head * stride_do_head
+    if not ROW_MAP:
+        o_block_ptr += row0 * stride_out_row
+        do_block_ptr += row0 * stride_do_row
+    o_ptrs = _row_ptrs(
+        o_block_ptr, offs_m, stride_out_row, offs_d, in_M, row_map_ptr, row0, ROW_MAP, ROWS_PER_INDEX
     )
-    do_MD = tl.load(
-        do_block_ptr + offs_m[:, None] * stride_do_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    do_ptrs = _row_ptrs(
+        do_block_ptr, offs_m, stride_do_row, offs_d, in_M, row_map_ptr, row0, ROW_MAP, ROWS_PER_INDEX
     )
+    o_MD = tl.load(o_ptrs, mask=in_M[:, None], other=0.0)
+    do_MD = tl.load(do_ptrs, mask=in_M[:, None], other=0.0)
     delta_M = tl.sum(o_MD.to(tl.float32) * do_MD.to(tl.float32), axis=1)
     tl.store(delta_ptr + head * stride_delta_head + row0 + offs_m, delta_M, mask=in_M)
 
@@ -719,6 +761,8 @@ def _bwd_dkdv_inner(
     lse_seq_ptr,
     delta_seq_ptr,
     bias_head_ptr,
+    row_map_ptr,
+    out_start,
     stride_q_row,
     stride_do_row,
     n0,
@@ -742,6 +786,8 @@ def _bwd_dkdv_inner(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    ROWS_PER_INDEX: tl.constexpr,
 ):
     # Tiles are [keys, queries] (the transpose of the forward's) so that dk and dv accumulate
     # as (BLOCK_N x BLOCK_M) @ (BLOCK_M x HEAD_DIM) products without transposing p or ds.
@@ -753,12 +799,14 @@ def _bwd_dkdv_inner(
         in_M = offs_m < n_q
         # Rows past the sequence load as zeros (dO = 0, delta = 0, lse = +inf), which makes
         # both their p and their ds exactly 0: no pair mask needed for them.
-        q_MD = tl.load(
-            q_seq_ptr + offs_m[:, None] * stride_q_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+        q_ptrs = _row_ptrs(
+            q_seq_ptr, offs_m, stride_q_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
         )
-        do_MD = tl.load(
-            do_seq_ptr + offs_m[:, None] * stride_do_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+        do_ptrs = _row_ptrs(
+            do_seq_ptr, offs_m, stride_do_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
         )
+        q_MD = tl.load(q_ptrs, mask=in_M[:, None], other=0.0)
+        do_MD = tl.load(do_ptrs, mask=in_M[:, None], other=0.0)
         s_NM = _dot(k_ND, tl.trans(q_MD), None, DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             bias_NM = _tile_bias(
@@ -829,6 +877,7 @@ def _attn_bwd_dkdv_kernel(
     kv_offsets_ptr,
     num_targets_ptr,
     rel_bias_ptr,
+    row_map_ptr,
     stride_q_row,
     stride_q_head,
     stride_k_row,
@@ -858,6 +907,8 @@ def _attn_bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr,
     SELF_ATTN: tl.constexpr,
     BROADCAST_Q: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    ROWS_PER_INDEX: tl.constexpr,
     NUM_BUCKETS: tl.constexpr,
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -888,8 +939,11 @@ def _attn_bwd_dkdv_kernel(
     v_ND = tl.load(
         v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :], mask=in_N[:, None], other=0.0
     )
-    q_seq_ptr = q_ptr + q_start * stride_q_row + head * stride_q_head
-    do_seq_ptr = do_ptr + out_start * stride_do_row + head * stride_do_head
+    q_seq_ptr = q_ptr + head * stride_q_head
+    do_seq_ptr = do_ptr + head * stride_do_head
+    if not ROW_MAP:
+        q_seq_ptr += q_start * stride_q_row
+        do_seq_ptr += out_start * stride_do_row
     lse_seq_ptr = lse_ptr + head * stride_lse_head + out_start
     delta_seq_ptr = delta_ptr + head * stride_lse_head + out_start
     bias_head_ptr = rel_bias_ptr + head * stride_bias_head
@@ -900,15 +954,15 @@ def _attn_bwd_dkdv_kernel(
     lo, mid, hi = _query_ranges(n0, n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N)
     dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
         dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_seq_ptr, do_seq_ptr, lse_seq_ptr, delta_seq_ptr,
-        bias_head_ptr, stride_q_row, stride_do_row, n0, lo, mid, n_q, n_k, n_hist,
+        bias_head_ptr, row_map_ptr, out_start, stride_q_row, stride_do_row, n0, lo, mid, n_q, n_k, n_hist,
         qk_scale, bias_scale, ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, ROW_MAP, ROWS_PER_INDEX,
     )  # fmt: skip
     dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
         dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_seq_ptr, do_seq_ptr, lse_seq_ptr, delta_seq_ptr,
-        bias_head_ptr, stride_q_row, stride_do_row, n0, mid, hi, n_q, n_k, n_hist,
+        bias_head_ptr, row_map_ptr, out_start, stride_q_row, stride_do_row, n0, mid, hi, n_q, n_k, n_hist,
         qk_scale, bias_scale, ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
+        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, ROW_MAP, ROWS_PER_INDEX,
     )  # fmt: skip
 
     dk_seq_ptr = dk_ptr + kv_start * stride_dk_row + head * stride_dk_head
@@ -1020,6 +1074,7 @@ def _attn_bwd_dq_kernel(
     kv_offsets_ptr,
     num_targets_ptr,
     rel_bias_ptr,
+    row_map_ptr,
     stride_q_row,
     stride_q_head,
     stride_k_row,
@@ -1046,6 +1101,8 @@ def _attn_bwd_dq_kernel(
     HAS_BIAS: tl.constexpr,
     SELF_ATTN: tl.constexpr,
     BROADCAST_Q: tl.constexpr,
+    ROW_MAP: tl.constexpr,
+    ROWS_PER_INDEX: tl.constexpr,
     NUM_BUCKETS: tl.constexpr,
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -1069,14 +1126,21 @@ def _attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_M = offs_m < n_q
-    q_seq_ptr = q_ptr + q_start * stride_q_row + head * stride_q_head
-    do_seq_ptr = do_ptr + out_start * stride_do_row + head * stride_do_head
-    q_MD = tl.load(
-        q_seq_ptr + offs_m[:, None] * stride_q_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    q_seq_ptr = q_ptr + head * stride_q_head
+    do_seq_ptr = do_ptr + head * stride_do_head
+    dq_seq_ptr = dq_ptr + head * stride_dq_head
+    if not ROW_MAP:
+        q_seq_ptr += q_start * stride_q_row
+        do_seq_ptr += out_start * stride_do_row
+        dq_seq_ptr += out_start * stride_dq_row
+    q_ptrs = _row_ptrs(
+        q_seq_ptr, offs_m, stride_q_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
     )
-    do_MD = tl.load(
-        do_seq_ptr + offs_m[:, None] * stride_do_row + offs_d[None, :], mask=in_M[:, None], other=0.0
+    do_ptrs = _row_ptrs(
+        do_seq_ptr, offs_m, stride_do_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
     )
+    q_MD = tl.load(q_ptrs, mask=in_M[:, None], other=0.0)
+    do_MD = tl.load(do_ptrs, mask=in_M[:, None], other=0.0)
     lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":
@@ -1109,12 +1173,10 @@ def _attn_bwd_dq_kernel(
             ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    dq_seq_ptr = dq_ptr + out_start * stride_dq_row + head * stride_dq_head
-    tl.store(
-        dq_seq_ptr + offs_m[:, None] * stride_dq_row + offs_d[None, :],
-        (dq_MD * (scale * act_scale)).to(dq_ptr.dtype.element_ty),
-        mask=in_M[:, None],
+    dq_ptrs = _row_ptrs(
+        dq_seq_ptr, offs_m, stride_dq_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
     )
+    tl.store(dq_ptrs, (dq_MD * (scale * act_scale)).to(dq_ptr.dtype.element_ty), mask=in_M[:, None])
 
 
 # --- launch configuration ---------------------------------------------------------------------
@@ -1388,13 +1450,14 @@ def _cross_lengths(
 
 
 class _RequestGroups:
-    """Candidates of one request made contiguous, so that all their seeds form one query range
-    against the request's keys.
+    """Candidates of one request grouped, so that all their seeds form one query range against
+    the request's keys: `q_offsets` count the rows of that grouped order and `order` (the
+    kernels' row map, or None when cand_to_request never decreases) lists the candidates in it.
+    The kernels read and write each candidate's rows where they lie; nothing is gathered.
 
-    Without bounds: cand_to_request as is when it never decreases, else one stable argsort and
-    one gather of q_cand (and the inverse scatter of the output); one host sync for the checks
-    and the grid, with few small device ops before it. At request shapes they and the sync take
-    longer than the kernel itself (a few hundred µs on an H200).
+    Without bounds: one host sync for the checks and the grid, with few small device ops before
+    it; a stable argsort only when the candidates are out of order. At request shapes they and
+    the sync take longer than the kernel itself (a few hundred µs on an H200).
     With bounds (the most candidates of any request, the longest history) there is no host sync
     and nothing is checked: the grid comes from the bounds and the candidates always take the
     stable argsort, so the op can be captured in a CUDA graph."""
@@ -1439,14 +1502,6 @@ class _RequestGroups:
             raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
         self.max_q_len = max_count * seeds
         self.order = None if already_sorted else torch.argsort(requests, stable=True)
-
-    def gather(self, per_candidate: torch.Tensor) -> torch.Tensor:
-        return per_candidate if self.order is None else per_candidate.index_select(0, self.order)
-
-    def scatter(self, grouped: torch.Tensor) -> torch.Tensor:
-        if self.order is None:
-            return grouped
-        return torch.empty_like(grouped).index_copy_(0, self.order, grouped)
 
 
 # --- generic launches -------------------------------------------------------------------------
@@ -1588,7 +1643,12 @@ def _launch_forward(
     return_lse: bool,
     config: dict,
     schedule: str,
+    row_map: torch.Tensor | None = None,
+    rows_per_index: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """With row_map, q's rows and out's are in the tensors' own order and the offsets count rows
+    of a grouped order, mapped by row_map in groups of rows_per_index (see _row_ptrs); lse stays
+    in the grouped order."""
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_seqs = q_offsets.numel() - 1
     out = torch.empty((num_out_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -1613,7 +1673,7 @@ def _launch_forward(
     _attn_fwd_kernel[(num_items * num_heads,)](
         q, k, v, k_desc, v_desc, out, lse if lse is not None else out,
         q_offsets, kv_offsets, num_targets if num_targets is not None else q_offsets,
-        rel_bias if rel_bias is not None else q,
+        rel_bias if rel_bias is not None else q, row_map if row_map is not None else q_offsets,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         rel_bias.stride(0) if rel_bias is not None else 0,
@@ -1621,7 +1681,8 @@ def _launch_forward(
         *_score_scales(scale, activation, config), act_scale,
         ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
         HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
-        STORE_LSE=lse is not None, NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
+        ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index, STORE_LSE=lse is not None,
+        NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q), WORK_LIST=work is not None,
         **{**config, "USE_TMA": use_tma},
     )  # fmt: skip
@@ -1651,8 +1712,11 @@ def _launch_backward(
     dkdv_config: dict,
     dq_config: dict,
     schedule: str,
+    row_map: torch.Tensor | None = None,
+    rows_per_index: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """grad_out [out rows, H, D] -> dq (like q), dk, dv, d rel_bias (fp32 [H, num_buckets])."""
+    """grad_out [out rows, H, D] -> dq (like q), dk, dv, d rel_bias (fp32 [H, num_buckets]).
+    With row_map, grad_out, q, out and dq are in their own row order, as in _launch_forward."""
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_seqs = q_offsets.numel() - 1
     num_out_rows = grad_out.shape[0]
@@ -1689,20 +1753,23 @@ def _launch_backward(
         grad_out, q, k, v = _unit_last(grad_out), _unit_last(q), _unit_last(k), _unit_last(v)
         q_offsets, kv_offsets, num_targets = map(_dense, (q_offsets, kv_offsets, num_targets))
         _check_row_offsets(max_q_len, max_kv_len, [q, grad_out, dq_rows, out], [k, v, dk, dv])
+        map_arg = row_map if row_map is not None else q_offsets
         delta = lse
         if softmax:
             assert lse is not None and lse.shape == (num_heads, num_out_rows), "softmax backward needs lse"
             out = _unit_last(out)
             delta = torch.empty_like(lse)
             _attn_bwd_delta_kernel[(triton.cdiv(num_out_rows, 64), num_heads)](
-                out, grad_out, delta, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
-                delta.stride(0), num_out_rows, HEAD_DIM=head_dim, BLOCK_M=64,
+                out, grad_out, delta, map_arg, out.stride(0), out.stride(1), grad_out.stride(0),
+                grad_out.stride(1), delta.stride(0), num_out_rows, HEAD_DIM=head_dim, BLOCK_M=64,
+                ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index,
             )  # fmt: skip
         else:
             lse = delta = grad_out  # unused pointers
         common = dict(
             ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
             HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
+            ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index,
             NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
             DOT_PRECISION=_dot_precision(q),
         )  # fmt: skip
@@ -1714,7 +1781,7 @@ def _launch_backward(
         _attn_bwd_dkdv_kernel[(dkdv_items * num_heads,)](
             q, k, v, grad_out, lse, delta, dk, dv,
             dbias_partial if dbias_partial is not None else dk,
-            q_offsets, kv_offsets, targets_arg, bias_arg,
+            q_offsets, kv_offsets, targets_arg, bias_arg, map_arg,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             lse_stride, bias_stride, dbias_partial.stride(0) if dbias_partial is not None else 0,
@@ -1726,7 +1793,7 @@ def _launch_backward(
             schedule, q_offsets, kv_offsets, dq_config["BLOCK_M"], max_q_len, num_out_rows, keys=False
         )
         _attn_bwd_dq_kernel[(dq_items * num_heads,)](
-            q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, targets_arg, bias_arg,
+            q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, targets_arg, bias_arg, map_arg,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
             lse_stride, bias_stride, dq_work if dq_work is not None else q_offsets, num_heads, num_q_blocks,
@@ -2059,9 +2126,8 @@ def target_attention_forward(
     groups = _RequestGroups(
         cand_to_request, kv_offsets, seeds, k.shape[0], _bounds(max_candidates, max_history)
     )
-    q_rows = groups.gather(q_cand).reshape(num_cand * seeds, num_heads, head_dim)
     out_rows, lse = _launch_forward(
-        q_rows, k, v, groups.q_offsets, kv_offsets,
+        q_cand.reshape(num_cand * seeds, num_heads, head_dim), k, v, groups.q_offsets, kv_offsets,
         num_out_rows=num_cand * seeds, max_q_len=groups.max_q_len, max_kv_len=groups.max_kv_len,
         activation=activation,
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
@@ -2070,9 +2136,9 @@ def target_attention_forward(
             q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
             tma=tma, warp_specialize=warp_specialize,
         ),
-        schedule=schedule,
+        schedule=schedule, row_map=groups.order, rows_per_index=seeds,
     )  # fmt: skip
-    out = groups.scatter(out_rows.view(num_cand, seeds, num_heads, head_dim))
+    out = out_rows.view(num_cand, seeds, num_heads, head_dim)
     return (out, lse) if return_lse else out
 
 
@@ -2101,9 +2167,9 @@ def target_attention_backward(
     schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """grad_out [C, S, H, D], the forward's out and lse -> dq_cand [C, S, H, D], dk, dv. Regroups
-    the candidates as the forward did (the argsort is stable, so the same order): one host sync,
-    or none with the forward's max_candidates and max_history."""
+    """grad_out [C, S, H, D], the forward's out and lse -> dq_cand [C, S, H, D], dk, dv. Groups
+    the candidates as the forward did (the argsort is stable, so the same order, which lse's
+    rows follow): one host sync, or none with the forward's max_candidates and max_history."""
     num_cand, seeds, num_heads, head_dim = q_cand.shape
     if num_cand == 0 or seeds == 0:
         return torch.zeros_like(q_cand), torch.zeros_like(k), torch.zeros_like(v)
@@ -2113,18 +2179,19 @@ def target_attention_backward(
     )
     rows = num_cand * seeds
 
-    def grouped(x: torch.Tensor) -> torch.Tensor:
-        return groups.gather(x).reshape(rows, num_heads, head_dim)
+    def as_rows(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(rows, num_heads, head_dim)
 
     dkdv_config, dq_config = _configs(
         q_cand, False, activation, block_m, block_n, num_warps, num_stages,
         (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,
     )  # fmt: skip
     dq_rows, dk, dv, _ = _launch_backward(
-        grouped(grad_out), grouped(q_cand), k, v, grouped(out), lse, groups.q_offsets, kv_offsets,
+        as_rows(grad_out), as_rows(q_cand), k, v, as_rows(out), lse, groups.q_offsets, kv_offsets,
         max_q_len=groups.max_q_len, max_kv_len=groups.max_kv_len, activation=activation,
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False,
         dkdv_config=dkdv_config, dq_config=dq_config, schedule=schedule,
+        row_map=groups.order, rows_per_index=seeds,
     )  # fmt: skip
-    return groups.scatter(dq_rows.view(num_cand, seeds, num_heads, head_dim)), dk, dv
+    return dq_rows.view(num_cand, seeds, num_heads, head_dim), dk, dv
