@@ -38,22 +38,17 @@ def _tiles(m: int, n: int, w: int, s: int, prefix: str = "") -> dict:
 # (label, module key, forward options, backward options). The key is "prev" (the --baseline
 # module), "cur" (this tree) or "ops" (this tree through kernels.ops, forward only), with
 # "-graph" for calls replayed from a CUDA graph.
+LONGEST = {"schedule": "longest_first"}
 SCHEDULES = [
     ("previous", "prev", {}, {}),
     ("this tree", "cur", {}, {}),
-    ("longest-first", "cur", {"schedule": "longest_first"}, {"schedule": "longest_first"}),
+    ("longest-first", "cur", LONGEST, LONGEST),
 ]
 TARGET_TILES = [
     ("fwd 128x128 w8 s2", "cur", _tiles(128, 128, 8, 2), {}),
     ("fwd 64x128 w4 s3", "cur", _tiles(64, 128, 4, 3), {}),
     ("fwd 64x64 w4 s3", "cur", _tiles(64, 64, 4, 3), {}),
     ("dkdv 64x128 w8 s2", "cur", {}, _tiles(64, 128, 8, 2)),
-]
-# silu in its tanh form (the bf16 default now) against s * sigmoid(s).
-EXACT_SILU = {"fast_silu": False}
-SILU_FORMS = [
-    ("sigmoid form", "cur", EXACT_SILU, EXACT_SILU),
-    ("tanh form (default)", "cur", {}, {}),
 ]
 # The default kernels through the public op (forward only, no gradient), and launched with
 # bounds (target attention: no host sync) directly or replayed from a CUDA graph.
@@ -64,29 +59,18 @@ SYNC_FREE = [
     ("bounds, CUDA graph", "cur-graph", BOUNDS, BOUNDS),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
-# The forward's key and value tiles by TMA boxes (tensor descriptors), with and without warp
-# specialisation of the key loop; and the pointer loads that were the softmax default before.
-TMA = {"tma": True}
-TMA_LOADS = [
-    ("TMA", "cur", TMA, {}),
-    ("TMA, warp-specialised", "cur", {**TMA, "warp_specialize": True}, {}),
-]
-POINTER_LOADS = [("pointer loads, 128x64 (old default)", "cur", {"tma": False}, {})]
 CASES = {
-    "jagged_attention/b256-n4096-power-softmax": SCHEDULES[:2] + POINTER_LOADS + OP_PATHS,
-    "jagged_attention/b256-n8192-power-softmax": SCHEDULES[:2] + POINTER_LOADS,
+    "jagged_attention/b256-n4096-power-softmax": SCHEDULES + OP_PATHS,
+    "jagged_attention/b256-n8192-power-softmax": SCHEDULES,
     "jagged_attention/b512-n1024-uniform-softmax": SCHEDULES,
-    "jagged_attention/b256-n4096-uniform-silu": [SCHEDULES[0], SILU_FORMS[1], *TMA_LOADS],
-    "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES[:2] + SILU_FORMS[:1],
+    "jagged_attention/b256-n4096-uniform-silu": SCHEDULES,
+    "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES,
     "gdpa/self-b1024-n2048-s0.5-gelu": SCHEDULES,
-    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES[:2]
+    "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES
     + OP_PATHS
     + [("previous, bounds, CUDA graph", "prev-graph", BOUNDS, BOUNDS)]
     + SYNC_FREE
-    + [
-        (f"bounds, CUDA graph, {label}", "cur-graph", {**BOUNDS, **fwd}, {**BOUNDS, **bwd})
-        for label, _, fwd, bwd in (SCHEDULES[2], *TARGET_TILES)
-    ],
+    + [("bounds, CUDA graph, longest-first", "cur-graph", {**BOUNDS, **LONGEST}, {**BOUNDS, **LONGEST})],
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
 }
 

@@ -477,6 +477,24 @@ def _schedule_kernel(
     tl.store(work_ptr + 2 * items + 1, tl.where(valid, block, 0).to(tl.int32), mask=in_range)
 
 
+@triton.jit
+def _stable_rank_kernel(keys_ptr, order_ptr, n, DESCENDING: tl.constexpr, BLOCK: tl.constexpr):
+    # The rank of key i in a stable sort is how many keys go before it: smaller ones (larger
+    # when DESCENDING), and equal ones at lower indices. Ranks are a permutation, so each
+    # program writes its keys' indices to their places with no conflict.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    key = tl.load(keys_ptr + offs, mask=valid, other=0)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        others = start + tl.arange(0, BLOCK)
+        other = tl.load(keys_ptr + others, mask=others < n, other=0)
+        before = other[None, :] > key[:, None] if DESCENDING else other[None, :] < key[:, None]
+        before |= (other[None, :] == key[:, None]) & (others[None, :] < offs[:, None])
+        rank += tl.sum((before & (others < n)[None, :]).to(tl.int32), axis=1)
+    tl.store(order_ptr + rank, offs.to(tl.int64), mask=valid)
+
+
 # --- forward ----------------------------------------------------------------------------------
 
 
@@ -1485,7 +1503,7 @@ class _RequestGroups:
         if bounds is not None:
             max_candidates, self.max_kv_len = bounds
             self.max_q_len = max_candidates * seeds
-            self.order = torch.argsort(requests, stable=True)
+            self.order = _stable_argsort(requests)
             return
         kv_offsets = kv_offsets.to(torch.int64)
         low_high = torch.aminmax(requests)
@@ -1501,7 +1519,7 @@ class _RequestGroups:
         if min_kv_len < 0 or kv_first != 0 or kv_last != kv_rows:
             raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
         self.max_q_len = max_count * seeds
-        self.order = None if already_sorted else torch.argsort(requests, stable=True)
+        self.order = None if already_sorted else _stable_argsort(requests)
 
 
 # --- generic launches -------------------------------------------------------------------------
@@ -1530,6 +1548,27 @@ def _bias_args(rel_bias: torch.Tensor | None) -> tuple[int, int]:
     return rel_bias.shape[1], int(math.log2(rel_bias.shape[1] // 2))
 
 
+# Up to this many keys, _stable_argsort ranks them by all-pairs comparison in one launch: 1050
+# candidates took torch.argsort's single-block radix sort 29 µs on an H200, longer than the
+# small ops around it together.
+RANK_SORT_MAX = 4096
+
+
+def _stable_argsort(keys: torch.Tensor, descending: bool = False) -> torch.Tensor:
+    """torch.argsort(keys, stable=True, descending=descending) as int64 indices, for the short
+    1-d integer keys of the launch set-up (candidates' requests, sequences' work)."""
+    n = keys.numel()
+    if n > RANK_SORT_MAX:
+        return torch.argsort(keys, descending=descending, stable=True)
+    order = torch.empty(n, dtype=torch.int64, device=keys.device)
+    if n:
+        block = 64
+        _stable_rank_kernel[(triton.cdiv(n, block),)](
+            keys.contiguous(), order, n, DESCENDING=descending, BLOCK=block, num_warps=4
+        )
+    return order
+
+
 SCHEDULES = ("longest_first", "grid")
 # Measured on an H200 (BENCHMARKS.md): the work list's two loads per program and its set-up cost
 # more than the empty programs of the grid save, at power-law lengths too (0.85x to 1.02x).
@@ -1548,7 +1587,7 @@ def _work_list(
     num_seqs = lengths.numel()
     num_items = min(triton.cdiv(rows, block) + num_seqs, num_seqs * triton.cdiv(max_len, block))
     blocks = (lengths.to(torch.int32) + (block - 1)) // block
-    order = torch.argsort(weights, descending=True, stable=True).to(torch.int32)
+    order = _stable_argsort(weights, descending=True).to(torch.int32)
     sorted_blocks = blocks[order]
     cum_blocks = torch.cumsum(sorted_blocks, 0, dtype=torch.int32)
     work = torch.empty((num_items, 2), dtype=torch.int32, device=lengths.device)

@@ -290,6 +290,18 @@ def test_work_list_covers_every_block_once_longest_first(reverse: bool, device: 
     assert blocks_of_longest == ([2, 1, 0] if reverse else [0, 1, 2])
 
 
+@pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
+@pytest.mark.parametrize("n", [0, 1, 64, 65, 300])
+def test_stable_argsort_matches_torch(n: int, descending: bool, device: torch.device) -> None:
+    # Few distinct keys, so most have ties that only a stable sort orders by index.
+    gen = torch.Generator(device=device).manual_seed(n)
+    keys = torch.randint(-3, 9, (n,), generator=gen, device=device)
+    got = attn._stable_argsort(keys, descending=descending)
+    want = torch.argsort(keys, descending=descending, stable=True)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, want)
+
+
 # --- gdpa -----------------------------------------------------------------------------------
 
 Q_LENGTHS = [3, 0, 17, 40, 1]
