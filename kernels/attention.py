@@ -478,21 +478,59 @@ def _schedule_kernel(
 
 
 @triton.jit
-def _stable_rank_kernel(keys_ptr, order_ptr, n, DESCENDING: tl.constexpr, BLOCK: tl.constexpr):
+def _stable_ranks(keys_ptr, offs, n, DESCENDING: tl.constexpr, CHUNK: tl.constexpr):
     # The rank of key i in a stable sort is how many keys go before it: smaller ones (larger
-    # when DESCENDING), and equal ones at lower indices. Ranks are a permutation, so each
-    # program writes its keys' indices to their places with no conflict.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    key = tl.load(keys_ptr + offs, mask=valid, other=0)
-    rank = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, n, BLOCK):
-        others = start + tl.arange(0, BLOCK)
+    # when DESCENDING), and equal ones at lower indices. Ranks are a permutation, so programs
+    # can write each key's index to its place with no conflict.
+    key = tl.load(keys_ptr + offs, mask=offs < n, other=0)
+    rank = tl.zeros(offs.shape, dtype=tl.int32)
+    for start in range(0, n, CHUNK):
+        others = start + tl.arange(0, CHUNK)
         other = tl.load(keys_ptr + others, mask=others < n, other=0)
         before = other[None, :] > key[:, None] if DESCENDING else other[None, :] < key[:, None]
         before |= (other[None, :] == key[:, None]) & (others[None, :] < offs[:, None])
         rank += tl.sum((before & (others < n)[None, :]).to(tl.int32), axis=1)
-    tl.store(order_ptr + rank, offs.to(tl.int64), mask=valid)
+    return rank
+
+
+@triton.jit
+def _stable_rank_kernel(
+    keys_ptr, order_ptr, n, DESCENDING: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rank = _stable_ranks(keys_ptr, offs, n, DESCENDING, CHUNK)
+    tl.store(order_ptr + rank, offs.to(tl.int64), mask=offs < n)
+
+
+@triton.jit
+def _request_groups_kernel(
+    requests_ptr,
+    order_ptr,
+    q_offsets_ptr,
+    num_cand,
+    num_requests,
+    seeds,
+    BLOCK: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # The first cdiv(num_cand, BLOCK) programs place candidates: order[rank] = c for the stable
+    # rank of c by request. The others write q_offsets[r] = seeds * #{c : request[c] < r} for
+    # r in [0, num_requests]: the grouped rows before request r's.
+    pid = tl.program_id(0)
+    cand_programs = tl.cdiv(num_cand, BLOCK)
+    if pid < cand_programs:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        rank = _stable_ranks(requests_ptr, offs, num_cand, False, CHUNK)
+        tl.store(order_ptr + rank, offs.to(tl.int64), mask=offs < num_cand)
+    else:
+        req = (pid - cand_programs) * BLOCK + tl.arange(0, BLOCK)
+        before = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, num_cand, CHUNK):
+            others = start + tl.arange(0, CHUNK)
+            other = tl.load(requests_ptr + others, mask=others < num_cand, other=0)
+            less = (other[None, :] < req[:, None]) & (others < num_cand)[None, :]
+            before += tl.sum(less.to(tl.int32), axis=1)
+        tl.store(q_offsets_ptr + req, before.to(tl.int64) * seeds, mask=req <= num_requests)
 
 
 # --- forward ----------------------------------------------------------------------------------
@@ -1491,35 +1529,28 @@ class _RequestGroups:
         num_requests = kv_offsets.numel() - 1
         if num_requests == 0:
             raise ValueError("cand_to_request must lie in [0, 0): kv_offsets holds no request")
-        device = kv_offsets.device
-        requests = cand_to_request.to(torch.int64)
-        # Candidates per request by index_add (bincount syncs by itself on CUDA); out-of-range
-        # requests are clamped here and rejected below.
-        counts = torch.zeros(num_requests, dtype=torch.int64, device=device).index_add_(
-            0, requests.clamp(0, num_requests - 1), torch.ones_like(requests)
-        )
-        self.q_offsets = torch.zeros(num_requests + 1, dtype=torch.int64, device=device)
-        torch.cumsum(counts * seeds, 0, out=self.q_offsets[1:])
+        self.q_offsets, order = _group_by_request(cand_to_request, num_requests, seeds)
         if bounds is not None:
             max_candidates, self.max_kv_len = bounds
             self.max_q_len = max_candidates * seeds
-            self.order = _stable_argsort(requests)
+            self.order = order
             return
+        requests = cand_to_request.to(torch.int64)
         kv_offsets = kv_offsets.to(torch.int64)
         low_high = torch.aminmax(requests)
         kv_min_max = torch.aminmax(kv_offsets[1:] - kv_offsets[:-1])
         is_sorted = (requests[1:] >= requests[:-1]).all().to(torch.int64)
         host = torch.stack([
-            low_high.min, low_high.max, counts.max(), kv_min_max.min, kv_min_max.max, kv_offsets[0],
-            kv_offsets[-1], is_sorted,
+            low_high.min, low_high.max, (self.q_offsets[1:] - self.q_offsets[:-1]).max(), kv_min_max.min,
+            kv_min_max.max, kv_offsets[0], kv_offsets[-1], is_sorted,
         ]).tolist()  # fmt: skip
-        low, high, max_count, min_kv_len, self.max_kv_len, kv_first, kv_last, already_sorted = host
+        low, high, max_rows, min_kv_len, self.max_kv_len, kv_first, kv_last, already_sorted = host
         if low < 0 or high >= num_requests:
             raise ValueError(f"cand_to_request must lie in [0, {num_requests}) (the requests of kv_offsets)")
         if min_kv_len < 0 or kv_first != 0 or kv_last != kv_rows:
             raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
-        self.max_q_len = max_count * seeds
-        self.order = None if already_sorted else _stable_argsort(requests)
+        self.max_q_len = max_rows
+        self.order = None if already_sorted else order
 
 
 # --- generic launches -------------------------------------------------------------------------
@@ -1548,25 +1579,57 @@ def _bias_args(rel_bias: torch.Tensor | None) -> tuple[int, int]:
     return rel_bias.shape[1], int(math.log2(rel_bias.shape[1] // 2))
 
 
-# Up to this many keys, _stable_argsort ranks them by all-pairs comparison in one launch: 1050
+# Up to this many keys, the launch set-up sorts by all-pairs comparison in one launch: 1050
 # candidates took torch.argsort's single-block radix sort 29 µs on an H200, longer than the
 # small ops around it together.
 RANK_SORT_MAX = 4096
+RANK_BLOCK = 16
+
+
+def _rank_chunk(n: int) -> int:
+    # Keys compared per step: all of them at once up to 1024 (a power of two, for tl.arange).
+    return min(triton.next_power_of_2(max(n, 16)), 1024)
 
 
 def _stable_argsort(keys: torch.Tensor, descending: bool = False) -> torch.Tensor:
     """torch.argsort(keys, stable=True, descending=descending) as int64 indices, for the short
-    1-d integer keys of the launch set-up (candidates' requests, sequences' work)."""
+    1-d integer keys of the launch set-up (sequences' work)."""
     n = keys.numel()
     if n > RANK_SORT_MAX:
         return torch.argsort(keys, descending=descending, stable=True)
     order = torch.empty(n, dtype=torch.int64, device=keys.device)
     if n:
-        block = 64
-        _stable_rank_kernel[(triton.cdiv(n, block),)](
-            keys.contiguous(), order, n, DESCENDING=descending, BLOCK=block, num_warps=4
+        _stable_rank_kernel[(triton.cdiv(n, RANK_BLOCK),)](
+            keys.contiguous(), order, n, DESCENDING=descending, BLOCK=RANK_BLOCK, CHUNK=_rank_chunk(n)
         )
     return order
+
+
+def _group_by_request(
+    cand_to_request: torch.Tensor, num_requests: int, seeds: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_offsets [R + 1] of the grouped rows, order [C]: the candidates by request, stably),
+    with no host sync. Requests outside [0, R) are not checked here: they fall outside every
+    request's rows (the caller checks them unless it trusts its bounds)."""
+    num_cand = cand_to_request.numel()
+    device = cand_to_request.device
+    q_offsets = torch.empty(num_requests + 1, dtype=torch.int64, device=device)
+    if num_cand > RANK_SORT_MAX:
+        requests = cand_to_request.to(torch.int64)
+        # index_add: bincount syncs by itself on CUDA. Out-of-range requests are clamped here.
+        counts = torch.zeros(num_requests, dtype=torch.int64, device=device).index_add_(
+            0, requests.clamp(0, num_requests - 1), torch.ones_like(requests)
+        )
+        q_offsets[0] = 0
+        torch.cumsum(counts * seeds, 0, out=q_offsets[1:])
+        return q_offsets, torch.argsort(requests, stable=True)
+    order = torch.empty(num_cand, dtype=torch.int64, device=device)
+    grid = triton.cdiv(num_cand, RANK_BLOCK) + triton.cdiv(num_requests + 1, RANK_BLOCK)
+    _request_groups_kernel[(grid,)](
+        cand_to_request.contiguous(), order, q_offsets, num_cand, num_requests, seeds,
+        BLOCK=RANK_BLOCK, CHUNK=_rank_chunk(num_cand),
+    )  # fmt: skip
+    return q_offsets, order
 
 
 SCHEDULES = ("longest_first", "grid")

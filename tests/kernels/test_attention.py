@@ -302,6 +302,23 @@ def test_stable_argsort_matches_torch(n: int, descending: bool, device: torch.de
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("path", ["ranks", "torch"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_group_by_request(path: str, index_dtype: torch.dtype, device: torch.device, monkeypatch) -> None:
+    # 40 candidates over 7 requests, two of them without candidates, out of order.
+    if path == "torch":  # the fallback for more candidates than the rank sort takes
+        monkeypatch.setattr(attn, "RANK_SORT_MAX", 0)
+    gen = torch.Generator(device=device).manual_seed(3)
+    requests = torch.tensor([0, 2, 3, 5, 6], device=device)[
+        torch.randint(0, 5, (40,), generator=gen, device=device)
+    ]
+    seeds = 3
+    q_offsets, order = attn._group_by_request(requests.to(index_dtype), 7, seeds)
+    assert torch.equal(order, torch.argsort(requests, stable=True))
+    counts = torch.bincount(requests, minlength=7)
+    assert q_offsets.tolist() == [0, *torch.cumsum(counts * seeds, 0).tolist()]
+
+
 # --- gdpa -----------------------------------------------------------------------------------
 
 Q_LENGTHS = [3, 0, 17, 40, 1]
