@@ -24,6 +24,7 @@ oracle, and the reference's backward would keep every sequence's score matrices.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,7 +124,25 @@ def _time_forward(fn, arg_sets, ref, problem, shape, device) -> dict:
     }
 
 
+def _keep_saved_buffers():
+    """A context in which torch.compile's backward graphs do not donate (free) the tensors saved
+    for them: the bwd pass runs one graph's backward many times (retain_graph), which donated
+    buffers refuse. Nothing to patch on a torch without the option."""
+    try:
+        from torch._functorch import config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
+
+
 def _time_backward(fn, args, kwargs, device, pass_name) -> dict:
+    with _keep_saved_buffers():
+        return _time_backward_pass(fn, args, kwargs, device, pass_name)
+
+
+def _time_backward_pass(fn, args, kwargs, device, pass_name) -> dict:
     call_args, leaves = _with_grad_leaves(args, kwargs)
     out = fn(*call_args, **kwargs)
     if not out.requires_grad:

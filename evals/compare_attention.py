@@ -39,10 +39,12 @@ def _tiles(m: int, n: int, w: int, s: int, prefix: str = "") -> dict:
 # module), "cur" (this tree) or "ops" (this tree through kernels.ops, forward only), with
 # "-graph" for calls replayed from a CUDA graph.
 LONGEST = {"schedule": "longest_first"}
+SORTED = {"schedule": "sorted_grid"}
 SCHEDULES = [
     ("previous", "prev", {}, {}),
     ("this tree", "cur", {}, {}),
     ("longest-first", "cur", LONGEST, LONGEST),
+    ("sorted grid", "cur", SORTED, SORTED),
 ]
 TARGET_TILES = [
     ("fwd 128x128 w8 s2", "cur", _tiles(128, 128, 8, 2), {}),
@@ -70,7 +72,18 @@ CASES = {
     + OP_PATHS
     + [("previous, bounds, CUDA graph", "prev-graph", BOUNDS, BOUNDS)]
     + SYNC_FREE
-    + [("bounds, CUDA graph, longest-first", "cur-graph", {**BOUNDS, **LONGEST}, {**BOUNDS, **LONGEST})],
+    + [
+        ("bounds, CUDA graph, sorted grid", "cur-graph", {**BOUNDS, **SORTED}, {**BOUNDS, **SORTED}),
+        *(
+            (
+                f"bounds, CUDA graph, fwd {m}x{n} w{w} s{st}",
+                "cur-graph",
+                {**BOUNDS, **_tiles(m, n, w, st)},
+                BOUNDS,
+            )
+            for m, n, w, st in ((128, 64, 8, 3), (128, 64, 8, 4))
+        ),
+    ],
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
 }
 
