@@ -39,12 +39,10 @@ def _tiles(m: int, n: int, w: int, s: int, prefix: str = "") -> dict:
 # module), "cur" (this tree) or "ops" (this tree through kernels.ops, forward only), with
 # "-graph" for calls replayed from a CUDA graph.
 LONGEST = {"schedule": "longest_first"}
-SORTED = {"schedule": "sorted_grid"}
 SCHEDULES = [
     ("previous", "prev", {}, {}),
     ("this tree", "cur", {}, {}),
     ("longest-first", "cur", LONGEST, LONGEST),
-    ("sorted grid", "cur", SORTED, SORTED),
 ]
 TARGET_TILES = [
     ("fwd 128x128 w8 s2", "cur", _tiles(128, 128, 8, 2), {}),
@@ -73,7 +71,6 @@ CASES = {
     + [("previous, bounds, CUDA graph", "prev-graph", BOUNDS, BOUNDS)]
     + SYNC_FREE
     + [
-        ("bounds, CUDA graph, sorted grid", "cur-graph", {**BOUNDS, **SORTED}, {**BOUNDS, **SORTED}),
         *(
             (
                 f"bounds, CUDA graph, fwd {m}x{n} w{w} s{st}",

@@ -420,17 +420,16 @@ def _work_item(
     num_heads,
     num_blocks,
     REVERSE: tl.constexpr,
-    SCHEDULE: tl.constexpr,
+    WORK_LIST: tl.constexpr,
 ):
     """(sequence, block, head) of this program; sequence -1 for a work list's spare programs.
-    Heads vary fastest, so every head of a block starts together. "longest_first": the items
-    come from _schedule_kernel (longest sequences first, no empty programs). "grid": every
-    (sequence, block) pair of the grid, blocks of a sequence together (REVERSE: last first);
-    "sorted_grid": the same with the sequences in the order work_ptr lists them."""
+    Heads vary fastest, so every head of a block starts together. With WORK_LIST, the items
+    come from _schedule_kernel (longest sequences first, no empty programs); else every
+    (sequence, block) pair of the grid, blocks of a sequence together (REVERSE: last first)."""
     pid = tl.program_id(0)
     head = (pid % num_heads).to(tl.int64)
     item = pid // num_heads
-    if SCHEDULE == "longest_first":
+    if WORK_LIST:
         seq = tl.load(work_ptr + 2 * item)
         block = tl.load(work_ptr + 2 * item + 1)
     else:
@@ -438,8 +437,6 @@ def _work_item(
         block = item % num_blocks
         if REVERSE:
             block = num_blocks - 1 - block
-        if SCHEDULE == "sorted_grid":
-            seq = tl.load(work_ptr + seq)
     return seq, block, head
 
 
@@ -686,13 +683,13 @@ def _attn_fwd_kernel(
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SCHEDULE: tl.constexpr,
+    WORK_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
-    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, SCHEDULE)
+    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
     if seq < 0:
         return
     out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
@@ -972,11 +969,11 @@ def _attn_bwd_dkdv_kernel(
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SCHEDULE: tl.constexpr,
+    WORK_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    seq, block, head = _work_item(work_ptr, num_heads, num_k_blocks, False, SCHEDULE)
+    seq, block, head = _work_item(work_ptr, num_heads, num_k_blocks, False, WORK_LIST)
     if seq < 0:
         return
     item = tl.program_id(0) // num_heads
@@ -1166,13 +1163,13 @@ def _attn_bwd_dq_kernel(
     LOG2_EXACT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SCHEDULE: tl.constexpr,
+    WORK_LIST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     # dq goes to the out rows: with BROADCAST_Q that is one partial dq per sequence, summed by
     # the launcher.
-    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, SCHEDULE)
+    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
     if seq < 0:
         return
     out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
@@ -1635,9 +1632,11 @@ def _group_by_request(
     return q_offsets, order
 
 
-SCHEDULES = ("longest_first", "sorted_grid", "grid")
+SCHEDULES = ("longest_first", "grid")
 # Measured on an H200 (BENCHMARKS.md): the work list's two loads per program and its set-up cost
-# more than the empty programs of the grid save, at power-law lengths too (0.85x to 1.02x).
+# more than the empty programs of the grid save, at power-law lengths too (0.69x to 1.02x), also
+# with its sort in one launch. The grid with its sequences sorted by work (one load per program,
+# no work list) lost too (0.89x to 0.98x), so it was not kept.
 DEFAULT_SCHEDULE = "grid"
 
 
@@ -1674,19 +1673,16 @@ def _schedule_grid(
     *,
     keys: bool,
 ) -> tuple[torch.Tensor | None, int]:
-    """(work tensor or None, programs per head) for blocks of query rows (keys=False, last block
-    of a sequence first) or of key rows (keys=True): the work list of "longest_first", the
-    sequences by work of "sorted_grid" (see _work_item)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    """(work list or None, programs per head) for blocks of query rows (keys=False, last block
+    of a sequence first) or of key rows (keys=True)."""
     num_seqs = q_offsets.numel() - 1
     if schedule == "grid":
         return None, num_seqs * triton.cdiv(max_len, block)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     q_lengths = q_offsets[1:] - q_offsets[:-1]
     kv_lengths = q_lengths if kv_offsets is q_offsets else kv_offsets[1:] - kv_offsets[:-1]
     weights = q_lengths * kv_lengths
-    if schedule == "sorted_grid":
-        return _stable_argsort(weights, descending=True), num_seqs * triton.cdiv(max_len, block)
     return _work_list(kv_lengths if keys else q_lengths, weights, block, max_len, rows, reverse=not keys)
 
 
@@ -1791,7 +1787,7 @@ def _launch_forward(
         HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
         ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index, STORE_LSE=lse is not None,
         NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(q), SCHEDULE=schedule,
+        DOT_PRECISION=_dot_precision(q), WORK_LIST=work is not None,
         **{**config, "USE_TMA": use_tma},
     )  # fmt: skip
     return out, lse
@@ -1894,7 +1890,7 @@ def _launch_backward(
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             lse_stride, bias_stride, dbias_partial.stride(0) if dbias_partial is not None else 0,
             dkdv_work if dkdv_work is not None else q_offsets, num_heads, num_k_blocks, *scalars,
-            **common, SCHEDULE=schedule, **dkdv_config,
+            **common, WORK_LIST=dkdv_work is not None, **dkdv_config,
         )  # fmt: skip
         num_q_blocks = triton.cdiv(max_q_len, dq_config["BLOCK_M"])
         dq_work, dq_items = _schedule_grid(
@@ -1905,7 +1901,7 @@ def _launch_backward(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
             lse_stride, bias_stride, dq_work if dq_work is not None else q_offsets, num_heads, num_q_blocks,
-            *scalars, **common, SCHEDULE=schedule, **dq_config,
+            *scalars, **common, WORK_LIST=dq_work is not None, **dq_config,
         )  # fmt: skip
 
     dq = dq_rows

@@ -254,15 +254,13 @@ def test_jagged_attention_tile_shapes(blocks: tuple[int, int], device: torch.dev
 
 
 @pytest.mark.parametrize(
-    "schedule, causal",
-    [("grid", True), ("longest_first", False), ("sorted_grid", True)],
-    ids=["grid-causal", "longest-first-full", "sorted-grid-causal"],
+    "schedule, causal", [("grid", True), ("longest_first", False)], ids=["grid-causal", "longest-first-full"]
 )
 def test_jagged_attention_far_bias_and_schedules(schedule: str, causal: bool, device: torch.device) -> None:
     """Tiles far from the diagonal take the bias of at most two buckets without a per-score
     bucket (forward and bias gradient, below and, without the causal mask, above the diagonal);
     32 buckets over 130 positions put such tiles on both sides of bucket edges (48, 64, 96). Each
-    schedule once: the longest-first work list, the plain grid and the grid by sorted sequences."""
+    schedule once: the longest-first work list and the plain grid."""
     lengths, targets = [61, 130, 0, 17], [2, 5, 0, 1]
     inputs = _jagged_inputs(device, lengths=lengths, targets=targets, bias=True, num_buckets=32)
     options = {"max_seq_len": 130, "activation": "softmax", "causal": causal}
