@@ -1511,12 +1511,13 @@ class _RequestGroups:
     kernels' row map, or None when cand_to_request never decreases) lists the candidates in it.
     The kernels read and write each candidate's rows where they lie; nothing is gathered.
 
+    The grouping (stable ranks and row offsets) is one launch up to RANK_SORT_MAX candidates.
     Without bounds: one host sync for the checks and the grid, with few small device ops before
-    it; a stable argsort only when the candidates are out of order. At request shapes they and
-    the sync take longer than the kernel itself (a few hundred µs on an H200).
+    it; the row map only when the candidates are out of order. At request shapes they and the
+    sync take longer than the kernel itself (a few hundred µs on an H200).
     With bounds (the most candidates of any request, the longest history) there is no host sync
-    and nothing is checked: the grid comes from the bounds and the candidates always take the
-    stable argsort, so the op can be captured in a CUDA graph."""
+    and nothing is checked: the grid comes from the bounds and the kernels always take the row
+    map, so the op can be captured in a CUDA graph."""
 
     def __init__(
         self,
