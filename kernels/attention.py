@@ -246,28 +246,44 @@ def _sequence(
 
 @triton.jit
 def _row_ptrs(
-    seq_ptr,
+    head_ptr,
+    start,
     offs_m,
     stride_row,
     offs_d,
     in_M,
     row_map_ptr,
-    map_start,
     ROW_MAP: tl.constexpr,
     ROWS_PER_INDEX: tl.constexpr,
 ):
-    """[M, D] pointers to rows offs_m of a sequence whose rows start at seq_ptr. With ROW_MAP the
-    sequence's rows are scattered: seq_ptr points at the tensor's row 0, and the sequence's row
-    m is row map_start + m of a grouped order whose row r lies at row
-    row_map[r // G] * G + r % G of the tensor (G = ROWS_PER_INDEX, a candidate's seeds). Rows
+    """[M, D] pointers to rows start + offs_m of a tensor (head_ptr: its row 0 at one head).
+    With ROW_MAP those are rows of a grouped order whose row r lies at row
+    row_map[r // G] * G + r % G of the tensor (G = ROWS_PER_INDEX, a candidate's seeds): rows
     are read and written where they lie instead of being gathered and scattered around the
     kernel."""
     if ROW_MAP:
-        rows = map_start + offs_m
+        rows = start + offs_m
         index = tl.load(row_map_ptr + rows // ROWS_PER_INDEX, mask=in_M, other=0).to(tl.int64)
         rows = index * ROWS_PER_INDEX + rows % ROWS_PER_INDEX
-        return seq_ptr + rows[:, None] * stride_row + offs_d[None, :]
-    return seq_ptr + offs_m[:, None] * stride_row + offs_d[None, :]
+        return head_ptr + rows[:, None] * stride_row + offs_d[None, :]
+    return head_ptr + start * stride_row + offs_m[:, None] * stride_row + offs_d[None, :]
+
+
+@triton.jit
+def _load_rows(
+    head_ptr,
+    start,
+    offs_m,
+    stride_row,
+    offs_d,
+    in_M,
+    row_map_ptr,
+    ROW_MAP: tl.constexpr,
+    ROWS_PER_INDEX: tl.constexpr,
+):
+    """The [M, D] tile of _row_ptrs, rows past the sequence (not in_M) as zeros."""
+    ptrs = _row_ptrs(head_ptr, start, offs_m, stride_row, offs_d, in_M, row_map_ptr, ROW_MAP, ROWS_PER_INDEX)
+    return tl.load(ptrs, mask=in_M[:, None], other=0.0)
 
 
 @triton.jit
@@ -702,15 +718,10 @@ def _attn_fwd_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_M = offs_m < n_q
-    q_seq_ptr = q_ptr + head * stride_q_head
-    out_seq_ptr = out_ptr + head * stride_out_head
-    if not ROW_MAP:
-        q_seq_ptr += q_start * stride_q_row
-        out_seq_ptr += out_start * stride_out_row
-    q_ptrs = _row_ptrs(
-        q_seq_ptr, offs_m, stride_q_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
-    )
-    q_MD = tl.load(q_ptrs, mask=in_M[:, None], other=0.0)
+    q_MD = _load_rows(
+        q_ptr + head * stride_q_head, q_start, offs_m, stride_q_row, offs_d, in_M, row_map_ptr,
+        ROW_MAP, ROWS_PER_INDEX,
+    )  # fmt: skip
     k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
     v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
     kv_row0 = kv_start.to(tl.int32)  # the TMA boxes' coordinates in the [rows, H * D] views
@@ -756,8 +767,9 @@ def _attn_fwd_kernel(
     else:
         acc_MD = acc_MD * act_scale
     out_ptrs = _row_ptrs(
-        out_seq_ptr, offs_m, stride_out_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
-    )
+        out_ptr + head * stride_out_head, out_start, offs_m, stride_out_row, offs_d, in_M, row_map_ptr,
+        ROW_MAP, ROWS_PER_INDEX,
+    )  # fmt: skip
     tl.store(out_ptrs, acc_MD.to(out_ptr.dtype.element_ty), mask=in_M[:, None])
 
 
@@ -788,19 +800,14 @@ def _attn_bwd_delta_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_M = row0 + offs_m < num_rows
-    o_block_ptr = out_ptr + head * stride_out_head
-    do_block_ptr = do_ptr + head * stride_do_head
-    if not ROW_MAP:
-        o_block_ptr += row0 * stride_out_row
-        do_block_ptr += row0 * stride_do_row
-    o_ptrs = _row_ptrs(
-        o_block_ptr, offs_m, stride_out_row, offs_d, in_M, row_map_ptr, row0, ROW_MAP, ROWS_PER_INDEX
-    )
-    do_ptrs = _row_ptrs(
-        do_block_ptr, offs_m, stride_do_row, offs_d, in_M, row_map_ptr, row0, ROW_MAP, ROWS_PER_INDEX
-    )
-    o_MD = tl.load(o_ptrs, mask=in_M[:, None], other=0.0)
-    do_MD = tl.load(do_ptrs, mask=in_M[:, None], other=0.0)
+    o_MD = _load_rows(
+        out_ptr + head * stride_out_head, row0, offs_m, stride_out_row, offs_d, in_M, row_map_ptr,
+        ROW_MAP, ROWS_PER_INDEX,
+    )  # fmt: skip
+    do_MD = _load_rows(
+        do_ptr + head * stride_do_head, row0, offs_m, stride_do_row, offs_d, in_M, row_map_ptr,
+        ROW_MAP, ROWS_PER_INDEX,
+    )  # fmt: skip
     delta_M = tl.sum(o_MD.to(tl.float32) * do_MD.to(tl.float32), axis=1)
     tl.store(delta_ptr + head * stride_delta_head + row0 + offs_m, delta_M, mask=in_M)
 
@@ -812,12 +819,13 @@ def _bwd_dkdv_inner(
     dbias_B,
     k_ND,
     v_ND,
-    q_seq_ptr,
-    do_seq_ptr,
+    q_head_ptr,
+    do_head_ptr,
     lse_seq_ptr,
     delta_seq_ptr,
     bias_head_ptr,
     row_map_ptr,
+    q_start,
     out_start,
     stride_q_row,
     stride_do_row,
@@ -855,14 +863,12 @@ def _bwd_dkdv_inner(
         in_M = offs_m < n_q
         # Rows past the sequence load as zeros (dO = 0, delta = 0, lse = +inf), which makes
         # both their p and their ds exactly 0: no pair mask needed for them.
-        q_ptrs = _row_ptrs(
-            q_seq_ptr, offs_m, stride_q_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
+        q_MD = _load_rows(
+            q_head_ptr, q_start, offs_m, stride_q_row, offs_d, in_M, row_map_ptr, ROW_MAP, ROWS_PER_INDEX
         )
-        do_ptrs = _row_ptrs(
-            do_seq_ptr, offs_m, stride_do_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
+        do_MD = _load_rows(
+            do_head_ptr, out_start, offs_m, stride_do_row, offs_d, in_M, row_map_ptr, ROW_MAP, ROWS_PER_INDEX
         )
-        q_MD = tl.load(q_ptrs, mask=in_M[:, None], other=0.0)
-        do_MD = tl.load(do_ptrs, mask=in_M[:, None], other=0.0)
         s_NM = _dot(k_ND, tl.trans(q_MD), None, DOT_PRECISION) * qk_scale
         if HAS_BIAS:
             bias_NM = _tile_bias(
@@ -995,11 +1001,8 @@ def _attn_bwd_dkdv_kernel(
     v_ND = tl.load(
         v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :], mask=in_N[:, None], other=0.0
     )
-    q_seq_ptr = q_ptr + head * stride_q_head
-    do_seq_ptr = do_ptr + head * stride_do_head
-    if not ROW_MAP:
-        q_seq_ptr += q_start * stride_q_row
-        do_seq_ptr += out_start * stride_do_row
+    q_head_ptr = q_ptr + head * stride_q_head
+    do_head_ptr = do_ptr + head * stride_do_head
     lse_seq_ptr = lse_ptr + head * stride_lse_head + out_start
     delta_seq_ptr = delta_ptr + head * stride_lse_head + out_start
     bias_head_ptr = rel_bias_ptr + head * stride_bias_head
@@ -1009,14 +1012,16 @@ def _attn_bwd_dkdv_kernel(
     dbias_B = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
     lo, mid, hi = _query_ranges(n0, n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N)
     dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
-        dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_seq_ptr, do_seq_ptr, lse_seq_ptr, delta_seq_ptr,
-        bias_head_ptr, row_map_ptr, out_start, stride_q_row, stride_do_row, n0, lo, mid, n_q, n_k, n_hist,
+        dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_head_ptr, do_head_ptr, lse_seq_ptr, delta_seq_ptr,
+        bias_head_ptr, row_map_ptr, q_start, out_start, stride_q_row, stride_do_row, n0, lo, mid, n_q, n_k,
+        n_hist,
         qk_scale, bias_scale, ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, ROW_MAP, ROWS_PER_INDEX,
     )  # fmt: skip
     dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
-        dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_seq_ptr, do_seq_ptr, lse_seq_ptr, delta_seq_ptr,
-        bias_head_ptr, row_map_ptr, out_start, stride_q_row, stride_do_row, n0, mid, hi, n_q, n_k, n_hist,
+        dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_head_ptr, do_head_ptr, lse_seq_ptr, delta_seq_ptr,
+        bias_head_ptr, row_map_ptr, q_start, out_start, stride_q_row, stride_do_row, n0, mid, hi, n_q, n_k,
+        n_hist,
         qk_scale, bias_scale, ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, ROW_MAP, ROWS_PER_INDEX,
     )  # fmt: skip
@@ -1182,21 +1187,14 @@ def _attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     in_M = offs_m < n_q
-    q_seq_ptr = q_ptr + head * stride_q_head
-    do_seq_ptr = do_ptr + head * stride_do_head
-    dq_seq_ptr = dq_ptr + head * stride_dq_head
-    if not ROW_MAP:
-        q_seq_ptr += q_start * stride_q_row
-        do_seq_ptr += out_start * stride_do_row
-        dq_seq_ptr += out_start * stride_dq_row
-    q_ptrs = _row_ptrs(
-        q_seq_ptr, offs_m, stride_q_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
-    )
-    do_ptrs = _row_ptrs(
-        do_seq_ptr, offs_m, stride_do_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
-    )
-    q_MD = tl.load(q_ptrs, mask=in_M[:, None], other=0.0)
-    do_MD = tl.load(do_ptrs, mask=in_M[:, None], other=0.0)
+    q_MD = _load_rows(
+        q_ptr + head * stride_q_head, q_start, offs_m, stride_q_row, offs_d, in_M, row_map_ptr,
+        ROW_MAP, ROWS_PER_INDEX,
+    )  # fmt: skip
+    do_MD = _load_rows(
+        do_ptr + head * stride_do_head, out_start, offs_m, stride_do_row, offs_d, in_M, row_map_ptr,
+        ROW_MAP, ROWS_PER_INDEX,
+    )  # fmt: skip
     lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":
@@ -1230,8 +1228,9 @@ def _attn_bwd_dq_kernel(
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
         )  # fmt: skip
     dq_ptrs = _row_ptrs(
-        dq_seq_ptr, offs_m, stride_dq_row, offs_d, in_M, row_map_ptr, out_start, ROW_MAP, ROWS_PER_INDEX
-    )
+        dq_ptr + head * stride_dq_head, out_start, offs_m, stride_dq_row, offs_d, in_M, row_map_ptr,
+        ROW_MAP, ROWS_PER_INDEX,
+    )  # fmt: skip
     tl.store(dq_ptrs, (dq_MD * (scale * act_scale)).to(dq_ptr.dtype.element_ty), mask=in_M[:, None])
 
 
