@@ -4,8 +4,10 @@ A variant is a kernel module (this tree's kernels/attention.py, or another file 
 launchers, such as an earlier commit's copy given with --baseline) plus launch options (tiles,
 schedule). For each case (op, timing shape) every variant's forward is compared with the fp32
 reference and its backward with the current default's gradients, then both are timed in the
-same process; ratios are against the case's first variant. With --profile, the CUDA kernels of
-one forward call of the current default are listed (where the time goes besides the kernel).
+same process; ratios are against the case's first variant. A case is "<op>/<timing shape>", or
+"<study>/<op>/<timing shape>" for another set of variants of the same shape. With --profile,
+the CUDA kernels of one forward call of the current default are listed (where the time goes
+besides the kernel).
 
     git show <commit>:kernels/attention.py > /tmp/prev_attention.py
     python3 -m evals.compare_attention --baseline /tmp/prev_attention.py [--case NAME] [--out rows.jsonl]
@@ -59,6 +61,20 @@ SYNC_FREE = [
     ("bounds, CUDA graph", "cur-graph", BOUNDS, BOUNDS),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
+# Softmax's lazy rescale against the eager one (both fold the scale into the exponent) and the
+# previous commit; the backward kernels do not change with it (None: backward not timed).
+EAGER = {"lazy_rescale": False}
+RESCALE = [
+    ("previous", "prev", {}, {}),
+    ("eager rescale", "cur", EAGER, None),
+    ("this tree", "cur", {}, None),
+]
+TARGET_RESCALE = [
+    ("previous, bounds, CUDA graph", "prev-graph", BOUNDS, BOUNDS),
+    ("bounds, CUDA graph, eager rescale", "cur-graph", {**BOUNDS, **EAGER}, None),
+    ("bounds, CUDA graph", "cur-graph", BOUNDS, None),
+    ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
+]
 CASES = {
     "jagged_attention/b256-n4096-power-softmax": SCHEDULES + OP_PATHS,
     "jagged_attention/b256-n8192-power-softmax": SCHEDULES,
@@ -80,6 +96,11 @@ CASES = {
         for st in (3, 4)
     ],
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
+    "rescale/jagged_attention/b256-n4096-power-softmax": RESCALE + OP_PATHS,
+    "rescale/jagged_attention/b512-n1024-uniform-softmax": RESCALE,
+    "rescale/target_attention/r15-c70-s32-h2000-softmax": TARGET_RESCALE,
+    "rescale/target_attention/r15-c70-s256-h2000-softmax": TARGET_RESCALE,
+    "rescale/target_attention/r1-c2048-s32-h16k-softmax": TARGET_RESCALE,
 }
 
 
@@ -156,7 +177,7 @@ def _profile(module: ModuleType, op: str, inputs) -> None:
 
 
 def run_case(case: str, variants: list, modules: dict, device: torch.device, profile: bool) -> list[dict]:
-    op, shape_name = case.split("/")
+    op, shape_name = case.split("/")[-2:]  # "<study>/<op>/<shape>" or "<op>/<shape>"
     problem = get_problem(op)
     shape = next(s for s in problem.timing_shapes if s.name == shape_name)
     inputs = problem.make_inputs(shape, fresh_seed(), device)
@@ -176,10 +197,8 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
         if module_key not in modules and module_key != "ops":
             continue
         module = modules.get(module_key, current)
-        fwd_options, bwd_options = (
-            _bounds(op, inputs, dict(fwd_options)),
-            _bounds(op, inputs, dict(bwd_options)),
-        )
+        fwd_options = _bounds(op, inputs, dict(fwd_options))
+        bwd_options = None if bwd_options is None else _bounds(op, inputs, dict(bwd_options))
         row = {"case": case, "variant": label}
         try:
             if module_key == "ops":
@@ -195,7 +214,7 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
             row["fwd_check"] = "ok" if ok else details["message"][:80]
             row["fwd_ms"] = _median_ms(forward, device, 50)
             row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
-            if module_key == "ops":  # the op's backward runs under autograd: not timed here
+            if module_key == "ops" or bwd_options is None:  # the op's backward is under autograd
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 continue
@@ -254,7 +273,7 @@ def main() -> None:
     t0 = time.time()
     rows = []
     for case in args.case or list(CASES):
-        rows += run_case(case, CASES[case], modules, device, args.profile and case.startswith("target"))
+        rows += run_case(case, CASES[case], modules, device, args.profile and "target_attention/" in case)
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "a") as f:

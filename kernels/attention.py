@@ -553,6 +553,17 @@ def _request_groups_kernel(
 
 
 @triton.jit
+def _rescale(acc_MD, l_M, m_M, m_tile_M, MASKED: tl.constexpr):
+    """Online softmax's step to a new running max: (acc, l, m) rescaled to max(m, m_tile)."""
+    m_new_M = tl.maximum(m_M, m_tile_M)
+    m_use_M = m_new_M
+    if MASKED:
+        m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+    alpha_M = tl.exp2(m_M - m_use_M)
+    return acc_MD * alpha_M[:, None], l_M * alpha_M, m_new_M
+
+
+@triton.jit
 def _fwd_inner(
     acc_MD,
     m_M,
@@ -590,6 +601,8 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
+    RESCALE_LOG2: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -615,7 +628,9 @@ def _fwd_inner(
         else:
             k_ND = tl.load(k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :])
             v_ND = tl.load(v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :])
-        s_MN = _dot(q_MD, tl.trans(k_ND), None, DOT_PRECISION) * qk_scale
+        s_MN = _dot(q_MD, tl.trans(k_ND), None, DOT_PRECISION)
+        if not FOLD_SCALE:
+            s_MN = s_MN * qk_scale
         if HAS_BIAS:
             bias_MN = _tile_bias(
                 bias_head_ptr,
@@ -636,17 +651,29 @@ def _fwd_inner(
         if ACTIVATION == "softmax":
             if MASKED:
                 s_MN = tl.where(allowed_MN, s_MN, float("-inf"))
-            m_new_M = tl.maximum(m_M, tl.max(s_MN, axis=1))
-            m_use_M = m_new_M
+            # With FOLD_SCALE (qk_scale > 0, no bias) s is still unscaled: the row max scales
+            # after the reduction, and s where it is exponentiated, in one multiply-add.
+            m_tile_M = tl.max(s_MN, axis=1)
+            if FOLD_SCALE:
+                m_tile_M = m_tile_M * qk_scale
+            if RESCALE_LOG2 > 0:
+                # Keep the running max, and with it the scale of acc and l, until some row's
+                # max grows by more than RESCALE_LOG2: p stays below 2^RESCALE_LOG2, and most
+                # tiles skip the rescale of acc.
+                if tl.max((m_tile_M > m_M + RESCALE_LOG2).to(tl.int32), axis=0) > 0:
+                    acc_MD, l_M, m_M = _rescale(acc_MD, l_M, m_M, m_tile_M, MASKED)
+            else:
+                acc_MD, l_M, m_M = _rescale(acc_MD, l_M, m_M, m_tile_M, MASKED)
+            m_use_M = m_M
             if MASKED:
                 # A row with nothing allowed yet keeps m = -inf; exponentiate against 0 instead
                 # so that it adds exact zeros rather than NaN.
-                m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-            p_MN = tl.exp2(s_MN - m_use_M[:, None])
-            alpha_M = tl.exp2(m_M - m_use_M)
-            l_M = l_M * alpha_M + tl.sum(p_MN, axis=1)
-            acc_MD = acc_MD * alpha_M[:, None]
-            m_M = m_new_M
+                m_use_M = tl.where(m_M == float("-inf"), 0.0, m_M)
+            if FOLD_SCALE:
+                p_MN = tl.exp2(s_MN * qk_scale - m_use_M[:, None])
+            else:
+                p_MN = tl.exp2(s_MN - m_use_M[:, None])
+            l_M += tl.sum(p_MN, axis=1)
         else:
             p_MN = _activation(s_MN, ACTIVATION, SILU)
             if MASKED:
@@ -704,6 +731,8 @@ def _attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
+    RESCALE_LOG2: tl.constexpr,
 ):
     seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
     if seq < 0:
@@ -741,6 +770,7 @@ def _attn_fwd_kernel(
         m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
+        FOLD_SCALE, RESCALE_LOG2,
     )  # fmt: skip
     acc_MD, m_M, l_M = _fwd_inner(
         acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
@@ -748,6 +778,7 @@ def _attn_fwd_kernel(
         m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
+        FOLD_SCALE, RESCALE_LOG2,
     )  # fmt: skip
     if HAS_TARGETS:
         acc_MD, m_M, l_M = _fwd_inner(
@@ -756,6 +787,7 @@ def _attn_fwd_kernel(
             m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
+            FOLD_SCALE, RESCALE_LOG2,
         )  # fmt: skip
 
     if ACTIVATION == "softmax":
@@ -1235,6 +1267,12 @@ def _attn_bwd_dq_kernel(
 
 
 # --- launch configuration ---------------------------------------------------------------------
+
+
+# Softmax's forward keeps its running max until a row's grows by more than RESCALE_LOG2 (base 2),
+# skipping most rescales of the [BLOCK_M, D] accumulator (see _fwd_inner).
+LAZY_RESCALE = True
+RESCALE_LOG2 = 8.0
 
 
 def _forward_config(
@@ -1774,6 +1812,9 @@ def _launch_forward(
         schedule, q_offsets, kv_offsets, block_m, max_q_len, num_out_rows, keys=False
     )
     use_tma, k_desc, v_desc = _kv_descriptors(k, v, config)
+    qk_scale, bias_scale = _score_scales(scale, activation, config)
+    # Softmax scales s inside the exponent's multiply-add where it may (see _fwd_inner).
+    fold_scale = softmax and rel_bias is None and qk_scale > 0
     _attn_fwd_kernel[(num_items * num_heads,)](
         q, k, v, k_desc, v_desc, out, lse if lse is not None else out,
         q_offsets, kv_offsets, num_targets if num_targets is not None else q_offsets,
@@ -1782,12 +1823,12 @@ def _launch_forward(
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         rel_bias.stride(0) if rel_bias is not None else 0,
         work if work is not None else q_offsets, num_heads, num_q_blocks,
-        *_score_scales(scale, activation, config), act_scale,
+        qk_scale, bias_scale, act_scale,
         ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
         HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
         ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index, STORE_LSE=lse is not None,
         NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(q), WORK_LIST=work is not None,
+        DOT_PRECISION=_dot_precision(q), WORK_LIST=work is not None, FOLD_SCALE=fold_scale,
         **{**config, "USE_TMA": use_tma},
     )  # fmt: skip
     return out, lse
@@ -1961,11 +2002,12 @@ def _configs(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
+    lazy_rescale: bool | None = None,
 ) -> dict | tuple[dict, dict]:
     """The default launch configuration with the caller's overrides: the forward's, or with
     dq_overrides the backward's (dK/dV, dQ); each carries the kernels' SILU form, the forward
-    also whether its key loop loads by TMA (None: the default, settled at launch) and is warp
-    specialised."""
+    also whether its key loop loads by TMA (None: the default, settled at launch), is warp
+    specialised, and rescales softmax's accumulator lazily (None: LAZY_RESCALE)."""
     head_dim, dtype, device = q.shape[-1], q.dtype, q.device
     silu = {"SILU": _silu_form(q, activation, fast_silu)}
     if dq_overrides is None:
@@ -1974,7 +2016,12 @@ def _configs(
         defaults = _forward_config(
             head_dim, dtype, device, has_bias, activation == "softmax", tma is not False
         )
-        loads = {"USE_TMA": tma, "WARP_SPECIALIZE": warp_specialize}
+        lazy = LAZY_RESCALE if lazy_rescale is None else lazy_rescale
+        loads = {
+            "USE_TMA": tma,
+            "WARP_SPECIALIZE": warp_specialize,
+            "RESCALE_LOG2": RESCALE_LOG2 if lazy and activation == "softmax" else 0.0,
+        }
         return {**_with_overrides(defaults, block_m, block_n, num_warps, num_stages), **silu, **loads}
     defaults = _backward_config(head_dim, dtype, device, has_bias)
     return (
@@ -2007,6 +2054,7 @@ def jagged_attention_forward(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
+    lazy_rescale: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """HSTU self-attention over jagged sequences; no host sync.
 
@@ -2035,7 +2083,7 @@ def jagged_attention_forward(
         return_lse=return_lse,
         config=_configs(
             q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
-            tma=tma, warp_specialize=warp_specialize,
+            tma=tma, warp_specialize=warp_specialize, lazy_rescale=lazy_rescale,
         ),
         schedule=schedule,
     )  # fmt: skip
@@ -2207,6 +2255,7 @@ def target_attention_forward(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
+    lazy_rescale: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Request-broadcast target attention.
 
@@ -2238,7 +2287,7 @@ def target_attention_forward(
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
         config=_configs(
             q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
-            tma=tma, warp_specialize=warp_specialize,
+            tma=tma, warp_specialize=warp_specialize, lazy_rescale=lazy_rescale,
         ),
         schedule=schedule, row_map=groups.order, rows_per_index=seeds,
     )  # fmt: skip
