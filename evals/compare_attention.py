@@ -61,18 +61,20 @@ SYNC_FREE = [
     ("bounds, CUDA graph", "cur-graph", BOUNDS, BOUNDS),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
-# Softmax's lazy rescale against the eager one (both fold the scale into the exponent) and the
-# previous commit; the backward kernels do not change with it (None: backward not timed).
-EAGER = {"lazy_rescale": False}
-RESCALE = [
-    ("previous", "prev", {}, {}),
-    ("eager rescale", "cur", EAGER, None),
-    ("this tree", "cur", {}, None),
+# The softmax forward with its score scale folded into the exponent (this tree) against the
+# previous commit, and forward tilings by TMA; the backward kernels do not change (None: the
+# backward is not timed).
+FWD_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (128, 128, 8, 2)]
+FOLD = [("previous", "prev", {}, {}), ("this tree", "cur", {}, None)] + [
+    (f"fwd {m}x{n} w{w} s{st}", "cur", _tiles(m, n, w, st), None) for m, n, w, st in FWD_TILES
 ]
-TARGET_RESCALE = [
+TARGET_FOLD = [
     ("previous, bounds, CUDA graph", "prev-graph", BOUNDS, BOUNDS),
-    ("bounds, CUDA graph, eager rescale", "cur-graph", {**BOUNDS, **EAGER}, None),
     ("bounds, CUDA graph", "cur-graph", BOUNDS, None),
+    *(
+        (f"bounds, CUDA graph, fwd {m}x{n} w{w} s{st}", "cur-graph", {**BOUNDS, **_tiles(m, n, w, st)}, None)
+        for m, n, w, st in FWD_TILES
+    ),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
 CASES = {
@@ -96,11 +98,11 @@ CASES = {
         for st in (3, 4)
     ],
     "target_attention/r1-c2048-s32-h16k-softmax": SCHEDULES + TARGET_TILES[:2],
-    "rescale/jagged_attention/b256-n4096-power-softmax": RESCALE + OP_PATHS,
-    "rescale/jagged_attention/b512-n1024-uniform-softmax": RESCALE,
-    "rescale/target_attention/r15-c70-s32-h2000-softmax": TARGET_RESCALE,
-    "rescale/target_attention/r15-c70-s256-h2000-softmax": TARGET_RESCALE,
-    "rescale/target_attention/r1-c2048-s32-h16k-softmax": TARGET_RESCALE,
+    "fold/jagged_attention/b256-n4096-power-softmax": FOLD + OP_PATHS,
+    "fold/jagged_attention/b512-n1024-uniform-softmax": FOLD,
+    "fold/target_attention/r15-c70-s32-h2000-softmax": TARGET_FOLD,
+    "fold/target_attention/r15-c70-s256-h2000-softmax": TARGET_FOLD,
+    "fold/target_attention/r1-c2048-s32-h16k-softmax": TARGET_FOLD,
 }
 
 

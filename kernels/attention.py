@@ -602,7 +602,6 @@ def _fwd_inner(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
-    RESCALE_LOG2: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -656,14 +655,7 @@ def _fwd_inner(
             m_tile_M = tl.max(s_MN, axis=1)
             if FOLD_SCALE:
                 m_tile_M = m_tile_M * qk_scale
-            if RESCALE_LOG2 > 0:
-                # Keep the running max, and with it the scale of acc and l, until some row's
-                # max grows by more than RESCALE_LOG2: p stays below 2^RESCALE_LOG2, and most
-                # tiles skip the rescale of acc.
-                if tl.max((m_tile_M > m_M + RESCALE_LOG2).to(tl.int32), axis=0) > 0:
-                    acc_MD, l_M, m_M = _rescale(acc_MD, l_M, m_M, m_tile_M, MASKED)
-            else:
-                acc_MD, l_M, m_M = _rescale(acc_MD, l_M, m_M, m_tile_M, MASKED)
+            acc_MD, l_M, m_M = _rescale(acc_MD, l_M, m_M, m_tile_M, MASKED)
             m_use_M = m_M
             if MASKED:
                 # A row with nothing allowed yet keeps m = -inf; exponentiate against 0 instead
@@ -732,7 +724,6 @@ def _attn_fwd_kernel(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
-    RESCALE_LOG2: tl.constexpr,
 ):
     seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
     if seq < 0:
@@ -770,7 +761,7 @@ def _attn_fwd_kernel(
         m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
-        FOLD_SCALE, RESCALE_LOG2,
+        FOLD_SCALE,
     )  # fmt: skip
     acc_MD, m_M, l_M = _fwd_inner(
         acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
@@ -778,7 +769,7 @@ def _attn_fwd_kernel(
         m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
         ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
         NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
-        FOLD_SCALE, RESCALE_LOG2,
+        FOLD_SCALE,
     )  # fmt: skip
     if HAS_TARGETS:
         acc_MD, m_M, l_M = _fwd_inner(
@@ -787,7 +778,7 @@ def _attn_fwd_kernel(
             m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
-            FOLD_SCALE, RESCALE_LOG2,
+            FOLD_SCALE,
         )  # fmt: skip
 
     if ACTIVATION == "softmax":
@@ -1267,12 +1258,6 @@ def _attn_bwd_dq_kernel(
 
 
 # --- launch configuration ---------------------------------------------------------------------
-
-
-# Softmax's forward keeps its running max until a row's grows by more than RESCALE_LOG2 (base 2),
-# skipping most rescales of the [BLOCK_M, D] accumulator (see _fwd_inner).
-LAZY_RESCALE = True
-RESCALE_LOG2 = 8.0
 
 
 def _forward_config(
@@ -2002,12 +1987,11 @@ def _configs(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
-    lazy_rescale: bool | None = None,
 ) -> dict | tuple[dict, dict]:
     """The default launch configuration with the caller's overrides: the forward's, or with
     dq_overrides the backward's (dK/dV, dQ); each carries the kernels' SILU form, the forward
-    also whether its key loop loads by TMA (None: the default, settled at launch), is warp
-    specialised, and rescales softmax's accumulator lazily (None: LAZY_RESCALE)."""
+    also whether its key loop loads by TMA (None: the default, settled at launch) and is warp
+    specialised."""
     head_dim, dtype, device = q.shape[-1], q.dtype, q.device
     silu = {"SILU": _silu_form(q, activation, fast_silu)}
     if dq_overrides is None:
@@ -2016,12 +2000,7 @@ def _configs(
         defaults = _forward_config(
             head_dim, dtype, device, has_bias, activation == "softmax", tma is not False
         )
-        lazy = LAZY_RESCALE if lazy_rescale is None else lazy_rescale
-        loads = {
-            "USE_TMA": tma,
-            "WARP_SPECIALIZE": warp_specialize,
-            "RESCALE_LOG2": RESCALE_LOG2 if lazy and activation == "softmax" else 0.0,
-        }
+        loads = {"USE_TMA": tma, "WARP_SPECIALIZE": warp_specialize}
         return {**_with_overrides(defaults, block_m, block_n, num_warps, num_stages), **silu, **loads}
     defaults = _backward_config(head_dim, dtype, device, has_bias)
     return (
@@ -2054,7 +2033,6 @@ def jagged_attention_forward(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
-    lazy_rescale: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """HSTU self-attention over jagged sequences; no host sync.
 
@@ -2083,7 +2061,7 @@ def jagged_attention_forward(
         return_lse=return_lse,
         config=_configs(
             q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
-            tma=tma, warp_specialize=warp_specialize, lazy_rescale=lazy_rescale,
+            tma=tma, warp_specialize=warp_specialize,
         ),
         schedule=schedule,
     )  # fmt: skip
@@ -2255,7 +2233,6 @@ def target_attention_forward(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
-    lazy_rescale: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Request-broadcast target attention.
 
@@ -2287,7 +2264,7 @@ def target_attention_forward(
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
         config=_configs(
             q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
-            tma=tma, warp_specialize=warp_specialize, lazy_rescale=lazy_rescale,
+            tma=tma, warp_specialize=warp_specialize,
         ),
         schedule=schedule, row_map=groups.order, rows_per_index=seeds,
     )  # fmt: skip

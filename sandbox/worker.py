@@ -73,7 +73,7 @@ def baseline_providers(problem: Problem, names: list[str], device: torch.device)
         if name == "reference.compile":
             # On a CPU this costs a C++ build per shape and times nothing a GPU cares about.
             if device.type == "cuda":
-                out[name] = torch.compile(problem.reference, dynamic=False)
+                out[name] = torch.compile(problem.reference, dynamic=problem.reference_dynamic)
         elif name in known:
             out[name] = known[name]
         else:

@@ -402,6 +402,7 @@ PROBLEM = Problem(
     error_scale=softmax_error_scale,
     # The loop reference (and its compile, one graph per sequence length) takes minutes here.
     campaign_baselines=("torch.padded",),
+    reference_dynamic=None,
     make_inputs=make_inputs,
     reference=jagged_attention_reference,
     baselines={"torch.padded": torch_padded},

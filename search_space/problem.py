@@ -107,6 +107,11 @@ class Problem:
     # every baseline (see sandbox.protocol.all_baselines). Problems whose plain reference takes
     # minutes at the timing shapes (a Python loop over sequences) leave it out.
     campaign_baselines: tuple[str, ...] | None = None
+    # torch.compile's `dynamic` for the "reference.compile" baseline. False: every timing shape
+    # compiles on its own, static. None (automatic dynamic shapes) for references that loop over
+    # jagged sequences: static, every sequence length would recompile until the recompile limit,
+    # after which the rest ran eagerly.
+    reference_dynamic: bool | None = False
     # The magnitude a correct kernel's rounding errors come with, from the call's inputs, where
     # that exceeds the output's RMS (Tolerance's default); None: the output's RMS.
     error_scale: Callable[[Inputs], float | None] | None = None

@@ -229,34 +229,32 @@ def test_tma_loads_need_a_hopper_gpu(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("lazy", [True, False], ids=["lazy-rescale", "eager-rescale"])
-def test_softmax_rescale_with_growing_scores(causal: bool, lazy: bool, device: torch.device) -> None:
-    # Keys whose scores grow along the sequence by about 2 (base e) per token: every row's max
-    # rises by far more than 2^RESCALE_LOG2 from one 16-key tile to the next, so the lazy path
-    # rescales, and within a tile it keeps p below 2^RESCALE_LOG2 on the rows that lag behind.
-    # Output and lse against fp64, both with and without the lazy rescale.
+@pytest.mark.parametrize("sign", [1, -1], ids=["scale-folded", "negative-scale"])
+def test_softmax_rescale_with_growing_scores(causal: bool, sign: int, device: torch.device) -> None:
+    # Keys whose scores grow along the sequence by about 2.5 (base e) per token, so every row's
+    # running max moves on at every 16-key tile. A positive scale is folded into the
+    # exponent's multiply-add; -q with a negative scale gives the same scores the other way.
+    # Output and lse (base 2) against fp64.
     lengths = [0, 1, 17, 40, 33]
     inputs = _jagged_inputs(device, lengths=lengths, targets=[0, 1, 2, 3, 0])
-    q, k, v, offsets = inputs["q"], inputs["k"], inputs["v"], inputs["offsets"]
-    q = q.abs()
-    k = (
-        k.abs()
-        * (1 + torch.cat([torch.arange(n, dtype=torch.float32, device=device) for n in lengths]))[
-            :, None, None
-        ]
-    )
+    q, k, v, offsets = inputs["q"].abs(), inputs["k"], inputs["v"], inputs["offsets"]
+    growth = torch.cat([torch.arange(n, dtype=torch.float32, device=device) for n in lengths])
+    k = k.abs() * (1 + growth)[:, None, None]
     options = {"max_seq_len": max(lengths), "causal": causal, "num_targets": inputs["num_targets"]}
-    out, lse = attn.jagged_attention_forward(q, k, v, offsets, **options, return_lse=True, lazy_rescale=lazy)
+    scale = DIM**-0.5
+    out, lse = attn.jagged_attention_forward(
+        sign * q, k, v, offsets, **options, scale=sign * scale, return_lse=True
+    )
     want = reference.jagged_attention_reference(q.double(), k.double(), v.double(), offsets, **options)
     assert_close(out, want, "fp32", "out")
-    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * DIM**-0.5
-    want_lse = torch.full_like(lse, float("-inf"), dtype=torch.float64)
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * scale
+    want_lse = torch.empty_like(lse, dtype=torch.float64)
     bounds = offsets.tolist()
     for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         n = end - start
         allowed = reference.allowed_mask(n, n - min(int(inputs["num_targets"][b]), n), causal, q.device)
         s = scores[:, start:end, start:end].masked_fill(~allowed, float("-inf"))
-        want_lse[:, start:end] = torch.logsumexp(s, dim=-1) / math.log(2)  # base 2, as the kernel's
+        want_lse[:, start:end] = torch.logsumexp(s, dim=-1) / math.log(2)
     assert torch.allclose(lse.double(), want_lse, rtol=1e-5, atol=1e-4)
 
 

@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
-from sandbox.worker import evaluate
+from sandbox.worker import baseline_providers, evaluate
+from search_space import get_problem
 from search_space.embedding_bag import CHECK_SHAPES, ENTRY, TEMPLATE
 
 DEFAULT_SOURCE = TEMPLATE.render({})
@@ -57,3 +59,23 @@ def test_raising_entry_is_a_runtime_error_naming_the_shape(tmp_path: Path) -> No
     assert result.status == Status.RUNTIME_ERROR
     assert result.message == f"{CHECK_SHAPES[0].describe()}: RuntimeError: gave up"
     assert "Traceback" in result.log_tail and result.checks == []
+
+
+@pytest.mark.parametrize(
+    "name, dynamic", [("embedding_bag", False), ("jagged_attention", None), ("gdpa", None)]
+)
+def test_reference_compile_takes_the_problems_dynamic(name: str, dynamic, monkeypatch) -> None:
+    # References that loop over jagged sequences compile with automatic dynamic shapes; the
+    # others once per shape, static. (The compile itself happens at the first call, on a GPU.)
+    seen = {}
+
+    def fake_compile(fn, **kwargs):
+        seen.update(kwargs, fn=fn)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    problem = get_problem(name)
+    providers = baseline_providers(problem, ["reference.compile"], torch.device("cuda"))
+    assert providers["reference.compile"] is problem.reference
+    assert seen == {"fn": problem.reference, "dynamic": dynamic}
+    assert baseline_providers(problem, ["reference.compile"], torch.device("cpu")) == {}
