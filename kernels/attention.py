@@ -1643,7 +1643,7 @@ def _group_by_request(
         counts = torch.zeros(num_requests, dtype=torch.int64, device=device).index_add_(
             0, requests.clamp(0, num_requests - 1), torch.ones_like(requests)
         )
-        q_offsets[0] = 0
+        q_offsets[:1].zero_()  # not `= 0`: a host-to-device copy, refused inside CUDA graph capture
         torch.cumsum(counts * seeds, 0, out=q_offsets[1:])
         return q_offsets, torch.argsort(requests, stable=True)
     order = torch.empty(num_cand, dtype=torch.int64, device=device)

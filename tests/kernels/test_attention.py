@@ -941,11 +941,15 @@ def test_target_attention_realistic_on_gpu(activation: str, empty_library) -> No
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("grouping", ["ranks", "torch"])
 def test_target_attention_with_bounds_never_syncs_and_replays_in_a_cuda_graph(
-    activation: str, empty_library
+    activation: str, grouping: str, empty_library, monkeypatch
 ) -> None:
     """With max_candidates and max_history the op (forward and backward) runs with CUDA's sync
-    debug mode set to raise, and a CUDA graph of it replays to the eager result."""
+    debug mode set to raise, and a CUDA graph of it replays to the eager result; with the
+    one-launch grouping and with the torch ops used beyond RANK_SORT_MAX candidates."""
+    if grouping == "torch":
+        monkeypatch.setattr(attn, "RANK_SORT_MAX", 0)
     gen = torch.Generator().manual_seed(3)
     kv_lengths = _realistic_lengths(gen, 8, 1024)
     requests = torch.randint(0, 8, (64,), generator=gen).tolist()
