@@ -4,7 +4,8 @@ benchmarks and tests are checked against.
 Layout: jagged values `[total_tokens, heads, dim]` with `offsets [B + 1]` (int64 or int32);
 sequence b holds rows `offsets[b]:offsets[b + 1]`. The references loop over sequences and build
 each one's dense `[heads, n, n]` scores, so they are exact but never fast; they compute in fp32
-(fp64 when given fp64) and return the input's dtype.
+(fp64 when given fp64) and return the input's dtype. Each takes `attend`, the dense attention
+of one sequence (plain PyTorch unless given; `compiled_reference` passes a compiled one).
 
 jagged_attention (HSTU encoder, Jagged Flash Attention)
     s_ij = scale * q_i . k_j + rel_bias[h, bucket(|i - j|)]          (positions within the sequence)
@@ -26,7 +27,9 @@ softmax as above (no mask), silu as gdpa's (no normalization); an empty history 
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +81,7 @@ def _activate(s: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
 
 
-def _attend(
+def dense_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -104,6 +107,14 @@ def _attend(
     return torch.einsum("hmn,nhd->mhd", p, v)
 
 
+def compiled_reference(reference: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`reference` with its dense attention of one sequence (or request) compiled by
+    torch.compile with dynamic shapes; the loop over sequences stays in Python. Compiling the
+    whole reference instead unrolls that loop over the batch's lengths (host values, baked in
+    as constants), so every batch with other lengths compiles again."""
+    return functools.partial(reference, attend=torch.compile(dense_attention, dynamic=True))
+
+
 def jagged_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -116,6 +127,7 @@ def jagged_attention_reference(
     num_targets: torch.Tensor | None = None,
     rel_bias: torch.Tensor | None = None,
     scale: float | None = None,
+    attend: Callable[..., torch.Tensor] = dense_attention,
 ) -> torch.Tensor:
     """HSTU / Jagged Flash Attention self-attention; rel_bias is [H, num_buckets]."""
     if activation not in ("softmax", "silu"):
@@ -134,7 +146,7 @@ def jagged_attention_reference(
         if rel_bias is not None:
             buckets = relative_bucket((pos[:, None] - pos[None, :]).abs(), rel_bias.shape[1])
             bias = rel_bias.to(acc)[:, buckets]  # [H, n, n]
-        out[start:end] = _attend(
+        out[start:end] = attend(
             q[start:end].to(acc),
             k[start:end].to(acc),
             v[start:end].to(acc),
@@ -157,6 +169,7 @@ def gdpa_reference(
     activation: str = "gelu",
     scale: float | None = None,
     broadcast_q: bool = False,
+    attend: Callable[..., torch.Tensor] = dense_attention,
 ) -> torch.Tensor:
     """Generalized dot-product attention; with broadcast_q, q is [n_q, H, D] for every sample."""
     if activation not in ("gelu", "silu", "relu", "none"):
@@ -181,7 +194,7 @@ def gdpa_reference(
         if qe == qs or ke == ks:
             continue
         q_b = q if broadcast_q else q[qs:qe]
-        out[qs:qe] = _attend(
+        out[qs:qe] = attend(
             q_b.to(acc), k[ks:ke].to(acc), v[ks:ke].to(acc), activation=activation, scale=scale
         )
     return out.to(q.dtype)
@@ -196,6 +209,7 @@ def target_attention_reference(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    attend: Callable[..., torch.Tensor] = dense_attention,
 ) -> torch.Tensor:
     """Candidates [C, S, H, D] attend to their request's history; histories are never copied."""
     if activation not in ("softmax", "silu"):
@@ -212,6 +226,6 @@ def target_attention_reference(
             continue
         cands = torch.tensor([c for c, req in enumerate(requests) if req == r], device=q_cand.device)
         q_r = q_cand[cands].reshape(-1, heads, q_cand.shape[-1]).to(acc)  # every seed of the request
-        o_r = _attend(q_r, k[start:end].to(acc), v[start:end].to(acc), activation=activation, scale=scale)
+        o_r = attend(q_r, k[start:end].to(acc), v[start:end].to(acc), activation=activation, scale=scale)
         out[cands] = o_r.reshape(len(cands), seeds, heads, -1)
     return out.to(q_cand.dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from search_space import workload
-from search_space.attention import gdpa_reference
+from search_space.attention import compiled_reference, gdpa_reference
 from search_space.attention_common import (
     FORBIDDEN_OPS,
     TOLERANCES,
@@ -330,7 +330,7 @@ PROBLEM = Problem(
     error_scale=softmax_error_scale,
     # The loop reference (and its compile, one graph per sequence length) takes minutes here.
     campaign_baselines=("torch.padded",),
-    reference_dynamic=None,
+    compile_reference=compiled_reference,
     make_inputs=make_inputs,
     reference=gdpa_reference,
     baselines={"torch.padded": torch_padded},

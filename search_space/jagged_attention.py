@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from search_space import workload
-from search_space.attention import jagged_attention_reference, relative_bucket
+from search_space.attention import compiled_reference, jagged_attention_reference, relative_bucket
 from search_space.attention_common import (
     DENSE_BUDGET,
     FORBIDDEN_OPS,
@@ -402,7 +402,7 @@ PROBLEM = Problem(
     error_scale=softmax_error_scale,
     # The loop reference (and its compile, one graph per sequence length) takes minutes here.
     campaign_baselines=("torch.padded",),
-    reference_dynamic=None,
+    compile_reference=compiled_reference,
     make_inputs=make_inputs,
     reference=jagged_attention_reference,
     baselines={"torch.padded": torch_padded},

@@ -107,11 +107,10 @@ class Problem:
     # every baseline (see sandbox.protocol.all_baselines). Problems whose plain reference takes
     # minutes at the timing shapes (a Python loop over sequences) leave it out.
     campaign_baselines: tuple[str, ...] | None = None
-    # torch.compile's `dynamic` for the "reference.compile" baseline. False: every timing shape
-    # compiles on its own, static. None (automatic dynamic shapes) for references that loop over
-    # jagged sequences: static, every sequence length would recompile until the recompile limit,
-    # after which the rest ran eagerly.
-    reference_dynamic: bool | None = False
+    # How the "reference.compile" baseline is built from `reference`; None: torch.compile of the
+    # whole reference, static, compiled once per timing shape. References that loop over jagged
+    # sequences compile their per-sequence part instead (search_space.attention).
+    compile_reference: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]] | None = None
     # The magnitude a correct kernel's rounding errors come with, from the call's inputs, where
     # that exceeds the output's RMS (Tolerance's default); None: the output's RMS.
     error_scale: Callable[[Inputs], float | None] | None = None

@@ -12,10 +12,12 @@ search_space/attention.py's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from search_space import workload
-from search_space.attention import target_attention_reference
+from search_space.attention import compiled_reference, dense_attention, target_attention_reference
 from search_space.attention_common import (
     DENSE_BUDGET,
     FORBIDDEN_OPS,
@@ -56,16 +58,18 @@ def reference(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    attend: Callable[..., torch.Tensor] = dense_attention,
 ) -> torch.Tensor:
     """attention.py's reference, called on groups of candidates small enough that its fp32 score
-    tensor stays under REFERENCE_BUDGET elements (2048 candidates x 32 seeds over a 16k history
-    would be 17 GB at once). Candidates are independent, so the result is the same."""
+        tensor stays under REFERENCE_BUDGET elements (2048 candidates x 32 seeds over a 16k history
+        would be 17 GB at once). Candidates are independent, so the result is the same. `attend`: as
+    search_space.attention's."""
     num_cand, seeds, heads, _ = q_cand.shape
     longest = int((kv_offsets[1:] - kv_offsets[:-1]).max()) if kv_offsets.numel() > 1 else 0
     step = max(1, REFERENCE_BUDGET // max(seeds * heads * longest, 1))
     if step >= num_cand:
         return target_attention_reference(
-            q_cand, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale
+            q_cand, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale, attend=attend
         )
     return torch.cat(
         [
@@ -77,6 +81,7 @@ def reference(
                 cand_to_request[c : c + step],
                 activation=activation,
                 scale=scale,
+                attend=attend,
             )
             for c in range(0, num_cand, step)
         ]
@@ -451,7 +456,7 @@ PROBLEM = Problem(
     error_scale=softmax_error_scale,
     # The loop reference (and its compile, one graph per sequence length) takes minutes here.
     campaign_baselines=("torch.padded",),
-    reference_dynamic=None,
+    compile_reference=compiled_reference,
     make_inputs=make_inputs,
     reference=reference,
     baselines={"torch.padded": torch_padded, "torch.replicate_kv": torch_replicate_kv},

@@ -13,6 +13,7 @@ from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
 from sandbox.worker import baseline_providers, evaluate
 from search_space import get_problem
+from search_space.attention import compiled_reference, dense_attention
 from search_space.embedding_bag import CHECK_SHAPES, ENTRY, TEMPLATE
 
 DEFAULT_SOURCE = TEMPLATE.render({})
@@ -61,21 +62,40 @@ def test_raising_entry_is_a_runtime_error_naming_the_shape(tmp_path: Path) -> No
     assert "Traceback" in result.log_tail and result.checks == []
 
 
-@pytest.mark.parametrize(
-    "name, dynamic", [("embedding_bag", False), ("jagged_attention", None), ("gdpa", None)]
-)
-def test_reference_compile_takes_the_problems_dynamic(name: str, dynamic, monkeypatch) -> None:
-    # References that loop over jagged sequences compile with automatic dynamic shapes; the
-    # others once per shape, static. (The compile itself happens at the first call, on a GPU.)
-    seen = {}
+def test_reference_compile_of_a_jagged_reference_compiles_its_dense_part(monkeypatch) -> None:
+    # embedding_bag's reference compiles whole, once per shape; the attention references keep
+    # their loop over sequences and compile the dense attention of one, with dynamic shapes.
+    # (torch.compile returns a wrapper here; the compile itself would run at the first call.)
+    seen = []
 
     def fake_compile(fn, **kwargs):
-        seen.update(kwargs, fn=fn)
+        seen.append((fn, kwargs))
         return fn
 
     monkeypatch.setattr(torch, "compile", fake_compile)
-    problem = get_problem(name)
-    providers = baseline_providers(problem, ["reference.compile"], torch.device("cuda"))
-    assert providers["reference.compile"] is problem.reference
-    assert seen == {"fn": problem.reference, "dynamic": dynamic}
-    assert baseline_providers(problem, ["reference.compile"], torch.device("cpu")) == {}
+    embedding = get_problem("embedding_bag")
+    providers = baseline_providers(embedding, ["reference.compile"], torch.device("cuda"))
+    assert providers["reference.compile"] is embedding.reference
+    assert seen == [(embedding.reference, {"dynamic": False})]
+    for name in ("jagged_attention", "gdpa", "target_attention"):
+        seen.clear()
+        problem = get_problem(name)
+        compiled = baseline_providers(problem, ["reference.compile"], torch.device("cuda"))[
+            "reference.compile"
+        ]
+        assert seen == [(dense_attention, {"dynamic": True})], name
+        assert compiled.func is problem.reference and compiled.keywords == {"attend": dense_attention}
+        assert baseline_providers(problem, ["reference.compile"], torch.device("cpu")) == {}
+
+
+def test_compiled_reference_computes_the_reference(monkeypatch) -> None:
+    # The loop with a dense part traced by dynamo, dynamic shapes, gives the plain reference's
+    # result. (The eager backend: no C++ build for inductor on a CPU; a GPU run times inductor.)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_(fn, backend="eager", **kwargs))
+    problem = get_problem("jagged_attention")
+    shape = next(s for s in problem.check_shapes if s.dtype == "fp32")
+    inputs = problem.make_inputs(shape, 0, torch.device("cpu"))
+    want = problem.reference(*inputs.args, **inputs.kwargs)
+    got = compiled_reference(problem.reference)(*inputs.args, **inputs.kwargs)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
