@@ -1438,18 +1438,26 @@ def check_gdpa(
     *,
     activation: str,
     broadcast_q: bool,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [total_q or n_q, H, D], got shape {tuple(q.shape)}")
     _check_qkv(q, k, v)
     _check_offsets("kv_offsets", kv_offsets)
     _check_activation("gdpa", activation)
-    if not broadcast_q:
+    _check_int_bounds(max_q_len=max_q_len, max_kv_len=max_kv_len)
+    if broadcast_q:
+        if max_q_len is not None:
+            raise ValueError("gdpa takes no max_q_len with broadcast_q: every sample has the n_q seeds")
+    else:
         if q_offsets is None:
             raise ValueError("gdpa needs q_offsets unless broadcast_q")
         _check_offsets("q_offsets", q_offsets)
         if q_offsets.numel() != kv_offsets.numel():
             raise ValueError(f"q_offsets has {q_offsets.numel()} entries, kv_offsets {kv_offsets.numel()}")
+        if (max_q_len is None) != (max_kv_len is None):
+            raise ValueError("max_q_len and max_kv_len go together (both bound the launch, or neither)")
 
 
 def check_target_attention(
@@ -1479,8 +1487,12 @@ def check_target_attention(
 def _check_bounds(max_candidates: int | None, max_history: int | None) -> None:
     if (max_candidates is None) != (max_history is None):
         raise ValueError("max_candidates and max_history go together (both bound the launch, or neither)")
-    for name, value in (("max_candidates", max_candidates), ("max_history", max_history)):
-        if value is not None and (not isinstance(value, int) or value < 0):
+    _check_int_bounds(max_candidates=max_candidates, max_history=max_history)
+
+
+def _check_int_bounds(**bounds: int | None) -> None:
+    for name, value in bounds.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
@@ -2117,18 +2129,25 @@ def _gdpa_layout(
     q_offsets: torch.Tensor | None,
     kv_offsets: torch.Tensor,
     broadcast_q: bool,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
 ) -> tuple[torch.Tensor, int, int]:
-    """(q_offsets as the kernels take them, longest query and key sequence): one host sync."""
+    """(q_offsets as the kernels take them, longest query and key sequence): one host sync, or
+    none with the caller's bounds (after check_gdpa: max_kv_len, and max_q_len unless
+    broadcast_q), which are then trusted."""
     num_seqs = kv_offsets.numel() - 1
     if num_seqs == 0:
         return torch.zeros(1, dtype=torch.int64, device=q.device), 0, 0
     if broadcast_q:
         # Out rows of sample b are b * n_q + [0, n_q): the same offsets the jagged case reads.
         out_offsets = torch.arange(num_seqs + 1, dtype=torch.int64, device=q.device) * q.shape[0]
-        max_q_len, max_kv_len = _cross_lengths(q.shape[0], k.shape[0], None, kv_offsets, q.shape[0])
-        return out_offsets, max_q_len, max_kv_len
+        if max_kv_len is None:
+            _, max_kv_len = _cross_lengths(q.shape[0], k.shape[0], None, kv_offsets, q.shape[0])
+        return out_offsets, q.shape[0], max_kv_len
     assert q_offsets is not None
-    max_q_len, max_kv_len = _cross_lengths(q.shape[0], k.shape[0], q_offsets, kv_offsets, None)
+    if max_kv_len is None:
+        max_q_len, max_kv_len = _cross_lengths(q.shape[0], k.shape[0], q_offsets, kv_offsets, None)
+    assert max_q_len is not None
     return q_offsets, max_q_len, max_kv_len
 
 
@@ -2142,6 +2161,8 @@ def gdpa_forward(
     activation: str = "gelu",
     scale: float | None = None,
     broadcast_q: bool = False,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -2155,11 +2176,17 @@ def gdpa_forward(
 
     q [total_q, H, D] with q_offsets [B + 1], or with broadcast_q one set of seeds [n_q, H, D]
     for every sample; k, v [total_kv, H, D] with kv_offsets [B + 1]
-    -> out [total_q, H, D] ([B * n_q, H, D] with broadcast_q). One host sync (the longest
-    sequence sizes the grid).
+    -> out [total_q, H, D] ([B * n_q, H, D] with broadcast_q). One host sync (checks, and the
+    longest sequences size the grid), or none given max_kv_len (>= every key sequence) and,
+    unless broadcast_q, max_q_len (>= every query sequence), which are then trusted.
     """
-    check_gdpa(q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q)
-    out_offsets, max_q_len, max_kv_len = _gdpa_layout(q, k, q_offsets, kv_offsets, broadcast_q)
+    check_gdpa(
+        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
+        max_q_len=max_q_len, max_kv_len=max_kv_len,
+    )  # fmt: skip
+    out_offsets, max_q_len, max_kv_len = _gdpa_layout(
+        q, k, q_offsets, kv_offsets, broadcast_q, max_q_len, max_kv_len
+    )
     num_out_rows = (kv_offsets.numel() - 1) * q.shape[0] if broadcast_q else q.shape[0]
     out, _ = _launch_forward(
         q, k, v, out_offsets, kv_offsets,
@@ -2186,6 +2213,8 @@ def gdpa_backward(
     activation: str = "gelu",
     scale: float | None = None,
     broadcast_q: bool = False,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -2197,8 +2226,15 @@ def gdpa_backward(
     schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """grad_out like gdpa's out -> dq (like q; summed over samples with broadcast_q), dk, dv."""
-    out_offsets, max_q_len, max_kv_len = _gdpa_layout(q, k, q_offsets, kv_offsets, broadcast_q)
+    """grad_out like gdpa's out -> dq (like q; summed over samples with broadcast_q), dk, dv.
+    Bounds as gdpa_forward's."""
+    check_gdpa(
+        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
+        max_q_len=max_q_len, max_kv_len=max_kv_len,
+    )  # fmt: skip
+    out_offsets, max_q_len, max_kv_len = _gdpa_layout(
+        q, k, q_offsets, kv_offsets, broadcast_q, max_q_len, max_kv_len
+    )
     dkdv_config, dq_config = _configs(
         q, False, activation, block_m, block_n, num_warps, num_stages,
         (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,

@@ -468,18 +468,23 @@ def _gdpa_impl(
     activation: str,
     scale: float,
     broadcast_q: bool,
+    max_q_len: int | None,
+    max_kv_len: int | None,
 ) -> torch.Tensor:
     impl = _resolve_attention("gdpa", q)
-    return impl.fn(
-        q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, broadcast_q=broadcast_q
-    )
+    kwargs = dict(activation=activation, scale=scale, broadcast_q=broadcast_q)
+    if impl.name == "default":
+        # The bounds make the default kernels free of host syncs; other implementations take
+        # the problem's arguments only.
+        kwargs |= dict(max_q_len=max_q_len, max_kv_len=max_kv_len)
+    return impl.fn(q, k, v, q_offsets, kv_offsets, **kwargs)
 
 
 _gdpa_op = torch.library.custom_op("recforge::gdpa", mutates_args=())(_gdpa_impl)
 
 
 @_gdpa_op.register_fake
-def _(q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q):
+def _(q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q, max_q_len, max_kv_len):
     rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty((rows, q.shape[1], q.shape[2]))
 
@@ -494,12 +499,15 @@ def _gdpa_backward_impl(
     activation: str,
     scale: float,
     broadcast_q: bool,
+    max_q_len: int | None,
+    max_kv_len: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The default (gdpa_backward) needs no forward statistics: every implementation is called alike.
     impl = _resolve_attention("gdpa_grad", q)
-    dq, dk, dv = impl.fn(
-        grad_out, q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, broadcast_q=broadcast_q
-    )
+    kwargs = dict(activation=activation, scale=scale, broadcast_q=broadcast_q)
+    if impl.name == "default":
+        kwargs |= dict(max_q_len=max_q_len, max_kv_len=max_kv_len)
+    dq, dk, dv = impl.fn(grad_out, q, k, v, q_offsets, kv_offsets, **kwargs)
     return dq, dk, dv
 
 
@@ -507,20 +515,20 @@ _gdpa_backward_op = torch.library.custom_op("recforge::gdpa_backward", mutates_a
 
 
 @_gdpa_backward_op.register_fake
-def _(grad_out, q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q):
+def _(grad_out, q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q, *bounds):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _gdpa_setup_context(ctx, inputs, output):
-    q, k, v, q_offsets, kv_offsets, activation, scale, broadcast_q = inputs
+    q, k, v, q_offsets, kv_offsets, *attrs = inputs
     ctx.save_for_backward(q, k, v, q_offsets, kv_offsets)
-    ctx.attrs = (activation, scale, broadcast_q)
+    ctx.attrs = attrs  # activation, scale, broadcast_q, max_q_len, max_kv_len
 
 
 def _gdpa_backward(ctx, grad_out):
     q, k, v, q_offsets, kv_offsets = ctx.saved_tensors
     dq, dk, dv = _gdpa_backward_call(grad_out, q, k, v, q_offsets, kv_offsets, *ctx.attrs)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("recforge::gdpa", _gdpa_backward, setup_context=_gdpa_setup_context)
@@ -538,6 +546,8 @@ def gdpa(
     activation: str = "gelu",
     scale: float | None = None,
     broadcast_q: bool = False,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
 ) -> torch.Tensor:
     """Generalized dot-product attention: out_i = sum_j act(scale q_i . k_j) v_j over the keys of
     query i's sequence (non-causal, no normalisation).
@@ -545,12 +555,30 @@ def gdpa(
     q [total_q, H, D] with q_offsets [B + 1], or with broadcast_q learned seeds [n_q, H, D]
     shared by all samples (q_offsets ignored); k, v [total_kv, H, D] with kv_offsets [B + 1];
     activation 'gelu' (erf), 'silu', 'relu' or 'none' -> out [total_q, H, D] ([B * n_q, H, D]
-    with broadcast_q). The Triton path syncs the host once per forward and once per backward:
-    the longest sequence sizes the launch. Differentiable in q, k and v.
+    with broadcast_q). Differentiable in q, k and v.
+
+    The Triton path syncs the host once per forward and once per backward (checking the offsets;
+    the longest sequences size the launch). Given max_kv_len (>= every key sequence) and, unless
+    broadcast_q, max_q_len (>= every query sequence), the default kernels sync never and check
+    nothing on the device (the bounds are trusted), so the call can be captured in a CUDA graph.
     """
-    _attn.check_gdpa(q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q)
+    _attn.check_gdpa(
+        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
+        max_q_len=max_q_len, max_kv_len=max_kv_len,
+    )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _gdpa_call(q, k, v, None if broadcast_q else q_offsets, kv_offsets, activation, scale, broadcast_q)
+    return _gdpa_call(
+        q,
+        k,
+        v,
+        None if broadcast_q else q_offsets,
+        kv_offsets,
+        activation,
+        scale,
+        broadcast_q,
+        max_q_len,
+        max_kv_len,
+    )
 
 
 # target_attention ------------------------------------------------------------------------------

@@ -290,11 +290,11 @@ def test_jagged_attention_tile_shapes(blocks: tuple[int, int], device: torch.dev
 def test_jagged_attention_far_bias_and_schedules(schedule: str, causal: bool, device: torch.device) -> None:
     """Tiles far from the diagonal take the bias of at most two buckets without a per-score
     bucket (forward and bias gradient, below and, without the causal mask, above the diagonal);
-    32 buckets over 130 positions put such tiles on both sides of bucket edges (48, 64, 96). Each
+    32 buckets over 100 positions put such tiles on both sides of bucket edges (48, 64, 96). Each
     schedule once: the longest-first work list and the plain grid."""
-    lengths, targets = [61, 130, 0, 17], [2, 5, 0, 1]
+    lengths, targets = [61, 100, 0, 17], [2, 5, 0, 1]
     inputs = _jagged_inputs(device, lengths=lengths, targets=targets, bias=True, num_buckets=32)
-    options = {"max_seq_len": 130, "activation": "softmax", "causal": causal}
+    options = {"max_seq_len": 100, "activation": "softmax", "causal": causal}
     check_against_reference(
         _jagged_launchers(options, schedule=schedule),
         _jagged(reference.jagged_attention_reference, **options),
@@ -411,6 +411,26 @@ def test_gdpa_bf16(activation: str, broadcast_q: bool, device: torch.device, emp
         "bf16",
         f"bf16 gdpa {options}",
     )
+
+
+@pytest.mark.parametrize("broadcast_q", [False, True], ids=["jagged-q", "broadcast-q"])
+@pytest.mark.parametrize("slack", [0, 7], ids=["tight-bounds", "loose-bounds"])
+def test_gdpa_with_bounds(broadcast_q: bool, slack: int, device: torch.device, empty_library) -> None:
+    # max_kv_len (and max_q_len for jagged queries) instead of the host sync: the same output
+    # and gradients, with bounds at the longest sequences or above them.
+    inputs = _gdpa_inputs(device, broadcast_q=broadcast_q)
+    bounds = {"max_kv_len": max(KV_LENGTHS) + slack}
+    if not broadcast_q:
+        bounds["max_q_len"] = max(Q_LENGTHS) + slack
+    options = {"activation": "silu", "broadcast_q": broadcast_q}
+    check_against_reference(
+        _gdpa(ops.gdpa, **options, **bounds),
+        _gdpa(reference.gdpa_reference, **options),
+        inputs,
+        "fp32",
+        f"gdpa {options} {bounds}",
+    )
+    assert DISPATCHER.last["gdpa"] == "default"
 
 
 # --- target_attention -----------------------------------------------------------------------
@@ -847,6 +867,17 @@ def test_gdpa_and_target_attention_reject_bad_input(device: torch.device) -> Non
         ops.gdpa(g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"], activation="softmax")
     with pytest.raises(ValueError, match="kv_offsets must rise from 0"):
         attn.gdpa_forward(g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"] - 1)
+    with pytest.raises(ValueError, match="max_q_len and max_kv_len go together"):
+        ops.gdpa(g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"], max_kv_len=40)
+    with pytest.raises(ValueError, match="max_q_len must be an int >= 0, got -1"):
+        ops.gdpa(g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"], max_q_len=-1, max_kv_len=40)
+    b = _gdpa_inputs(device, broadcast_q=True)
+    with pytest.raises(ValueError, match="no max_q_len with broadcast_q"):
+        ops.gdpa(b["q"], b["k"], b["v"], None, b["kv_offsets"], broadcast_q=True, max_q_len=4, max_kv_len=40)
+    with pytest.raises(ValueError, match="max_kv_len must be an int >= 0, got 2.5"):
+        attn.gdpa_backward(
+            b["q"], b["q"], b["k"], b["v"], None, b["kv_offsets"], broadcast_q=True, max_kv_len=2.5
+        )
     t = _target_inputs(device)
     with pytest.raises(ValueError, match="q_cand must be"):
         ops.target_attention(t["q_cand"][0], t["k"], t["v"], t["kv_offsets"], t["cand_to_request"])
@@ -939,15 +970,39 @@ def test_target_attention_realistic_on_gpu(activation: str, empty_library) -> No
     )
 
 
+def _assert_sync_free_and_graphable(step: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+    """step() runs with CUDA's sync debug mode set to raise, and a CUDA graph of it replays to
+    the eager result, bit for bit."""
+    eager = step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up on a side stream, as graph capture asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager, strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("grouping", ["ranks", "torch"])
 def test_target_attention_with_bounds_never_syncs_and_replays_in_a_cuda_graph(
     activation: str, grouping: str, empty_library, monkeypatch
 ) -> None:
-    """With max_candidates and max_history the op (forward and backward) runs with CUDA's sync
-    debug mode set to raise, and a CUDA graph of it replays to the eager result; with the
-    one-launch grouping and with the torch ops used beyond RANK_SORT_MAX candidates."""
+    """With max_candidates and max_history the op, forward and backward, syncs never and
+    replays from a CUDA graph; with the one-launch grouping and with the torch ops used beyond
+    RANK_SORT_MAX candidates."""
     if grouping == "torch":
         monkeypatch.setattr(attn, "RANK_SORT_MAX", 0)
     gen = torch.Generator().manual_seed(3)
@@ -968,25 +1023,32 @@ def test_target_attention_with_bounds_never_syncs_and_replays_in_a_cuda_graph(
         # stream it was made on) outlives the step into the capture.
         return out.detach(), dq
 
-    eager = step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up on a side stream, as graph capture asks
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for got, want in zip(captured, eager, strict=True):
-        assert torch.equal(got, want)
+    _assert_sync_free_and_graphable(step)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("broadcast_q", [False, True], ids=["jagged-q", "broadcast-q"])
+def test_gdpa_with_bounds_never_syncs_and_replays_in_a_cuda_graph(broadcast_q: bool, empty_library) -> None:
+    """With max_kv_len (and max_q_len for jagged queries) gdpa, forward and backward, syncs
+    never and replays from a CUDA graph."""
+    gen = torch.Generator().manual_seed(5)
+    q_lengths, kv_lengths = _realistic_lengths(gen, 8, 512), _realistic_lengths(gen, 8, 256)
+    g = _gdpa_inputs(
+        torch.device("cuda"), "bf16", broadcast_q=broadcast_q, q_lengths=q_lengths, kv_lengths=kv_lengths,
+        num_seeds=64, **REALISTIC,
+    )  # fmt: skip
+    bounds = {"max_kv_len": max(kv_lengths)} | ({} if broadcast_q else {"max_q_len": max(q_lengths)})
+    q, k = g["q"].requires_grad_(), g["k"].requires_grad_()
+    args = (q, k, g["v"], g["q_offsets"], g["kv_offsets"])
+    rows = 8 * 64 if broadcast_q else sum(q_lengths)
+    grad_out = torch.randn((rows, *q.shape[1:]), device=q.device, dtype=q.dtype)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        out = ops.gdpa(*args, activation="gelu", broadcast_q=broadcast_q, **bounds)
+        dq, dk = torch.autograd.grad(out, (q, k), grad_out)
+        return out.detach(), dq, dk
+
+    _assert_sync_free_and_graphable(step)
 
 
 @pytest.mark.gpu
