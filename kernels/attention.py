@@ -2126,15 +2126,21 @@ def jagged_attention_backward(
 def _gdpa_layout(
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     q_offsets: torch.Tensor | None,
     kv_offsets: torch.Tensor,
+    activation: str,
     broadcast_q: bool,
-    max_q_len: int | None = None,
-    max_kv_len: int | None = None,
+    max_q_len: int | None,
+    max_kv_len: int | None,
 ) -> tuple[torch.Tensor, int, int]:
-    """(q_offsets as the kernels take them, longest query and key sequence): one host sync, or
-    none with the caller's bounds (after check_gdpa: max_kv_len, and max_q_len unless
+    """The inputs checked, then (q_offsets as the kernels take them, longest query and key
+    sequence): one host sync, or none with the caller's bounds (max_kv_len, and max_q_len unless
     broadcast_q), which are then trusted."""
+    check_gdpa(
+        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
+        max_q_len=max_q_len, max_kv_len=max_kv_len,
+    )  # fmt: skip
     num_seqs = kv_offsets.numel() - 1
     if num_seqs == 0:
         return torch.zeros(1, dtype=torch.int64, device=q.device), 0, 0
@@ -2180,12 +2186,8 @@ def gdpa_forward(
     longest sequences size the grid), or none given max_kv_len (>= every key sequence) and,
     unless broadcast_q, max_q_len (>= every query sequence), which are then trusted.
     """
-    check_gdpa(
-        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
-        max_q_len=max_q_len, max_kv_len=max_kv_len,
-    )  # fmt: skip
     out_offsets, max_q_len, max_kv_len = _gdpa_layout(
-        q, k, q_offsets, kv_offsets, broadcast_q, max_q_len, max_kv_len
+        q, k, v, q_offsets, kv_offsets, activation, broadcast_q, max_q_len, max_kv_len
     )
     num_out_rows = (kv_offsets.numel() - 1) * q.shape[0] if broadcast_q else q.shape[0]
     out, _ = _launch_forward(
@@ -2228,12 +2230,8 @@ def gdpa_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_out like gdpa's out -> dq (like q; summed over samples with broadcast_q), dk, dv.
     Bounds as gdpa_forward's."""
-    check_gdpa(
-        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
-        max_q_len=max_q_len, max_kv_len=max_kv_len,
-    )  # fmt: skip
     out_offsets, max_q_len, max_kv_len = _gdpa_layout(
-        q, k, q_offsets, kv_offsets, broadcast_q, max_q_len, max_kv_len
+        q, k, v, q_offsets, kv_offsets, activation, broadcast_q, max_q_len, max_kv_len
     )
     dkdv_config, dq_config = _configs(
         q, False, activation, block_m, block_n, num_warps, num_stages,
