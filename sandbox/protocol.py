@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 from pydantic import BaseModel
@@ -251,17 +252,25 @@ def kernels_disabled() -> Iterator[None]:
 def kernels_do_the_work(problem: Problem, fn: Callable, device: torch.device) -> ShapeCheck:
     """The no-op proof: on the first check shape with a non-zero output, disable every Triton
     launch and check that the output is then wrong. A candidate whose output stays correct
-    computed the op some other way (a torch fallback, a cached result)."""
+    computed the op some other way (a torch fallback, a cached result). One that raises instead
+    gave no output without its kernels, which proves the same as a wrong one: its host code read
+    what a disabled kernel never wrote (row offsets a grouping kernel computes, say)."""
     shape = next(s for s in problem.check_shapes if _nonzero_output(s))
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     ref_inputs = inputs.clone()
     ref = problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
     poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))
+    proof = partial(ShapeCheck, shape=shape.name, dtype=shape.dtype, trial=-1)
     with kernels_disabled():
-        out = fn(*inputs.args, **inputs.kwargs)
+        try:
+            out = fn(*inputs.args, **inputs.kwargs)
+        except Exception as exc:  # whatever it was, there is no output without the kernels
+            return proof(
+                ok=True, message=f"no output with every Triton kernel disabled ({type(exc).__name__})"
+            )
     still_ok, _ = compare(out, ref, problem.tolerance(shape.dtype), problem.tolerance_scale(ref_inputs))
     message = "output is still correct with every Triton kernel disabled" if still_ok else ""
-    return ShapeCheck(shape=shape.name, dtype=shape.dtype, trial=-1, ok=not still_ok, message=message)
+    return proof(ok=not still_ok, message=message)
 
 
 def _nonzero_output(shape: Shape) -> bool:

@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from sandbox.protocol import check_shape, compare
+from sandbox.protocol import check_shape, compare, kernels_do_the_work
 from search_space import get_problem
 from search_space.embedding_bag import CHECK_SHAPES, reference
 from search_space.problem import Inputs, Shape, Tolerance
@@ -215,3 +217,34 @@ def test_compare_scale_replaces_the_reference_rms() -> None:
     assert compare(near, ref, tol, scale=2.0)[0]
     ok, details = compare(torch.zeros(100), ref, tol, scale=1000.0)
     assert not ok and "relative error norm" in details["message"]
+
+
+# --- the no-op proof ------------------------------------------------------------------------
+
+
+@triton.jit
+def _mark_kernel(flag_ptr):
+    tl.store(flag_ptr, 1)
+
+
+def _reference_after_a_kernel(*args, **kwargs) -> torch.Tensor:
+    """The reference's output, but only once a Triton kernel has set a flag the host then reads
+    (as a launcher reads row offsets a grouping kernel wrote); without it, a ValueError."""
+    flag = torch.zeros(1, dtype=torch.int32)
+    _mark_kernel[(1,)](flag)
+    if int(flag) != 1:
+        raise ValueError("the flag was never set")
+    return reference(*args, **kwargs)
+
+
+def test_no_op_proof_fails_a_candidate_correct_without_its_kernels() -> None:
+    proof = kernels_do_the_work(PROBLEM, reference, CPU)
+    assert not proof.ok and proof.trial == -1
+    assert "still correct with every Triton kernel disabled" in proof.message
+
+
+def test_no_op_proof_passes_a_candidate_that_cannot_run_without_its_kernels() -> None:
+    assert check_shape(PROBLEM, _reference_after_a_kernel, SHAPE, trial=1, device=CPU).ok
+    proof = kernels_do_the_work(PROBLEM, _reference_after_a_kernel, CPU)
+    assert proof.ok, proof.message
+    assert proof.message == "no output with every Triton kernel disabled (ValueError)"
