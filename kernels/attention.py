@@ -553,17 +553,6 @@ def _request_groups_kernel(
 
 
 @triton.jit
-def _rescale(acc_MD, l_M, m_M, m_tile_M, MASKED: tl.constexpr):
-    """Online softmax's step to a new running max: (acc, l, m) rescaled to max(m, m_tile)."""
-    m_new_M = tl.maximum(m_M, m_tile_M)
-    m_use_M = m_new_M
-    if MASKED:
-        m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-    alpha_M = tl.exp2(m_M - m_use_M)
-    return acc_MD * alpha_M[:, None], l_M * alpha_M, m_new_M
-
-
-@triton.jit
 def _fwd_inner(
     acc_MD,
     m_M,
@@ -655,12 +644,16 @@ def _fwd_inner(
             m_tile_M = tl.max(s_MN, axis=1)
             if FOLD_SCALE:
                 m_tile_M = m_tile_M * qk_scale
-            acc_MD, l_M, m_M = _rescale(acc_MD, l_M, m_M, m_tile_M, MASKED)
-            m_use_M = m_M
+            m_new_M = tl.maximum(m_M, m_tile_M)
+            m_use_M = m_new_M
             if MASKED:
                 # A row with nothing allowed yet keeps m = -inf; exponentiate against 0 instead
                 # so that it adds exact zeros rather than NaN.
-                m_use_M = tl.where(m_M == float("-inf"), 0.0, m_M)
+                m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+            alpha_M = tl.exp2(m_M - m_use_M)
+            acc_MD = acc_MD * alpha_M[:, None]
+            l_M = l_M * alpha_M
+            m_M = m_new_M
             if FOLD_SCALE:
                 p_MN = tl.exp2(s_MN * qk_scale - m_use_M[:, None])
             else:
@@ -1446,18 +1439,21 @@ def check_gdpa(
     _check_qkv(q, k, v)
     _check_offsets("kv_offsets", kv_offsets)
     _check_activation("gdpa", activation)
-    _check_int_bounds(max_q_len=max_q_len, max_kv_len=max_kv_len)
-    if broadcast_q:
-        if max_q_len is not None:
-            raise ValueError("gdpa takes no max_q_len with broadcast_q: every sample has the n_q seeds")
-    else:
+    _check_gdpa_bounds(broadcast_q, max_q_len, max_kv_len)
+    if not broadcast_q:
         if q_offsets is None:
             raise ValueError("gdpa needs q_offsets unless broadcast_q")
         _check_offsets("q_offsets", q_offsets)
         if q_offsets.numel() != kv_offsets.numel():
             raise ValueError(f"q_offsets has {q_offsets.numel()} entries, kv_offsets {kv_offsets.numel()}")
-        if (max_q_len is None) != (max_kv_len is None):
-            raise ValueError("max_q_len and max_kv_len go together (both bound the launch, or neither)")
+
+
+def _check_gdpa_bounds(broadcast_q: bool, max_q_len: int | None, max_kv_len: int | None) -> None:
+    _check_int_bounds(max_q_len=max_q_len, max_kv_len=max_kv_len)
+    if broadcast_q and max_q_len is not None:
+        raise ValueError("gdpa takes no max_q_len with broadcast_q: every sample has the n_q seeds")
+    if not broadcast_q and (max_q_len is None) != (max_kv_len is None):
+        raise ValueError("max_q_len and max_kv_len go together (both bound the launch, or neither)")
 
 
 def check_target_attention(
@@ -2126,21 +2122,15 @@ def jagged_attention_backward(
 def _gdpa_layout(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
     q_offsets: torch.Tensor | None,
     kv_offsets: torch.Tensor,
-    activation: str,
     broadcast_q: bool,
     max_q_len: int | None,
     max_kv_len: int | None,
 ) -> tuple[torch.Tensor, int, int]:
-    """The inputs checked, then (q_offsets as the kernels take them, longest query and key
-    sequence): one host sync, or none with the caller's bounds (max_kv_len, and max_q_len unless
-    broadcast_q), which are then trusted."""
-    check_gdpa(
-        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
-        max_q_len=max_q_len, max_kv_len=max_kv_len,
-    )  # fmt: skip
+    """(q_offsets as the kernels take them, longest query and key sequence): one host sync, or
+    none with the caller's bounds (checked by _check_gdpa_bounds: max_kv_len, and max_q_len
+    unless broadcast_q), which are then trusted."""
     num_seqs = kv_offsets.numel() - 1
     if num_seqs == 0:
         return torch.zeros(1, dtype=torch.int64, device=q.device), 0, 0
@@ -2186,8 +2176,12 @@ def gdpa_forward(
     longest sequences size the grid), or none given max_kv_len (>= every key sequence) and,
     unless broadcast_q, max_q_len (>= every query sequence), which are then trusted.
     """
+    check_gdpa(
+        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
+        max_q_len=max_q_len, max_kv_len=max_kv_len,
+    )  # fmt: skip
     out_offsets, max_q_len, max_kv_len = _gdpa_layout(
-        q, k, v, q_offsets, kv_offsets, activation, broadcast_q, max_q_len, max_kv_len
+        q, k, q_offsets, kv_offsets, broadcast_q, max_q_len, max_kv_len
     )
     num_out_rows = (kv_offsets.numel() - 1) * q.shape[0] if broadcast_q else q.shape[0]
     out, _ = _launch_forward(
@@ -2229,9 +2223,10 @@ def gdpa_backward(
     fast_silu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_out like gdpa's out -> dq (like q; summed over samples with broadcast_q), dk, dv.
-    Bounds as gdpa_forward's."""
+    Bounds as gdpa_forward's (the inputs are the forward's, checked there)."""
+    _check_gdpa_bounds(broadcast_q, max_q_len, max_kv_len)
     out_offsets, max_q_len, max_kv_len = _gdpa_layout(
-        q, k, v, q_offsets, kv_offsets, activation, broadcast_q, max_q_len, max_kv_len
+        q, k, q_offsets, kv_offsets, broadcast_q, max_q_len, max_kv_len
     )
     dkdv_config, dq_config = _configs(
         q, False, activation, block_m, block_n, num_warps, num_stages,

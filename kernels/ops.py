@@ -213,6 +213,12 @@ def _resolve_attention(op: str, q: torch.Tensor) -> Implementation:
     )
 
 
+def _default_only(impl: Implementation, **options) -> dict:
+    """`options` for the default kernels (launch bounds that spare them a host sync); none for
+    other implementations, which take the problem's arguments only."""
+    return options if impl.name == "default" else {}
+
+
 def _forward_with_lse(
     impl: Implementation,
     default: Callable,
@@ -472,12 +478,10 @@ def _gdpa_impl(
     max_kv_len: int | None,
 ) -> torch.Tensor:
     impl = _resolve_attention("gdpa", q)
-    kwargs = dict(activation=activation, scale=scale, broadcast_q=broadcast_q)
-    if impl.name == "default":
-        # The bounds make the default kernels free of host syncs; other implementations take
-        # the problem's arguments only.
-        kwargs |= dict(max_q_len=max_q_len, max_kv_len=max_kv_len)
-    return impl.fn(q, k, v, q_offsets, kv_offsets, **kwargs)
+    bounds = _default_only(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
+    return impl.fn(
+        q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, broadcast_q=broadcast_q, **bounds
+    )
 
 
 _gdpa_op = torch.library.custom_op("recforge::gdpa", mutates_args=())(_gdpa_impl)
@@ -504,10 +508,19 @@ def _gdpa_backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The default (gdpa_backward) needs no forward statistics: every implementation is called alike.
     impl = _resolve_attention("gdpa_grad", q)
-    kwargs = dict(activation=activation, scale=scale, broadcast_q=broadcast_q)
-    if impl.name == "default":
-        kwargs |= dict(max_q_len=max_q_len, max_kv_len=max_kv_len)
-    dq, dk, dv = impl.fn(grad_out, q, k, v, q_offsets, kv_offsets, **kwargs)
+    bounds = _default_only(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
+    dq, dk, dv = impl.fn(
+        grad_out,
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        activation=activation,
+        scale=scale,
+        broadcast_q=broadcast_q,
+        **bounds,
+    )
     return dq, dk, dv
 
 

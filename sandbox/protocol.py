@@ -253,8 +253,11 @@ def kernels_do_the_work(problem: Problem, fn: Callable, device: torch.device) ->
     """The no-op proof: on the first check shape with a non-zero output, disable every Triton
     launch and check that the output is then wrong. A candidate whose output stays correct
     computed the op some other way (a torch fallback, a cached result). One that raises instead
-    gave no output without its kernels, which proves the same as a wrong one: its host code read
-    what a disabled kernel never wrote (row offsets a grouping kernel computes, say)."""
+    gave no output without its kernels, which counts as a wrong one: its host code read what a
+    disabled kernel never wrote (row offsets a grouping kernel computes, say). A CUDA error is
+    not such an answer: it leaves the device unusable, so it stays an error. (A candidate that
+    detects its disabled kernels can always give a wrong output here on purpose; the proof
+    catches fallbacks that do not, and the screen the torch functions that compute the op.)"""
     shape = next(s for s in problem.check_shapes if _nonzero_output(s))
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     ref_inputs = inputs.clone()
@@ -264,7 +267,9 @@ def kernels_do_the_work(problem: Problem, fn: Callable, device: torch.device) ->
     with kernels_disabled():
         try:
             out = fn(*inputs.args, **inputs.kwargs)
-        except Exception as exc:  # whatever it was, there is no output without the kernels
+        except Exception as exc:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # raises if the device is in error: that propagates
             return proof(
                 ok=True, message=f"no output with every Triton kernel disabled ({type(exc).__name__})"
             )

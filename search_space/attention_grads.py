@@ -108,7 +108,6 @@ def grad_problem(
         tolerances=GRAD_TOLERANCES,
         make_inputs=make_inputs,
         reference=gradients_of(forward.reference),
-        compile_reference=None,  # torch.compile of the gradients' autograd, whole
         baselines={key: gradients_of(fn) for key, fn in forward.baselines.items()},
         shape_baselines={},
         flops=lambda shape: BACKWARD_FLOP_FACTOR * forward.flops(shape),

@@ -61,8 +61,8 @@ def reference(
     attend: Callable[..., torch.Tensor] = dense_attention,
 ) -> torch.Tensor:
     """attention.py's reference, called on groups of candidates small enough that its fp32 score
-        tensor stays under REFERENCE_BUDGET elements (2048 candidates x 32 seeds over a 16k history
-        would be 17 GB at once). Candidates are independent, so the result is the same. `attend`: as
+    tensor stays under REFERENCE_BUDGET elements (2048 candidates x 32 seeds over a 16k history
+    would be 17 GB at once). Candidates are independent, so the result is the same. `attend`: as
     search_space.attention's."""
     num_cand, seeds, heads, _ = q_cand.shape
     longest = int((kv_offsets[1:] - kv_offsets[:-1]).max()) if kv_offsets.numel() > 1 else 0

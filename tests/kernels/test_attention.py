@@ -415,9 +415,15 @@ def test_gdpa_bf16(activation: str, broadcast_q: bool, device: torch.device, emp
 
 @pytest.mark.parametrize("broadcast_q", [False, True], ids=["jagged-q", "broadcast-q"])
 @pytest.mark.parametrize("slack", [0, 7], ids=["tight-bounds", "loose-bounds"])
-def test_gdpa_with_bounds(broadcast_q: bool, slack: int, device: torch.device, empty_library) -> None:
-    # max_kv_len (and max_q_len for jagged queries) instead of the host sync: the same output
-    # and gradients, with bounds at the longest sequences or above them.
+def test_gdpa_with_bounds(
+    broadcast_q: bool, slack: int, device: torch.device, empty_library, monkeypatch
+) -> None:
+    # max_kv_len (and max_q_len for jagged queries) instead of the host sync, which would raise
+    # here: the same output and gradients, with bounds at the longest sequences or above them.
+    def synced(*args):
+        raise AssertionError("gdpa with bounds measured the sequences on the host")
+
+    monkeypatch.setattr(attn, "_cross_lengths", synced)
     inputs = _gdpa_inputs(device, broadcast_q=broadcast_q)
     bounds = {"max_kv_len": max(KV_LENGTHS) + slack}
     if not broadcast_q:
