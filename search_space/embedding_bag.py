@@ -147,7 +147,8 @@ CHECK_SHAPES = tuple(
         _s("no-bags", dtype, num_rows=10, dim=16, lengths=[]),
         _s("dim-48", dtype, num_rows=300, dim=48, num_bags=29, max_len=40),
         _s("dim-100-mean", dtype, num_rows=300, dim=100, num_bags=17, max_len=30, mode="mean"),
-        _s("long-bag", dtype, num_rows=5000, dim=64, lengths=[1, 1031, 0, 4, 257]),
+        # One long bag (301 ids, over many steps of any id tile) beside empty and short ones.
+        _s("long-bag", dtype, num_rows=5000, dim=64, lengths=[1, 301, 0, 4, 257]),
         _s("weighted", dtype, num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True),
         _s("duplicates", dtype, num_rows=100, dim=64, lengths=[6, 9, 1, 33], duplicates=True),
         _s("dim-200", dtype, num_rows=64, dim=200, num_bags=5, max_len=120),
