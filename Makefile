@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/recforge campaign run campaigns/demo.toml
 
+# Two pytest-xdist workers or more (one per core), each test file in one worker, so that a
+# module's fixture (campaigns or adversarial candidates run side by side) runs once.
 test: $(STAMP) $(ENGINE) $(BROWSER)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n auto --dist loadfile
 
 # Nothing to do when a daemon answers. Otherwise, as root on Debian or Ubuntu: install the
 # engine (and static busybox, which the sandbox image is built from) and start dockerd without
