@@ -216,7 +216,8 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
             row["fwd_check"] = "ok" if ok else details["message"][:80]
             row["fwd_ms"] = _median_ms(forward, device, 50)
             row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
-            if module_key == "ops" or bwd_options is None:  # the op's backward is under autograd
+            # The op's backward runs under autograd; None: a variant whose backward is the default's.
+            if module_key == "ops" or bwd_options is None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 continue

@@ -39,8 +39,8 @@ def main() -> None:
     }
     print("| variant | fwd ms | TFLOP/s |")
     print("|---|---|---|")
+    params = {k: v for k, v in base.params.items() if k != "num_requests"}  # lengths listed instead
     for name, (lengths, count) in variants.items():
-        params = {k: v for k, v in base.params.items() if k != "num_requests"}
         shape = Shape(
             name=name,
             dtype=base.dtype,

@@ -510,17 +510,9 @@ def _gdpa_backward_impl(
     impl = _resolve_attention("gdpa_grad", q)
     bounds = _default_only(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
     dq, dk, dv = impl.fn(
-        grad_out,
-        q,
-        k,
-        v,
-        q_offsets,
-        kv_offsets,
-        activation=activation,
-        scale=scale,
-        broadcast_q=broadcast_q,
-        **bounds,
-    )
+        grad_out, q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale,
+        broadcast_q=broadcast_q, **bounds,
+    )  # fmt: skip
     return dq, dk, dv
 
 
@@ -581,17 +573,9 @@ def gdpa(
     )  # fmt: skip
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _gdpa_call(
-        q,
-        k,
-        v,
-        None if broadcast_q else q_offsets,
-        kv_offsets,
-        activation,
-        scale,
-        broadcast_q,
-        max_q_len,
-        max_kv_len,
-    )
+        q, k, v, None if broadcast_q else q_offsets, kv_offsets, activation, scale, broadcast_q,
+        max_q_len, max_kv_len,
+    )  # fmt: skip
 
 
 # target_attention ------------------------------------------------------------------------------

@@ -73,10 +73,7 @@ def baseline_providers(problem: Problem, names: list[str], device: torch.device)
         if name == "reference.compile":
             # On a CPU this costs a C++ build per shape and times nothing a GPU cares about.
             if device.type == "cuda":
-                if problem.compile_reference is not None:
-                    out[name] = problem.compile_reference(problem.reference)
-                else:
-                    out[name] = torch.compile(problem.reference, dynamic=False)
+                out[name] = problem.compile_reference(problem.reference)
         elif name in known:
             out[name] = known[name]
         else:

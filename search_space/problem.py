@@ -74,6 +74,11 @@ class ShapeBaseline:
     applies: Callable[[Shape], bool]
 
 
+def compile_whole(reference: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """torch.compile of the whole reference, static: compiled once per timing shape."""
+    return torch.compile(reference, dynamic=False)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Problem:
     """An op to optimize: what a candidate must compute, on which inputs, and how well.
@@ -107,10 +112,9 @@ class Problem:
     # every baseline (see sandbox.protocol.all_baselines). Problems whose plain reference takes
     # minutes at the timing shapes (a Python loop over sequences) leave it out.
     campaign_baselines: tuple[str, ...] | None = None
-    # How the "reference.compile" baseline is built from `reference`; None: torch.compile of the
-    # whole reference, static, compiled once per timing shape. References that loop over jagged
-    # sequences compile their per-sequence part instead (search_space.attention).
-    compile_reference: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]] | None = None
+    # How the "reference.compile" baseline is built from `reference`. References that loop over
+    # jagged sequences compile their per-sequence part instead (search_space.attention).
+    compile_reference: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]] = compile_whole
     # The magnitude a correct kernel's rounding errors come with, from the call's inputs, where
     # that exceeds the output's RMS (Tolerance's default); None: the output's RMS.
     error_scale: Callable[[Inputs], float | None] | None = None
