@@ -84,6 +84,13 @@ CASES = {
     "jagged_attention/b256-n4096-uniform-silu": SCHEDULES,
     "jagged_attention/b512-n4096-power-silu-targets-bias": SCHEDULES,
     "gdpa/self-b1024-n2048-s0.5-gelu": SCHEDULES,
+    "bounds/gdpa/self-b1024-n2048-s0.5-gelu": [("this tree", "cur", {}, {}), *OP_PATHS, *SYNC_FREE],
+    "bounds/gdpa/cross-b1024-q2048-s0.75-kv256-gelu": [("this tree", "cur", {}, {}), *OP_PATHS, *SYNC_FREE],
+    "bounds/gdpa/broadcast-b1024-seeds32-kv2048-s0.75-gelu": [
+        ("this tree", "cur", {}, {}),
+        *OP_PATHS,
+        *SYNC_FREE,
+    ],
     "target_attention/r15-c70-s32-h2000-softmax": SCHEDULES
     + OP_PATHS
     + [("previous, bounds, CUDA graph", "prev-graph", BOUNDS, BOUNDS)]
@@ -127,16 +134,26 @@ def _op_forward(op: str, inputs, options: dict):
         return getattr(ops, op)(*inputs.args, **inputs.kwargs, **options)
 
 
+def _longest(offsets: torch.Tensor) -> int:
+    return int((offsets[1:] - offsets[:-1]).max())
+
+
 def _bounds(op: str, inputs, options: dict) -> dict:
-    """options with {"bounds": True} replaced by the case's max_candidates and max_history
-    (measured here, outside any timing)."""
+    """options with {"bounds": True} replaced by the case's bounds (measured here, outside any
+    timing): target attention's max_candidates and max_history, gdpa's max_kv_len and, unless
+    its queries are broadcast, max_q_len."""
     if not options.pop("bounds", False):
         return options
+    if op == "gdpa":
+        _, _, _, q_offsets, kv_offsets = inputs.args
+        bounds = {"max_kv_len": _longest(kv_offsets)}
+        if not inputs.kwargs.get("broadcast_q"):
+            bounds["max_q_len"] = _longest(q_offsets)
+        return {**options, **bounds}
     assert op == "target_attention", op
     _, _, _, kv_offsets, cand_to_request = inputs.args
     max_candidates = int(torch.bincount(cand_to_request).max())
-    max_history = int((kv_offsets[1:] - kv_offsets[:-1]).max())
-    return {**options, "max_candidates": max_candidates, "max_history": max_history}
+    return {**options, "max_candidates": max_candidates, "max_history": _longest(kv_offsets)}
 
 
 def _graphed(fn):

@@ -1,0 +1,231 @@
+"""Where the time of one target-attention forward goes, at the request shapes (15 requests x 70
+candidates, 32 and 256 seeds), with bounds (no host sync):
+
+1. the op replayed from a CUDA graph, timed three ways: `sandbox.timing.benchmark` as the
+   benches use it (a device-wide synchronize before each end event), the same with the end
+   event right after the replay (`joined_streams`), and 200 replays back to back between two
+   events (no L2 flush between them);
+2. the CUDA kernels of the replays, by the profiler;
+3. the attention kernel's programs, traced: a copy of kernels/attention.py whose forward kernel
+   stores each program's start and end (the global timer) and SM. From the trace: how busy the
+   SMs were over the kernel's span, when the last wave began to leave SMs idle, and each
+   program's time against its key tiles (a least-squares line: fixed cost plus cost per tile);
+4. the host time of eager calls (with and without bounds), and where it goes (cProfile).
+
+    python3 -m evals.study_target_time [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import io
+import pstats
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import triton
+
+from evals.compare_attention import _graphed
+from kernels import attention, ops
+from sandbox.timing import benchmark
+from search_space import get_problem
+
+SHAPES = ("r15-c70-s32-h2000-softmax", "r15-c70-s256-h2000-softmax")
+TRACE_FIELDS = 5  # start ns, end ns, SM, sequence (request), key rows
+
+
+def _patched(text: str, old: str, new: str) -> str:
+    if text.count(old) != 1:
+        raise RuntimeError(
+            f"the trace patch expects one {old.splitlines()[0].strip()!r} in kernels/attention.py"
+        )
+    return text.replace(old, new)
+
+
+def traced_attention() -> ModuleType:
+    """kernels/attention.py with its forward kernel tracing each program into the tensor the
+    module's TRACE[0] holds when it is launched ([programs, TRACE_FIELDS] int64)."""
+    text = Path(attention.__file__).read_text()
+    first = "    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)\n"
+    text = _patched(
+        text,
+        "    FOLD_SCALE: tl.constexpr,\n):\n" + first,
+        "    FOLD_SCALE: tl.constexpr,\n    trace_ptr,\n):\n    t_start = tl.extra.cuda.globaltimer()\n"
+        + first,
+    )
+    text = _patched(
+        text,
+        "    tl.store(out_ptrs, acc_MD.to(out_ptr.dtype.element_ty), mask=in_M[:, None])\n",
+        "    tl.store(out_ptrs, acc_MD.to(out_ptr.dtype.element_ty), mask=in_M[:, None])\n"
+        "    t_end = tl.extra.cuda.globaltimer()\n"
+        "    trace_row = trace_ptr + tl.program_id(0) * 5\n"
+        "    tl.store(trace_row, t_start)\n"
+        "    tl.store(trace_row + 1, t_end)\n"
+        "    tl.store(trace_row + 2, tl.extra.cuda.smid().to(tl.int64))\n"
+        "    tl.store(trace_row + 3, seq.to(tl.int64))\n"
+        "    tl.store(trace_row + 4, n_k.to(tl.int64))\n",
+    )
+    text = _patched(
+        text,
+        '        **{**config, "USE_TMA": use_tma},\n    )  # fmt: skip\n',
+        '        **{**config, "USE_TMA": use_tma}, trace_ptr=TRACE[0],\n    )  # fmt: skip\n',
+    )
+    text = text.replace(
+        "import triton.language as tl\n",
+        "import triton.language as tl\nimport triton.language.extra.cuda\n",
+        1,
+    )
+    text += "\nTRACE = [None]\n"
+    path = Path(tempfile.mkdtemp()) / "traced_attention.py"
+    path.write_text(text)  # Triton reads a kernel's source from its file
+    spec = importlib.util.spec_from_file_location("traced_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["traced_attention"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _inputs(shape_name: str, device: torch.device):
+    problem = get_problem("target_attention")
+    shape = next(s for s in problem.timing_shapes if s.name == shape_name)
+    inputs = problem.make_inputs(shape, 1, device)
+    _, _, _, kv_offsets, cand_to_request = inputs.args
+    bounds = {
+        "max_candidates": int(torch.bincount(cand_to_request).max()),
+        "max_history": int((kv_offsets[1:] - kv_offsets[:-1]).max()),
+    }
+    return problem, shape, inputs, bounds
+
+
+def timing_ways(name: str, device: torch.device) -> list[str]:
+    problem, shape, inputs, bounds = _inputs(name, device)
+    flops = problem.flops(shape)
+    with torch.no_grad():
+        replay, _ = _graphed(partial(ops.target_attention, *inputs.args, **inputs.kwargs, **bounds))
+    synced = benchmark(replay, [((), {})], device=device, max_reps=100).median_us
+    joined = benchmark(replay, [((), {})], device=device, max_reps=100, joined_streams=True).median_us
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(200):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    back_to_back = start.elapsed_time(end) * 1e3 / 200
+    rows = []
+    for way, us in (("synchronize, then end event", synced), ("end event after the replay", joined),
+                    ("200 replays back to back", back_to_back)):  # fmt: skip
+        rows.append(f"| {name} | {way} | {us:.1f} | {flops / (us * 1e-6) / 1e12:.0f} |")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count >= 20]
+    for e in sorted(kernels, key=lambda e: -e.device_time_total):
+        us = e.device_time_total / e.count
+        rows.append(f"| {name} | kernel {e.key[:60]} (x{e.count // 20}) | {us:.1f} | |")
+    return rows
+
+
+def trace(name: str, device: torch.device, traced: ModuleType) -> list[str]:
+    problem, shape, inputs, bounds = _inputs(name, device)
+    q_cand, *_ = inputs.args
+    seeds, heads = q_cand.shape[1], q_cand.shape[2]
+    num_requests = inputs.args[3].numel() - 1
+    programs = num_requests * triton.cdiv(bounds["max_candidates"] * seeds, 128) * heads
+    buf = torch.full((programs, TRACE_FIELDS), -1, dtype=torch.int64, device=device)
+    traced.TRACE[0] = buf
+    for _ in range(3):  # the last call's trace is kept (compiled and warm by then)
+        buf.fill_(-1)
+        out = traced.target_attention_forward(*inputs.args, **inputs.kwargs, **bounds)
+    torch.cuda.synchronize()
+    ref = attention.target_attention_forward(*inputs.args, **inputs.kwargs, **bounds)
+    assert torch.equal(out, ref), "the traced kernel must compute what the kernel does"
+    t = buf[buf[:, 0] >= 0].double().cpu()
+    start, stop, sm, keys = t[:, 0], t[:, 1], t[:, 2].long(), t[:, 4]
+    t0 = start.min()
+    start, stop = (start - t0) / 1e3, (stop - t0) / 1e3  # µs from the first program's start
+    span = float(stop.max())
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    dur = stop - start
+    busy = float(dur.sum()) / (num_sms * span)
+    # The tail: from the last program's start (after it, no program waits for an SM) to the end.
+    last_start = float(start.max())
+    tail_busy = float((stop.clamp(min=last_start) - start.clamp(min=last_start)).clamp(min=0).sum())
+    tail_busy /= num_sms * (span - last_start)
+    tiles = torch.ceil(keys / 128)
+    design = torch.stack([torch.ones_like(tiles), tiles], 1)
+    fixed, per_tile = torch.linalg.lstsq(design, dur[:, None]).solution[:, 0].tolist()
+    used_sms = int(sm.unique().numel())
+    return [
+        f"| {name} | {len(t)} of {programs} ran, on {used_sms} SMs | span {span:.1f} µs "
+        f"| busy {100 * busy:.0f}% "
+        f"| tail {span - last_start:.1f} µs at {100 * tail_busy:.0f}% busy | program = {fixed:.2f} + "
+        f"{per_tile:.3f} µs/tile (mean {float(dur.mean()):.1f} µs, {float(tiles.mean()):.1f} tiles) |"
+    ]
+
+
+def host_time(device: torch.device, out_dir: Path) -> list[str]:
+    _, _, inputs, bounds = _inputs(SHAPES[0], device)
+    rows = []
+    for label, options in (("eager, no bounds (one host sync)", {}), ("eager, bounds", bounds)):
+        fn = partial(ops.target_attention, *inputs.args, **inputs.kwargs, **options)
+        with torch.no_grad():
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(50):
+                fn()
+            host = (time.perf_counter() - t0) / 50 * 1e6
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / 50 * 1e6
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(50):
+                fn()
+            profiler.disable()
+            torch.cuda.synchronize()
+        rows.append(f"| {label} | host {host:.0f} µs per call | with the GPU's work {wall:.0f} µs per call |")
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        slug = "bounds" if options else "no_bounds"
+        (out_dir / f"host_profile_{slug}.txt").write_text(text.getvalue())
+        summary = io.StringIO()
+        pstats.Stats(profiler, stream=summary).sort_stats("tottime").print_stats(8)
+        print(summary.getvalue()[-2500:], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=".", help="directory for the host profiles")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    device = torch.device("cuda")
+    rows = ["| shape | timing | µs | TFLOP/s |", "|---|---|---|---|"]
+    for name in SHAPES:
+        rows += timing_ways(name, device)
+    traced = traced_attention()
+    rows += ["", "| shape | programs | span | SMs busy | tail | per program |", "|---|---|---|---|---|---|"]
+    for name in SHAPES:
+        rows += trace(name, device, traced)
+    rows += ["", "| call | host | wall |", "|---|---|---|"]
+    rows += host_time(device, out_dir)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
