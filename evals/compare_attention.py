@@ -110,6 +110,11 @@ CASES = {
     "fold/target_attention/r15-c70-s32-h2000-softmax": TARGET_FOLD,
     "fold/target_attention/r15-c70-s256-h2000-softmax": TARGET_FOLD,
     "fold/target_attention/r1-c2048-s32-h16k-softmax": TARGET_FOLD,
+    # 128 x 64 tiles in two stages fit two programs' shared memory on one SM.
+    "cta2/target_attention/r15-c70-s32-h2000-softmax": [
+        ("bounds, CUDA graph", "cur-graph", BOUNDS, None),
+        ("bounds, CUDA graph, fwd 128x64 w8 s2", "cur-graph", {**BOUNDS, **_tiles(128, 64, 8, 2)}, None),
+    ],
 }
 
 

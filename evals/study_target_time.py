@@ -7,9 +7,11 @@ candidates, 32 and 256 seeds), with bounds (no host sync):
    events (no L2 flush between them);
 2. the CUDA kernels of the replays, by the profiler;
 3. the attention kernel's programs, traced: a copy of kernels/attention.py whose forward kernel
-   stores each program's start and end (the global timer) and SM. From the trace: how busy the
-   SMs were over the kernel's span, when the last wave began to leave SMs idle, and each
-   program's time against its key tiles (a least-squares line: fixed cost plus cost per tile);
+   stores, per program, the global timer at its start, once q is loaded, once its unmasked key
+   tiles and then its masked tile are done, and at its end, with its SM. From the trace: how
+   busy the SMs were over the kernel's span, how long the last wave left SMs idle, and each
+   phase's mean time (the unmasked tiles as a least-squares line: fixed cost plus cost per
+   tile); and the compiled kernels' registers and shared memory;
 4. the host time of eager calls (with and without bounds), and where it goes (cProfile).
 
     python3 -m evals.study_target_time [--out DIR]
@@ -38,7 +40,6 @@ from sandbox.timing import benchmark
 from search_space import get_problem
 
 SHAPES = ("r15-c70-s32-h2000-softmax", "r15-c70-s256-h2000-softmax")
-TRACE_FIELDS = 5  # start ns, end ns, SM, sequence (request), key rows
 
 
 def _patched(text: str, old: str, new: str) -> str:
@@ -49,9 +50,29 @@ def _patched(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
+# Appended to the traced copy: the global timer once `dep` (a [rows] fp32 tensor) is computed,
+# so that a stamp waits for the loads or products it follows (the latest of the rows' reads).
+STAMP = """
+
+@triton.jit
+def _stamp(dep):
+    deps = dep.to(tl.int32, bitcast=True)
+    t = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer; // $1", "=l,r", [deps], dtype=tl.int64, is_pure=False, pack=1
+    )
+    return tl.max(t, axis=0)
+
+
+TRACE = [None]
+"""
+FIELDS = ("start", "q_ready", "main_done", "masked_done", "end", "sm", "seq", "n_k")
+
+
 def traced_attention() -> ModuleType:
     """kernels/attention.py with its forward kernel tracing each program into the tensor the
-    module's TRACE[0] holds when it is launched ([programs, TRACE_FIELDS] int64)."""
+    module's TRACE[0] holds when it is launched ([programs, len(FIELDS)] int64): its start, q
+    loaded (a row sum of q waited for), the unmasked key tiles done and the masked one (the
+    row sums l waited for), its end, its SM, request and key rows."""
     text = Path(attention.__file__).read_text()
     first = "    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)\n"
     text = _patched(
@@ -60,17 +81,28 @@ def traced_attention() -> ModuleType:
         "    FOLD_SCALE: tl.constexpr,\n    trace_ptr,\n):\n    t_start = tl.extra.cuda.globaltimer()\n"
         + first,
     )
+    after_q = "    k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head\n"
+    text = _patched(
+        text,
+        ")  # fmt: skip\n" + after_q,
+        ")  # fmt: skip\n    t_q = _stamp(tl.sum(q_MD.to(tl.float32), axis=1))\n" + after_q,
+    )
+    main_loop = "USE_TMA, WARP_SPECIALIZE,\n        FOLD_SCALE,\n    )  # fmt: skip\n"
+    text = _patched(text, main_loop, main_loop + "    t_main = _stamp(l_M)\n")
+    masked_loop = "BLOCK_N, USE_TMA, False,\n        FOLD_SCALE,\n    )  # fmt: skip\n"
+    text = _patched(
+        text,
+        masked_loop + "    if HAS_TARGETS:\n",
+        masked_loop + "    t_masked = _stamp(l_M)\n    if HAS_TARGETS:\n",
+    )
+    stamps = ("t_start", "t_q", "t_main", "t_masked", "t_end", "tl.extra.cuda.smid()", "seq", "n_k")
+    stores = "".join(f"    tl.store(trace_row + {i}, ({v}).to(tl.int64))\n" for i, v in enumerate(stamps))
     text = _patched(
         text,
         "    tl.store(out_ptrs, acc_MD.to(out_ptr.dtype.element_ty), mask=in_M[:, None])\n",
         "    tl.store(out_ptrs, acc_MD.to(out_ptr.dtype.element_ty), mask=in_M[:, None])\n"
         "    t_end = tl.extra.cuda.globaltimer()\n"
-        "    trace_row = trace_ptr + tl.program_id(0) * 5\n"
-        "    tl.store(trace_row, t_start)\n"
-        "    tl.store(trace_row + 1, t_end)\n"
-        "    tl.store(trace_row + 2, tl.extra.cuda.smid().to(tl.int64))\n"
-        "    tl.store(trace_row + 3, seq.to(tl.int64))\n"
-        "    tl.store(trace_row + 4, n_k.to(tl.int64))\n",
+        f"    trace_row = trace_ptr + tl.program_id(0) * {len(FIELDS)}\n" + stores,
     )
     text = _patched(
         text,
@@ -82,9 +114,8 @@ def traced_attention() -> ModuleType:
         "import triton.language as tl\nimport triton.language.extra.cuda\n",
         1,
     )
-    text += "\nTRACE = [None]\n"
     path = Path(tempfile.mkdtemp()) / "traced_attention.py"
-    path.write_text(text)  # Triton reads a kernel's source from its file
+    path.write_text(text + STAMP)  # Triton reads a kernel's source from its file
     spec = importlib.util.spec_from_file_location("traced_attention", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["traced_attention"] = module
@@ -137,13 +168,26 @@ def timing_ways(name: str, device: torch.device) -> list[str]:
     return rows
 
 
+def _resources(kernel) -> str:
+    """Registers, spills and shared memory of each compiled variant of a Triton kernel."""
+    found = []
+    for cache in kernel.device_caches.values():
+        for compiled in cache[0].values():
+            meta = compiled.metadata
+            found.append(
+                f"{compiled.n_regs} regs, {compiled.n_spills} spills, {meta.shared // 1024} KiB shared, "
+                f"{meta.num_warps} warps"
+            )
+    return "; ".join(found)
+
+
 def trace(name: str, device: torch.device, traced: ModuleType) -> list[str]:
     problem, shape, inputs, bounds = _inputs(name, device)
     q_cand, *_ = inputs.args
     seeds, heads = q_cand.shape[1], q_cand.shape[2]
     num_requests = inputs.args[3].numel() - 1
     programs = num_requests * triton.cdiv(bounds["max_candidates"] * seeds, 128) * heads
-    buf = torch.full((programs, TRACE_FIELDS), -1, dtype=torch.int64, device=device)
+    buf = torch.full((programs, len(FIELDS)), -1, dtype=torch.int64, device=device)
     traced.TRACE[0] = buf
     for _ in range(3):  # the last call's trace is kept (compiled and warm by then)
         buf.fill_(-1)
@@ -151,10 +195,11 @@ def trace(name: str, device: torch.device, traced: ModuleType) -> list[str]:
     torch.cuda.synchronize()
     ref = attention.target_attention_forward(*inputs.args, **inputs.kwargs, **bounds)
     assert torch.equal(out, ref), "the traced kernel must compute what the kernel does"
-    t = buf[buf[:, 0] >= 0].double().cpu()
-    start, stop, sm, keys = t[:, 0], t[:, 1], t[:, 2].long(), t[:, 4]
-    t0 = start.min()
-    start, stop = (start - t0) / 1e3, (stop - t0) / 1e3  # µs from the first program's start
+    t = dict(zip(FIELDS, buf[buf[:, 0] >= 0].double().cpu().unbind(1), strict=True))
+    t0 = t["start"].min()
+    for f in FIELDS[:5]:
+        t[f] = (t[f] - t0) / 1e3  # µs from the first program's start
+    start, stop = t["start"], t["end"]
     span = float(stop.max())
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     dur = stop - start
@@ -163,15 +208,19 @@ def trace(name: str, device: torch.device, traced: ModuleType) -> list[str]:
     last_start = float(start.max())
     tail_busy = float((stop.clamp(min=last_start) - start.clamp(min=last_start)).clamp(min=0).sum())
     tail_busy /= num_sms * (span - last_start)
-    tiles = torch.ceil(keys / 128)
-    design = torch.stack([torch.ones_like(tiles), tiles], 1)
-    fixed, per_tile = torch.linalg.lstsq(design, dur[:, None]).solution[:, 0].tolist()
-    used_sms = int(sm.unique().numel())
+    full_tiles = torch.floor(t["n_k"] / 128)
+    main = t["main_done"] - t["q_ready"]
+    design = torch.stack([torch.ones_like(full_tiles), full_tiles], 1)
+    fixed, per_tile = torch.linalg.lstsq(design, main[:, None]).solution[:, 0].tolist()
+    setup = float((t["q_ready"] - start).mean())
+    masked = float((t["masked_done"] - t["main_done"]).mean())
+    epilogue = float((stop - t["masked_done"]).mean())
+    used_sms = int(t["sm"].unique().numel())
     return [
-        f"| {name} | {len(t)} of {programs} ran, on {used_sms} SMs | span {span:.1f} µs "
-        f"| busy {100 * busy:.0f}% "
-        f"| tail {span - last_start:.1f} µs at {100 * tail_busy:.0f}% busy | program = {fixed:.2f} + "
-        f"{per_tile:.3f} µs/tile (mean {float(dur.mean()):.1f} µs, {float(tiles.mean()):.1f} tiles) |"
+        f"| {name} | {len(start)} of {programs}, on {used_sms} SMs | {span:.1f} µs | {100 * busy:.0f}% "
+        f"| {span - last_start:.1f} µs at {100 * tail_busy:.0f}% | {float(dur.mean()):.1f} µs "
+        f"| {setup:.2f} | {fixed:.2f} + {per_tile:.3f} x {float(full_tiles.mean()):.1f} | {masked:.2f} "
+        f"| {epilogue:.2f} |"
     ]
 
 
@@ -199,11 +248,12 @@ def host_time(device: torch.device, out_dir: Path) -> list[str]:
         rows.append(f"| {label} | host {host:.0f} µs per call | with the GPU's work {wall:.0f} µs per call |")
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler, stream=text).sort_stats("cumtime").print_stats(40)
         slug = "bounds" if options else "no_bounds"
         (out_dir / f"host_profile_{slug}.txt").write_text(text.getvalue())
         summary = io.StringIO()
-        pstats.Stats(profiler, stream=summary).sort_stats("tottime").print_stats(8)
-        print(summary.getvalue()[-2500:], flush=True)
+        pstats.Stats(profiler, stream=summary).sort_stats("cumtime").print_stats(30)
+        print(summary.getvalue()[-6000:], flush=True)
     return rows
 
 
@@ -219,9 +269,16 @@ def main() -> None:
     for name in SHAPES:
         rows += timing_ways(name, device)
     traced = traced_attention()
-    rows += ["", "| shape | programs | span | SMs busy | tail | per program |", "|---|---|---|---|---|---|"]
+    rows += [
+        "",
+        "| shape | programs | span | SMs busy | tail (busy) | program | set-up, q loaded | "
+        "unmasked tiles: fixed + per tile x tiles | masked tile | epilogue |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in SHAPES:
         rows += trace(name, device, traced)
+    rows += ["", f"forward kernel: {_resources(attention._attn_fwd_kernel)}"]
+    rows += [f"traced forward kernel: {_resources(traced._attn_fwd_kernel)}"]
     rows += ["", "| call | host | wall |", "|---|---|---|"]
     rows += host_time(device, out_dir)
     print("\n".join(rows))
