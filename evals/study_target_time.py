@@ -65,20 +65,20 @@ def _stamp(dep):
 
 TRACE = [None]
 """
-FIELDS = ("start", "q_ready", "main_done", "masked_done", "end", "sm", "seq", "n_k")
+FIELDS = ("start", "q_ready", "loops_done", "end", "sm", "seq", "n_k")
 
 
 def traced_attention() -> ModuleType:
     """kernels/attention.py with its forward kernel tracing each program into the tensor the
     module's TRACE[0] holds when it is launched ([programs, len(FIELDS)] int64): its start, q
-    loaded (a row sum of q waited for), the unmasked key tiles done and the masked one (the
-    row sums l waited for), its end, its SM, request and key rows."""
+    loaded (a row sum of q waited for), its key tiles done (the row sums l waited for), its end,
+    its SM, request and key rows."""
     text = Path(attention.__file__).read_text()
     first = "    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)\n"
     text = _patched(
         text,
-        "    FOLD_SCALE: tl.constexpr,\n):\n" + first,
-        "    FOLD_SCALE: tl.constexpr,\n    trace_ptr,\n):\n    t_start = tl.extra.cuda.globaltimer()\n"
+        "    SHIFT_LAST: tl.constexpr,\n):\n" + first,
+        "    SHIFT_LAST: tl.constexpr,\n    trace_ptr,\n):\n    t_start = tl.extra.cuda.globaltimer()\n"
         + first,
     )
     after_q = "    k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head\n"
@@ -87,15 +87,9 @@ def traced_attention() -> ModuleType:
         ")  # fmt: skip\n" + after_q,
         ")  # fmt: skip\n    t_q = _stamp(tl.sum(q_MD.to(tl.float32), axis=1))\n" + after_q,
     )
-    main_loop = "USE_TMA, WARP_SPECIALIZE,\n        FOLD_SCALE,\n    )  # fmt: skip\n"
-    text = _patched(text, main_loop, main_loop + "    t_main = _stamp(l_M)\n")
-    masked_loop = "BLOCK_N, USE_TMA, False,\n        FOLD_SCALE,\n    )  # fmt: skip\n"
-    text = _patched(
-        text,
-        masked_loop + "    if HAS_TARGETS:\n",
-        masked_loop + "    t_masked = _stamp(l_M)\n    if HAS_TARGETS:\n",
-    )
-    stamps = ("t_start", "t_q", "t_main", "t_masked", "t_end", "tl.extra.cuda.smid()", "seq", "n_k")
+    epilogue = '    if ACTIVATION == "softmax":\n        # l = 0 only for a query with no keys at all'
+    text = _patched(text, epilogue, "    t_loops = _stamp(l_M)\n" + epilogue)
+    stamps = ("t_start", "t_q", "t_loops", "t_end", "tl.extra.cuda.smid()", "seq", "n_k")
     stores = "".join(f"    tl.store(trace_row + {i}, ({v}).to(tl.int64))\n" for i, v in enumerate(stamps))
     text = _patched(
         text,
@@ -106,8 +100,9 @@ def traced_attention() -> ModuleType:
     )
     text = _patched(
         text,
-        '        **{**config, "USE_TMA": use_tma},\n    )  # fmt: skip\n',
-        '        **{**config, "USE_TMA": use_tma}, trace_ptr=TRACE[0],\n    )  # fmt: skip\n',
+        '        **{**config, "USE_TMA": use_tma, "SHIFT_LAST": shift_last},\n    )  # fmt: skip\n',
+        '        **{**config, "USE_TMA": use_tma, "SHIFT_LAST": shift_last}, trace_ptr=TRACE[0],\n'
+        "    )  # fmt: skip\n",
     )
     text = text.replace(
         "import triton.language as tl\n",
@@ -181,7 +176,7 @@ def _resources(kernel) -> str:
     return "; ".join(found)
 
 
-def trace(name: str, device: torch.device, traced: ModuleType) -> list[str]:
+def trace(name: str, device: torch.device, traced: ModuleType, shift_last: bool) -> list[str]:
     problem, shape, inputs, bounds = _inputs(name, device)
     q_cand, *_ = inputs.args
     seeds, heads = q_cand.shape[1], q_cand.shape[2]
@@ -189,15 +184,16 @@ def trace(name: str, device: torch.device, traced: ModuleType) -> list[str]:
     programs = num_requests * triton.cdiv(bounds["max_candidates"] * seeds, 128) * heads
     buf = torch.full((programs, len(FIELDS)), -1, dtype=torch.int64, device=device)
     traced.TRACE[0] = buf
+    options = {**inputs.kwargs, **bounds, "shift_last": shift_last}
     for _ in range(3):  # the last call's trace is kept (compiled and warm by then)
         buf.fill_(-1)
-        out = traced.target_attention_forward(*inputs.args, **inputs.kwargs, **bounds)
+        out = traced.target_attention_forward(*inputs.args, **options)
     torch.cuda.synchronize()
-    ref = attention.target_attention_forward(*inputs.args, **inputs.kwargs, **bounds)
+    ref = attention.target_attention_forward(*inputs.args, **options)
     assert torch.equal(out, ref), "the traced kernel must compute what the kernel does"
     t = dict(zip(FIELDS, buf[buf[:, 0] >= 0].double().cpu().unbind(1), strict=True))
     t0 = t["start"].min()
-    for f in FIELDS[:5]:
+    for f in FIELDS[:4]:
         t[f] = (t[f] - t0) / 1e3  # µs from the first program's start
     start, stop = t["start"], t["end"]
     span = float(stop.max())
@@ -208,19 +204,18 @@ def trace(name: str, device: torch.device, traced: ModuleType) -> list[str]:
     last_start = float(start.max())
     tail_busy = float((stop.clamp(min=last_start) - start.clamp(min=last_start)).clamp(min=0).sum())
     tail_busy /= num_sms * (span - last_start)
-    full_tiles = torch.floor(t["n_k"] / 128)
-    main = t["main_done"] - t["q_ready"]
-    design = torch.stack([torch.ones_like(full_tiles), full_tiles], 1)
-    fixed, per_tile = torch.linalg.lstsq(design, main[:, None]).solution[:, 0].tolist()
+    tiles = torch.ceil(t["n_k"] / 128)
+    loops = t["loops_done"] - t["q_ready"]
+    design = torch.stack([torch.ones_like(tiles), tiles], 1)
+    fixed, per_tile = torch.linalg.lstsq(design, loops[:, None]).solution[:, 0].tolist()
     setup = float((t["q_ready"] - start).mean())
-    masked = float((t["masked_done"] - t["main_done"]).mean())
-    epilogue = float((stop - t["masked_done"]).mean())
+    epilogue = float((stop - t["loops_done"]).mean())
     used_sms = int(t["sm"].unique().numel())
     return [
-        f"| {name} | {len(start)} of {programs}, on {used_sms} SMs | {span:.1f} µs | {100 * busy:.0f}% "
-        f"| {span - last_start:.1f} µs at {100 * tail_busy:.0f}% | {float(dur.mean()):.1f} µs "
-        f"| {setup:.2f} | {fixed:.2f} + {per_tile:.3f} x {float(full_tiles.mean()):.1f} | {masked:.2f} "
-        f"| {epilogue:.2f} |"
+        f"| {name} | {'shifted' if shift_last else 'masked loop'} "
+        f"| {len(start)} of {programs}, on {used_sms} SMs | {span:.1f} µs | {100 * busy:.0f}% "
+        f"| {span - last_start:.1f} µs at {100 * tail_busy:.0f}% | {float(dur.mean()):.1f} µs | {setup:.2f} "
+        f"| {fixed:.2f} + {per_tile:.3f} x {float(tiles.mean()):.1f} | {epilogue:.2f} |"
     ]
 
 
@@ -271,12 +266,13 @@ def main() -> None:
     traced = traced_attention()
     rows += [
         "",
-        "| shape | programs | span | SMs busy | tail (busy) | program | set-up, q loaded | "
-        "unmasked tiles: fixed + per tile x tiles | masked tile | epilogue |",
+        "| shape | last key tile | programs | span | SMs busy | tail (busy) | program | set-up, q loaded "
+        "| key tiles: fixed + per tile x tiles | epilogue |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in SHAPES:
-        rows += trace(name, device, traced)
+        for shift_last in (False, True):
+            rows += trace(name, device, traced, shift_last)
     rows += ["", f"forward kernel: {_resources(attention._attn_fwd_kernel)}"]
     rows += [f"traced forward kernel: {_resources(traced._attn_fwd_kernel)}"]
     rows += ["", "| call | host | wall |", "|---|---|---|"]

@@ -592,10 +592,17 @@ def _fwd_inner(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
+    SHIFT_LAST: tl.constexpr,
 ):
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for tile_start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        start_n = tile_start
+        if SHIFT_LAST:
+            # (n_k >= BLOCK_N) The last tile ends at the last key instead of reading past it;
+            # its keys before tile_start, done by the tile before, are masked out below. So the
+            # sequence's ragged end needs no masked loop of its own after the pipelined one.
+            start_n = tl.minimum(tile_start, n_k - BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
             # Tensor-memory-accelerator copies of [BLOCK_N, HEAD_DIM] boxes of the [rows, H * D]
@@ -640,6 +647,8 @@ def _fwd_inner(
         if ACTIVATION == "softmax":
             if MASKED:
                 s_MN = tl.where(allowed_MN, s_MN, float("-inf"))
+            if SHIFT_LAST:
+                s_MN = tl.where((offs_n >= tile_start)[None, :], s_MN, float("-inf"))
             # With FOLD_SCALE (qk_scale > 0, no bias) s is still unscaled: the row max scales
             # after the reduction, and s where it is exponentiated, in one multiply-add.
             m_tile_M = tl.max(s_MN, axis=1)
@@ -664,6 +673,8 @@ def _fwd_inner(
             p_MN = _activation(s_MN, ACTIVATION, SILU)
             if MASKED:
                 p_MN = tl.where(allowed_MN, p_MN, 0.0)
+            if SHIFT_LAST:
+                p_MN = tl.where((offs_n >= tile_start)[None, :], p_MN, 0.0)
         acc_MD = _dot(p_MN.to(v_ND.dtype), v_ND, acc_MD, DOT_PRECISION)
     return acc_MD, m_M, l_M
 
@@ -718,6 +729,7 @@ def _attn_fwd_kernel(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
+    SHIFT_LAST: tl.constexpr,
 ):
     seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
     if seq < 0:
@@ -748,32 +760,46 @@ def _attn_fwd_kernel(
     full_end, masked_end, diag_lo, diag_hi = _key_ranges(
         m0, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N
     )
-    # The three ranges are the same loop, specialised: the unmasked one carries no mask at all.
-    acc_MD, m_M, l_M = _fwd_inner(
-        acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
-        bias_head_ptr, stride_k_row, stride_v_row,
-        m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-        ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
-        FOLD_SCALE,
-    )  # fmt: skip
-    acc_MD, m_M, l_M = _fwd_inner(
-        acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
-        bias_head_ptr, stride_k_row, stride_v_row,
-        m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-        ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
-        FOLD_SCALE,
-    )  # fmt: skip
-    if HAS_TARGETS:
+    shifted = False
+    if SHIFT_LAST:  # (no causal mask, no targets; the launcher sees to it)
+        shifted = n_k >= BLOCK_N
+    if shifted:
+        # One pipelined loop over every key tile, the last one shifted back to end at the last key.
         acc_MD, m_M, l_M = _fwd_inner(
             acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
             bias_head_ptr, stride_k_row, stride_v_row,
-            m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
+            m0, 0, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+            ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
+            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
+            FOLD_SCALE, True,
+        )  # fmt: skip
+    else:
+        # The three ranges are the same loop, specialised: the unmasked one carries no mask.
+        acc_MD, m_M, l_M = _fwd_inner(
+            acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
+            bias_head_ptr, stride_k_row, stride_v_row,
+            m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+            ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
+            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
+            FOLD_SCALE, False,
+        )  # fmt: skip
+        acc_MD, m_M, l_M = _fwd_inner(
+            acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
+            bias_head_ptr, stride_k_row, stride_v_row,
+            m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
-            FOLD_SCALE,
+            FOLD_SCALE, False,
         )  # fmt: skip
+        if HAS_TARGETS:
+            acc_MD, m_M, l_M = _fwd_inner(
+                acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
+                bias_head_ptr, stride_k_row, stride_v_row,
+                m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
+                ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
+                NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
+                FOLD_SCALE, False,
+            )  # fmt: skip
 
     if ACTIVATION == "softmax":
         # l = 0 only for a query with no keys at all (an empty history): its output is 0.
@@ -1809,6 +1835,9 @@ def _launch_forward(
     qk_scale, bias_scale = _score_scales(scale, activation, config)
     # Softmax scales s inside the exponent's multiply-add where it may (see _fwd_inner).
     fold_scale = softmax and rel_bias is None and qk_scale > 0
+    # A shifted last key tile overlaps the one before it: only where every key of a sequence is
+    # seen by every query (no causal mask, no targets).
+    shift_last = config["SHIFT_LAST"] and not (self_attn and causal) and num_targets is None
     _attn_fwd_kernel[(num_items * num_heads,)](
         q, k, v, k_desc, v_desc, out, lse if lse is not None else out,
         q_offsets, kv_offsets, num_targets if num_targets is not None else q_offsets,
@@ -1823,7 +1852,7 @@ def _launch_forward(
         ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index, STORE_LSE=lse is not None,
         NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(q), WORK_LIST=work is not None, FOLD_SCALE=fold_scale,
-        **{**config, "USE_TMA": use_tma},
+        **{**config, "USE_TMA": use_tma, "SHIFT_LAST": shift_last},
     )  # fmt: skip
     return out, lse
 
@@ -2002,6 +2031,7 @@ def _configs(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
+    shift_last: bool = True,
 ) -> dict | tuple[dict, dict]:
     """The default launch configuration with the caller's overrides: the forward's, or with
     dq_overrides the backward's (dK/dV, dQ); each carries the kernels' SILU form, the forward
@@ -2015,7 +2045,7 @@ def _configs(
         defaults = _forward_config(
             head_dim, dtype, device, has_bias, activation == "softmax", tma is not False
         )
-        loads = {"USE_TMA": tma, "WARP_SPECIALIZE": warp_specialize}
+        loads = {"USE_TMA": tma, "WARP_SPECIALIZE": warp_specialize, "SHIFT_LAST": shift_last}
         return {**_with_overrides(defaults, block_m, block_n, num_warps, num_stages), **silu, **loads}
     defaults = _backward_config(head_dim, dtype, device, has_bias)
     return (
@@ -2048,6 +2078,7 @@ def jagged_attention_forward(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
+    shift_last: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """HSTU self-attention over jagged sequences; no host sync.
 
@@ -2076,7 +2107,7 @@ def jagged_attention_forward(
         return_lse=return_lse,
         config=_configs(
             q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
-            tma=tma, warp_specialize=warp_specialize,
+            tma=tma, warp_specialize=warp_specialize, shift_last=shift_last,
         ),
         schedule=schedule,
     )  # fmt: skip
@@ -2174,6 +2205,7 @@ def gdpa_forward(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
+    shift_last: bool = True,
 ) -> torch.Tensor:
     """Generalized dot-product attention (non-causal, unnormalised activation).
 
@@ -2198,7 +2230,7 @@ def gdpa_forward(
         num_targets=None, rel_bias=None, broadcast_q=broadcast_q, return_lse=False,
         config=_configs(
             q, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu, tma=tma,
-            warp_specialize=warp_specialize,
+            warp_specialize=warp_specialize, shift_last=shift_last,
         ),
         schedule=schedule,
     )  # fmt: skip
@@ -2269,6 +2301,7 @@ def target_attention_forward(
     fast_silu: bool | None = None,
     tma: bool | None = None,
     warp_specialize: bool = False,
+    shift_last: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Request-broadcast target attention.
 
@@ -2300,7 +2333,7 @@ def target_attention_forward(
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
         config=_configs(
             q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
-            tma=tma, warp_specialize=warp_specialize,
+            tma=tma, warp_specialize=warp_specialize, shift_last=shift_last,
         ),
         schedule=schedule, row_map=groups.order, rows_per_index=seeds,
     )  # fmt: skip

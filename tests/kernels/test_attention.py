@@ -439,6 +439,57 @@ def test_gdpa_with_bounds(
     assert DISPATCHER.last["gdpa"] == "default"
 
 
+# --- the last key tile, for every op ---------------------------------------------------------
+
+POISON_LENGTHS = [40, 17, 33, 16, 5]  # 16-key tiles in the interpreter: ragged, whole, short
+POISONED = 2
+
+
+def _poisoned_case(
+    op: str, device: torch.device, shift_last: bool
+) -> tuple[Callable, Callable, dict, torch.Tensor]:
+    """(kernel(**inputs), reference(**inputs), inputs, rows to compare) for one op, the keys and
+    values of sequence (request) POISONED set to inf and NaN. The compared rows are the others'."""
+    if op == "jagged":
+        inputs = _jagged_inputs(device, lengths=POISON_LENGTHS)
+        options = {"max_seq_len": max(POISON_LENGTHS), "causal": False}
+        seq_of_row = torch.repeat_interleave(torch.arange(len(POISON_LENGTHS)), torch.tensor(POISON_LENGTHS))
+        kernel = _jagged(attn.jagged_attention_forward, **options, shift_last=shift_last)
+        ref = _jagged(reference.jagged_attention_reference, **options)
+    elif op == "gdpa":
+        q_lengths = [3, 20, 7, 1, 18]
+        inputs = _gdpa_inputs(device, q_lengths=q_lengths, kv_lengths=POISON_LENGTHS)
+        seq_of_row = torch.repeat_interleave(torch.arange(len(q_lengths)), torch.tensor(q_lengths))
+        kernel = _gdpa(attn.gdpa_forward, activation="gelu", shift_last=shift_last)
+        ref = _gdpa(reference.gdpa_reference, activation="gelu")
+    else:
+        requests = [2, 0, 3, 2, 1, 4, 0]
+        inputs = _target_inputs(device, cand_to_request=requests, kv_lengths=POISON_LENGTHS)
+        seq_of_row = torch.tensor(requests)
+        kernel = _target(attn.target_attention_forward, activation="softmax", shift_last=shift_last)
+        ref = _target(reference.target_attention_reference, activation="softmax")
+    offsets = _offsets(POISON_LENGTHS, device)
+    rows = slice(int(offsets[POISONED]), int(offsets[POISONED + 1]))
+    inputs["k"][rows] = float("inf")
+    inputs["v"][rows] = float("nan")
+    return kernel, ref, inputs, (seq_of_row != POISONED).to(device)
+
+
+@pytest.mark.parametrize("shift_last", [True, False], ids=["shifted-last-tile", "masked-last-tile"])
+@pytest.mark.parametrize("op", ["jagged", "gdpa", "target"])
+def test_last_key_tile_reads_nothing_of_the_next_sequence(op: str, shift_last: bool, device) -> None:
+    # Where every query sees every key (no causal mask, no targets), a sequence's last key tile
+    # by default (shift_last) ends at its last key, overlapping the tile before, whose keys it
+    # masks out; else a masked tile reads past the end and zeroes what it read. Either way the
+    # next sequence's keys and values must not reach the output: with inf keys and NaN values in
+    # one sequence, every other sequence's rows match fp64.
+    kernel, ref, inputs, keep = _poisoned_case(op, device, shift_last)
+    out = kernel(**inputs)
+    want = ref(**{n: t.double() if t is not None and t.is_floating_point() else t for n, t in inputs.items()})
+    assert_close(out[keep], want[keep], "fp32", f"{op}, shift_last={shift_last}")
+    assert out[~keep].isnan().any(), "the poisoned sequence's own rows see its NaN values"
+
+
 # --- target_attention -----------------------------------------------------------------------
 
 REQUEST_LENGTHS = [5, 0, 33, 1, 9]  # request 1 has an empty history, request 4 no candidate
