@@ -71,7 +71,6 @@ for the p @ v product. Shape suffixes: M query rows, N key rows, D head dim, B b
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -1993,15 +1992,17 @@ def _silu_form(q: torch.Tensor, activation: str, fast_silu: bool | None) -> str:
     return "tanh.approx" if q.device.type == "cuda" else "tanh"
 
 
-@functools.cache
-def _device_capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+_CAPABILITY_MAJOR: dict[int, int] = {}
 
 
 def _capability_major() -> int:
-    """The compute capability's major version of the current CUDA device, which Triton targets.
-    Cached per device: the query takes microseconds of host time, twice per forward call."""
-    return _device_capability_major(torch.cuda.current_device())
+    """The compute capability's major version of the current CUDA device, as Triton targets it.
+    Cached per device: the target query takes microseconds of host time, twice per forward."""
+    driver = triton.runtime.driver.active
+    index = driver.get_current_device()
+    if index not in _CAPABILITY_MAJOR:
+        _CAPABILITY_MAJOR[index] = driver.get_current_target().arch // 10
+    return _CAPABILITY_MAJOR[index]
 
 
 def _tma_default(q: torch.Tensor, has_bias: bool, activation: str) -> bool:
