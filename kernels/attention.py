@@ -647,7 +647,8 @@ def _fwd_inner(
             if MASKED:
                 s_MN = tl.where(allowed_MN, s_MN, float("-inf"))
             if SHIFT_LAST:
-                s_MN = tl.where((offs_n >= tile_start)[None, :], s_MN, float("-inf"))
+                if start_n < tile_start:  # the shifted last tile (a uniform branch)
+                    s_MN = tl.where((offs_n >= tile_start)[None, :], s_MN, float("-inf"))
             # With FOLD_SCALE (qk_scale > 0, no bias) s is still unscaled: the row max scales
             # after the reduction, and s where it is exponentiated, in one multiply-add.
             m_tile_M = tl.max(s_MN, axis=1)
@@ -673,7 +674,8 @@ def _fwd_inner(
             if MASKED:
                 p_MN = tl.where(allowed_MN, p_MN, 0.0)
             if SHIFT_LAST:
-                p_MN = tl.where((offs_n >= tile_start)[None, :], p_MN, 0.0)
+                if start_n < tile_start:
+                    p_MN = tl.where((offs_n >= tile_start)[None, :], p_MN, 0.0)
         acc_MD = _dot(p_MN.to(v_ND.dtype), v_ND, acc_MD, DOT_PRECISION)
     return acc_MD, m_M, l_M
 
