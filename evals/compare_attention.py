@@ -24,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from evals.bench_attention import graphed, sync_free_bounds
 from kernels import attention as current
 from sandbox.protocol import compare, fresh_seed
 from sandbox.timing import benchmark
@@ -77,12 +78,14 @@ TARGET_FOLD = [
     ),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
-# The last key tile of a sequence shifted back to end at its last key (the default where no key
-# is masked), against the masked loop after the pipelined one, and the previous commit.
+# The last key tile of a sequence shifted back to end at its last key, against the masked loop
+# after the pipelined one, the default (kernels/attention.py: SHIFT_LAST_MAX_KEYS) and the
+# previous commit.
 NO_SHIFT = {"shift_last": False}
 SHIFT = [
     ("previous, bounds, CUDA graph", "prev-graph", BOUNDS, None),
     ("masked last tile, bounds, CUDA graph", "cur-graph", {**BOUNDS, **NO_SHIFT}, None),
+    ("shifted last tile, bounds, CUDA graph", "cur-graph", {**BOUNDS, "shift_last": True}, None),
     ("bounds, CUDA graph", "cur-graph", BOUNDS, None),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
@@ -157,40 +160,11 @@ def _op_forward(op: str, inputs, options: dict):
         return getattr(ops, op)(*inputs.args, **inputs.kwargs, **options)
 
 
-def _longest(offsets: torch.Tensor) -> int:
-    return int((offsets[1:] - offsets[:-1]).max())
-
-
 def _bounds(op: str, inputs, options: dict) -> dict:
-    """options with {"bounds": True} replaced by the case's bounds (measured here, outside any
-    timing): target attention's max_candidates and max_history, gdpa's max_kv_len and, unless
-    its queries are broadcast, max_q_len."""
+    """options with {"bounds": True} replaced by the case's bounds (see sync_free_bounds)."""
     if not options.pop("bounds", False):
         return options
-    if op == "gdpa":
-        _, _, _, q_offsets, kv_offsets = inputs.args
-        bounds = {"max_kv_len": _longest(kv_offsets)}
-        if not inputs.kwargs.get("broadcast_q"):
-            bounds["max_q_len"] = _longest(q_offsets)
-        return {**options, **bounds}
-    assert op == "target_attention", op
-    _, _, _, kv_offsets, cand_to_request = inputs.args
-    max_candidates = int(torch.bincount(cand_to_request).max())
-    return {**options, "max_candidates": max_candidates, "max_history": _longest(kv_offsets)}
-
-
-def _graphed(fn):
-    """(replay, outputs): fn captured in a CUDA graph after a warm-up on a side stream."""
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph.replay, outputs
+    return {**options, **sync_free_bounds(op, inputs.args, inputs.kwargs)}
 
 
 def _backward(module: ModuleType, op: str, inputs, grad_out, out, lse, options: dict):
@@ -200,10 +174,10 @@ def _backward(module: ModuleType, op: str, inputs, grad_out, out, lse, options: 
     return fn(grad_out, *inputs.args, out, lse, **inputs.kwargs, **options)
 
 
-def _median_ms(fn, device: torch.device, reps: int, graphed: bool = False) -> float:
+def _median_ms(fn, device: torch.device, reps: int, replayed: bool = False) -> float:
     # A graph's replay is timed to its last kernel (joined_streams): capture admits no work left
     # on another stream, so the synchronize's host round trip would only add its own latency.
-    stats = benchmark(fn, [((), {})], device=device, max_reps=reps, joined_streams=graphed)
+    stats = benchmark(fn, [((), {})], device=device, max_reps=reps, joined_streams=replayed)
     return stats.median_us / 1e3
 
 
@@ -238,7 +212,7 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
         _profile(current, op, inputs)
     rows = []
     for label, key, fwd_options, bwd_options in variants:
-        module_key, graphed = key.removesuffix("-graph"), key.endswith("-graph")
+        module_key, replayed = key.removesuffix("-graph"), key.endswith("-graph")
         if module_key not in modules and module_key != "ops":
             continue
         module = modules.get(module_key, current)
@@ -250,14 +224,14 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
                 forward = partial(_op_forward, op, inputs, fwd_options)
             else:
                 forward = partial(_forward, module, op, inputs, fwd_options)
-            if graphed:
-                forward, out = _graphed(forward)
+            if replayed:
+                forward, out = graphed(forward)
                 forward()
             else:
                 out = forward()
             ok, details = compare(out, ref, tol, scale)
             row["fwd_check"] = "ok" if ok else details["message"][:80]
-            row["fwd_ms"] = _median_ms(forward, device, 50, graphed)
+            row["fwd_ms"] = _median_ms(forward, device, 50, replayed)
             row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
             # The op's backward runs under autograd; None: a variant whose backward is the default's.
             if module_key == "ops" or bwd_options is None:
@@ -265,8 +239,8 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
                 print(json.dumps(row), flush=True)
                 continue
             backward = partial(_backward, module, op, inputs, grad_out, out0, lse0, bwd_options)
-            if graphed:
-                backward, grads = _graphed(backward)
+            if replayed:
+                backward, grads = graphed(backward)
                 backward()
             else:
                 grads = backward()
@@ -274,7 +248,7 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
                 float((g.float() - d.float()).abs().max() / d.float().abs().max().clamp_min(1e-6))
                 for g, d in zip(grads[:3], grads0[:3], strict=True)
             )
-            row["bwd_ms"] = _median_ms(backward, device, 30, graphed)
+            row["bwd_ms"] = _median_ms(backward, device, 30, replayed)
             row["bwd_tflops"] = 2.5 * flops / (row["bwd_ms"] * 1e-3) / 1e12
         except Exception as exc:  # a variant that does not compile or fit is a result too
             row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"

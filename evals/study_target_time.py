@@ -34,7 +34,7 @@ from types import ModuleType
 import torch
 import triton
 
-from evals.compare_attention import _graphed
+from evals.bench_attention import graphed
 from kernels import attention, ops
 from sandbox.timing import benchmark
 from search_space import get_problem
@@ -134,7 +134,7 @@ def timing_ways(name: str, device: torch.device) -> list[str]:
     problem, shape, inputs, bounds = _inputs(name, device)
     flops = problem.flops(shape)
     with torch.no_grad():
-        replay, _ = _graphed(partial(ops.target_attention, *inputs.args, **inputs.kwargs, **bounds))
+        replay, _ = graphed(partial(ops.target_attention, *inputs.args, **inputs.kwargs, **bounds))
     synced = benchmark(replay, [((), {})], device=device, max_reps=100).median_us
     joined = benchmark(replay, [((), {})], device=device, max_reps=100, joined_streams=True).median_us
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -12,7 +12,8 @@ from functools import partial
 
 import torch
 
-from evals.compare_attention import _graphed, _median_ms
+from evals.bench_attention import graphed
+from evals.compare_attention import _median_ms
 from kernels import attention
 from search_space import get_problem
 from search_space.problem import Shape
@@ -48,7 +49,7 @@ def main() -> None:
         )
         inputs = problem.make_inputs(shape, 1, device)
         bounds = {"max_candidates": count, "max_history": max(lengths)}
-        replay, _ = _graphed(partial(attention.target_attention_forward, *inputs.args, **bounds))
+        replay, _ = graphed(partial(attention.target_attention_forward, *inputs.args, **bounds))
         ms = _median_ms(replay, device, 100)
         print(f"| {name} | {ms:.3f} | {problem.flops(shape) / (ms * 1e-3) / 1e12:.0f} |", flush=True)
 

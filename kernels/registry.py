@@ -13,6 +13,7 @@ in training as soon as it is in the library.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import importlib.util
 import json
 import os
@@ -38,11 +39,17 @@ def interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}"
+
+
 def device_arch(device: torch.device) -> str:
-    """`sm_90` for an H100/H200; `interpreter` for interpreted Triton; `cpu` otherwise."""
+    """`sm_90` for an H100/H200; `interpreter` for interpreted Triton; `cpu` otherwise. Cached per
+    GPU: every dispatch asks, and the query costs microseconds of host time."""
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm_{major}{minor}"
+        return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
     return ARCH_INTERPRETER if interpret_enabled() else "cpu"
 
 

@@ -6,14 +6,22 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
 from agent.cli import app
 from evals import bench_attention
-from evals.bench_attention import pass_flops, run_attention_benchmark
+from evals.bench_attention import (
+    GRAPHED,
+    SYNC_FREE_BOUNDS,
+    pass_flops,
+    run_attention_benchmark,
+    sync_free_bounds,
+)
 from evals.bench_ops import family_ops
-from search_space import target_attention
+from kernels import ops
+from search_space import get_problem, target_attention
 
 runner = CliRunner()
 
@@ -42,8 +50,10 @@ def test_attention_bench_rows_on_the_interpreted_shape(monkeypatch) -> None:
     assert streamed == rows, "every row is handed on as it is measured, in order"
     by = {(r["provider"], r["pass"]): r for r in rows}
     providers = {"kernels.ops", "reference", "torch.padded", "torch.replicate_kv", "torch.flex_attention"}
-    assert {p for p, _ in by} == providers
+    assert {p for p, _ in by} == providers | {GRAPHED}
     assert {s for _, s in by} == {"fwd", "bwd", "fwd+bwd"}
+    assert by[(GRAPHED, "fwd")]["skipped"] == "CUDA graphs need a GPU"
+    assert by[(GRAPHED, "bwd")]["skipped"] == "forward only (the replayed forward)"
     shape = target_attention.INTERPRETED_TIMING_SHAPES[0]
     forward_flops = target_attention.flops(shape)
     for provider in providers:
@@ -61,6 +71,21 @@ def test_attention_bench_rows_on_the_interpreted_shape(monkeypatch) -> None:
         assert "forward only" in by[("reference", pass_name)]["skipped"]
         assert "backward on CPU" in by[("torch.flex_attention", pass_name)]["skipped"]
     assert "target_attention on cpu" in console.file.getvalue()
+
+
+@pytest.mark.parametrize("op", sorted(SYNC_FREE_BOUNDS))
+def test_sync_free_bounds_give_the_synced_output(op: str, empty_library) -> None:
+    # The bench's replayed row calls the op with these bounds: measured on the inputs, they give
+    # what the call without them (which measures the lengths itself) gives, on every interpreted
+    # timing shape.
+    problem = get_problem(op)
+    for shape in problem.interpreted_timing_shapes:
+        inputs = problem.make_inputs(shape, 0, torch.device("cpu"))
+        bounds = sync_free_bounds(op, inputs.args, inputs.kwargs)
+        assert bounds and all(isinstance(v, int) and v > 0 for v in bounds.values()), bounds
+        want = getattr(ops, op)(*inputs.args, **inputs.kwargs)
+        got = getattr(ops, op)(*inputs.args, **inputs.kwargs, **bounds)
+        assert torch.equal(got, want), (op, shape.name, bounds)
 
 
 def test_bench_ops_needs_an_op_or_a_family() -> None:
