@@ -89,6 +89,12 @@ SHIFT = [
     ("bounds, CUDA graph", "cur-graph", BOUNDS, None),
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
+SHIFT_EAGER = [
+    ("previous", "prev", {}, None),
+    ("masked last tile", "cur", NO_SHIFT, None),
+    ("shifted last tile", "cur", {"shift_last": True}, None),
+    ("this tree", "cur", {}, None),
+]
 SHIFT_CASES = [
     "target_attention/r15-c70-s32-h2000-softmax",
     "target_attention/r15-c70-s256-h2000-softmax",
@@ -131,6 +137,10 @@ CASES = {
     "fold/target_attention/r15-c70-s256-h2000-softmax": TARGET_FOLD,
     "fold/target_attention/r1-c2048-s32-h16k-softmax": TARGET_FOLD,
     **{f"shift/{case}": SHIFT for case in SHIFT_CASES},
+    **{
+        f"shift/jagged_attention/{shape}": SHIFT_EAGER
+        for shape in ("b256-n4096-power-softmax", "b256-n8192-power-softmax", "b512-n1024-uniform-softmax")
+    },
     # 128 x 64 tiles in two stages fit two programs' shared memory on one SM.
     "cta2/target_attention/r15-c70-s32-h2000-softmax": [
         ("bounds, CUDA graph", "cur-graph", BOUNDS, None),

@@ -553,6 +553,16 @@ def _request_groups_kernel(
 
 
 @triton.jit
+def _fresh(pos_q, pos_k, tile_start, CAUSAL: tl.constexpr):
+    """[M, N] keys of a shifted key tile that the tile before did not cover (those from
+    tile_start on), and with CAUSAL only those at or before the query."""
+    ok = pos_k >= tile_start
+    if CAUSAL:
+        ok = ok & (pos_k <= pos_q)
+    return ok
+
+
+@triton.jit
 def _fwd_inner(
     acc_MD,
     m_M,
@@ -570,6 +580,7 @@ def _fwd_inner(
     m0,
     lo,
     hi,
+    mask_from,
     n_q,
     n_k,
     n_hist,
@@ -598,9 +609,10 @@ def _fwd_inner(
     for tile_start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tile_start
         if SHIFT_LAST:
-            # (n_k >= BLOCK_N) The last tile ends at the last key instead of reading past it;
-            # its keys before tile_start, done by the tile before, are masked out below. So the
-            # sequence's ragged end needs no masked loop of its own after the pipelined one.
+            # (n_k >= BLOCK_N, no targets) The last tile ends at the last key instead of reading
+            # past it; its keys before tile_start, done by the tile before, are masked out below
+            # with the causal mask, in the tiles from mask_from on. So neither the sequence's
+            # ragged end nor the causal diagonal needs a masked loop after the pipelined one.
             start_n = tl.minimum(tile_start, n_k - BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
@@ -647,8 +659,9 @@ def _fwd_inner(
             if MASKED:
                 s_MN = tl.where(allowed_MN, s_MN, float("-inf"))
             if SHIFT_LAST:  # noqa: SIM102 (a compile-time test, then a branch in the kernel)
-                if start_n < tile_start:  # the shifted last tile (a uniform branch)
-                    s_MN = tl.where((offs_n >= tile_start)[None, :], s_MN, float("-inf"))
+                if tile_start >= mask_from:  # the last tiles (a uniform branch)
+                    fresh_MN = _fresh(offs_m[:, None], offs_n[None, :], tile_start, CAUSAL and SELF_ATTN)
+                    s_MN = tl.where(fresh_MN, s_MN, float("-inf"))
             # With FOLD_SCALE (qk_scale > 0, no bias) s is still unscaled: the row max scales
             # after the reduction, and s where it is exponentiated, in one multiply-add.
             m_tile_M = tl.max(s_MN, axis=1)
@@ -674,8 +687,9 @@ def _fwd_inner(
             if MASKED:
                 p_MN = tl.where(allowed_MN, p_MN, 0.0)
             if SHIFT_LAST:  # noqa: SIM102
-                if start_n < tile_start:
-                    p_MN = tl.where((offs_n >= tile_start)[None, :], p_MN, 0.0)
+                if tile_start >= mask_from:
+                    fresh_MN = _fresh(offs_m[:, None], offs_n[None, :], tile_start, CAUSAL and SELF_ATTN)
+                    p_MN = tl.where(fresh_MN, p_MN, 0.0)
         acc_MD = _dot(p_MN.to(v_ND.dtype), v_ND, acc_MD, DOT_PRECISION)
     return acc_MD, m_M, l_M
 
@@ -762,14 +776,15 @@ def _attn_fwd_kernel(
         m0, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N
     )
     shifted = False
-    if SHIFT_LAST:  # (no causal mask, no targets; the launcher sees to it)
+    if SHIFT_LAST:  # (no targets; the launcher sees to it)
         shifted = n_k >= BLOCK_N
     if shifted:
-        # One pipelined loop over every key tile, the last one shifted back to end at the last key.
+        # One pipelined loop over every key tile, the last one shifted back to end at the last
+        # key, the tiles from full_end on (that one, and the causal diagonal) masked.
         acc_MD, m_M, l_M = _fwd_inner(
             acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
             bias_head_ptr, stride_k_row, stride_v_row,
-            m0, 0, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+            m0, 0, masked_end, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
             FOLD_SCALE, True,
@@ -779,7 +794,7 @@ def _attn_fwd_kernel(
         acc_MD, m_M, l_M = _fwd_inner(
             acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
             bias_head_ptr, stride_k_row, stride_v_row,
-            m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+            m0, 0, full_end, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
             FOLD_SCALE, False,
@@ -787,7 +802,7 @@ def _attn_fwd_kernel(
         acc_MD, m_M, l_M = _fwd_inner(
             acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
             bias_head_ptr, stride_k_row, stride_v_row,
-            m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
+            m0, full_end, masked_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
             ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
             NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
             FOLD_SCALE, False,
@@ -796,7 +811,7 @@ def _attn_fwd_kernel(
             acc_MD, m_M, l_M = _fwd_inner(
                 acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
                 bias_head_ptr, stride_k_row, stride_v_row,
-                m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
+                m0, diag_lo, diag_hi, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
                 ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
                 NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
                 FOLD_SCALE, False,
@@ -1849,9 +1864,9 @@ def _launch_forward(
     shift_last = config["SHIFT_LAST"]
     if shift_last is None:
         shift_last = use_tma and max_kv_len <= SHIFT_LAST_MAX_KEYS
-    # A shifted last key tile overlaps the one before it: only where every key of a sequence is
-    # seen by every query (no causal mask, no targets).
-    shift_last = shift_last and not (self_attn and causal) and num_targets is None
+    # A shifted last key tile overlaps the one before it, its keys masked by position (and the
+    # causal mask): not with targets, whose own diagonal is a range of its own.
+    shift_last = shift_last and num_targets is None
     _attn_fwd_kernel[(num_items * num_heads,)](
         q, k, v, k_desc, v_desc, out, lse if lse is not None else out,
         q_offsets, kv_offsets, num_targets if num_targets is not None else q_offsets,

@@ -450,9 +450,12 @@ def _poisoned_case(
 ) -> tuple[Callable, Callable, dict, torch.Tensor]:
     """(kernel(**inputs), reference(**inputs), inputs, rows to compare) for one op, the keys and
     values of sequence (request) POISONED set to inf and NaN. The compared rows are the others'."""
-    if op == "jagged":
-        inputs = _jagged_inputs(device, lengths=POISON_LENGTHS)
-        options = {"max_seq_len": max(POISON_LENGTHS), "causal": False}
+    if op.startswith("jagged"):
+        causal = op == "jagged-causal-silu-bias"
+        inputs = _jagged_inputs(device, lengths=POISON_LENGTHS, bias=causal)
+        options = {"max_seq_len": max(POISON_LENGTHS), "causal": causal}
+        if causal:
+            options["activation"] = "silu"
         seq_of_row = torch.repeat_interleave(torch.arange(len(POISON_LENGTHS)), torch.tensor(POISON_LENGTHS))
         kernel = _jagged(attn.jagged_attention_forward, **options, shift_last=shift_last)
         ref = _jagged(reference.jagged_attention_reference, **options)
@@ -476,13 +479,13 @@ def _poisoned_case(
 
 
 @pytest.mark.parametrize("shift_last", [True, False], ids=["shifted-last-tile", "masked-last-tile"])
-@pytest.mark.parametrize("op", ["jagged", "gdpa", "target"])
+@pytest.mark.parametrize("op", ["jagged", "jagged-causal-silu-bias", "gdpa", "target"])
 def test_last_key_tile_reads_nothing_of_the_next_sequence(op: str, shift_last: bool, device) -> None:
-    # Where every query sees every key (no causal mask, no targets), a sequence's last key tile
-    # by default (shift_last) ends at its last key, overlapping the tile before, whose keys it
-    # masks out; else a masked tile reads past the end and zeroes what it read. Either way the
-    # next sequence's keys and values must not reach the output: with inf keys and NaN values in
-    # one sequence, every other sequence's rows match fp64.
+    # Without targets, a sequence's last key tile with shift_last ends at its last key in the
+    # pipelined loop, overlapping the tile before, whose keys it masks out with the causal mask;
+    # else a masked loop after the pipelined one reads past the end and zeroes what it read.
+    # Either way the next sequence's keys and values must not reach the output: with inf keys
+    # and NaN values in one sequence, every other sequence's rows match fp64.
     kernel, ref, inputs, keep = _poisoned_case(op, device, shift_last)
     out = kernel(**inputs)
     want = ref(**{n: t.double() if t is not None and t.is_floating_point() else t for n, t in inputs.items()})
