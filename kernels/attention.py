@@ -1800,13 +1800,16 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, config: dict) -> tuple[boo
     return True, describe(k), describe(v)
 
 
-# The forward's last key tile of a sequence, where every query sees every key: either a masked
-# loop of its own after the pipelined one (reading past the sequence, masking and zeroing what it
-# read), or shifted back to end at the last key inside the pipelined loop (SHIFT_LAST; a uniform
-# branch masks the keys the tile before did). On an H200 (BENCHMARKS.md) the shifted tile saved
-# 1.7 µs of each program's fixed cost and added 0.06 µs to each tile with TMA loads: 1.04x at
-# histories up to 2000 keys, 0.96x at 16k; with pointer loads (pointwise activations) 0.53x.
-# So by default only with TMA and at most this many keys (None: the default; True or False forces).
+# The forward's last key tile of a sequence (without targets): either a masked loop of its own
+# after the pipelined one (reading past the sequence, masking and zeroing what it read, and the
+# causal diagonal), or shifted back to end at the last key inside the pipelined loop
+# (SHIFT_LAST; a uniform branch masks, in the last tiles only, the keys the tile before did and
+# the causal mask). On an H200 (BENCHMARKS.md) the shifted tile saved 1.7 µs of each program's
+# fixed cost and added 0.03 to 0.06 µs to each tile with TMA loads: 1.03x to 1.04x at target
+# histories up to 2000 keys and 1.11x for causal N 1024, 0.96x to 0.98x at a 16k history and
+# 0.99x for causal power-law N 8192; with pointer loads (pointwise activations) 0.53x. So by
+# default only with TMA, and at most this many keys in a program's span (a causal block sees
+# half its sequence's keys on average). None: the default; True or False forces.
 SHIFT_LAST_MAX_KEYS = 2048
 
 
@@ -1863,7 +1866,8 @@ def _launch_forward(
     fold_scale = softmax and rel_bias is None and qk_scale > 0
     shift_last = config["SHIFT_LAST"]
     if shift_last is None:
-        shift_last = use_tma and max_kv_len <= SHIFT_LAST_MAX_KEYS
+        span = max_kv_len // 2 if self_attn and causal else max_kv_len
+        shift_last = use_tma and span <= SHIFT_LAST_MAX_KEYS
     # A shifted last key tile overlaps the one before it, its keys masked by position (and the
     # causal mask): not with targets, whose own diagonal is a range of its own.
     shift_last = shift_last and num_targets is None
