@@ -6,12 +6,13 @@ candidates, 32 and 256 seeds), with bounds (no host sync):
    event right after the replay (`joined_streams`), and 200 replays back to back between two
    events (no L2 flush between them);
 2. the CUDA kernels of the replays, by the profiler;
-3. the attention kernel's programs, traced: a copy of kernels/attention.py whose forward kernel
-   stores, per program, the global timer at its start, once q is loaded, once its unmasked key
-   tiles and then its masked tile are done, and at its end, with its SM. From the trace: how
-   busy the SMs were over the kernel's span, how long the last wave left SMs idle, and each
-   phase's mean time (the unmasked tiles as a least-squares line: fixed cost plus cost per
-   tile); and the compiled kernels' registers and shared memory;
+3. the attention kernel's programs, traced, with the last key tile in a masked loop of its own
+   and shifted into the pipelined loop (`shift_last`): a copy of kernels/attention.py whose
+   forward kernel stores, per program, the global timer at its start, once q is loaded, once
+   its key tiles are done and at its end, with its SM. From the trace: how busy the SMs were
+   over the kernel's span, how long the last wave left SMs idle, and each phase's mean time (the
+   key tiles as a least-squares line: fixed cost plus cost per tile); and the compiled kernels'
+   registers and shared memory;
 4. the host time of eager calls (with and without bounds), and where it goes (cProfile).
 
     python3 -m evals.study_target_time [--out DIR]
@@ -34,7 +35,7 @@ from types import ModuleType
 import torch
 import triton
 
-from evals.bench_attention import graphed
+from evals.bench_attention import graphed, sync_free_bounds
 from kernels import attention, ops
 from sandbox.timing import benchmark
 from search_space import get_problem
@@ -122,12 +123,7 @@ def _inputs(shape_name: str, device: torch.device):
     problem = get_problem("target_attention")
     shape = next(s for s in problem.timing_shapes if s.name == shape_name)
     inputs = problem.make_inputs(shape, 1, device)
-    _, _, _, kv_offsets, cand_to_request = inputs.args
-    bounds = {
-        "max_candidates": int(torch.bincount(cand_to_request).max()),
-        "max_history": int((kv_offsets[1:] - kv_offsets[:-1]).max()),
-    }
-    return problem, shape, inputs, bounds
+    return problem, shape, inputs, sync_free_bounds("target_attention", inputs.args, inputs.kwargs)
 
 
 def timing_ways(name: str, device: torch.device) -> list[str]:
