@@ -44,8 +44,8 @@ def benchmark(
     `joined_streams=True` records the end event right after the call on the current stream,
     leaving out the host's round trip through the synchronize (wake-up and the event's launch,
     microseconds each call). Only for calls whose work all joins the current stream, such as a
-    CUDA graph's replay (capture refuses a side stream that does not rejoin): never for code
-    under test, which could hide work on another stream.
+    CUDA graph's replay (capture refuses a side stream that does not rejoin): never for a direct
+    call of code under test, which could hide work on another stream.
     """
     if device.type != "cuda":
         samples = []

@@ -284,6 +284,22 @@ def test_jagged_attention_tile_shapes(blocks: tuple[int, int], device: torch.dev
     )
 
 
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 16), (16, 32), (64, 16)], ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_shifted_last_key_tile_with_tile_shapes(blocks: tuple[int, int], causal: bool, device) -> None:
+    """The last key tile shifted into the pipelined loop (forced here: by default it needs TMA
+    loads) with query and key tiles of different sizes: the overlap with the tile before and the
+    causal diagonal are masked in whichever tiles they fall, with the relative bias."""
+    block_m, block_n = blocks
+    lengths = [70, 17, 0, 33, 16, 5]
+    t = _jagged_inputs(device, lengths=lengths, bias=True)
+    options = {"max_seq_len": max(lengths), "causal": causal, "rel_bias": t["rel_bias"]}
+    args = (t["q"], t["k"], t["v"], t["offsets"])
+    out = attn.jagged_attention_forward(*args, **options, block_m=block_m, block_n=block_n, shift_last=True)
+    want = reference.jagged_attention_reference(*(x.double() for x in args[:3]), t["offsets"], **options)
+    assert_close(out, want, "fp32", f"shifted last tile, {block_m} x {block_n}, causal={causal}")
+
+
 @pytest.mark.parametrize(
     "schedule, causal", [("grid", True), ("longest_first", False)], ids=["grid-causal", "longest-first-full"]
 )
