@@ -6,7 +6,8 @@ candidates, 32 and 256 seeds), with bounds (no host sync):
    event right after the replay (`joined_streams`), and 200 replays back to back between two
    events (no L2 flush between them);
 2. the CUDA kernels of the replays, by the profiler;
-3. the attention kernel's programs, traced, with the last key tile in a masked loop of its own
+3. the attention kernel's programs at those shapes and at power-law jagged lengths (causal
+   softmax, N 4096), traced, with the last key tile in a masked loop of its own
    and shifted into the pipelined loop (`shift_last`): a copy of kernels/attention.py whose
    forward kernel stores, per program, the global timer at its start, once q is loaded, once
    its key tiles are done and at its end, with its SM. From the trace: how busy the SMs were
@@ -66,14 +67,14 @@ def _stamp(dep):
 
 TRACE = [None]
 """
-FIELDS = ("start", "q_ready", "loops_done", "end", "sm", "seq", "n_k")
+FIELDS = ("start", "q_ready", "loops_done", "end", "sm", "seq", "block", "n_k")
 
 
 def traced_attention() -> ModuleType:
     """kernels/attention.py with its forward kernel tracing each program into the tensor the
     module's TRACE[0] holds when it is launched ([programs, len(FIELDS)] int64): its start, q
     loaded (a row sum of q waited for), its key tiles done (the row sums l waited for), its end,
-    its SM, request and key rows."""
+    its SM, sequence (request), query block and key rows."""
     text = Path(attention.__file__).read_text()
     first = "    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)\n"
     text = _patched(
@@ -90,7 +91,7 @@ def traced_attention() -> ModuleType:
     )
     epilogue = '    if ACTIVATION == "softmax":\n        # l = 0 only for a query with no keys at all'
     text = _patched(text, epilogue, "    t_loops = _stamp(l_M)\n" + epilogue)
-    stamps = ("t_start", "t_q", "t_loops", "t_end", "tl.extra.cuda.smid()", "seq", "n_k")
+    stamps = ("t_start", "t_q", "t_loops", "t_end", "tl.extra.cuda.smid()", "seq", "block", "n_k")
     stores = "".join(f"    tl.store(trace_row + {i}, ({v}).to(tl.int64))\n" for i, v in enumerate(stamps))
     text = _patched(
         text,
@@ -172,20 +173,38 @@ def _resources(kernel) -> str:
     return "; ".join(found)
 
 
-def trace(name: str, device: torch.device, traced: ModuleType, shift_last: bool) -> list[str]:
-    problem, shape, inputs, bounds = _inputs(name, device)
-    q_cand, *_ = inputs.args
-    seeds, heads = q_cand.shape[1], q_cand.shape[2]
-    num_requests = inputs.args[3].numel() - 1
-    programs = num_requests * triton.cdiv(bounds["max_candidates"] * seeds, 128) * heads
+# Traced cases: (op, timing shape). The power-law jagged shape shows how the grid schedule fills
+# the GPU when a few sequences are far longer than the rest.
+TRACED = [
+    ("target_attention", "r15-c70-s32-h2000-softmax"),
+    ("target_attention", "r15-c70-s256-h2000-softmax"),
+    ("jagged_attention", "b256-n4096-power-softmax"),
+]
+
+
+def trace(op: str, name: str, device: torch.device, traced: ModuleType, shift_last: bool) -> list[str]:
+    problem = get_problem(op)
+    shape = next(s for s in problem.timing_shapes if s.name == name)
+    inputs = problem.make_inputs(shape, 1, device)
+    heads = inputs.args[0].shape[-2]
+    if op == "target_attention":
+        options = sync_free_bounds(op, inputs.args, inputs.kwargs)
+        rows = options["max_candidates"] * inputs.args[0].shape[1]
+        causal = False
+    else:
+        options, rows, causal = {}, inputs.kwargs["max_seq_len"], inputs.kwargs["causal"]
+    # Room for the grid of any query tile of 16 rows or more; programs that return at once (no
+    # rows) leave their -1.
+    programs = (inputs.args[3].numel() - 1) * triton.cdiv(rows, 16) * heads
     buf = torch.full((programs, len(FIELDS)), -1, dtype=torch.int64, device=device)
     traced.TRACE[0] = buf
-    options = {**inputs.kwargs, **bounds, "shift_last": shift_last}
+    options |= {**inputs.kwargs, "shift_last": shift_last}
+    launcher = f"{op}_forward"
     for _ in range(3):  # the last call's trace is kept (compiled and warm by then)
         buf.fill_(-1)
-        out = traced.target_attention_forward(*inputs.args, **options)
+        out = getattr(traced, launcher)(*inputs.args, **options)
     torch.cuda.synchronize()
-    ref = attention.target_attention_forward(*inputs.args, **options)
+    ref = getattr(attention, launcher)(*inputs.args, **options)
     assert torch.equal(out, ref), "the traced kernel must compute what the kernel does"
     t = dict(zip(FIELDS, buf[buf[:, 0] >= 0].double().cpu().unbind(1), strict=True))
     t0 = t["start"].min()
@@ -200,7 +219,8 @@ def trace(name: str, device: torch.device, traced: ModuleType, shift_last: bool)
     last_start = float(start.max())
     tail_busy = float((stop.clamp(min=last_start) - start.clamp(min=last_start)).clamp(min=0).sum())
     tail_busy /= num_sms * (span - last_start)
-    tiles = torch.ceil(t["n_k"] / 128)
+    seen = torch.minimum((t["block"] + 1) * 128, t["n_k"]) if causal else t["n_k"]  # 128-row blocks
+    tiles = torch.ceil(seen / 128)
     loops = t["loops_done"] - t["q_ready"]
     design = torch.stack([torch.ones_like(tiles), tiles], 1)
     fixed, per_tile = torch.linalg.lstsq(design, loops[:, None]).solution[:, 0].tolist()
@@ -209,7 +229,7 @@ def trace(name: str, device: torch.device, traced: ModuleType, shift_last: bool)
     used_sms = int(t["sm"].unique().numel())
     return [
         f"| {name} | {'shifted' if shift_last else 'masked loop'} "
-        f"| {len(start)} of {programs}, on {used_sms} SMs | {span:.1f} µs | {100 * busy:.0f}% "
+        f"| {len(start)}, on {used_sms} SMs | {span:.1f} µs | {100 * busy:.0f}% "
         f"| {span - last_start:.1f} µs at {100 * tail_busy:.0f}% | {float(dur.mean()):.1f} µs | {setup:.2f} "
         f"| {fixed:.2f} + {per_tile:.3f} x {float(tiles.mean()):.1f} | {epilogue:.2f} |"
     ]
@@ -266,9 +286,9 @@ def main() -> None:
         "| key tiles: fixed + per tile x tiles | epilogue |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in SHAPES:
+    for op, name in TRACED:
         for shift_last in (False, True):
-            rows += trace(name, device, traced, shift_last)
+            rows += trace(op, name, device, traced, shift_last)
     rows += ["", f"forward kernel: {_resources(attention._attn_fwd_kernel)}"]
     rows += [f"traced forward kernel: {_resources(traced._attn_fwd_kernel)}"]
     rows += ["", "| call | host | wall |", "|---|---|---|"]
