@@ -1804,8 +1804,8 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, config: dict) -> tuple[boo
 # after the pipelined one (reading past the sequence, masking and zeroing what it read, and the
 # causal diagonal), or shifted back to end at the last key inside the pipelined loop
 # (SHIFT_LAST; a uniform branch masks, in the last tiles only, the keys the tile before did and
-# the causal mask). On an H200 (BENCHMARKS.md) the shifted tile saved 1.7 µs of each program's
-# fixed cost and added 0.03 to 0.06 µs to each tile with TMA loads: 1.03x to 1.04x at target
+# the causal mask). On an H200 (BENCHMARKS.md) the shifted tile saved 1.5 to 1.9 µs of each
+# program's fixed cost and added up to 0.06 µs to each tile with TMA loads: 1.03x to 1.04x at target
 # histories up to 2000 keys and 1.11x for causal N 1024, 0.96x to 0.98x at a 16k history and
 # 0.99x for causal power-law N 8192; with pointer loads (pointwise activations) 0.53x. So by
 # default only with TMA, and at most this many keys in a program's span (a causal block sees
