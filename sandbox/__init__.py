@@ -1,8 +1,25 @@
-"""Evaluation: the worker that compiles, checks and times a candidate in an isolated process,
-the correctness and timing protocol, and the backends that run workers."""
+"""Evaluation: a trusted judge that checks and times each candidate, an untrusted runner that
+imports it in a sandbox of its own, the protocol between them, and the backends that run them.
 
-from sandbox.candidate import Candidate, source_hash
-from sandbox.local import LocalBackend
-from sandbox.result import EvalResult, Status
+Names below load on first use: the runner imports `sandbox.runner` inside its sandbox, where
+neither pydantic nor the problems are needed (nor, for the runner's own modules, mounted)."""
 
-__all__ = ["Candidate", "EvalResult", "LocalBackend", "Status", "source_hash"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Candidate": "sandbox.candidate",
+    "source_hash": "sandbox.candidate",
+    "LocalBackend": "sandbox.local",
+    "EvalResult": "sandbox.result",
+    "Status": "sandbox.result",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'sandbox' has no attribute {name!r}")

@@ -1,15 +1,16 @@
-"""Local backend: one worker process per evaluation, isolated and killable.
+"""Local backend: a judge process per evaluation on this host, with its runner in a sandbox.
 
-Each worker gets its own process group (so a fork cannot outlive a kill), its own scratch
-directory (with its Triton cache inside), a scrubbed environment, a CPU-time limit, a hard
-wall-clock timeout that kills the whole group, and no network where the OS allows a network
-namespace (`unshare --net`).
+Each evaluation gets a directory with two parts: the judge's (its request and result, which the
+runner never sees) and the runner's scratch directory (the candidate's source and its Triton
+cache; the only place the runner can write). The judge (`python -m sandbox.judge`) starts the
+runner in bubblewrap (sandbox.isolation), checks and times it, and writes the result; this
+backend gives the judge a hard wall-clock limit past the evaluation's own and kills its process
+group at the end, whatever happened.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shutil
 import signal
@@ -21,15 +22,18 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from sandbox.artifacts import ArtifactCache
 from sandbox.candidate import Candidate
 from sandbox.hardware import cuda_present
+from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
 from sandbox.screen import screen_candidate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Variables a worker may inherit; everything else (tokens, keys, proxies) stays behind.
+# Variables the judge inherits; everything else (tokens, keys, proxies) stays behind.
 PASSED_ENV = (
     "PATH",
     "LANG",
@@ -42,26 +46,13 @@ PASSED_ENV = (
 )
 
 
-@functools.cache
-def network_namespace_prefix() -> tuple[str, ...]:
-    """`unshare` arguments that give the worker an empty network namespace, if permitted here."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return ()
-    for args in ((unshare, "--net"), (unshare, "--map-root-user", "--net")):
-        try:
-            ok = subprocess.run([*args, "true"], capture_output=True, timeout=10).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            ok = False
-        if ok:
-            return args
-    return ()
-
-
 # Address-space cap of a worker without a GPU. (With CUDA none is set: the driver reserves
 # address space far beyond what the process uses; the GPU's own memory bounds a GPU worker.)
 CPU_ADDRESS_SPACE = 16 * 1024**3
 
+
+# Seconds the judge gets past the evaluation's own limit to end its runner and write a result.
+JUDGE_GRACE_S = 60.0
 
 # A worker whose evaluation ended with one of these compiled its kernels: its cache is worth keeping.
 COMPILED = (Status.OK, Status.WRONG, Status.SUSPICIOUS)
@@ -96,7 +87,10 @@ class WorkerBackend:
         if self.scratch_root:
             self.scratch_root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root)).resolve()
-        reused = self.artifacts is not None and self.artifacts.restore(candidate.id, scratch / "triton")
+        runner_dir = scratch / "runner"
+        runner_dir.mkdir()
+        (runner_dir / "candidate.py").write_text(candidate.source)
+        reused = self.artifacts is not None and self.artifacts.restore(candidate.id, runner_dir / "triton")
         try:
             result = self._run(
                 candidate,
@@ -104,24 +98,25 @@ class WorkerBackend:
                 EvalRequest(
                     problem=candidate.problem,
                     candidate_id=candidate.id,
-                    source_file=self._source_file(scratch),
+                    source_file=self._source_file(runner_dir),
                     entry=candidate.entry,
                     check=check,
                     timing=timing,
                     baselines=baselines or [],
                     trials=trials,
+                    runner_dir=str(runner_dir),
                 ),
             )
             if self.artifacts is not None and not reused and result.status in COMPILED:
-                self.artifacts.save(candidate.id, scratch / "triton")
+                self.artifacts.save(candidate.id, runner_dir / "triton")
             return result.model_copy(update={"artifacts_reused": reused})
         finally:
             if not self.keep_scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
 
-    def _source_file(self, scratch: Path) -> str:
-        """Where the worker finds the candidate's source."""
-        return str(scratch / "candidate.py")
+    def _source_file(self, runner_dir: Path) -> str:
+        """Where the runner finds the candidate's source."""
+        return f"{SCRATCH}/candidate.py"
 
     def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
         raise NotImplementedError
@@ -140,16 +135,24 @@ class LocalBackend(WorkerBackend):
         keep_scratch: bool = False,
         parallel: int = 1,
         artifact_root: str | os.PathLike | None = None,
+        isolation: str = "bwrap",
     ) -> None:
-        """`parallel` workers run at once in `evaluate_many`: they import, compile and check side
-        by side, and take turns for timing (a file lock), so timings stay those of a lone run.
-        `artifact_root`: where compiled kernels are kept by content hash (None: never reused)."""
+        """`parallel` evaluations run at once in `evaluate_many`: they import, compile and check
+        side by side, and take turns for timing (a file lock), so timings stay those of a lone
+        run. `artifact_root`: where compiled kernels are kept by content hash (None: never
+        reused). `isolation`: "bwrap" (sandbox.isolation); "none" runs the runner as a plain
+        process, for hosts without user namespaces, and holds nothing against a hostile one."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
+        if isolation not in ("bwrap", "none"):
+            raise ValueError(f"isolation must be 'bwrap' or 'none', got {isolation!r}")
+        if isolation == "bwrap" and (why := bwrap_works(cuda_present())) is not None:
+            raise IsolationUnavailable(f"the local backend's sandbox cannot run here: {why}")
+        self.isolation = isolation
         self.timeout_s = timeout_s
-        # Absolute: the worker runs with its scratch directory as working directory.
+        # Absolute: the judge and runner run with other working directories.
         self.scratch_root = Path(scratch_root).resolve() if scratch_root else None
         self.keep_scratch = keep_scratch
         self.parallel = parallel
@@ -165,49 +168,42 @@ class LocalBackend(WorkerBackend):
         with ThreadPoolExecutor(max_workers=self.parallel) as pool:
             return list(pool.map(lambda c: self.evaluate(c, **kwargs), candidates))
 
-    def _env(self, scratch: Path) -> dict[str, str]:
+    def _env(self) -> dict[str, str]:
+        """The judge's environment (trusted code; the runner's own is sandbox.isolation's)."""
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        # The worker must import this checkout's packages (and, on GPU hosts, wheels on PYTHONPATH).
+        # The judge imports this checkout's packages (and, on GPU hosts, wheels on PYTHONPATH).
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-        env.update(
-            HOME=str(scratch),
-            TMPDIR=str(scratch),
-            TRITON_CACHE_DIR=str(scratch / "triton"),
-            TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
-            PYTHONDONTWRITEBYTECODE="1",
-            PYTHONUNBUFFERED="1",
-        )
-        if not cuda_present():
-            env["TRITON_INTERPRET"] = "1"
+        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+        if "RECFORGE_BWRAP" in os.environ:
+            env["RECFORGE_BWRAP"] = os.environ["RECFORGE_BWRAP"]
         return env
 
     def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
-        # CPU time backs up the wall-clock timeout (a worker that forks past the process group
-        # kill still cannot spin forever); the address-space cap only where there is no GPU.
+        # CPU time backs up the wall-clock timeout; the address-space cap only where there is no
+        # GPU. The judge ends the evaluation at timeout_s; this process ends the judge after that.
         request = request.model_copy(
             update={
                 "timing_lock": str(self.timing_lock),
                 "cpu_seconds": int(self.timeout_s) + 30,
                 "address_space_bytes": None if cuda_present() else CPU_ADDRESS_SPACE,
+                "timeout_s": self.timeout_s,
+                "isolation": self.isolation,
+                "source_file": (
+                    request.source_file if self.isolation == "bwrap" else str(Path(request.runner_dir) / "candidate.py")
+                ),
             }
         )
-        (scratch / "candidate.py").write_text(candidate.source)
-        (scratch / "request.json").write_text(request.model_dump_json())
-        result_path = scratch / "result.json"
-        cmd = [
-            *network_namespace_prefix(),
-            sys.executable,
-            "-m",
-            "sandbox.worker",
-            str(scratch / "request.json"),
-            str(result_path),
-        ]
+        judge_dir = scratch / "judge"
+        judge_dir.mkdir(mode=0o700)
+        (judge_dir / "request.json").write_text(request.model_dump_json())
+        result_path = judge_dir / "result.json"
+        cmd = [sys.executable, "-m", "sandbox.judge", str(judge_dir / "request.json"), str(result_path)]
         t0 = time.perf_counter()
-        with open(scratch / "worker.log", "wb") as log:
+        with open(judge_dir / "judge.log", "wb") as log:
             proc = subprocess.Popen(
                 cmd,
-                cwd=scratch,
-                env=self._env(scratch),
+                cwd=judge_dir,
+                env=self._env(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -215,16 +211,16 @@ class LocalBackend(WorkerBackend):
             )
             timed_out = False
             try:
-                proc.wait(timeout=self.timeout_s)
+                proc.wait(timeout=self.timeout_s + JUDGE_GRACE_S)
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                # Kill the whole group: forked children die with the worker, finished or not.
+                # Kill the whole group: the judge and, through bubblewrap, its runner's namespace.
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         wall = time.perf_counter() - t0
-        log_tail = (scratch / "worker.log").read_text(errors="replace")[-4000:]
+        log_tail = (judge_dir / "judge.log").read_text(errors="replace")[-4000:]
         base = {
             "problem": candidate.problem,
             "candidate_id": candidate.id,
@@ -237,7 +233,10 @@ class LocalBackend(WorkerBackend):
             code = proc.returncode
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             return EvalResult(
-                status=Status.RUNTIME_ERROR, message=f"worker died without a result ({how})", **base
+                status=Status.RUNTIME_ERROR, message=f"the judge died without a result ({how})", **base
             )
-        result = EvalResult.model_validate_json(result_path.read_text())
+        try:
+            result = EvalResult.model_validate_json(result_path.read_text())
+        except ValidationError as exc:  # the judge's own bug; never the campaign's crash
+            return EvalResult(status=Status.RUNTIME_ERROR, message=f"unreadable judge result: {exc}"[:2000], **base)
         return result.model_copy(update={"wall_s": wall})

@@ -55,6 +55,11 @@ class ShapeTiming(BaseModel):
     bytes: float
     achieved_gbps: float
     roofline_fraction: float | None = None
+    # The judge's own clock per timed call (less the channel's round trip), and the share of it
+    # the runner's per-call times and the flushes account for: the bound the events must meet.
+    outside_us: float | None = None
+    accounted: float | None = None
+    checked_calls: int = 0  # timed calls whose outputs were compared with the reference
 
 
 class DeviceInfo(BaseModel):

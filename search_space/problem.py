@@ -45,6 +45,11 @@ class Tolerance:
     atol: float
     rtol: float
     norm_rtol: float
+    # Per row (the output's first dimension): ||out_r - ref_r|| <= row_rtol * ||ref_r|| +
+    # row_atol * scale * sqrt(row width). None: no row bound. Each problem derives them from its
+    # dtype's rounding beside its tolerance table.
+    row_rtol: float | None = None
+    row_atol: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

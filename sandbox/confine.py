@@ -1,0 +1,72 @@
+"""The runner's confinement of itself, before anything else exists in its process: resource
+limits, and under a root judge the drop to an unprivileged user in a user namespace of its own
+(see sandbox.isolation, rule user). Standard library only, and nothing that starts a thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import resource
+
+_CLONE_NEWUSER = 0x10000000
+_PR_SET_DUMPABLE, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 4, 24, 38
+_SYS_CAPSET = 126  # x86_64
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def become_unprivileged(uid: int) -> None:
+    """From root (in the sandbox's mount, PID and network namespaces) to `uid` with no
+    capability anywhere, in a user namespace of its own that maps `uid` to itself (see
+    sandbox.isolation, rule user). Runs before any candidate code exists in the process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"{what} failed")
+
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # every capability of the host's namespace goes with root
+    # A changed uid makes the process undumpable, and /proc/self root's: the maps below need it.
+    check(libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+    check(libc.unshare(_CLONE_NEWUSER), "unshare(CLONE_NEWUSER)")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    # The new namespace gave this process every capability inside it: drop them all.
+    for cap in range(64):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the last capability this kernel knows
+    header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    check(libc.syscall(_SYS_CAPSET, header, data), "capset")
+    check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def apply_limits(cpu_seconds: int | None, address_space: int | None) -> None:
+    """The runner's resource limits, set on itself before any candidate code exists."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, 1 << 30))  # no file over 1 GiB in scratch
+    if cpu_seconds is not None:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+    if address_space is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m sandbox.runner")
+    parser.add_argument("fd", nargs="?", type=int, help="the judge's channel, inherited")
+    parser.add_argument("--connect", help="the judge's channel, a Unix socket to connect to")
+    parser.add_argument("--become", type=int, help="uid to drop to from root (sandbox.isolation)")
+    parser.add_argument("--cpu-seconds", type=int)
+    parser.add_argument("--address-space", type=int)
+    return parser.parse_args(argv)
+
+
+def confine(args: argparse.Namespace) -> None:
+    apply_limits(args.cpu_seconds, args.address_space)
+    if args.become is not None:
+        become_unprivileged(args.become)

@@ -1,0 +1,210 @@
+"""Where the runner runs: a bubblewrap sandbox that holds as root.
+
+Rules (each enforced where it is written below):
+- user: the runner is an unprivileged user in a user namespace of its own. Under a judge running
+  as root, bubblewrap sets up the mounts as root (the Python installation may sit where only root
+  can traverse, as under /root) and the runner, before any candidate code exists, becomes
+  `nobody` (uid 65534) and then enters a new user namespace that maps nobody to nobody, with every
+  capability dropped (runner.become_unprivileged): outside it owns no file of the host and holds
+  no capability, so it cannot setns() back into the host's namespaces. Under any other user,
+  bubblewrap makes the user namespace itself, unprivileged, and refuses nested ones.
+- namespaces: its own user, PID, mount, network, IPC and UTS namespaces (cgroup where allowed).
+- network: the new network namespace has only a loopback interface that is down: no route
+  anywhere, the host's loopback included.
+- filesystem: an empty root with, read-only, the system directories, the Python installation and
+  the import paths the runner needs (of this repository, only the `sandbox` package, so neither
+  campaign state nor the judge's files are there), a private /tmp and /dev/shm, GPU device nodes
+  where a GPU is used, and one writable directory: the runner's scratch directory at /scratch.
+- processes: --die-with-parent and a new PID namespace, so when the judge kills bubblewrap (or
+  dies) every process the runner started dies with it, whatever session or process group it
+  made for itself; --new-session takes the terminal away.
+- resources: limits the runner sets on itself before any candidate code exists (runner.main).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NOBODY = 65534
+SCRATCH = "/scratch"
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt")
+# What the dynamic loader and a C compiler (Triton builds its launchers with one) read from /etc.
+ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives")
+
+
+class IsolationUnavailable(RuntimeError):
+    """bubblewrap is missing, or this kernel refuses it the namespaces it needs."""
+
+
+def bwrap_path() -> str | None:
+    """`RECFORGE_BWRAP` if set, else `bwrap` on PATH."""
+    return os.environ.get("RECFORGE_BWRAP") or shutil.which("bwrap")
+
+
+def drops_privileges() -> bool:
+    """Whether the runner must make itself unprivileged (rule user): a root judge's runner."""
+    return os.geteuid() == 0
+
+
+def _import_roots() -> list[Path]:
+    """Directories the runner's Python reads: its installation, and every import path but this
+    repository's root (whose `sandbox` package is bound on its own)."""
+    roots = {Path(sys.base_prefix), Path(sys.prefix)}
+    for entry in sys.path:
+        path = Path(entry or ".").resolve()
+        if path.is_dir() and path != REPO_ROOT and not path.is_relative_to(REPO_ROOT / "sandbox"):
+            roots.add(path)
+    for entry in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        if entry and Path(entry).is_dir():
+            roots.add(Path(entry).resolve())
+    kept: list[Path] = []
+    for root in sorted(roots):
+        # Nested ones, and those a system directory brings in already, are not bound twice.
+        if any(root.is_relative_to(k) for k in kept) or any(
+            root.is_relative_to(s) for s in SYSTEM_DIRS if Path(s).is_dir() and not Path(s).is_symlink()
+        ):
+            continue
+        kept.append(root)
+    return kept
+
+
+def _gpu_devices() -> list[str]:
+    dev = Path("/dev")
+    return sorted(str(p) for p in dev.glob("nvidia*") if not p.is_dir()) + (
+        ["/dev/nvidia-caps"] if (dev / "nvidia-caps").is_dir() else []
+    )
+
+
+def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool) -> list[str]:
+    """The bubblewrap command line that runs `argv` in the runner's sandbox."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise IsolationUnavailable(
+            "bubblewrap (bwrap) is not installed: `make bwrap` (as root on Debian: apt-get install "
+            "bubblewrap), or point RECFORGE_BWRAP at its binary"
+        )
+    cmd = [bwrap]
+    # Rule namespaces (the user namespace: see rule user).
+    cmd += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if not drops_privileges():
+        cmd += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+    # Rule processes.
+    cmd += ["--die-with-parent", "--new-session"]
+    # Rule filesystem: system directories as they are (merged /usr keeps /bin a link).
+    for d in SYSTEM_DIRS:
+        p = Path(d)
+        if p.is_symlink():
+            cmd += ["--symlink", os.readlink(p), d]
+        elif p.is_dir():
+            cmd += ["--ro-bind", d, d]
+    for f in ETC_FILES:
+        cmd += ["--ro-bind-try", f, f]
+    binds = [*_import_roots(), REPO_ROOT / "sandbox"]
+    # Parents that bubblewrap would create for a mount point come out mode 0700: the runner's
+    # user could not walk through them (a Python under /root, say).
+    parents = sorted({str(a) for b in binds for a in b.parents if str(a) != "/"} - set(SYSTEM_DIRS))
+    for parent in parents:
+        if not any(Path(parent).is_relative_to(s) for s in SYSTEM_DIRS):
+            cmd += ["--perms", "0755", "--dir", parent]
+    for root in binds:
+        cmd += ["--ro-bind", str(root), str(root)]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+    if gpu:
+        for node in _gpu_devices():
+            cmd += ["--dev-bind", node, node]
+        # The CUDA driver reads the device's PCI topology there.
+        cmd += ["--ro-bind", "/sys", "/sys"]
+    cmd += ["--bind", str(scratch), SCRATCH, "--chdir", SCRATCH]
+    return [*cmd, "--", *argv]
+
+
+def runner_env(*, gpu: bool) -> dict[str, str]:
+    """The runner's whole environment: nothing of the judge's (tokens, keys, proxies) but what a
+    GPU or the interpreter needs."""
+    env = {
+        k: os.environ[k]
+        for k in ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "CUDA_HOME",
+                  "TRITON_PTXAS_PATH")
+        if k in os.environ
+    }  # fmt: skip
+    paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(
+        PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)),
+        HOME=SCRATCH,
+        TMPDIR=SCRATCH,
+        TRITON_CACHE_DIR=f"{SCRATCH}/triton",
+        TORCHINDUCTOR_CACHE_DIR=f"{SCRATCH}/inductor",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if not gpu:
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def prepare_scratch(scratch: Path) -> None:
+    """The scratch directory belongs to the runner's user: only there can it write."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        for dirpath, dirnames, filenames in os.walk(scratch):
+            for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
+                os.chown(name, NOBODY, NOBODY, follow_symlinks=False)
+
+
+def start_runner(
+    argv: list[str], scratch: Path, *, gpu: bool, pass_fds: tuple[int, ...], stdout, isolation: str = "bwrap"
+) -> subprocess.Popen:
+    """Start `argv` (the runner) in its sandbox. `isolation="none"` runs it as a plain child
+    process instead, for hosts without user namespaces; never the default (rule: none holds)."""
+    env = runner_env(gpu=gpu)
+    if isolation == "none":
+        env.update(HOME=str(scratch), TMPDIR=str(scratch), TRITON_CACHE_DIR=str(scratch / "triton"))
+        cmd, cwd = argv, scratch
+    elif isolation == "bwrap":
+        prepare_scratch(scratch)
+        if drops_privileges():
+            argv = [*argv, "--become", str(NOBODY)]
+        cmd, cwd = bwrap_command(scratch, argv, gpu=gpu), "/"
+    else:
+        raise ValueError(f"unknown isolation {isolation!r}; known: 'bwrap', 'none'")
+    return subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        pass_fds=pass_fds,
+        start_new_session=True,
+    )
+
+
+@functools.cache
+def bwrap_works(gpu: bool = False) -> str | None:
+    """None if a sandboxed `true` runs here, else why not (the message bubblewrap gave)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="recforge-bwrap-probe-") as tmp:
+            scratch = Path(tmp) / "scratch"
+            prepare_scratch(scratch)
+            done = subprocess.run(
+                bwrap_command(scratch, [sys.executable, "-c", "pass"], gpu=gpu),
+                env=runner_env(gpu=gpu),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+    except IsolationUnavailable as exc:
+        return str(exc)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap did not start: {exc}"
+    if done.returncode != 0:
+        return f"bubblewrap failed (exit {done.returncode}): {done.stderr.strip()[-500:]}"
+    return None

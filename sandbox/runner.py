@@ -1,0 +1,341 @@
+"""The untrusted side of an evaluation: `python -m sandbox.runner FD` (or `--connect PATH`).
+
+The runner imports the candidate and does what its judge (sandbox.judge) asks over the channel on
+descriptor FD: map the regions the judge shares, call the entry on tensors viewing them, time
+batches of calls with device events, and copy outputs into a region the judge hands out for them.
+It runs as an unprivileged user in its own namespaces (sandbox.isolation), with no route to the
+judge's files, and nothing it says is believed: the judge checks every output's bytes itself,
+and bounds every time the runner reports by its own clock.
+
+The runner's own checks (an exact torch.Tensor, no memory shared with an input or another output)
+only ever fail a candidate, so a runner that lies about them gains nothing.
+
+Imports torch, the standard library and sandbox's shared-memory and channel modules, and each of
+those before the candidate's code exists in the process; Triton comes with the candidate.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":
+    # Limits and the drop to an unprivileged user come first: unshare(CLONE_NEWUSER) refuses a
+    # process with threads, and importing torch starts some.
+    from sandbox import confine
+
+    confine.confine(confine.parse_args(sys.argv[1:]))
+
+import contextlib
+import importlib.util
+import socket
+import time
+import traceback
+from collections.abc import Iterator
+
+import torch
+
+from sandbox import confine, shared, wire
+
+POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
+L2_FLUSH_BYTES = 128 * 1024 * 1024  # twice the H200's 60 MB L2: writing it evicts what a call left
+TRACEBACK_CHARS = 4000
+
+# Taken before any candidate code runs: the C functions themselves, which a module attribute
+# patched later cannot replace.
+_perf_counter = time.perf_counter
+_cuda_synchronize = getattr(torch._C, "_cuda_synchronize", None)
+
+
+class RunnerError(Exception):
+    """A request this runner cannot serve (a protocol error on the judge's side)."""
+
+
+def _is_compile_error(exc: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources"})
+
+
+def _error(where: str, exc: BaseException) -> dict:
+    return {
+        "kind": "compile_error" if _is_compile_error(exc) else "runtime_error",
+        "message": f"{where}: {type(exc).__name__}: {exc}"[:2000],
+        "traceback": traceback.format_exc()[-TRACEBACK_CHARS:],
+    }
+
+
+def _kernel_classes() -> list[type]:
+    from triton.runtime.jit import KernelInterface
+
+    found, todo = [], [KernelInterface]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+@contextlib.contextmanager
+def kernels_disabled() -> Iterator[None]:
+    """Every Triton kernel launch (jit, interpreted, autotuned) returns without running."""
+    patched = [(cls, cls.__dict__["run"]) for cls in _kernel_classes() if "run" in cls.__dict__]
+    try:
+        for cls, _ in patched:
+            cls.run = lambda self, *args, **kwargs: None
+        yield
+    finally:
+        for cls, run in patched:
+            cls.run = run
+
+
+class Runner:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.regions: dict[int, shared.Region] = {}
+        self.outputs: dict[int, list[torch.Tensor]] = {}  # call id -> its output tensors
+        self.fn = None
+        self._flush: torch.Tensor | None = None
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message, fds = wire.receive(self.sock)
+            except wire.ChannelClosed:
+                return
+            op = message.get("op")
+            handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
+            try:
+                if handler is None:
+                    raise RunnerError(f"unknown request {op!r}")
+                reply = handler(message, fds)
+            except RunnerError as exc:
+                reply = {"ok": False, "error": {"kind": "protocol", "message": str(exc)}}
+            except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error the candidate left behind
+                reply = {"ok": False, "error": _error(str(op), exc)}
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        import os
+
+                        os.close(fd)
+            if reply is None:  # exit
+                return
+            wire.send(self.sock, reply)
+
+    def op_ping(self, message: dict, fds: list[int]) -> dict:
+        return {"ok": True, "device": self.device}
+
+    def op_exit(self, message: dict, fds: list[int]) -> None:
+        return None
+
+    def op_load(self, message: dict, fds: list[int]) -> dict:
+        try:
+            spec = importlib.util.spec_from_file_location("candidate", message["source_file"])
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["candidate"] = module  # triton's source inspection looks modules up here
+            spec.loader.exec_module(module)
+            fn = getattr(module, message["entry"], None)
+            if not callable(fn):
+                raise AttributeError(f"the module defines no callable {message['entry']!r}")
+        except BaseException as exc:  # noqa: BLE001 - the candidate's own code: anything can come out
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return {"ok": False, "error": {**_error("import failed", exc), "kind": "compile_error"}}
+        self.fn = fn
+        return {"ok": True}
+
+    def op_region(self, message: dict, fds: list[int]) -> dict:
+        if len(fds) != 1:
+            raise RunnerError("a region comes with exactly one descriptor")
+        region = shared.import_region(message["device"], fds[0], int(message["nbytes"]))
+        self.regions[int(message["id"])] = region
+        return {"ok": True}
+
+    def op_drop(self, message: dict, fds: list[int]) -> dict:
+        for cid in message.get("calls", []):
+            self.outputs.pop(int(cid), None)
+        if message.get("regions"):
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+            for rid in message["regions"]:
+                region = self.regions.pop(int(rid), None)
+                if region is not None:
+                    region.close()
+        return {"ok": True}
+
+    def op_run(self, message: dict, fds: list[int]) -> dict:
+        """Call the entry once per item of `calls`, each on the tensors it names. With `timed`,
+        each call is bracketed by device events after an L2 flush and the batch ends with a
+        device-wide synchronize; with `noop`, every Triton launch is a no-op."""
+        if self.fn is None:
+            raise RunnerError("no candidate loaded")
+        calls = [(int(c["id"]), self._arguments(c)) for c in message["calls"]]
+        timed, noop = bool(message.get("timed")), bool(message.get("noop"))
+        poison = int(message.get("poison_bytes", 0))
+        results: list[dict] = []
+        try:
+            if timed:
+                times = self._timed(calls)
+            else:
+                times = [None] * len(calls)
+                for cid, (args, kwargs) in calls:
+                    self._poison(poison)
+                    if noop:
+                        with kernels_disabled():
+                            try:
+                                self.outputs[cid] = self._call(args, kwargs)
+                            except Exception as exc:  # noqa: BLE001
+                                # No output without kernels: a fallback would have given one.
+                                self._sync()  # a CUDA error is an error, not an answer
+                                results.append({"id": cid, "raised": type(exc).__name__})
+                                continue
+                    else:
+                        self.outputs[cid] = self._call(args, kwargs)
+                    self._sync()
+        except BaseException as exc:  # noqa: BLE001
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return {"ok": False, "error": _error("call", exc)}
+        raised = {r["id"] for r in results}
+        for (cid, _), us in zip(calls, times, strict=True):
+            if cid in raised:
+                continue
+            results.append({"id": cid, "us": us, **self._describe(cid)})
+        return {"ok": True, "calls": results}
+
+    def op_fetch(self, message: dict, fds: list[int]) -> dict:
+        """Copy outputs into region `region` at the offsets the judge chose, as contiguous bytes."""
+        region = self.regions.get(int(message["region"]))
+        if region is None:
+            raise RunnerError("fetch into an unknown region")
+        for item in message["items"]:
+            out = self.outputs.get(int(item["call"]))
+            if out is None or not 0 <= int(item["output"]) < len(out):
+                raise RunnerError(f"no output {item['output']} of call {item['call']}")
+            tensor = out[int(item["output"])]
+            target = region.view(int(item["offset"]), tensor.dtype, tensor.shape, shared.contiguous_strides(tensor.shape))
+            target.copy_(tensor)
+        self._sync()
+        return {"ok": True}
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _arguments(self, call: dict) -> tuple[list, dict]:
+        def value(v):
+            if "t" in v:
+                t = v["t"]
+                region = self.regions.get(int(t["region"]))
+                if region is None:
+                    raise RunnerError("an argument on an unknown region")
+                return region.view(int(t["offset"]), shared.DTYPES[t["dtype"]], t["shape"], t["strides"])
+            return v["v"]
+
+        return [value(a) for a in call["args"]], {k: value(v) for k, v in call["kwargs"].items()}
+
+    def _call(self, args: list, kwargs: dict) -> list[torch.Tensor] | str:
+        out = self.fn(*args, **kwargs)
+        if isinstance(out, tuple | list):
+            items = list(out)
+        else:
+            items = [out]
+        for t in items:
+            if type(t) is not torch.Tensor:
+                # Only plain tensors: a subclass could compare equal to anything.
+                return f"returned {type(t).__name__}, expected torch.Tensor"
+        return items if isinstance(out, tuple | list) else items
+
+    def _describe(self, cid: int) -> dict:
+        out = self.outputs.get(cid)
+        if isinstance(out, str):
+            self.outputs.pop(cid)
+            return {"problem": out}
+        problem = self._aliasing(cid, out)
+        return {
+            "tuple": len(out) != 1 or None,
+            "outputs": [
+                {"dtype": shared.dtype_name(t.dtype), "shape": list(t.shape), "strides": list(t.stride()),
+                 "device": t.device.type}
+                for t in out
+            ],  # fmt: skip
+            **({"problem": problem} if problem else {}),
+        }
+
+    def _aliasing(self, cid: int, out: list[torch.Tensor]) -> str | None:
+        """Outputs are fresh memory: none inside a shared region (an input), none sharing storage
+        with another output still held (a buffer the candidate hands out twice)."""
+        others = {
+            t.untyped_storage().data_ptr() for other, ts in self.outputs.items() if other != cid
+            for t in (ts if isinstance(ts, list) else []) if t.numel() > 0
+        }  # fmt: skip
+        mine: set[int] = set()
+        for t in out:
+            if t.numel() == 0:
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            for region in self.regions.values():
+                if region.device == self.device and _inside(ptr, region):
+                    return "the output shares memory with an input"
+            if ptr in others or ptr in mine:
+                return "the output shares memory with an earlier output"
+            mine.add(ptr)
+        return None
+
+    def _poison(self, nbytes: int) -> None:
+        """Fill memory the next allocations are likely to reuse with NaN bytes: on CUDA the caching
+        allocator hands a freed block to the next request of a similar size, so a block filled
+        and freed here is what `torch.empty` in the candidate returns."""
+        if nbytes > 0:
+            block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            block.fill_(POISON_BYTE)
+            del block
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            _cuda_synchronize()
+
+    def _timed(self, calls: list[tuple[int, tuple[list, dict]]]) -> list[float]:
+        if self.device != "cuda":
+            times = []
+            for cid, (args, kwargs) in calls:
+                t0 = _perf_counter()
+                self.outputs[cid] = self._call(args, kwargs)
+                times.append((_perf_counter() - t0) * 1e6)
+            return times
+        if self._flush is None:
+            self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+        starts = [torch.cuda.Event(enable_timing=True) for _ in calls]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in calls]
+        for i, (cid, (args, kwargs)) in enumerate(calls):
+            self._flush.zero_()
+            starts[i].record()
+            self.outputs[cid] = self._call(args, kwargs)
+            ends[i].record()
+        # Device-wide: work on any stream is done before the judge's clock stops.
+        _cuda_synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
+
+
+def _inside(ptr: int, region: shared.Region) -> bool:
+    if region.device == "cpu":
+        base = torch.frombuffer(region._keep, dtype=torch.uint8, count=1).data_ptr()
+    else:
+        base = region.base
+    return base <= ptr < base + max(region.nbytes, 1)
+
+
+def main(argv: list[str]) -> int:
+    args = confine.parse_args(argv)
+    if args.connect:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(args.connect)
+    else:
+        sock = socket.socket(fileno=args.fd)
+    Runner(sock).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
