@@ -12,7 +12,10 @@ DOCKERD_LOG ?= /tmp/recforge-dockerd.log
 # or apt-get, run `make test BROWSER=` (that test then skips).
 BROWSER ?= browser
 
-.PHONY: demo test lint engine browser
+# bubblewrap, the sandbox that every evaluation's runner runs in (sandbox/isolation.py).
+SANDBOX ?= bwrap
+
+.PHONY: demo test lint engine browser bwrap
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,12 +24,12 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) $(SANDBOX)
 	$(VENV)/bin/recforge campaign run campaigns/demo.toml
 
 # Two pytest-xdist workers or more (one per core), each test file in one worker, so that a
 # module's fixture (campaigns or adversarial candidates run side by side) runs once.
-test: $(STAMP) $(ENGINE) $(BROWSER)
+test: $(STAMP) $(SANDBOX) $(ENGINE) $(BROWSER)
 	$(VENV)/bin/python -m pytest -q -n auto --dist loadfile
 
 # Nothing to do when a daemon answers. Otherwise, as root on Debian or Ubuntu: install the
@@ -49,6 +52,18 @@ engine:
 		cat $(DOCKERD_LOG); exit 1; \
 	fi; \
 	echo "engine: dockerd started (log: $(DOCKERD_LOG))"
+
+# Nothing to do when bwrap is there (or RECFORGE_BWRAP names one). Otherwise, as root on Debian or
+# Ubuntu: install bubblewrap. Without it, evaluations refuse to run (`isolation = "none"` in a
+# campaign's [sandbox] runs runners unisolated, for hosts without user namespaces).
+bwrap:
+	@if command -v bwrap >/dev/null 2>&1 || [ -n "$$RECFORGE_BWRAP" ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ]; then \
+		echo "bwrap: bubblewrap is missing, and installing it here needs root and apt-get"; exit 1; \
+	fi; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends bubblewrap >/dev/null || exit 1; \
+	echo "bwrap: bubblewrap installed"
 
 # Nothing to do when chromium is there. Otherwise, as root on Debian or Ubuntu: install it.
 browser:

@@ -50,6 +50,7 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path
         return RayBackend(
             address=sandbox.ray_address,
             timeout_s=sandbox.timeout_s,
+            isolation=sandbox.isolation,
             artifact_root=None
             if artifact_root is None
             else Path(tempfile.gettempdir()) / "recforge-artifacts",
@@ -59,6 +60,7 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path
         scratch_root=scratch_root,
         parallel=sandbox.parallel_workers,
         artifact_root=artifact_root,
+        isolation=sandbox.isolation,
     )
 
 

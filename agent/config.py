@@ -195,6 +195,13 @@ class SandboxConfig(_Strict):
         description="image the docker backend runs workers in (None: one built offline from host "
         "files, without a C compiler, so CPU hosts only); it must hold this interpreter's path",
     )
+    isolation: Literal["bwrap", "none"] = Field(
+        "bwrap",
+        description="local and ray backends: how the runner that imports a candidate is isolated; "
+        "bwrap (user, PID, mount and network namespaces, read-only files, as an unprivileged "
+        "user) or none (a plain process: only for hosts without user namespaces, and no defence "
+        "against a hostile candidate)",
+    )
     timeout_s: float = Field(300.0, gt=0, description="hard wall-clock limit per evaluation")
     trials: int = Field(2, ge=2, le=10, description="correctness trials per check shape, fresh inputs each")
     baselines: list[str] | None = Field(

@@ -275,18 +275,44 @@ def _winners(
     return winners
 
 
+def _slower_on_recheck(
+    evidence: EvalResult, recheck: EvalResult, served: dict[str, list[str]]
+) -> str | None:
+    """Why the re-verification's timing does not bear out the evaluation's, or None: on a GPU,
+    each served (dtype, bucket) must time no slower than it did by more than either's noise."""
+    if recheck.interpreted:
+        return None
+    for dtype, dtype_buckets in served.items():
+        for bucket in dtype_buckets:
+            first, again = bucket_us(evidence, dtype, bucket), bucket_us(recheck, dtype, bucket)
+            if first is None or again is None:
+                continue
+            if again > first * (1 + margin(recheck, evidence, (dtype, bucket))):
+                return (
+                    f"re-verification timed {dtype} {bucket} at {again:.1f} us against {first:.1f} us "
+                    "in its evaluation"
+                )
+    return None
+
+
 def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
     rows = ctx.store.evaluations(ctx.campaign_id, problem)
     kernel_ids = []
     for candidate_id, served in _winners(ctx, problem, rows).items():
         row = next(r for r in rows if r.candidate.id == candidate_id)
         candidate, evidence = row.candidate, row.result
-        recheck = ctx.backend.evaluate(candidate, timing=False, trials=ctx.config.sandbox.trials)
+        # A fresh judge and runner check it again and time it again: the timing that won must
+        # hold up, or nothing is registered.
+        recheck = ctx.backend.evaluate(candidate, timing=True, trials=ctx.config.sandbox.trials)
         if recheck.status != Status.OK:
             ctx.events.message(
                 f"{problem}: candidate {candidate.id} failed re-verification "
                 f"({recheck.status.value}: {recheck.message}); not registered"
             )
+            continue
+        slower = _slower_on_recheck(evidence, recheck, served)
+        if slower is not None:
+            ctx.events.message(f"{problem}: candidate {candidate.id}: {slower}; not registered")
             continue
         assert evidence.device is not None
         for dtype, dtype_buckets in served.items():
@@ -310,7 +336,9 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                 interpreted=evidence.interpreted,
                 evidence={
                     "evaluation": evidence.model_dump(mode="json"),
-                    "reverification": recheck.model_dump(mode="json", include={"status", "checks", "device"}),
+                    "reverification": recheck.model_dump(
+                        mode="json", include={"status", "checks", "device", "timings"}
+                    ),
                 },
                 provenance={
                     "campaign": ctx.campaign_id,

@@ -55,7 +55,6 @@ def apply_limits(cpu_seconds: int | None, address_space: int | None) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
 
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sandbox.runner")
     parser.add_argument("fd", nargs="?", type=int, help="the judge's channel, inherited")

@@ -1,13 +1,16 @@
-"""Docker backend: one container per evaluation, with LocalBackend's statuses.
+"""Docker backend: the judge on this host, its runner in a locked-down container.
 
-The worker runs as in LocalBackend (`python -m sandbox.worker REQUEST RESULT`), inside a
-container whose rules are written beside the settings that enforce them in `container_settings`:
-no network, a read-only root with the interpreter, venv and repository mounted read-only, a
-per-evaluation host directory as the only writable host path, memory, CPU, process and file-size
-limits, no capabilities, and a wall-clock timeout after which the container is killed. Every
-container is removed, whatever happened.
+The judge (`python -m sandbox.judge`, as in LocalBackend) starts the runner in a container of
+the local Docker daemon instead of bubblewrap, and speaks the same protocol to it over a Unix
+socket in the runner's scratch directory (descriptors of shared regions pass through it as they
+do through bubblewrap). The container's rules are written beside the settings that enforce them
+in `container_settings`: no network, a read-only root with the interpreter, venv and the
+`sandbox` package mounted read-only (nothing else of the repository), the runner's scratch
+directory as the only writable host path, memory, CPU, process and file-size limits, no
+capabilities, an unprivileged user. The judge removes the container when it ends, whatever
+happened; this backend gives the judge a hard limit, as LocalBackend does.
 
-`docker` is imported only when a backend is built: `import sandbox` and the worker stay light.
+`docker` is imported only when a backend or a container runner is built.
 """
 
 from __future__ import annotations
@@ -15,46 +18,165 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import signal
+import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import ValidationError
-
-from sandbox.artifacts import ArtifactCache
-from sandbox.candidate import Candidate
 from sandbox.docker_image import REPO_ROOT, docker_client, ensure_image, mounted_roots
 from sandbox.hardware import cuda_present
-from sandbox.local import WorkerBackend
+from sandbox.local import LocalBackend
 from sandbox.protocol import EvalRequest
-from sandbox.result import EvalResult, Status
+from sandbox.result import EvalResult
 
-if TYPE_CHECKING:
-    pass
-
-# The per-evaluation host directory, as the container sees it.
-IO_DIR = "/io"
 SCRATCH_DIR = "/scratch"
 LOG_TAIL_CHARS = 4000
 LABEL = "recforge.sandbox"
+SOCKET_NAME = "judge.sock"
 
 
-@dataclass(frozen=True)
-class SandboxRun:
-    """How one container run ended."""
+def container_settings(argv: list[str], runner_dir: Path, settings: dict) -> dict[str, Any]:
+    """Keyword arguments of `containers.create` for the runner `argv`, with `runner_dir` (a host
+    directory) mounted read-write at SCRATCH_DIR."""
+    import docker
 
-    exit_code: int | None  # None when it was killed at the timeout
-    oom_killed: bool
-    timed_out: bool
-    log: str  # the container's stdout and stderr
-    wall_s: float
+    gpus = settings["gpus"]
+    env = {
+        # The runner imports the `sandbox` package, mounted at its path.
+        "PYTHONPATH": str(REPO_ROOT),
+        "PATH": f"{Path(sys.prefix) / 'bin'}:/bin",
+        "HOME": SCRATCH_DIR,
+        "TMPDIR": SCRATCH_DIR,
+        # In the scratch directory, so the backend can keep what it compiled.
+        "TRITON_CACHE_DIR": f"{SCRATCH_DIR}/triton",
+        "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_DIR}/inductor",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        # One thread per CPU granted: more only contend for the CPU quota.
+        "OMP_NUM_THREADS": str(max(1, int(settings["cpus"]))),
+    }
+    device_requests = None
+    if gpus:
+        # The host's CUDA_VISIBLE_DEVICES picks which GPUs go in; inside, they are all visible.
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
+        device_requests = [
+            docker.types.DeviceRequest(
+                count=None if ids is not None else -1, device_ids=ids, capabilities=[["gpu"]]
+            )
+        ]
+        env["NVIDIA_DRIVER_CAPABILITIES"] = "compute,utility"
+    else:
+        env["TRITON_INTERPRET"] = "1"
+    # Rule read-only code: the interpreter and venv, and of this repository only the `sandbox`
+    # package, are visible at their host paths and cannot be changed.
+    mounts = [
+        docker.types.Mount(target=str(root), source=str(root.resolve()), type="bind", read_only=True)
+        for root in mounted_roots()
+    ]
+    # Rule host writes: the runner's scratch directory is the only host path it can write.
+    mounts.append(
+        docker.types.Mount(target=SCRATCH_DIR, source=str(runner_dir), type="bind", read_only=False)
+    )
+    timeout = int(settings["timeout_s"]) + 30
+    return {
+        "image": settings["image"],
+        "command": argv,
+        "labels": {LABEL: "1"},
+        # Rule user: nobody, with no capability and no way to gain one.
+        "user": "65534:65534",
+        "working_dir": SCRATCH_DIR,
+        "environment": env,
+        # Rule network: no interfaces but loopback.
+        "network_mode": "none",
+        # Rule filesystem: a read-only root; /tmp in memory, counted against the memory limit.
+        "read_only": True,
+        "mounts": mounts,
+        "tmpfs": {"/tmp": "rw,noexec,nosuid,nodev,size=64m,mode=1777"},
+        # Rule resources: memory without swap, a CPU quota, a bound on processes and threads
+        # (fork bombs), no core dumps, no file over 1 GiB (scratch is on the host's disk), and a
+        # CPU-time limit that ends a spinning runner even if the judge dies first.
+        "mem_limit": settings["mem_limit"],
+        "memswap_limit": settings["mem_limit"],
+        "nano_cpus": int(settings["cpus"] * 1e9),
+        "pids_limit": 512,
+        "ulimits": [
+            docker.types.Ulimit(name="cpu", soft=timeout, hard=timeout),
+            docker.types.Ulimit(name="core", soft=0, hard=0),
+            docker.types.Ulimit(name="fsize", soft=1 << 30, hard=1 << 30),
+        ],
+        # Rule privileges: no capabilities, and no setuid binary can give any back.
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "device_requests": device_requests,
+        # The daemon keeps the last MiB of output, enough for a log tail.
+        "log_config": docker.types.LogConfig(type="json-file", config={"max-size": "1m", "max-file": "1"}),
+    }
 
 
-class DockerBackend(WorkerBackend):
-    """Evaluates candidates in containers of the local Docker daemon."""
+class ContainerRunner:
+    """The judge's runner in a container: started, connected through a Unix socket in its
+    scratch directory, and removed at the end (sandbox.judge.RunnerProcess uses it)."""
+
+    def __init__(self, request: EvalRequest, limits: list[str], *, gpu: bool, deadline: float) -> None:
+        import docker
+
+        settings = dict(request.docker or {})
+        runner_dir = Path(request.runner_dir)
+        os.chmod(runner_dir, 0o777)  # the container's nobody writes its cache there
+        path = runner_dir / SOCKET_NAME
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(str(path))
+        os.chmod(path, 0o777)
+        self.listener.listen(1)
+        self.client = docker_client()
+        argv = [sys.executable, "-m", "sandbox.runner", "--connect", f"{SCRATCH_DIR}/{SOCKET_NAME}", *limits]
+        self.container = self.client.containers.create(**container_settings(argv, runner_dir, settings))
+        self.mem_limit = settings["mem_limit"]
+        self._docker_errors = docker.errors
+        self.container.start()
+        self.listener.settimeout(max(1.0, deadline - time.monotonic()))
+        try:
+            self.sock, _ = self.listener.accept()
+        except TimeoutError:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # closed: reads say so
+        finally:
+            self.listener.close()
+
+    def how_it_ended(self) -> str:
+        try:
+            self.container.wait(timeout=5)
+            self.container.reload()
+        except Exception:  # noqa: BLE001 - the SDK's timeouts come in several types
+            return "closed its channel"
+        state = self.container.attrs["State"]
+        if state.get("OOMKilled"):
+            return f"died: out of memory (the container's {self.mem_limit} limit)"
+        code = state.get("ExitCode")
+        if code == 0:
+            return "exited without answering"
+        # Docker reports a process killed by signal N as exit code 128 + N.
+        if isinstance(code, int) and code > 128:
+            import signal
+
+            with contextlib.suppress(ValueError):
+                return f"died (signal {signal.Signals(code - 128).name})"
+        return f"died (exit code {code})"
+
+    def log_tail(self) -> str:
+        try:
+            return self.container.logs(stdout=True, stderr=True, tail=200).decode(errors="replace")
+        except self._docker_errors.APIError:
+            return ""
+
+    def remove(self) -> None:
+        with contextlib.suppress(self._docker_errors.NotFound, self._docker_errors.APIError):
+            self.container.remove(force=True)
+
+
+class DockerBackend(LocalBackend):
+    """Evaluates candidates with the judge here and each runner in a container."""
 
     name = "docker"
 
@@ -68,17 +190,21 @@ class DockerBackend(WorkerBackend):
         scratch_root: str | os.PathLike | None = None,
         keep_scratch: bool = False,
         image: str | None = None,
-        scratch_size: str = "2g",
         artifact_root: str | os.PathLike | None = None,
     ) -> None:
         """`gpus=None` passes the host's GPUs through when torch sees one. `image` replaces the
         image built from host files (`sandbox.docker_image`); a GPU host needs one with a C
         compiler, which Triton calls to build its launchers."""
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if cpus <= 0:
             raise ValueError(f"cpus must be positive, got {cpus}")
-        self.timeout_s = timeout_s
+        super().__init__(
+            timeout_s=timeout_s,
+            scratch_root=scratch_root,
+            keep_scratch=keep_scratch,
+            artifact_root=artifact_root,
+            isolation="none",  # replaced by the container in every request
+        )
+        self.isolation = "docker"
         self.mem_limit = mem_limit
         self.cpus = cpus
         self.gpus = cuda_present() if gpus is None else gpus
@@ -90,170 +216,26 @@ class DockerBackend(WorkerBackend):
                 "for Triton's launchers: pass image= (sandbox.docker_image in a campaign config), "
                 "or gpus=False"
             )
-        # Absolute: it is bind-mounted, and the daemon resolves no relative paths.
-        self.scratch_root = Path(scratch_root).resolve() if scratch_root else None
-        self.keep_scratch = keep_scratch
-        self.scratch_size = scratch_size
         self._image = image
-        self.artifacts = ArtifactCache(artifact_root) if artifact_root else None
         self.client = docker_client()  # fails here, in one sentence, when there is no daemon
 
     @functools.cached_property
     def image(self) -> str:
         return self._image or ensure_image(self.client)
 
-    def _source_file(self, scratch: Path) -> str:
-        return f"{IO_DIR}/candidate.py"  # the per-evaluation directory, as mounted in the container
+    def _source_file(self, runner_dir: Path) -> str:
+        return f"{SCRATCH_DIR}/candidate.py"
 
-    def _run(self, candidate: Candidate, io_dir: Path, request: EvalRequest) -> EvalResult:
-        (io_dir / "candidate.py").write_text(candidate.source)
-        (io_dir / "request.json").write_text(request.model_dump_json())
-        result_path = io_dir / "result.json"
-        argv = [sys.executable, "-m", "sandbox.worker", f"{IO_DIR}/request.json", f"{IO_DIR}/result.json"]
-        run = self.run_in_sandbox(argv, io_dir)
-        (io_dir / "worker.log").write_text(run.log)
-        base = {
-            "problem": candidate.problem,
-            "candidate_id": candidate.id,
-            "wall_s": run.wall_s,
-            "log_tail": run.log[-LOG_TAIL_CHARS:],
-        }
-        if run.timed_out:
-            return EvalResult(status=Status.TIMEOUT, message=f"killed after {self.timeout_s:.0f} s", **base)
-        if not result_path.exists():
-            return EvalResult(
-                status=Status.RUNTIME_ERROR,
-                message=f"worker died without a result ({self._how(run)})",
-                **base,
-            )
-        try:
-            result = EvalResult.model_validate_json(result_path.read_text())
-        except ValidationError as exc:  # written from inside the sandbox: not trusted to parse
-            return EvalResult(status=Status.RUNTIME_ERROR, message=f"unreadable result: {exc}"[:2000], **base)
-        return result.model_copy(update={"wall_s": run.wall_s})
-
-    def _how(self, run: SandboxRun) -> str:
-        if run.oom_killed:
-            return f"out of memory: the container hit its {self.mem_limit} memory limit"
-        code = run.exit_code
-        # Docker reports a process killed by signal N as exit code 128 + N.
-        if code is not None and code > 128:
-            with contextlib.suppress(ValueError):
-                return f"signal {signal.Signals(code - 128).name}"
-        return f"exit code {code}"
-
-    def container_settings(self, argv: list[str], io_dir: Path) -> dict[str, Any]:
-        """Keyword arguments of `containers.create` for one sandboxed run of `argv`, with
-        `io_dir` (a host directory) mounted read-write at IO_DIR."""
-        import docker
-
-        env = {
-            # The worker imports this checkout's packages; the repository is mounted at its path.
-            "PYTHONPATH": str(REPO_ROOT),
-            "PATH": f"{Path(sys.prefix) / 'bin'}:/bin",
-            "HOME": SCRATCH_DIR,
-            "TMPDIR": SCRATCH_DIR,
-            # In the per-evaluation directory, so the backend can keep what it compiled.
-            "TRITON_CACHE_DIR": f"{IO_DIR}/triton",
-            "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_DIR}/inductor",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONUNBUFFERED": "1",
-            # One thread per CPU granted: more only contend for the CPU quota.
-            "OMP_NUM_THREADS": str(max(1, int(self.cpus))),
-        }
-        device_requests = None
-        if self.gpus:
-            # The host's CUDA_VISIBLE_DEVICES picks which GPUs go in; inside, they are all visible.
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            ids = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
-            device_requests = [
-                docker.types.DeviceRequest(
-                    count=None if ids is not None else -1, device_ids=ids, capabilities=[["gpu"]]
-                )
-            ]
-            env["NVIDIA_DRIVER_CAPABILITIES"] = "compute,utility"
-        else:
-            env["TRITON_INTERPRET"] = "1"
-        mounts = [
-            # Rule read-only code: the interpreter, venv and repository are visible at their host
-            # paths (the venv's pyvenv.cfg names the prefix) and cannot be changed.
-            docker.types.Mount(target=str(root), source=str(root.resolve()), type="bind", read_only=True)
-            for root in mounted_roots()
-        ]
-        # Rule host writes: the per-evaluation directory is the only host path it can write.
-        mounts.append(docker.types.Mount(target=IO_DIR, source=str(io_dir), type="bind", read_only=False))
-        return {
-            "image": self.image,
-            "command": argv,
-            "labels": {LABEL: "1"},
-            # The host user: it can read the mounted prefix and own what it writes to io_dir.
-            "user": f"{os.getuid()}:{os.getgid()}",
-            "working_dir": SCRATCH_DIR,
-            "environment": env,
-            # Rule network: no interfaces but loopback.
-            "network_mode": "none",
-            # Rule filesystem: a read-only root; scratch space in memory, counted against the
-            # memory limit. Triton loads what it builds from its cache, hence exec on /scratch.
-            "read_only": True,
-            "mounts": mounts,
-            "tmpfs": {
-                SCRATCH_DIR: f"rw,exec,nosuid,nodev,size={self.scratch_size},mode=1777",
-                "/tmp": "rw,noexec,nosuid,nodev,size=64m,mode=1777",
-            },
-            # Rule resources: memory without swap, a CPU quota, a bound on processes and threads
-            # (fork bombs), no core dumps, no file over 1 GiB (io_dir is on the host's disk), and,
-            # as in LocalBackend, a CPU-time limit that ends a spinning worker even if this
-            # process dies before it can kill the container.
-            "mem_limit": self.mem_limit,
-            "memswap_limit": self.mem_limit,
-            "nano_cpus": int(self.cpus * 1e9),
-            "pids_limit": 512,
-            "ulimits": [
-                docker.types.Ulimit(name="cpu", soft=int(self.timeout_s) + 30, hard=int(self.timeout_s) + 30),
-                docker.types.Ulimit(name="core", soft=0, hard=0),
-                docker.types.Ulimit(name="fsize", soft=1 << 30, hard=1 << 30),
-            ],
-            # Rule privileges: no capabilities, and no setuid binary can give any back.
-            "cap_drop": ["ALL"],
-            "security_opt": ["no-new-privileges"],
-            "device_requests": device_requests,
-            # The daemon keeps the last MiB of output, enough for a log tail.
-            "log_config": docker.types.LogConfig(
-                type="json-file", config={"max-size": "1m", "max-file": "1"}
-            ),
-        }
-
-    def run_in_sandbox(self, argv: list[str], io_dir: Path) -> SandboxRun:
-        """Run `argv` in a sandbox container (the worker's, or a probe's), killing it at the
-        timeout; the container is removed before this returns."""
-        import docker
-        import requests
-
-        container = self.client.containers.create(**self.container_settings(argv, io_dir))
-        try:
-            t0 = time.perf_counter()
-            container.start()
-            timed_out = False
-            try:
-                container.wait(timeout=self.timeout_s)
-            except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
-                # The SDK's wait gives up with a read timeout (wrapped in ConnectionError on a
-                # unix socket) when the container is still running.
-                timed_out = True
-                with contextlib.suppress(docker.errors.APIError):
-                    container.kill()
-                container.wait(timeout=60)
-            wall = time.perf_counter() - t0
-            container.reload()
-            state = container.attrs["State"]
-            log = container.logs(stdout=True, stderr=True).decode(errors="replace")
-            return SandboxRun(
-                exit_code=None if timed_out else state["ExitCode"],
-                oom_killed=bool(state.get("OOMKilled")),
-                timed_out=timed_out,
-                log=log,
-                wall_s=wall,
-            )
-        finally:
-            with contextlib.suppress(docker.errors.NotFound):
-                container.remove(force=True)
+    def _run(self, candidate, scratch: Path, request: EvalRequest) -> EvalResult:
+        request = request.model_copy(
+            update={
+                "docker": {
+                    "image": self.image,
+                    "mem_limit": self.mem_limit,
+                    "cpus": self.cpus,
+                    "gpus": self.gpus,
+                    "timeout_s": self.timeout_s,
+                }
+            }
+        )
+        return super()._run(candidate, scratch, request)

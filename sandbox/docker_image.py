@@ -64,8 +64,9 @@ def docker_client() -> docker.DockerClient:
 
 def mounted_roots() -> tuple[Path, ...]:
     """Host directories the container sees read-only at the same paths: the Python prefix (the
-    venv's `pyvenv.cfg` points there), the venv and the repository. Nested ones are dropped."""
-    roots = sorted({Path(p).absolute() for p in (sys.base_prefix, sys.prefix, REPO_ROOT)})
+    venv's `pyvenv.cfg` points there), the venv and, of the repository, the `sandbox` package
+    (the runner's code; campaign state and the judge's files stay out). Nested ones are dropped."""
+    roots = sorted({Path(p).absolute() for p in (sys.base_prefix, sys.prefix, REPO_ROOT / "sandbox")})
     kept: list[Path] = []
     for root in roots:
         if not any(root.is_relative_to(k) for k in kept):

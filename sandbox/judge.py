@@ -98,16 +98,28 @@ def device_info(device: torch.device) -> DeviceInfo:
 
 
 class RunnerProcess:
-    """One sandboxed runner: its channel, its process, the tail of what it printed."""
+    """One sandboxed runner: its channel, its process (or container), the tail of its output."""
 
     def __init__(self, request: EvalRequest, gpu: bool, deadline: float) -> None:
         self.deadline, self.timeout_s = deadline, request.timeout_s
-        self.sock, runner_end = wire.socket_pair()
-        argv = [sys.executable, "-m", "sandbox.runner", str(runner_end.fileno())]
+        limits = []
         if request.cpu_seconds is not None:
-            argv += ["--cpu-seconds", str(request.cpu_seconds)]
+            limits += ["--cpu-seconds", str(request.cpu_seconds)]
         if request.address_space_bytes is not None:
-            argv += ["--address-space", str(request.address_space_bytes)]
+            limits += ["--address-space", str(request.address_space_bytes)]
+        self.proc: subprocess.Popen | None = None
+        self.container = None
+        self._tail: collections.deque[bytes] = collections.deque()
+        self._tail_bytes = 0
+        self.next_region = 1
+        if request.isolation == "docker":
+            from sandbox.docker_backend import ContainerRunner
+
+            self.container = ContainerRunner(request, limits, gpu=gpu, deadline=deadline)
+            self.sock = self.container.sock
+            return
+        self.sock, runner_end = wire.socket_pair()
+        argv = [sys.executable, "-m", "sandbox.runner", str(runner_end.fileno()), *limits]
         self.proc = isolation.start_runner(
             argv,
             Path(request.runner_dir),
@@ -119,14 +131,11 @@ class RunnerProcess:
         runner_end.close()
         # Rule failures: whatever the runner prints is drained here and only its tail kept, so
         # flooding fills neither a pipe nor a disk.
-        self._tail: collections.deque[bytes] = collections.deque()
-        self._tail_bytes = 0
         self._drain = threading.Thread(target=self._read_output, daemon=True)
         self._drain.start()
-        self.next_region = 1
 
     def _read_output(self) -> None:
-        assert self.proc.stdout is not None
+        assert self.proc is not None and self.proc.stdout is not None
         for chunk in iter(lambda: self.proc.stdout.read1(65536), b""):
             self._tail.append(chunk)
             self._tail_bytes += len(chunk)
@@ -134,6 +143,8 @@ class RunnerProcess:
                 self._tail_bytes -= len(self._tail.popleft())
 
     def log_tail(self) -> str:
+        if self.container is not None:
+            return self.container.log_tail()[-LOG_TAIL_CHARS:]
         return b"".join(self._tail).decode(errors="replace")[-LOG_TAIL_CHARS:]
 
     def ask(self, message: dict, fds: tuple[int, ...] = (), *, where: str) -> dict:
@@ -142,11 +153,15 @@ class RunnerProcess:
             wire.send(self.sock, message, fds)
             reply, extra = wire.receive(self.sock, self.deadline)
         except wire.ChannelTimeout:
-            raise Verdict(Status.TIMEOUT, f"killed after {self.timeout_s:.0f} s ({where}: no answer)") from None
+            raise Verdict(
+                Status.TIMEOUT, f"killed after {self.timeout_s:.0f} s ({where}: no answer)"
+            ) from None
         except (wire.ChannelClosed, BrokenPipeError, ConnectionError):
             raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner {self._how_it_ended()}") from None
         except wire.BadMessage as exc:
-            raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner sent an unreadable message ({exc})") from None
+            raise Verdict(
+                Status.RUNTIME_ERROR, f"{where}: the runner sent an unreadable message ({exc})"
+            ) from None
         for fd in extra:  # the judge takes no descriptor from the runner
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -158,6 +173,9 @@ class RunnerProcess:
         raise Verdict(status, f"{where}: {text}", log=str(error.get("traceback", ""))[-LOG_TAIL_CHARS:])
 
     def _how_it_ended(self) -> str:
+        if self.container is not None:
+            return self.container.how_it_ended()
+        assert self.proc is not None
         try:
             code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -172,17 +190,23 @@ class RunnerProcess:
         rid = self.next_region
         self.next_region += 1
         try:
-            self.ask({"op": "region", "id": rid, "device": device, "nbytes": region.nbytes}, (fd,), where="share")
+            self.ask(
+                {"op": "region", "id": rid, "device": device, "nbytes": region.nbytes}, (fd,), where="share"
+            )
         finally:
             os.close(fd)
         return rid
 
     def kill(self) -> None:
-        # Rule processes (sandbox.isolation): the runner's PID namespace dies with bubblewrap.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self._drain.join(timeout=5)
+        if self.container is not None:
+            self.container.remove()
+        else:
+            assert self.proc is not None
+            # Rule processes (sandbox.isolation): the runner's PID namespace dies with bubblewrap.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self._drain.join(timeout=5)
         self.sock.close()
 
 
@@ -274,7 +298,9 @@ class Session:
             if isinstance(item, dict) and isinstance(item.get("id"), int):
                 by_id[item["id"]] = item
         if set(by_id) != {c.id for c in calls}:
-            raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner answered for other calls than it was given")
+            raise Verdict(
+                Status.RUNTIME_ERROR, f"{where}: the runner answered for other calls than it was given"
+            )
         return [by_id[c.id] for c in calls]
 
     def fetch(self, call: Call, described: dict, ref: Output, where: str) -> Output:
@@ -285,7 +311,11 @@ class Session:
         if isinstance(problem, str):
             raise Verdict(Status.WRONG, f"{where}: {problem[:500]}")
         outs = described.get("outputs")
-        if not isinstance(outs, list) or len(outs) != len(refs) or (isinstance(ref, tuple) and not described.get("tuple")):
+        if (
+            not isinstance(outs, list)
+            or len(outs) != len(refs)
+            or (isinstance(ref, tuple) and not described.get("tuple"))
+        ):
             got = f"{len(outs)} tensors" if isinstance(outs, list) else "nothing"
             want = f"a tuple of {len(refs)} tensors" if isinstance(ref, tuple) else "one tensor"
             raise Verdict(Status.WRONG, f"{where}: returned {got}, expected {want}")
@@ -301,10 +331,15 @@ class Session:
                 )
             want_strides = shared.contiguous_strides(r.shape)
             strides = o.get("strides")
-            if not isinstance(strides, list) or any(
-                n > 1 and s != w for n, s, w in zip(r.shape, strides, want_strides, strict=False)
-            ) or len(strides) != len(want_strides):
-                raise Verdict(Status.WRONG, f"{where}: {label}returned strides {strides}, expected contiguous {list(want_strides)}")
+            if (
+                not isinstance(strides, list)
+                or any(n > 1 and s != w for n, s, w in zip(r.shape, strides, want_strides, strict=False))
+                or len(strides) != len(want_strides)
+            ):
+                raise Verdict(
+                    Status.WRONG,
+                    f"{where}: {label}returned strides {strides}, expected contiguous {list(want_strides)}",
+                )
         sizes = [shared.aligned(r.numel() * r.element_size()) for r in refs]
         region, fd = shared.create_region(self.kind, sum(sizes))
         rid = self.runner.share(region, fd, self.kind)
@@ -326,10 +361,14 @@ class Session:
         return tuple(got) if isinstance(ref, tuple) else got[0]
 
     def drop(self, *, calls: list[Call] = (), regions: list[int] = ()) -> None:
-        self.runner.ask({"op": "drop", "calls": [c.id for c in calls], "regions": list(regions)}, where="drop")
+        self.runner.ask(
+            {"op": "drop", "calls": [c.id for c in calls], "regions": list(regions)}, where="drop"
+        )
 
     def inputs_unchanged(self, call: Call, pristine: Inputs) -> bool:
-        return all(torch.equal(v, p.contiguous()) for v, p in zip(call.views, pristine.tensors(), strict=True))
+        return all(
+            torch.equal(v, p.contiguous()) for v, p in zip(call.views, pristine.tensors(), strict=True)
+        )
 
 
 # ---- the evaluation -------------------------------------------------------------------------
@@ -399,11 +438,17 @@ class Evaluation:
         assert self.session is not None
         where = shape.describe()
         (call,) = self.session.place(shape, [fresh_seed()])
-        calls = [call] if trial else [call, Call(shape, call.seed, call.args, call.kwargs, call.views, id=call.id + 10**9)]
+        calls = (
+            [call]
+            if trial
+            else [call, Call(shape, call.seed, call.args, call.kwargs, call.views, id=call.id + 10**9)]
+        )
         outputs = self.session.run(calls, poison=self.poison_bytes(shape), where=where)
         got = self.check(calls[:1], outputs[:1], trial, where=where)
         if trial == 0:
-            second = self.check(calls[1:], outputs[1:], trial, where=f"{where}, second call on the same inputs")
+            second = self.check(
+                calls[1:], outputs[1:], trial, where=f"{where}, second call on the same inputs"
+            )
             tol = self.problem.tolerance(shape.dtype)
             again, _ = compare(second[0], got[0], tol, None)
             if not again:
@@ -421,7 +466,9 @@ class Evaluation:
         screen's allowlist the torch functions that would compute the op.)"""
         assert self.session is not None
         (call,) = self.session.place(shape, [fresh_seed()])
-        (described,) = self.session.run([call], noop=True, poison=self.poison_bytes(shape), where="no-op proof")
+        (described,) = self.session.run(
+            [call], noop=True, poison=self.poison_bytes(shape), where="no-op proof"
+        )
         proof = dict(shape=shape.name, dtype=shape.dtype, trial=-1)
         if "raised" in described:
             self.checks.append(ShapeCheck(**proof, ok=True, message=f"no output with every Triton kernel disabled ({described['raised']})"[:200]))  # fmt: skip
@@ -437,7 +484,9 @@ class Evaluation:
             return
         finally:
             self.session.drop(calls=[call])
-        still_ok, _ = compare(got, ref, self.problem.tolerance(shape.dtype), self.problem.tolerance_scale(pristine))
+        still_ok, _ = compare(
+            got, ref, self.problem.tolerance(shape.dtype), self.problem.tolerance_scale(pristine)
+        )
         if still_ok:
             self.checks.append(ShapeCheck(**proof, ok=False, message="output is still correct with every Triton kernel disabled"))  # fmt: skip
             raise Verdict(Status.SUSPICIOUS, "output is still correct with every Triton kernel disabled: "
@@ -446,7 +495,9 @@ class Evaluation:
 
     def run_checks(self) -> None:
         steps: list[tuple] = [
-            ("check", shape, trial) for shape in self.problem.check_shapes for trial in range(max(2, self.request.trials))
+            ("check", shape, trial)
+            for shape in self.problem.check_shapes
+            for trial in range(max(2, self.request.trials))
         ]
         # Rule no-op proof: at random points among the checks, never only last.
         nonzero = [s for s in self.problem.check_shapes if _nonzero_output(s)]
@@ -474,7 +525,9 @@ class Evaluation:
                 torch.cuda.empty_cache()
         return timings
 
-    def time_shape(self, shape: Shape, arch: str, calibration: Calibration | None, baselines: dict) -> ShapeTiming:
+    def time_shape(
+        self, shape: Shape, arch: str, calibration: Calibration | None, baselines: dict
+    ) -> ShapeTiming:
         assert self.session is not None
         gpu = calibration is not None
         set_bytes = self.set_bytes(shape)
@@ -494,7 +547,9 @@ class Evaluation:
                 wall_us = (time.perf_counter() - t0) * 1e6
             times = [d.get("us") for d in described]
             if not all(isinstance(t, int | float) and t >= 0 for t in times):
-                raise Verdict(Status.RUNTIME_ERROR, f"timing {shape.describe()}: the runner reported no times")
+                raise Verdict(
+                    Status.RUNTIME_ERROR, f"timing {shape.describe()}: the runner reported no times"
+                )
             if gpu:
                 calibration.audit(shape, wall_us, times)
                 outside_us += wall_us - calibration.rtt_us
@@ -541,7 +596,9 @@ class Evaluation:
 
 def _stats(samples_us: list[float]) -> TimingStats:
     q = statistics.quantiles(samples_us, n=10, method="inclusive") if len(samples_us) > 1 else samples_us * 9
-    return TimingStats(median_us=statistics.median(samples_us), p20_us=q[1], p80_us=q[7], reps=len(samples_us))
+    return TimingStats(
+        median_us=statistics.median(samples_us), p20_us=q[1], p80_us=q[7], reps=len(samples_us)
+    )
 
 
 @dataclass(frozen=True)
@@ -639,8 +696,7 @@ def evaluate(request: EvalRequest) -> EvalResult:
         ev.session = Session(runner, ev.problem, ev.device)
         runner.ask({"op": "ping"}, where="start")
         ev.clock.start("load")
-        runner.ask({"op": "load", "source_file": f"{isolation.SCRATCH}/candidate.py"
-                    if request.isolation == "bwrap" else request.source_file, "entry": request.entry},
+        runner.ask({"op": "load", "source_file": request.source_file, "entry": request.entry},
                    where="import failed")  # fmt: skip
         if request.check:
             ev.clock.start("check")
@@ -652,8 +708,8 @@ def evaluate(request: EvalRequest) -> EvalResult:
             window = (start, time.time())
     except Verdict as verdict:
         status, message, log = verdict.status, verdict.message, verdict.log
-    except isolation.IsolationUnavailable as exc:
-        status, message = Status.RUNTIME_ERROR, f"the runner's sandbox: {exc}"
+    except (isolation.IsolationUnavailable, OSError) as exc:
+        status, message = Status.RUNTIME_ERROR, f"the runner's sandbox did not start: {exc}"
     finally:
         if runner is not None:
             runner.kill()

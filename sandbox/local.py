@@ -189,7 +189,9 @@ class LocalBackend(WorkerBackend):
                 "timeout_s": self.timeout_s,
                 "isolation": self.isolation,
                 "source_file": (
-                    request.source_file if self.isolation == "bwrap" else str(Path(request.runner_dir) / "candidate.py")
+                    request.source_file
+                    if self.isolation != "none"
+                    else str(Path(request.runner_dir) / "candidate.py")
                 ),
             }
         )
@@ -238,5 +240,7 @@ class LocalBackend(WorkerBackend):
         try:
             result = EvalResult.model_validate_json(result_path.read_text())
         except ValidationError as exc:  # the judge's own bug; never the campaign's crash
-            return EvalResult(status=Status.RUNTIME_ERROR, message=f"unreadable judge result: {exc}"[:2000], **base)
+            return EvalResult(
+                status=Status.RUNTIME_ERROR, message=f"unreadable judge result: {exc}"[:2000], **base
+            )
         return result.model_copy(update={"wall_s": wall})

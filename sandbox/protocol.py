@@ -53,6 +53,8 @@ class EvalRequest(BaseModel):
     # Applied by the runner to itself before the candidate is imported (None: not set here).
     cpu_seconds: int | None = None
     address_space_bytes: int | None = None
+    # With isolation "docker": the container's settings (sandbox.docker_backend.ContainerRunner).
+    docker: dict | None = None
 
 
 def all_baselines(problem: Problem) -> list[str]:

@@ -1,8 +1,10 @@
 """Ray backend: evaluations scheduled as tasks on a Ray cluster, so a campaign spreads over many hosts.
 
 Each evaluation is one Ray task that runs a local-backend evaluation on the host Ray picks, so
-every rule of the local backend holds there: the worker's own process group, scratch directory,
-scrubbed environment, CPU-time limit, wall-clock timeout and network namespace. The task only
+the same judge and runner protocol, and every rule of the local backend, hold there: a judge
+process that alone writes the result, its runner in bubblewrap (own user, PID, mount and network
+namespaces, read-only files but its scratch directory), the timing lock taken by the judge, and
+the wall-clock timeout. The task only
 carries the candidate in and the result out, both as JSON like the local worker's files.
 
 A task holds one GPU where the cluster has GPUs (Ray sets CUDA_VISIBLE_DEVICES for it, which the
@@ -60,6 +62,7 @@ class RayBackend:
         keep_scratch: bool = False,
         use_gpus: bool | None = None,
         artifact_root: str | os.PathLike | None = None,
+        isolation: str = "bwrap",
     ) -> None:
         """`address` is `ray.init`'s: None finds RAY_ADDRESS or the cluster last started on this
         machine, else starts a local one; "ray://host:10001" (Ray Client, for a driver outside
@@ -91,6 +94,7 @@ class RayBackend:
             "scratch_root": None if scratch_root is None else os.path.abspath(scratch_root),
             "keep_scratch": keep_scratch,
             "artifact_root": None if artifact_root is None else os.path.abspath(artifact_root),
+            "isolation": isolation,
         }
         self._task = ray.remote(_evaluate_on_host)
         self._task_options = {

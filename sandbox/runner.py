@@ -216,7 +216,9 @@ class Runner:
             if out is None or not 0 <= int(item["output"]) < len(out):
                 raise RunnerError(f"no output {item['output']} of call {item['call']}")
             tensor = out[int(item["output"])]
-            target = region.view(int(item["offset"]), tensor.dtype, tensor.shape, shared.contiguous_strides(tensor.shape))
+            target = region.view(
+                int(item["offset"]), tensor.dtype, tensor.shape, shared.contiguous_strides(tensor.shape)
+            )
             target.copy_(tensor)
         self._sync()
         return {"ok": True}
@@ -237,10 +239,7 @@ class Runner:
 
     def _call(self, args: list, kwargs: dict) -> list[torch.Tensor] | str:
         out = self.fn(*args, **kwargs)
-        if isinstance(out, tuple | list):
-            items = list(out)
-        else:
-            items = [out]
+        items = list(out) if isinstance(out, tuple | list) else [out]
         for t in items:
             if type(t) is not torch.Tensor:
                 # Only plain tensors: a subclass could compare equal to anything.
@@ -256,8 +255,12 @@ class Runner:
         return {
             "tuple": len(out) != 1 or None,
             "outputs": [
-                {"dtype": shared.dtype_name(t.dtype), "shape": list(t.shape), "strides": list(t.stride()),
-                 "device": t.device.type}
+                {
+                    "dtype": shared.dtype_name(t.dtype),
+                    "shape": list(t.shape),
+                    "strides": list(t.stride()),
+                    "device": t.device.type,
+                }
                 for t in out
             ],  # fmt: skip
             **({"problem": problem} if problem else {}),

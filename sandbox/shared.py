@@ -83,7 +83,11 @@ class Region:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if offset < 0 or offset % itemsize:
             raise SharedMemoryError(f"offset {offset} is not a multiple of {itemsize}")
-        extent = 0 if 0 in shape else (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * itemsize
+        extent = (
+            0
+            if 0 in shape
+            else (1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=False))) * itemsize
+        )
         if offset + extent > self.nbytes:
             raise SharedMemoryError(f"a view of {extent} bytes at {offset} overruns {self.nbytes} bytes")
         if self.device == "cpu":
@@ -293,4 +297,3 @@ def import_region(device: str, fd: int, nbytes: int) -> Region:
     if device not in ("cpu", "cuda"):
         raise SharedMemoryError(f"unknown device {device!r}")
     return _cuda_import(fd, nbytes) if device == "cuda" else _cpu_map(fd, nbytes)
-

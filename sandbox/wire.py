@@ -11,6 +11,7 @@ Imports the standard library only: the runner imports this before any candidate 
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import socket
 import time
@@ -94,7 +95,5 @@ def receive(sock: socket.socket, deadline: float | None = None) -> tuple[dict, l
 def _close_quietly(fd: int) -> None:
     import os
 
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass

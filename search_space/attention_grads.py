@@ -31,10 +31,12 @@ BACKWARD_FLOP_FACTOR = 2.5
 # 0.2 of the RMS), and a dropped key or a wrong mask is far outside the norm bound. A gradient
 # that is exactly zero (dq of a one-key softmax row) is compared against a hundredth of
 # grad_out's RMS instead of its own zero RMS (`grad_error_scale`).
+# Per row (a token's gradient over all heads), as the forward's: three times the norm bound's
+# fraction of the error scale, plus two units of rounding of the row's own norm.
 GRAD_TOLERANCES = {
-    "fp32": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=2e-5),
-    "bf16": Tolerance(atol=3e-1, rtol=5e-2, norm_rtol=1.5e-2),
-    "fp16": Tolerance(atol=2e-2, rtol=1e-2, norm_rtol=3e-3),
+    "fp32": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=2e-5, row_rtol=1e-5, row_atol=6e-5),
+    "bf16": Tolerance(atol=3e-1, rtol=5e-2, norm_rtol=1.5e-2, row_rtol=2**-7, row_atol=4.5e-2),
+    "fp16": Tolerance(atol=2e-2, rtol=1e-2, norm_rtol=3e-3, row_rtol=2**-10, row_atol=9e-3),
 }
 
 NUM_DIFFERENTIABLE = 3  # q, k, v lead every attention op's arguments

@@ -1,0 +1,68 @@
+"""Every problem's incumbents (the default kernels dispatch runs) through the sandbox, checked and
+timed as a campaign evaluates them: the honest controls of the evaluator. Each must come out ok;
+the table shows, per timing shape, the runner's event median beside the judge's own clock per
+call and the share of that clock the events account for (what `sandbox.judge.Calibration.audit`
+bounds), and how many timed calls were checked.
+
+    python3 -m evals.sandbox_defaults [--problems a,b] [--parallel N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from rich.console import Console
+from rich.table import Table
+
+from agent.incumbents import campaign_arch, incumbents
+from kernels.registry import DISPATCHER
+from sandbox.local import LocalBackend
+from search_space import problem_names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m evals.sandbox_defaults")
+    parser.add_argument("--problems", default=",".join(problem_names()))
+    parser.add_argument("--parallel", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", default=None, help="write every result here")
+    args = parser.parse_args(argv)
+    library = DISPATCHER.library
+    backend = LocalBackend(timeout_s=args.timeout)
+    arch = campaign_arch()
+    jobs = [(name, c) for name in args.problems.split(",") for c in incumbents(name, library, arch)[:1]]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        results = list(pool.map(lambda job: backend.evaluate(job[1]), jobs))
+    wall = time.perf_counter() - t0
+    table = Table("problem", "status", "checks", "shape", "dtype", "event p50 us", "judge us/call",
+                  "accounted", "checked", "s", title=f"incumbents through the sandbox ({wall:.0f} s)")  # fmt: skip
+    for (name, _), r in zip(jobs, results, strict=True):
+        status = r.status.value + ("" if r.status.value == "ok" else f": {r.message[:120]}")
+        if not r.timings:
+            table.add_row(name, status, str(len(r.checks)), "", "", "", "", "", "", f"{r.wall_s:.0f}")
+        for i, t in enumerate(r.timings):
+            table.add_row(
+                name if i == 0 else "",
+                status if i == 0 else "",
+                str(len(r.checks)) if i == 0 else "",
+                t.shape,
+                t.dtype,
+                f"{t.candidate.median_us:.1f}",
+                "" if t.outside_us is None else f"{t.outside_us:.1f}",
+                "" if t.accounted is None else f"{t.accounted:.3f}",
+                str(t.checked_calls),
+                f"{r.wall_s:.0f}" if i == 0 else "",
+            )
+    Console(width=200).print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.model_dump(mode="json") for r in results], f)
+    return 0 if all(r.status.value == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
