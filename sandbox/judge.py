@@ -68,6 +68,10 @@ BATCH_SLACK_US = 500.0
 SLACK_FRACTION = 0.1
 
 
+class _EmptyOutput(Exception):
+    """The reference's output on a shape is empty: no no-op proof can be made there."""
+
+
 class Verdict(Exception):
     """Ends the evaluation with `status` and `message` (raised wherever the outcome is known)."""
 
@@ -112,6 +116,7 @@ class RunnerProcess:
         self._tail: collections.deque[bytes] = collections.deque()
         self._tail_bytes = 0
         self.next_region = 1
+        self.bwrap = request.isolation == "bwrap"
         if request.isolation == "docker":
             from sandbox.docker_backend import ContainerRunner
 
@@ -184,6 +189,10 @@ class RunnerProcess:
             return "exited without answering"
         if code < 0:
             return f"died (signal {signal.Signals(-code).name})"
+        # bubblewrap reports its child's death by signal N as exit code 128 + N.
+        if self.bwrap and code > 128:
+            with contextlib.suppress(ValueError):
+                return f"died (signal {signal.Signals(code - 128).name})"
         return f"died (exit code {code})"
 
     def share(self, region: shared.Region, fd: int, device: str) -> int:
@@ -283,18 +292,42 @@ class Session:
             torch.cuda.synchronize()  # the inputs are in memory before the runner reads them
         return calls
 
-    def run(self, calls: list[Call], *, timed: bool = False, noop: bool = False, poison: int = 0,
-            where: str) -> list[dict]:  # fmt: skip
-        message = {
+    def run(self, calls: list[Call], *, noop: bool = False, poison: int = 0, where: str) -> list[dict]:
+        """Untimed calls (checks, no-op proofs): what each returned, as the runner describes it."""
+        reply = self.runner.ask(self._message(calls, timed=False, noop=noop, poison=poison), where=where)
+        return self._by_call(calls, reply.get("calls"), where)
+
+    def run_timed(self, calls: list[Call], *, lock: str | None, where: str) -> tuple[float, list, list[dict]]:
+        """A timed batch: the judge's clock in microseconds from its "go" to the runner's answer
+        (which comes after the runner's device-wide synchronize), the runner's per-call times,
+        and what each call returned."""
+        ready = self.runner.ask(self._message(calls, timed=True), where=where)
+        if ready.get("ready") is not True:
+            raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner did not get ready to time")
+        with gpu_use(lock, exclusive=True):
+            t0 = time.perf_counter()
+            reply = self.runner.ask({"op": "go"}, where=where)
+            wall_us = (time.perf_counter() - t0) * 1e6
+        times = reply.get("times")
+        if not isinstance(times, list) or len(times) != len(calls):
+            raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner reported no times")
+        described = self.runner.ask({"op": "describe", "ids": [c.id for c in calls]}, where=where)
+        return wall_us, times, self._by_call(calls, described.get("calls"), where)
+
+    @staticmethod
+    def _message(calls: list[Call], *, timed: bool, noop: bool = False, poison: int = 0) -> dict:
+        return {
             "op": "run",
             "calls": [{"id": c.id, "args": c.args, "kwargs": c.kwargs} for c in calls],
             "timed": timed,
             "noop": noop,
             "poison_bytes": poison,
         }
-        reply = self.runner.ask(message, where=where)
+
+    @staticmethod
+    def _by_call(calls: list[Call], items, where: str) -> list[dict]:
         by_id = {}
-        for item in reply.get("calls", []) if isinstance(reply.get("calls"), list) else []:
+        for item in items if isinstance(items, list) else []:
             if isinstance(item, dict) and isinstance(item.get("id"), int):
                 by_id[item["id"]] = item
         if set(by_id) != {c.id for c in calls}:
@@ -475,6 +508,9 @@ class Evaluation:
             return
         pristine = self.problem.make_inputs(shape, call.seed, self.device)
         ref = self.problem.reference(*pristine.clone().args, **pristine.clone().kwargs)
+        if _nbytes(ref) == 0:
+            self.session.drop(calls=[call])
+            raise _EmptyOutput
         try:
             got = self.session.fetch(call, described, ref, "no-op proof")
         except Verdict as verdict:  # a malformed output without kernels is a wrong one
@@ -508,7 +544,17 @@ class Evaluation:
                 if kind == "check":
                     self.check_shape(shape, trial)
                 else:
-                    self.no_op_proof(shape)
+                    self.some_no_op_proof(shape, nonzero)
+
+    def some_no_op_proof(self, first: Shape, shapes: list[Shape]) -> None:
+        """A no-op proof on `first`, or, where its output is empty (no candidates, say), on
+        another of `shapes`."""
+        for shape in [first, *self.rng.sample(shapes, len(shapes))]:
+            try:
+                return self.no_op_proof(shape)
+            except _EmptyOutput:
+                continue
+        raise Verdict(Status.RUNTIME_ERROR, "no check shape has a non-empty output for the no-op proof")
 
     # -- timing --------------------------------------------------------------------------------
 
@@ -516,7 +562,10 @@ class Evaluation:
         assert self.session is not None
         gpu = self.device.type == "cuda"
         shapes = self.problem.timing_shapes if gpu else self.problem.interpreted_timing_shapes
-        calibration = Calibration.measure(self.session.runner, self.device) if gpu else None
+        calibration = None
+        if gpu:
+            with gpu_use(self.request.timing_lock, exclusive=True):  # flushes the L2: nothing beside
+                calibration = Calibration.measure(self.session.runner, self.device)
         baselines = baseline_providers(self.problem, self.request.baselines, self.device)
         timings = []
         for shape in shapes:
@@ -530,7 +579,12 @@ class Evaluation:
     ) -> ShapeTiming:
         assert self.session is not None
         gpu = calibration is not None
-        set_bytes = self.set_bytes(shape)
+        lock = self.request.timing_lock
+        # The judge's own device work in the timing phase (drawing inputs, the reference, copies of
+        # outputs, the no-op proof) holds the shared lock, as the checks do: none of it runs beside
+        # another evaluation's timed batch.
+        with gpu_use(lock, exclusive=False):
+            set_bytes = self.set_bytes(shape)
         per_batch = max(1, min(8, self.request.region_budget_bytes // max(set_bytes, 1)))
         samples: list[float] = []
         outside_us = accounted_us = 0.0
@@ -540,12 +594,11 @@ class Evaluation:
         batch_index = 0
         while len(samples) < target:
             n = min(per_batch, target - len(samples))
-            calls = self.session.place(shape, [fresh_seed() for _ in range(n)])
-            with gpu_use(self.request.timing_lock, exclusive=True):
-                t0 = time.perf_counter()
-                described = self.session.run(calls, timed=True, where=f"timing {shape.describe()}")
-                wall_us = (time.perf_counter() - t0) * 1e6
-            times = [d.get("us") for d in described]
+            with gpu_use(lock, exclusive=False):
+                calls = self.session.place(shape, [fresh_seed() for _ in range(n)])
+            wall_us, times, described = self.session.run_timed(
+                calls, lock=lock, where=f"timing {shape.describe()}"
+            )
             if not all(isinstance(t, int | float) and t >= 0 for t in times):
                 raise Verdict(
                     Status.RUNTIME_ERROR, f"timing {shape.describe()}: the runner reported no times"
@@ -557,22 +610,26 @@ class Evaluation:
             samples.extend(times)
             # Rule checks on the timed calls: drawn after the batch ran, at least one per batch.
             chosen = [i for i in range(n) if self.rng.random() < 0.25] or [self.rng.randrange(n)]
-            for i in chosen:
-                self.check([calls[i]], [described[i]], trial=-2, where=f"timed call on {shape.describe()}")
-                checked += 1
-            self.session.drop(calls=calls)
-            if batch_index == proof_at:
-                self.no_op_proof(shape)
+            with gpu_use(lock, exclusive=False):
+                for i in chosen:
+                    where = f"timed call on {shape.describe()}"
+                    self.check([calls[i]], [described[i]], trial=-2, where=where)
+                    checked += 1
+                self.session.drop(calls=calls)
+                if batch_index == proof_at:
+                    with contextlib.suppress(_EmptyOutput):
+                        self.no_op_proof(shape)
             batch_index += 1
             if gpu and len(samples) >= MIN_TIMED_CALLS and sum(samples) * 1e-6 >= TIMED_TARGET_S:
                 break
         base = {}
         if baselines:
             arg_sets = []
-            for _ in range(self.request.input_sets if gpu else 1):
-                inputs = self.problem.make_inputs(shape, fresh_seed(), self.device)
-                arg_sets.append((inputs.args, inputs.kwargs))
-            with gpu_use(self.request.timing_lock, exclusive=True):
+            with gpu_use(lock, exclusive=False):
+                for _ in range(self.request.input_sets if gpu else 1):
+                    inputs = self.problem.make_inputs(shape, fresh_seed(), self.device)
+                    arg_sets.append((inputs.args, inputs.kwargs))
+            with gpu_use(lock, exclusive=True):
                 base = {name: benchmark(b, arg_sets, device=self.device) for name, b in baselines.items()}
             del arg_sets
         stats = _stats(samples)

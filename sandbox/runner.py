@@ -27,6 +27,7 @@ if __name__ == "__main__":
 
 import contextlib
 import importlib.util
+import os
 import socket
 import time
 import traceback
@@ -55,10 +56,11 @@ def _is_compile_error(exc: BaseException) -> bool:
     return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources"})
 
 
-def _error(where: str, exc: BaseException) -> dict:
+def _error(exc: BaseException) -> dict:
+    # No prefix saying where: the judge names the step it asked for (judge.RunnerProcess.ask).
     return {
         "kind": "compile_error" if _is_compile_error(exc) else "runtime_error",
-        "message": f"{where}: {type(exc).__name__}: {exc}"[:2000],
+        "message": f"{type(exc).__name__}: {exc}"[:2000],
         "traceback": traceback.format_exc()[-TRACEBACK_CHARS:],
     }
 
@@ -113,12 +115,10 @@ class Runner:
             except RunnerError as exc:
                 reply = {"ok": False, "error": {"kind": "protocol", "message": str(exc)}}
             except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error the candidate left behind
-                reply = {"ok": False, "error": _error(str(op), exc)}
+                reply = {"ok": False, "error": _error(exc)}
             finally:
                 for fd in fds:
                     with contextlib.suppress(OSError):
-                        import os
-
                         os.close(fd)
             if reply is None:  # exit
                 return
@@ -143,7 +143,7 @@ class Runner:
         except BaseException as exc:  # noqa: BLE001 - the candidate's own code: anything can come out
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            return {"ok": False, "error": {**_error("import failed", exc), "kind": "compile_error"}}
+            return {"ok": False, "error": {**_error(exc), "kind": "compile_error"}}
         self.fn = fn
         return {"ok": True}
 
@@ -178,7 +178,15 @@ class Runner:
         results: list[dict] = []
         try:
             if timed:
-                times = self._timed(calls)
+                # Arguments and events are ready: the judge's clock runs from its "go" to this
+                # batch's answer, around the calls and the final synchronize alone.
+                wire.send(self.sock, {"ok": True, "ready": True})
+                go, extra = wire.receive(self.sock)
+                for fd in extra:
+                    os.close(fd)
+                if go.get("op") != "go":
+                    raise RunnerError(f"expected go, got {go.get('op')!r}")
+                return {"ok": True, "times": self._timed(calls)}
             else:
                 times = [None] * len(calls)
                 for cid, (args, kwargs) in calls:
@@ -198,13 +206,17 @@ class Runner:
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            return {"ok": False, "error": _error("call", exc)}
+            return {"ok": False, "error": _error(exc)}
         raised = {r["id"] for r in results}
         for (cid, _), us in zip(calls, times, strict=True):
             if cid in raised:
                 continue
             results.append({"id": cid, "us": us, **self._describe(cid)})
         return {"ok": True, "calls": results}
+
+    def op_describe(self, message: dict, fds: list[int]) -> dict:
+        """What the calls of a timed batch returned (asked once the judge's clock stopped)."""
+        return {"ok": True, "calls": [{"id": int(c), **self._describe(int(c))} for c in message["ids"]]}
 
     def op_fetch(self, message: dict, fds: list[int]) -> dict:
         """Copy outputs into region `region` at the offsets the judge chose, as contiguous bytes."""

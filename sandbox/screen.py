@@ -103,11 +103,6 @@ ALLOWED_TORCH = TORCH_DTYPES | frozenset(
         "Tensor", "dtype", "device", "Size",
         "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like",
         "full", "full_like", "arange",
-        # The launch set-up of kernels/attention.py, on offsets and lengths, not on the op's
-        # data: stable argsort of sequences and candidates past RANK_SORT_MAX, cumulative row
-        # counts, one min-max pass for the range checks, and one stack for a single host copy
-        # of the grid's scalars.
-        "argsort", "cumsum", "aminmax", "stack",
     )
 )  # fmt: skip
 
@@ -126,11 +121,6 @@ VALUE_ATTRIBUTES = frozenset(
         # allocation, casts, filling, host copies
         "new_empty", "new_zeros", "new_ones", "new_full", "to", "float", "half", "bfloat16", "int",
         "long", "fill_", "zero_", "copy_", "item", "tolist",
-        # kernels/attention.py's host side: the range checks' reductions over lengths and
-        # offsets (and aminmax's min and max), the per-request counts of its grouping (a problem
-        # that this computes forbids it: embedding_bag forbids index_add_), the backward's sum of
-        # per-sequence partial gradients, the bias table's fp32 copy.
-        "sum", "max", "min", "all", "clamp", "index_add_",
         # plain Python containers, strings and ints (no str.format: its fields read attributes
         # by name)
         "append", "extend", "insert", "pop", "items", "keys", "values", "get", "setdefault",
@@ -384,6 +374,9 @@ class _Screen:
                 self.flag("aliases", node, f"{local} names both {self.aliases[local]} and {target}")
             self.aliases.setdefault(local, target)
 
+    def defined(self, name: str) -> bool:
+        return name in self.bound or name in ALLOWED_BUILTINS or name in ANNOTATION_BUILTINS
+
     def is_kernel(self, fn: ast.FunctionDef) -> bool:
         for decorator in fn.decorator_list:
             target = decorator.func if isinstance(decorator, ast.Call) else decorator
@@ -474,7 +467,7 @@ class _Screen:
             attrs = self.check_module_chain(top, base, attrs)
             if attrs is None:
                 return
-        elif isinstance(base, ast.Name) and base.id not in self.bound | ALLOWED_BUILTINS | ANNOTATION_BUILTINS:
+        elif isinstance(base, ast.Name) and not self.defined(base.id):
             return  # an undefined name: the rule names reports it
         self.check_value_attributes(attrs)
 
@@ -585,6 +578,17 @@ def screen(
     return _Screen(tree, forbidden_ops, frozenset(allowed_extras), allow_inline_asm).run(entry)
 
 
+def screen_problem(source: str, entry: str, problem) -> list[Violation]:
+    """`screen` with `problem`'s own rules: its forbidden ops, declared extras and inline asm."""
+    return screen(
+        source,
+        entry,
+        problem.forbidden_ops,
+        allowed_extras=frozenset(getattr(problem, "screen_extras", ())),
+        allow_inline_asm=bool(getattr(problem, "allow_inline_asm", False)),
+    )
+
+
 def screen_candidate(candidate: Candidate) -> EvalResult | None:
     """The screen as every backend applies it before anything runs: the problem's own rules
     included. A static_rejected result naming each violation, or None if the candidate may run."""
@@ -595,13 +599,7 @@ def screen_candidate(candidate: Candidate) -> EvalResult | None:
     except ValueError as exc:
         violations_text = str(exc)
     else:
-        violations = screen(
-            candidate.source,
-            candidate.entry,
-            problem.forbidden_ops,
-            allowed_extras=frozenset(getattr(problem, "screen_extras", ())),
-            allow_inline_asm=bool(getattr(problem, "allow_inline_asm", False)),
-        )
+        violations = screen_problem(candidate.source, candidate.entry, problem)
         if not violations:
             return None
         violations_text = "; ".join(str(v) for v in violations)

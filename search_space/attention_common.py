@@ -111,6 +111,16 @@ FORBIDDEN_OPS = (
     "relu",
 )
 
+# What kernels/attention.py's host side needs beyond the candidate screen's allowlist, on offsets
+# and lengths, never on the op's data: a stable argsort of sequences and candidates past
+# RANK_SORT_MAX, cumulative row counts, one min-max pass and the reductions of the range checks,
+# one stack for a single host copy of the grid's scalars, the per-request counts of its grouping,
+# the backward's sum of per-sequence partial gradients, and the bias table's clamp.
+SCREEN_EXTRAS = (
+    "torch.argsort", "torch.cumsum", "torch.aminmax", "torch.stack",
+    "sum", "max", "min", "all", "clamp", "index_add_",
+)  # fmt: skip
+
 # Largest score (or mask) tile a baseline materializes at once, in elements: 512 MiB in bf16,
 # big enough that the chunks' matrix products fill the GPU.
 DENSE_BUDGET = 2**28

@@ -17,7 +17,9 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 
+from search_space.attention import dense_attention
 from search_space.attention_common import library_template
 from search_space.problem import Inputs, Problem, Shape, Tolerance
 from search_space.template import Knob, KnobTemplate
@@ -60,7 +62,10 @@ def gradients_of(forward: Callable[..., torch.Tensor]) -> Callable[..., tuple[to
             if name is not None:
                 call_kwargs[name] = leaf
         with torch.enable_grad():
-            out = forward(*call_args, **call_kwargs)
+            # Each sequence's dense attention is recomputed in the backward instead of kept:
+            # autograd of the whole loop would hold every sequence's score matrix at once (68 GB
+            # of fp32 scores at 256 sequences of 4096 keys), which no GPU holds.
+            out = forward(*call_args, attend=_recomputed_dense_attention, **call_kwargs)
             if out.requires_grad:
                 found = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
             else:  # nothing attends to anything (empty sequences): every gradient is zero
@@ -71,6 +76,10 @@ def gradients_of(forward: Callable[..., torch.Tensor]) -> Callable[..., tuple[to
         )
 
     return grads
+
+
+def _recomputed_dense_attention(*args, **kwargs) -> torch.Tensor:
+    return torch.utils.checkpoint.checkpoint(dense_attention, *args, use_reentrant=False, **kwargs)
 
 
 def grad_error_scale(inputs: Inputs) -> float:

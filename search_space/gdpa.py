@@ -17,6 +17,7 @@ from search_space import workload
 from search_space.attention import compiled_reference, gdpa_reference
 from search_space.attention_common import (
     FORBIDDEN_OPS,
+    SCREEN_EXTRAS,
     TOLERANCES,
     bucket,
     dense_pointwise,
@@ -339,6 +340,7 @@ PROBLEM = Problem(
     bucket=bucket,
     template="gdpa",
     forbidden_ops=FORBIDDEN_OPS,
+    screen_extras=SCREEN_EXTRAS,
 )
 
 TEMPLATE = tile_template("gdpa")

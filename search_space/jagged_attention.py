@@ -21,6 +21,7 @@ from search_space.attention_common import (
     DENSE_BUDGET,
     FORBIDDEN_OPS,
     REL_BIAS_STD,
+    SCREEN_EXTRAS,
     TOLERANCES,
     IndexCache,
     block_mask,
@@ -412,6 +413,7 @@ PROBLEM = Problem(
     bucket=bucket,
     template="jagged_attention",
     forbidden_ops=FORBIDDEN_OPS,
+    screen_extras=SCREEN_EXTRAS,
 )
 
 TEMPLATE = tile_template("jagged_attention")

@@ -113,6 +113,9 @@ class Problem:
     shape_baselines: Mapping[str, ShapeBaseline] = field(default_factory=dict)
     # torch functions that compute this op: a candidate may not fall back to them.
     forbidden_ops: tuple[str, ...] = ()
+    # What the candidate screen's allowlist (sandbox.screen) lets through for this problem only:
+    # dotted names ("torch.cumsum") and attribute names ("sum") its host code needs.
+    screen_extras: tuple[str, ...] = ()
     # What a campaign times its candidates against when its config names no baselines; None:
     # every baseline (see sandbox.protocol.all_baselines). Problems whose plain reference takes
     # minutes at the timing shapes (a Python loop over sequences) leave it out.

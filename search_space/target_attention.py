@@ -22,6 +22,7 @@ from search_space.attention_common import (
     DENSE_BUDGET,
     FORBIDDEN_OPS,
     REFERENCE_BUDGET,
+    SCREEN_EXTRAS,
     TOLERANCES,
     IndexCache,
     block_mask,
@@ -466,6 +467,7 @@ PROBLEM = Problem(
     bucket=bucket,
     template="target_attention",
     forbidden_ops=FORBIDDEN_OPS,
+    screen_extras=SCREEN_EXTRAS,
 )
 
 TEMPLATE = tile_template("target_attention")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sandbox.protocol import check_shape
-from sandbox.screen import screen
+from sandbox.screen import screen_problem
 from search_space import get_problem
 from search_space.attention import jagged_attention_reference
 from search_space.problem import Shape
@@ -35,7 +35,7 @@ def test_grad_template_is_screen_clean(op: str) -> None:
     problem, template = get_problem(op), get_template(op)
     assert problem.entry == op and problem.template == op
     source = template.render(template.defaults())
-    assert screen(source, problem.entry, problem.forbidden_ops) == []
+    assert screen_problem(source, problem.entry, problem) == []
     with pytest.raises(ValueError, match="DQ_num_warps = 8"):
         template.render({"DQ_BLOCK_M": 128, "DQ_num_warps": 4})
     with pytest.raises(ValueError, match="not one of"):

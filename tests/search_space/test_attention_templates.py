@@ -9,7 +9,7 @@ import torch
 from sandbox.candidate import Candidate
 from sandbox.local import LocalBackend
 from sandbox.result import Status
-from sandbox.screen import screen
+from sandbox.screen import screen_problem
 from search_space import get_problem
 from search_space.template import get_template
 
@@ -21,7 +21,7 @@ def test_rendered_template_is_a_screen_clean_module_with_the_tiling(op: str) -> 
     template, problem = get_template(op), get_problem(op)
     assert problem.template == op
     source = template.render({"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2})
-    assert screen(source, problem.entry, problem.forbidden_ops) == []
+    assert screen_problem(source, problem.entry, problem) == []
     assert '"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2' in source
     assert source != template.render(template.defaults())
 
