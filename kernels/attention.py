@@ -1578,11 +1578,18 @@ def _cross_lengths(
     return host[4], host[0]
 
 
-class _RequestGroups:
-    """Candidates of one request grouped, so that all their seeds form one query range against
-    the request's keys: `q_offsets` count the rows of that grouped order and `order` (the
-    kernels' row map, or None when cand_to_request never decreases) lists the candidates in it.
-    The kernels read and write each candidate's rows where they lie; nothing is gathered.
+def _request_groups(
+    cand_to_request: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    seeds: int,
+    kv_rows: int,
+    bounds: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """(q_offsets, order, max_q_len, max_kv_len): candidates of one request grouped, so that all
+    their seeds form one query range against the request's keys: `q_offsets` count the rows of
+    that grouped order and `order` (the kernels' row map, or None when cand_to_request never
+    decreases) lists the candidates in it; the longest query range and key sequence size the
+    grid. The kernels read and write each candidate's rows where they lie; nothing is gathered.
 
     The grouping (stable ranks and row offsets) is one launch up to RANK_SORT_MAX candidates.
     Without bounds: one host sync for the checks and the grid, with few small device ops before
@@ -1590,41 +1597,31 @@ class _RequestGroups:
     sync take longer than the kernel itself (a few hundred µs on an H200).
     With bounds (the most candidates of any request, the longest history) there is no host sync
     and nothing is checked: the grid comes from the bounds and the kernels always take the row
-    map, so the op can be captured in a CUDA graph."""
+    map, so the op can be captured in a CUDA graph.
 
-    def __init__(
-        self,
-        cand_to_request: torch.Tensor,
-        kv_offsets: torch.Tensor,
-        seeds: int,
-        kv_rows: int,
-        bounds: tuple[int, int] | None = None,
-    ):
-        num_requests = kv_offsets.numel() - 1
-        if num_requests == 0:
-            raise ValueError("cand_to_request must lie in [0, 0): kv_offsets holds no request")
-        self.q_offsets, order = _group_by_request(cand_to_request, num_requests, seeds)
-        if bounds is not None:
-            max_candidates, self.max_kv_len = bounds
-            self.max_q_len = max_candidates * seeds
-            self.order = order
-            return
-        requests = cand_to_request.to(torch.int64)
-        kv_offsets = kv_offsets.to(torch.int64)
-        low_high = torch.aminmax(requests)
-        kv_min_max = torch.aminmax(kv_offsets[1:] - kv_offsets[:-1])
-        is_sorted = (requests[1:] >= requests[:-1]).all().to(torch.int64)
-        host = torch.stack([
-            low_high.min, low_high.max, (self.q_offsets[1:] - self.q_offsets[:-1]).max(), kv_min_max.min,
-            kv_min_max.max, kv_offsets[0], kv_offsets[-1], is_sorted,
-        ]).tolist()  # fmt: skip
-        low, high, max_rows, min_kv_len, self.max_kv_len, kv_first, kv_last, already_sorted = host
-        if low < 0 or high >= num_requests:
-            raise ValueError(f"cand_to_request must lie in [0, {num_requests}) (the requests of kv_offsets)")
-        if min_kv_len < 0 or kv_first != 0 or kv_last != kv_rows:
-            raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
-        self.max_q_len = max_rows
-        self.order = None if already_sorted else order
+    A function, not a class: the candidate screen allows no class definitions."""
+    num_requests = kv_offsets.numel() - 1
+    if num_requests == 0:
+        raise ValueError("cand_to_request must lie in [0, 0): kv_offsets holds no request")
+    q_offsets, order = _group_by_request(cand_to_request, num_requests, seeds)
+    if bounds is not None:
+        max_candidates, max_kv_len = bounds
+        return q_offsets, order, max_candidates * seeds, max_kv_len
+    requests = cand_to_request.to(torch.int64)
+    kv_offsets = kv_offsets.to(torch.int64)
+    low_high = torch.aminmax(requests)
+    kv_min_max = torch.aminmax(kv_offsets[1:] - kv_offsets[:-1])
+    is_sorted = (requests[1:] >= requests[:-1]).all().to(torch.int64)
+    host = torch.stack([
+        low_high.min, low_high.max, (q_offsets[1:] - q_offsets[:-1]).max(), kv_min_max.min,
+        kv_min_max.max, kv_offsets[0], kv_offsets[-1], is_sorted,
+    ]).tolist()  # fmt: skip
+    low, high, max_rows, min_kv_len, max_kv_len, kv_first, kv_last, already_sorted = host
+    if low < 0 or high >= num_requests:
+        raise ValueError(f"cand_to_request must lie in [0, {num_requests}) (the requests of kv_offsets)")
+    if min_kv_len < 0 or kv_first != 0 or kv_last != kv_rows:
+        raise ValueError(f"kv_offsets must rise from 0 to {kv_rows} (the k/v rows)")
+    return q_offsets, None if already_sorted else order, max_rows, max_kv_len
 
 
 # --- generic launches -------------------------------------------------------------------------
@@ -2032,10 +2029,10 @@ _CAPABILITY_MAJOR: dict[int, int] = {}
 def _capability_major() -> int:
     """The compute capability's major version of the current CUDA device, as Triton targets it.
     Cached per device: the target query takes microseconds of host time, twice per forward."""
-    driver = triton.runtime.driver.active
-    index = driver.get_current_device()
+    # Spelled out each time: the screen allows these two calls, not the driver as a value.
+    index = triton.runtime.driver.active.get_current_device()
     if index not in _CAPABILITY_MAJOR:
-        _CAPABILITY_MAJOR[index] = driver.get_current_target().arch // 10
+        _CAPABILITY_MAJOR[index] = triton.runtime.driver.active.get_current_target().arch // 10
     return _CAPABILITY_MAJOR[index]
 
 
@@ -2357,12 +2354,12 @@ def target_attention_forward(
         if return_lse and activation == "softmax":
             lse = torch.empty((num_heads, 0), dtype=torch.float32, device=q_cand.device)
         return (out, lse) if return_lse else out
-    groups = _RequestGroups(
+    q_offsets, order, max_q_len, max_kv_len = _request_groups(
         cand_to_request, kv_offsets, seeds, k.shape[0], _bounds(max_candidates, max_history)
     )
     out_rows, lse = _launch_forward(
-        q_cand.reshape(num_cand * seeds, num_heads, head_dim), k, v, groups.q_offsets, kv_offsets,
-        num_out_rows=num_cand * seeds, max_q_len=groups.max_q_len, max_kv_len=groups.max_kv_len,
+        q_cand.reshape(num_cand * seeds, num_heads, head_dim), k, v, q_offsets, kv_offsets,
+        num_out_rows=num_cand * seeds, max_q_len=max_q_len, max_kv_len=max_kv_len,
         activation=activation,
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
@@ -2370,7 +2367,7 @@ def target_attention_forward(
             q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
             tma=tma, warp_specialize=warp_specialize, shift_last=shift_last,
         ),
-        schedule=schedule, row_map=groups.order, rows_per_index=seeds,
+        schedule=schedule, row_map=order, rows_per_index=seeds,
     )  # fmt: skip
     out = out_rows.view(num_cand, seeds, num_heads, head_dim)
     return (out, lse) if return_lse else out
@@ -2408,7 +2405,7 @@ def target_attention_backward(
     if num_cand == 0 or seeds == 0:
         return torch.zeros_like(q_cand), torch.zeros_like(k), torch.zeros_like(v)
     _check_bounds(max_candidates, max_history)
-    groups = _RequestGroups(
+    q_offsets, order, max_q_len, max_kv_len = _request_groups(
         cand_to_request, kv_offsets, seeds, k.shape[0], _bounds(max_candidates, max_history)
     )
     rows = num_cand * seeds
@@ -2421,11 +2418,11 @@ def target_attention_backward(
         (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,
     )  # fmt: skip
     dq_rows, dk, dv, _ = _launch_backward(
-        as_rows(grad_out), as_rows(q_cand), k, v, as_rows(out), lse, groups.q_offsets, kv_offsets,
-        max_q_len=groups.max_q_len, max_kv_len=groups.max_kv_len, activation=activation,
+        as_rows(grad_out), as_rows(q_cand), k, v, as_rows(out), lse, q_offsets, kv_offsets,
+        max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False,
         dkdv_config=dkdv_config, dq_config=dq_config, schedule=schedule,
-        row_map=groups.order, rows_per_index=seeds,
+        row_map=order, rows_per_index=seeds,
     )  # fmt: skip
     return dq_rows.view(num_cand, seeds, num_heads, head_dim), dk, dv

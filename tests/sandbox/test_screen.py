@@ -1,11 +1,22 @@
-"""The static screen: every rule has an adversarial source it rejects, naming rule and line;
-the rendered template passes."""
+"""The static screen, an allowlist: every rule has sources it rejects, naming rule and line, one
+class of escape per test; the library's kernels, every rendered template and an honest
+candidate pass."""
+
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from sandbox.screen import screen
-from search_space import get_problem
+from kernels.registry import KernelLibrary
+from sandbox import screen as screen_module
+from sandbox.candidate import Candidate
+from sandbox.result import Status
+from sandbox.screen import screen, screen_candidate, screen_problem
+from search_space import get_problem, problem_names
 from search_space.embedding_bag import ENTRY, TEMPLATE
+from search_space.template import get_template
+
+REPO = Path(__file__).resolve().parents[2]
 
 # A minimal module the screen accepts; each case below adds one offending line to it.
 KERNEL = """\
@@ -25,6 +36,10 @@ def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=No
     return torch.empty(0)
 """
 BODY_LINE = KERNEL.splitlines().index("    {body}") + 1  # where the offending line goes
+KERNEL_LINE = KERNEL.splitlines().index("    offs = tl.arange(0, BLOCK)") + 1
+FORBIDDEN = get_problem("embedding_bag").forbidden_ops
+# Reads the GPU's clock: what a problem that allows inline assembly lets through.
+INLINE_ASM = "x = tl.inline_asm_elementwise('mov.u32 $0, %globaltimer_lo;', '=r', [], dtype=tl.int32, pack=1)"
 
 
 def _with_body(body: str) -> str:
@@ -35,19 +50,262 @@ def _with_header(line: str) -> str:
     return line + "\n" + _with_body("pass")
 
 
+def _in_kernel(line: str) -> str:
+    """The offending line inside the @triton.jit kernel (rules that differ there)."""
+    first = "    offs = tl.arange(0, BLOCK)\n"
+    return _with_body("pass").replace(first, f"{first}    {line}\n")
+
+
+def _rules(source: str, forbidden: tuple[str, ...] = FORBIDDEN, **kwargs) -> list[str]:
+    return [v.rule for v in screen(source, ENTRY, forbidden, **kwargs)]
+
+
+def _assert_rejected(source: str, rules: list[str], line: int = BODY_LINE, **kwargs) -> None:
+    violations = screen(source, ENTRY, FORBIDDEN, **kwargs)
+    assert [v.rule for v in violations] == rules, f"{violations}\n{source}"
+    assert violations[0].line == line, violations
+    assert f"line {line}: rule '{rules[0]}'" in str(violations[0])
+
+
+# --- what passes ------------------------------------------------------------------------------
+
+
 def test_minimal_kernel_passes() -> None:
     assert screen(_with_body("pass"), ENTRY) == []
 
 
 def test_tma_descriptors_are_part_of_the_kernel_language() -> None:
-    source = _with_header("from triton.tools.tensor_descriptor import TensorDescriptor")
-    assert screen(source, ENTRY) == []
-    assert [v.rule for v in screen(_with_header("import triton.tools.disasm"), ENTRY)] == ["imports"]
+    header = "from triton.tools.tensor_descriptor import TensorDescriptor"
+    assert screen(_with_header(header), ENTRY) == []
+    body = (
+        "d = TensorDescriptor.from_tensor(weight, [16, 16])\n    e = TensorDescriptor(weight, [1], [1], [16])"
+    )
+    assert screen(header + "\n" + _with_body(body), ENTRY) == []
+    assert _rules(_with_header("import triton.tools.disasm")) == ["imports"]
 
 
 def test_rendered_template_passes() -> None:
-    assert screen(TEMPLATE.render({}), ENTRY) == []
-    assert screen(TEMPLATE.render({"ACC_3D": True, "EVICT_ROWS": "evict_first"}), ENTRY) == []
+    assert screen(TEMPLATE.render({}), ENTRY, FORBIDDEN) == []
+    assert screen(TEMPLATE.render({"ACC_3D": True, "EVICT_ROWS": "evict_first"}), ENTRY, FORBIDDEN) == []
+
+
+@pytest.mark.parametrize("name", [n for n in problem_names() if get_problem(n).template])
+def test_every_default_template_passes_with_its_problem_rules(name: str) -> None:
+    problem, template = get_problem(name), get_template(name)
+    assert screen_problem(template.render(template.defaults()), template.entry, problem) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "entry", "problem"),
+    [
+        ("kernels/embedding_bag.py", "embedding_bag_forward", "embedding_bag"),
+        ("kernels/embedding_bag.py", "embedding_bag_backward", "embedding_bag_backward"),
+        ("kernels/attention.py", "jagged_attention_forward", "jagged_attention"),
+        ("kernels/attention.py", "target_attention_backward", "target_attention_grad"),
+        *[
+            (f"kernels/library/{e.source_file}", e.entry, e.op)
+            for e in KernelLibrary(REPO / "kernels/library").entries()
+        ],
+    ],
+)
+def test_library_kernels_pass_with_their_problem_rules(path: str, entry: str, problem: str) -> None:
+    """The default kernels and the library's frozen sources, which campaigns run as incumbents."""
+    assert screen_problem((REPO / path).read_text(), entry, get_problem(problem)) == []
+
+
+HONEST = '''\
+"""A typical honest candidate: a Triton kernel and host code that only allocates and launches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton import cdiv
+from triton.language.extra import libdevice
+
+SCALE = 1.0 / math.sqrt(2.0)
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 64}, num_warps=2)], key=["n"])
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, stride, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs * stride, mask=offs < n, other=0.0).to(tl.float32)
+    y = libdevice.tanh(x) + tl.extra.cuda.libdevice.exp(x) * tl.math.exp2(x)
+    total = tl.sum(x, axis=0) + x.sum(axis=0)
+    tl.store(out_ptr + offs, (y * SCALE + total).to(out_ptr.dtype.element_ty), mask=offs < n)
+
+
+def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"unsupported input {type_name(weight)!r}")
+    n = weight.numel()
+    out = torch.empty((offsets.numel() - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
+    _scale_kernel[grid](weight, out, n, weight.stride(1))
+    blocks = [cdiv(n, b) for b in (64, 128)]
+    blocks.append(max(blocks))
+    return out.view(-1, weight.shape[1]).contiguous()
+
+
+def type_name(x: object) -> str:
+    return "tensor" if isinstance(x, torch.Tensor) else "other"
+'''
+
+
+def test_honest_candidate_passes() -> None:
+    assert screen(HONEST, ENTRY, FORBIDDEN) == []
+
+
+# --- the audit's holes, one class per test ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "detail"),
+    [
+        ("x = torch.os.system('id')", "torch.os is not allowed"),
+        ("x = torch.sys.modules", "torch.sys is not allowed"),
+        ("x = torch.importlib.import_module('os')", "torch.importlib is not allowed"),
+        ("x = torch.ctypes.CDLL(None)", "torch.ctypes is not allowed"),
+        ("x = torch.builtins.open('/etc/passwd')", "torch.builtins is not allowed"),
+        ("x = torch._ops.ops.aten.add(weight, weight)", "torch._ops is not allowed"),
+        ("x = triton.runtime.cache.os.system('id')", "triton.runtime.cache is not allowed"),
+        ("x = triton.testing.subprocess.run(['id'])", "triton.testing is not allowed"),
+        ("x = tl.core.builtins", "triton.language.core is not allowed"),
+        ("x = triton.language.extra.modules", "triton.language.extra.modules"),
+        ("x = tl.extra.cuda.globaltimer()", "triton.language.extra.cuda.globaltimer"),
+        ("torch.cuda.synchronize()", "torch.cuda is not allowed"),
+        ("x = torch.where(weight > 0, weight, 0)", "use of torch.where"),
+    ],
+)
+def test_forbidden_modules_through_allowed_ones_are_rejected(body: str, detail: str) -> None:
+    _assert_rejected(_with_body(body), ["modules"])
+    assert detail in str(screen(_with_body(body), ENTRY, FORBIDDEN)[0])
+
+
+def test_torch_ops_through_torch_internals_are_the_ops_fallback() -> None:
+    violations = screen(_with_body("x = torch._ops.ops.aten.mm(weight, weight)"), ENTRY, FORBIDDEN)
+    assert [(v.rule, v.line) for v in violations] == [("fallback", BODY_LINE)]
+    assert "torch._ops.ops.aten.mm: .mm computes the op" in violations[0].detail
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "T = torch",
+        "x = tl",
+        "T, n = torch, 1",
+        "(T := torch)",
+        "def f(t=torch): pass",
+        "g = lambda: torch",
+        "g = lambda t=tl: t",
+        "x = [torch]",
+        "x = {'m': triton}",
+        "print(torch)",
+        "x = torch[0]",
+        "return tl",
+        "x = triton.language",
+        "f = torch.empty",
+        "f = triton.cdiv",
+        "f = tl.load",
+        "def tl(x): pass",
+        "for torch in range(3): pass",
+        "import math as tl",
+    ],
+)
+def test_local_aliases_of_modules_and_their_functions_are_rejected(body: str) -> None:
+    _assert_rejected(_with_body(body), ["aliases"])
+
+
+def test_an_alias_in_one_scope_cannot_rename_another_module() -> None:
+    """Names resolve per module: `tl` names triton.language everywhere, so no function may make
+    it torch (tl.load would be torch.load there) or take it as a parameter."""
+    _assert_rejected(_with_body("import torch as tl"), ["aliases"])
+    assert _rules(_in_kernel("pass").replace("(x_ptr, n,", "(x_ptr, tl, n,")) == ["aliases"]
+
+
+@pytest.mark.parametrize(
+    ("body", "rules"),
+    [
+        ("x = getattr(torch, 'ma' + 'tmul')", ["builtins", "aliases"]),
+        ("x = getattr(weight, 'ma' + 'tmul')(weight)", ["builtins"]),
+        ("setattr(weight, 'data', weight)", ["builtins"]),
+        ("x = hasattr(weight, 'sum')", ["builtins"]),
+        ("x = vars(weight)", ["builtins"]),
+        ("x = globals()['torch']", ["builtins"]),
+        ("x = locals()", ["builtins"]),
+        ("x = type('X', (), {})", ["builtins"]),
+        ("x = object()", ["builtins"]),
+        ("x = super()", ["builtins"]),
+        ("x = eval('1')", ["builtins"]),
+        ("x = compile('1', 'f', 'eval')", ["builtins"]),
+        ("x = torch.__dict__['matmul']", ["dunders"]),
+        ("x = weight.__dict__", ["dunders"]),
+        ("x = torch.Tensor.__getattribute__(weight, 'sum')", ["dunders"]),
+        ("x = weight.__class__.__mro__", ["dunders"]),
+        ("x = embedding_bag.__globals__", ["dunders"]),
+        ("x = __builtins__", ["dunders"]),
+        ("x = __name__", ["dunders"]),
+        ("def __getattr__(name): pass", ["dunders"]),
+        ("x = '{0.__class__}'.format(weight)", ["attributes"]),
+        ("x = str.format('{0.__class__}', weight)", ["attributes"]),
+        ("import operator", ["imports"]),
+        ("from operator import attrgetter", ["imports"]),
+    ],
+)
+def test_attributes_by_string_dunders_and_namespaces_are_rejected(body: str, rules: list[str]) -> None:
+    _assert_rejected(_with_body(body), rules)
+
+
+@pytest.mark.parametrize(
+    ("source", "rules", "line"),
+    [
+        (
+            "class Sneaky:\n    def __torch_function__(cls, func, types, args=(), kw=None):\n        pass\n",
+            ["statements", "dunders"],
+            1,
+        ),
+        ("class Plain:\n    x = 1\n", ["statements"], 1),
+        ("class Holder:\n    __slots__ = ('x',)\n", ["statements", "dunders"], 1),
+        ("class Sub(int):\n    def __del__(self):\n        pass\n", ["statements", "dunders"], 1),
+    ],
+)
+def test_classes_and_their_dunder_methods_are_rejected(source: str, rules: list[str], line: int) -> None:
+    _assert_rejected(source + "\n" + _with_body("pass"), rules, line)
+
+
+@pytest.mark.parametrize(
+    ("body", "rules"),
+    [
+        ("import sys", ["imports"]),
+        ("import inspect", ["imports"]),
+        ("from sys import _getframe", ["imports"]),
+        ("x = torch.sys._getframe(0)", ["modules"]),
+        ("x = (i for i in ()).gi_frame", ["attributes"]),
+        ("x = weight.f_back", ["attributes"]),
+        ("x = weight.tb_frame.f_back", ["attributes"]),
+        ("x = weight.f_globals", ["attributes"]),
+        ("x = weight.cr_frame", ["attributes"]),
+        ("x = RuntimeError().with_traceback(None)", ["attributes"]),
+        ("x = RuntimeError().__traceback__", ["dunders"]),
+    ],
+)
+def test_frames_are_unreachable(body: str, rules: list[str]) -> None:
+    _assert_rejected(_with_body(body), rules)
+
+
+def test_a_caught_exceptions_frame_is_unreachable() -> None:
+    body = (
+        "try:\n        raise ValueError()\n    except ValueError as e:\n        t = e.__traceback__.tb_frame"
+    )
+    _assert_rejected(_with_body(body), ["dunders"], BODY_LINE + 3)
+
+
+# --- the other rules ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -57,40 +315,68 @@ def test_rendered_template_passes() -> None:
         (_with_header("import os.path"), "imports", 1, "'os.path'"),
         (_with_header("from subprocess import run"), "imports", 1, "'subprocess'"),
         (_with_header("from . import helper"), "imports", 1, "'.'"),
+        (_with_header("from torch import *"), "imports", 1, "'*'"),
+        (_with_header("from torch import cuda"), "imports", 1, "'cuda'"),
+        (_with_header("from triton.language import core"), "imports", 1, "'core'"),
         (_with_header("import torch, ctypes"), "imports", 1, "'ctypes'"),
+        (_with_header("from __future__ import braces"), "imports", 1, "'braces'"),
         (_with_body("import socket"), "imports", BODY_LINE, "'socket'"),
         (_with_body("f = open('/etc/passwd')"), "builtins", BODY_LINE, "open()"),
         (_with_body("exec('x = 1')"), "builtins", BODY_LINE, "exec()"),
-        (_with_body("m = __import__('os')"), "builtins", BODY_LINE, "__import__()"),
-        (_with_body("g = getattr(torch, 'cuda')"), "builtins", BODY_LINE, "getattr()"),
-        (_with_body("torch.cuda.synchronize()"), "attributes", BODY_LINE, ".synchronize"),
-        (_with_body("s = torch.cuda.Stream()"), "attributes", BODY_LINE, ".Stream"),
-        (_with_body("e = torch.cuda.Event(enable_timing=True)"), "attributes", BODY_LINE, ".Event"),
-        (_with_body("torch.manual_seed(0)"), "attributes", BODY_LINE, ".manual_seed"),
-        (_with_body("c = torch._C"), "attributes", BODY_LINE, "._C"),
-        (_with_body("b = __builtins__"), "attributes", BODY_LINE, "__builtins__"),
-        (_with_body("k = (1).__class__.__subclasses__()"), "attributes", BODY_LINE, ".__subclasses__"),
+        (_with_body("x = input()"), "builtins", BODY_LINE, "input()"),
+        (_with_body("m = __import__('os')"), "dunders", BODY_LINE, "__import__"),
+        (_with_body("def g(open): return open"), "builtins", BODY_LINE, "binds open"),
+        (_with_body("x = np.zeros(3)"), "names", BODY_LINE, "np is not defined"),
+        (_with_body("s = torch.cuda.Stream()"), "modules", BODY_LINE, "torch.cuda.Stream"),
+        (_with_body("e = torch.cuda.Event(enable_timing=True)"), "modules", BODY_LINE, "torch.cuda.Event"),
+        (_with_body("torch.manual_seed(0)"), "modules", BODY_LINE, "torch.manual_seed"),
+        (_with_body("c = torch._C"), "modules", BODY_LINE, "torch._C"),
+        (_with_body("k = (1).__class__.__subclasses__()"), "dunders", BODY_LINE, ".__class__"),
+        (_with_body("weight.data = weight"), "attributes", BODY_LINE, "assignment to .data"),
+        (_with_body("del weight.grad"), "attributes", BODY_LINE, "assignment to .grad"),
+        (_with_body("x = weight.numpy()"), "attributes", BODY_LINE, ".numpy"),
+        (_with_body("x = weight.untyped_storage()"), "attributes", BODY_LINE, ".untyped_storage"),
+        (_with_body("x = weight.dtype.element_ty"), "attributes", BODY_LINE, ".element_ty"),
+        (_with_body("x = _kernel.fn"), "attributes", BODY_LINE, ".fn"),
+        (_with_body("x = math.pi"), "names", BODY_LINE, "math is not defined"),
+        (_with_body("with torch.device('meta'): pass"), "statements", BODY_LINE, "with statement"),
+        (_with_body("match weight:\n        case _: pass"), "statements", BODY_LINE, "match statement"),
+        (_in_kernel(INLINE_ASM), "asm", KERNEL_LINE + 1, "inline assembly"),
     ],
     ids=[
         "import-os",
         "import-os-path",
         "from-subprocess",
         "relative-import",
+        "star-import",
+        "from-torch-import-cuda",
+        "from-tl-import-submodule",
         "import-list",
+        "future-feature",
         "import-in-function",
         "open",
         "exec",
+        "input",
         "dunder-import",
-        "getattr",
-        "synchronize",
+        "builtin-as-parameter",
+        "undefined-name",
         "stream",
         "event",
         "manual-seed",
         "torch-C",
-        "builtins-name",
         "subclasses",
+        "attribute-assignment",
+        "attribute-deletion",
+        "numpy",
+        "storage",
+        "kernel-attribute-on-host",
+        "jit-function-internals",
+        "math-without-import",
+        "with-device",
+        "match",
+        "inline-asm",
     ],
-)
+)  # fmt: skip
 def test_rule_violations_are_rejected(source: str, rule: str, line: int, detail: str) -> None:
     violations = screen(source, ENTRY)
     assert violations, f"screen accepted:\n{source}"
@@ -99,11 +385,31 @@ def test_rule_violations_are_rejected(source: str, rule: str, line: int, detail:
     assert f"line {line}: rule '{rule}'" in str(match[0])
 
 
+def test_the_kernel_language_is_wider_inside_a_kernel() -> None:
+    """Tensor methods of triton.language (x.trans(), ptr.dtype.element_ty) are the kernel's; on
+    host code they would be torch's, and are not allowed there."""
+    assert screen(_in_kernel("y = offs.trans().to(x_ptr.dtype.element_ty)"), ENTRY) == []
+    assert _rules(_with_body("y = weight.trans()")) == ["attributes"]
+
+
+def test_annotations_may_name_object_and_allowed_classes() -> None:
+    body = "def f(x: object, d: torch.dtype = torch.float32) -> tuple[torch.Tensor, object]: return x, d"
+    assert screen(_with_body(body), ENTRY) == []
+    assert _rules(_with_body("x = object")) == ["builtins"]
+
+
 def test_missing_triton_kernel_is_rejected() -> None:
     source = _with_body("pass").replace("@triton.jit\n", "")
     violations = screen(source, ENTRY)
     assert [v.rule for v in violations] == ["kernel"]
     assert "@triton.jit" in str(violations[0])
+
+
+def test_a_kernel_by_another_name_is_a_kernel() -> None:
+    source = "from triton import jit\n" + _with_body("pass").replace("@triton.jit\n", "@jit\n")
+    assert screen(source, ENTRY) == []
+    source = _with_body("pass").replace("@triton.jit\n", "@triton.heuristics({})\n")
+    assert _rules(source) == ["kernel"]
 
 
 def test_missing_entry_is_rejected() -> None:
@@ -114,7 +420,7 @@ def test_missing_entry_is_rejected() -> None:
 
 def test_entry_nested_in_a_class_is_not_an_entry() -> None:
     source = _with_body("pass").replace("def embedding_bag(", "class Op:\n  def embedding_bag(")
-    assert [v.rule for v in screen(source, ENTRY)] == ["entry"]
+    assert sorted(v.rule for v in screen(source, ENTRY)) == ["entry", "statements"]
 
 
 def test_syntax_error_is_rejected_with_its_line() -> None:
@@ -125,37 +431,41 @@ def test_syntax_error_is_rejected_with_its_line() -> None:
 def test_all_violations_are_reported_in_line_order() -> None:
     source = _with_header("import os") + "\ntorch.cuda.synchronize()\n"
     violations = screen(source, ENTRY)
-    assert [v.rule for v in violations] == ["imports", "attributes"]
+    assert [v.rule for v in violations] == ["imports", "modules"]
     assert violations == sorted(violations, key=lambda v: v.line)
 
 
-FORBIDDEN = get_problem("embedding_bag").forbidden_ops
+# --- the problem's own rules -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("source", "rule", "detail"),
     [
-        (_with_body("w = torch.load('cached.pt', weights_only=False)"), "torch", "torch.load"),
-        (_with_body("w = torch.from_file('/dev/shm/x', size=4)"), "torch", "torch.from_file"),
-        (_with_body("p = torch.multiprocessing.Process()"), "torch", "torch.multiprocessing"),
-        (_with_body("m = torch.utils.cpp_extension.load_inline('m', '')"), "torch", "torch.utils"),
-        (_with_body("torch.ops.load_library('evil.so')"), "torch", "torch.ops"),
-        (_with_body("m = torch.hub.load('x', 'y')"), "torch", "torch.hub"),
-        (_with_body("torch.backends.cuda.matmul.allow_tf32 = True"), "torch", "torch.backends"),
-        (_with_body("torch.set_float32_matmul_precision('medium')"), "torch", "torch.set_float32"),
-        (_with_body("f = torch.compile(lambda x: x)"), "torch", "torch.compile"),
-        (_with_body("n = torch.cuda.device_count()"), "torch", "torch.cuda"),
-        (_with_header("import torch as T") + "\nT.cuda.synchronize()\n", "attributes", ".synchronize"),
-        (_with_header("from torch import cuda"), "torch", "torch.cuda"),
+        (_with_body("w = torch.load('cached.pt', weights_only=False)"), "modules", "torch.load"),
+        (_with_body("w = torch.from_file('/dev/shm/x', size=4)"), "modules", "torch.from_file"),
+        (_with_body("p = torch.multiprocessing.Process()"), "modules", "torch.multiprocessing"),
+        (_with_body("m = torch.utils.cpp_extension.load_inline('m', '')"), "modules", "torch.utils"),
+        (_with_body("torch.ops.load_library('evil.so')"), "modules", "torch.ops"),
+        (_with_body("m = torch.hub.load('x', 'y')"), "modules", "torch.hub"),
+        (_with_body("torch.backends.cuda.matmul.allow_tf32 = True"), "attributes", "torch.backends"),
+        (_with_body("torch.set_float32_matmul_precision('medium')"), "modules", "torch.set_float32"),
+        (_with_body("f = torch.compile(lambda x: x)"), "modules", "torch.compile"),
+        (_with_body("n = torch.cuda.device_count()"), "modules", "torch.cuda"),
+        (_with_header("import torch as T") + "\nT.cuda.synchronize()\n", "modules", "torch.cuda.synchronize"),
+        (_with_header("from torch import cuda"), "imports", "'cuda'"),
         (
             _with_body("return torch.nn.functional.embedding_bag(indices, weight, offsets)"),
             "fallback",
             ".embedding_bag",
         ),
         (_with_body("out = torch.zeros(3, 4).index_add_(0, indices, weight)"), "fallback", ".index_add_"),
-        (_with_header("from torch.nn.functional import embedding_bag"), "imports", "torch.nn.functional"),
+        (_with_body("out = weight.index_select(0, indices)"), "fallback", ".index_select"),
+        (_with_header("from torch.nn.functional import embedding_bag"), "imports", "'torch.nn.functional'"),
         (_with_body("return weight[indices] @ torch.ones(weight.shape[1], 1)"), "fallback", "@ operator"),
         (_with_body("w = weight.clone()\n    w @= weight.T"), "fallback", "@ operator"),
+        (_with_body("x = weight.repeat(2, 1)"), "attributes", ".repeat"),
+        (_with_body("x = weight.softmax(0)"), "attributes", ".softmax"),
+        (_with_body("x = weight.cumsum(0)"), "attributes", ".cumsum"),
     ],
     ids=[
         "load",
@@ -172,9 +482,13 @@ FORBIDDEN = get_problem("embedding_bag").forbidden_ops
         "from-torch-import-cuda",
         "functional-fallback",
         "index-add-fallback",
+        "index-select-fallback",
         "import-fallback",
         "matmul-operator",
         "matmul-augmented",
+        "compute-method",
+        "compute-method-softmax",
+        "compute-method-cumsum",
     ],
 )
 def test_torch_escapes_and_fallbacks_are_rejected(source: str, rule: str, detail: str) -> None:
@@ -182,20 +496,89 @@ def test_torch_escapes_and_fallbacks_are_rejected(source: str, rule: str, detail
     assert any(v.rule == rule and detail in v.detail for v in violations), violations
 
 
-def test_library_default_kernel_passes_with_the_problem_rules() -> None:
-    import inspect
-
-    import kernels.embedding_bag as default
-
-    source = inspect.getsource(default)
-    assert screen(source, "embedding_bag_forward", FORBIDDEN) == []
-    assert screen(TEMPLATE.render({}), ENTRY, FORBIDDEN) == []
-
-
 def test_triton_language_functions_named_like_a_fallback_pass() -> None:
     """`tl.gather` is a kernel-side gather, not torch's `gather` fallback."""
-    source = _with_header("import triton.language as tl") + "\nx = tl.gather\n"
-    assert not [v for v in screen(source, ENTRY, FORBIDDEN) if v.rule == "fallback"]
-    assert [v.rule for v in screen(_with_body("x = weight.gather(0, indices)"), ENTRY, FORBIDDEN)] == [
-        "fallback"
-    ]
+    source = _in_kernel("y = tl.gather(offs, offs, axis=0)")
+    assert screen(source, ENTRY, FORBIDDEN) == []
+    assert _rules(_with_body("x = weight.gather(0, indices)")) == ["fallback"]
+
+
+def test_allowed_extras_let_a_declared_name_through() -> None:
+    dotted = _with_body("x = torch.where(weight > 0, weight, 0)")
+    assert _rules(dotted) == ["modules"]
+    assert screen(dotted, ENTRY, FORBIDDEN, allowed_extras=frozenset({"torch.where"})) == []
+    method = _with_body("x = weight.cumprod(0)")
+    assert _rules(method) == ["attributes"]
+    assert screen(method, ENTRY, FORBIDDEN, allowed_extras=frozenset({"cumprod"})) == []
+    # Imports of the declared name too; but the problem's forbidden ops stay forbidden.
+    where = frozenset({"torch.where"})
+    assert screen(_with_header("from torch import where"), ENTRY, allowed_extras=where) == []
+    gather = _with_body("x = torch.gather(weight, 0, indices)")
+    assert _rules(gather, allowed_extras=frozenset({"torch.gather"})) == ["fallback"]
+
+
+@pytest.mark.parametrize(
+    ("line", "when_allowed"),
+    [
+        (INLINE_ASM, []),
+        # Not a literal, so not the vetted instruction whatever it holds.
+        (
+            "text = 'tanh.approx.f32 $0, $1;'\n    "
+            "x = tl.inline_asm_elementwise(text, '=f,f', [offs], dtype=tl.float32, is_pure=True, pack=1)",
+            [],
+        ),
+        ("f = tl.inline_asm_elementwise", ["aliases"]),
+    ],
+)
+def test_inline_asm_is_rejected_unless_allowed(line: str, when_allowed: list[str]) -> None:
+    source = _in_kernel(line)
+    assert _rules(source) == ["asm"]
+    assert _rules(source, allow_inline_asm=True) == when_allowed
+
+
+def test_inline_asm_imported_by_name_is_inline_asm() -> None:
+    source = "from triton.language import inline_asm_elementwise as asm\n" + _in_kernel(
+        "x = asm('mov.u32 $0, 0;', '=r', [], dtype=tl.int32, is_pure=True, pack=1)"
+    )
+    assert _rules(source) == ["asm"]
+    assert _rules(source, allow_inline_asm=True) == []
+
+
+def test_the_vetted_tanh_instruction_is_allowed_as_a_literal() -> None:
+    """kernels/attention.py's fast silu: one MUFU tanh, pure arithmetic."""
+    line = (
+        "x = tl.inline_asm_elementwise('tanh.approx.f32 $0, $1;', '=f,f', [offs], dtype=tl.float32, pack=1)"
+    )
+    assert screen(_in_kernel(line), ENTRY) == []
+
+
+def test_screen_candidate_applies_the_problems_declarations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A problem may declare `screen_extras` and `allow_inline_asm` (read with getattr, so that
+    problems without them keep the plain rules)."""
+    import search_space
+
+    source = _in_kernel(INLINE_ASM).replace("torch.empty(0)", "torch.where(weight > 0, weight, 0)")
+    candidate = Candidate(problem="embedding_bag", source=source, entry=ENTRY)
+    rejected = screen_candidate(candidate)
+    assert rejected is not None and rejected.status == Status.STATIC_REJECTED
+    assert "rule 'asm'" in rejected.message and "rule 'modules'" in rejected.message
+    declared = SimpleNamespace(forbidden_ops=FORBIDDEN, screen_extras=("torch.where",), allow_inline_asm=True)
+    monkeypatch.setattr(search_space, "get_problem", lambda name: declared)
+    assert screen_candidate(candidate) is None
+
+
+@pytest.mark.parametrize(
+    "example",
+    sorted(screen_module.FORBIDDEN_CALLS)
+    + list(screen_module.FORBIDDEN_TORCH)
+    + sorted(screen_module.FORBIDDEN_ATTRIBUTES),
+)
+def test_the_prompts_examples_of_forbidden_names_are_rejected(example: str) -> None:
+    """agent/llm/prompting.py still shows the model these lists: each must be rejected."""
+    if example.startswith("torch."):
+        body = f"x = {example}x" if example.endswith("_") else f"x = {example}"
+    elif example in screen_module.FORBIDDEN_CALLS:
+        body = f"x = {example}()"
+    else:
+        body = f"x = weight.{example}"
+    assert screen(_with_body(body), ENTRY, FORBIDDEN), body
