@@ -180,13 +180,14 @@ class Runner:
             if timed:
                 # Arguments and events are ready: the judge's clock runs from its "go" to this
                 # batch's answer, around the calls and the final synchronize alone.
+                starts, ends = self._prepare_timing(len(calls))
                 wire.send(self.sock, {"ok": True, "ready": True})
                 go, extra = wire.receive(self.sock)
                 for fd in extra:
                     os.close(fd)
                 if go.get("op") != "go":
                     raise RunnerError(f"expected go, got {go.get('op')!r}")
-                return {"ok": True, "times": self._timed(calls)}
+                return {"ok": True, "times": self._timed(calls, starts, ends)}
             else:
                 times = [None] * len(calls)
                 for cid, (args, kwargs) in calls:
@@ -311,7 +312,20 @@ class Runner:
         if self.device == "cuda":
             _cuda_synchronize()
 
-    def _timed(self, calls: list[tuple[int, tuple[list, dict]]]) -> list[float]:
+    def _prepare_timing(self, n: int) -> tuple[list, list]:
+        """The flush buffer (allocated and touched once) and the batch's events, made before the
+        judge's clock starts: a first cudaMalloc of 128 MB inside it would be counted as calls."""
+        if self.device != "cuda":
+            return [], []
+        if self._flush is None:
+            self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+            self._flush.zero_()
+            _cuda_synchronize()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        return starts, ends
+
+    def _timed(self, calls: list[tuple[int, tuple[list, dict]]], starts: list, ends: list) -> list[float]:
         if self.device != "cuda":
             times = []
             for cid, (args, kwargs) in calls:
@@ -319,10 +333,6 @@ class Runner:
                 self.outputs[cid] = self._call(args, kwargs)
                 times.append((_perf_counter() - t0) * 1e6)
             return times
-        if self._flush is None:
-            self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-        starts = [torch.cuda.Event(enable_timing=True) for _ in calls]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in calls]
         for i, (cid, (args, kwargs)) in enumerate(calls):
             self._flush.zero_()
             starts[i].record()
