@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     library = DISPATCHER.library
     backend = LocalBackend(timeout_s=args.timeout)
     arch = campaign_arch()
-    jobs = [(name, c) for name in args.problems.split(",") for c in incumbents(name, library, arch)[:1]]
+    jobs = []
+    for name in args.problems.split(","):
+        try:
+            jobs += [(name, c) for c in incumbents(name, library, arch)[:1]]
+        except AttributeError:  # a problem with neither a dispatched default nor a template
+            print(f"{name}: no incumbent to evaluate")
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         results = list(pool.map(lambda job: backend.evaluate(job[1]), jobs))

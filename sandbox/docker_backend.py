@@ -127,11 +127,17 @@ class ContainerRunner:
         os.chmod(runner_dir, 0o777)  # the container's nobody writes its cache there
         path = runner_dir / SOCKET_NAME
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.listener.bind(str(path))
+        # Bound through the directory's descriptor: a socket's path may hold at most 107 bytes,
+        # and a scratch directory's can be longer.
+        directory = os.open(runner_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self.listener.bind(f"/proc/self/fd/{directory}/{SOCKET_NAME}")
+        finally:
+            os.close(directory)
         os.chmod(path, 0o777)
         self.listener.listen(1)
         self.client = docker_client()
-        argv = [sys.executable, "-m", "sandbox.runner", "--connect", f"{SCRATCH_DIR}/{SOCKET_NAME}", *limits]
+        argv = [sys.executable, "-P", "-m", "sandbox.runner", "--connect", f"{SCRATCH_DIR}/{SOCKET_NAME}", *limits]
         self.container = self.client.containers.create(**container_settings(argv, runner_dir, settings))
         self.mem_limit = settings["mem_limit"]
         self._docker_errors = docker.errors

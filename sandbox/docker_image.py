@@ -5,7 +5,7 @@ into the container at run time, namely static busybox (a shell for debugging), t
 libraries that the interpreter, its extension modules and the venv's extension modules link
 against, the dynamic loader, and a minimal /etc. The Python prefix, the venv and the repository
 are bind-mounted read-only at their host paths (`mounted_roots`), so the venv's `pyvenv.cfg`,
-its editable install and `-m sandbox.worker` all resolve inside the container as they do here.
+its editable install and `-m sandbox.runner` all resolve inside the container as they do here.
 
 The tag is a hash of what the image is made from (the Python version and paths, the extension
 modules scanned, the host's library cache, the user), so it changes when any of them does and

@@ -9,8 +9,8 @@ Rules (each enforced where it is written below):
   no capability, so it cannot setns() back into the host's namespaces. Under any other user,
   bubblewrap makes the user namespace itself, unprivileged, and refuses nested ones.
 - namespaces: its own user, PID, mount, network, IPC and UTS namespaces (cgroup where allowed).
-- network: the new network namespace has only a loopback interface that is down: no route
-  anywhere, the host's loopback included.
+- network: the new network namespace has only its own loopback interface (bubblewrap brings it
+  up): no route anywhere else, the host's loopback included.
 - filesystem: an empty root with, read-only, the system directories, the Python installation and
   the import paths the runner needs (of this repository, only the `sandbox` package, so neither
   campaign state nor the judge's files are there), a private /tmp and /dev/shm, GPU device nodes
@@ -56,8 +56,13 @@ def _import_roots() -> list[Path]:
     """Directories the runner's Python reads: its installation, and every import path but this
     repository's root (whose `sandbox` package is bound on its own)."""
     roots = {Path(sys.base_prefix), Path(sys.prefix)}
+    cwd = Path.cwd().resolve()
     for entry in sys.path:
-        path = Path(entry or ".").resolve()
+        if not entry:
+            continue  # the working directory: the judge's own (rule filesystem)
+        path = Path(entry).resolve()
+        if path == cwd:
+            continue
         if path.is_dir() and path != REPO_ROOT and not path.is_relative_to(REPO_ROOT / "sandbox"):
             roots.add(path)
     for entry in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
@@ -105,6 +110,8 @@ def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool) -> list[str]:
             cmd += ["--ro-bind", d, d]
     for f in ETC_FILES:
         cmd += ["--ro-bind-try", f, f]
+    # Before the binds: an import root may lie under /tmp (wheels installed there on a GPU host).
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
     binds = [*_import_roots(), REPO_ROOT / "sandbox"]
     # Parents that bubblewrap would create for a mount point come out mode 0700: the runner's
     # user could not walk through them (a Python under /root, say).
@@ -114,7 +121,6 @@ def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool) -> list[str]:
             cmd += ["--perms", "0755", "--dir", parent]
     for root in binds:
         cmd += ["--ro-bind", str(root), str(root)]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
     if gpu:
         for node in _gpu_devices():
             cmd += ["--dev-bind", node, node]
@@ -130,7 +136,7 @@ def runner_env(*, gpu: bool) -> dict[str, str]:
     env = {
         k: os.environ[k]
         for k in ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "CUDA_HOME",
-                  "TRITON_PTXAS_PATH")
+                  "TRITON_PTXAS_PATH", "TRITON_LIBCUDA_PATH")
         if k in os.environ
     }  # fmt: skip
     paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -145,7 +151,26 @@ def runner_env(*, gpu: bool) -> dict[str, str]:
     )
     if not gpu:
         env["TRITON_INTERPRET"] = "1"
+    elif "TRITON_LIBCUDA_PATH" not in env and (libcuda := _libcuda_dir()) is not None:
+        # Triton finds the driver with `ldconfig -p`, which fails inside the sandbox; told where
+        # it is, it asks nothing.
+        env["TRITON_LIBCUDA_PATH"] = libcuda
     return env
+
+
+@functools.cache
+def _libcuda_dir() -> str | None:
+    """The directory of the CUDA driver library, as this host's loader cache lists it."""
+    if os.environ.get("TRITON_LIBCUDA_PATH"):
+        return os.environ["TRITON_LIBCUDA_PATH"]
+    try:
+        listing = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in listing.splitlines():
+        if "libcuda.so.1" in line and "=>" in line:
+            return str(Path(line.split("=>")[1].strip()).parent)
+    return None
 
 
 def prepare_scratch(scratch: Path) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import math
 import os
 import platform
 import random
@@ -124,7 +125,7 @@ class RunnerProcess:
             self.sock = self.container.sock
             return
         self.sock, runner_end = wire.socket_pair()
-        argv = [sys.executable, "-m", "sandbox.runner", str(runner_end.fileno()), *limits]
+        argv = [sys.executable, "-P", "-m", "sandbox.runner", str(runner_end.fileno()), *limits]
         self.proc = isolation.start_runner(
             argv,
             Path(request.runner_dir),
@@ -232,20 +233,22 @@ class Call:
     kwargs: dict = field(default_factory=dict)
     views: list[torch.Tensor] = field(default_factory=list)  # the judge's views of the inputs
     id: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)  # what goes into `views`, unwritten
 
 
 def _layout(inputs: Inputs) -> int:
     return sum(shared.aligned(t.numel() * t.element_size()) for t in inputs.tensors())
 
 
-def _encode(value, region: shared.Region, rid: int, cursor: list[int], views: list[torch.Tensor]):
-    """The runner's description of one argument, writing a tensor into `region` at `cursor`."""
+def _encode(value, region: shared.Region, rid: int, cursor: list[int], call: Call):
+    """The runner's description of one argument, a tensor placed in `region` at `cursor` (and
+    written there by Session.write)."""
     if isinstance(value, torch.Tensor):
         t = value.contiguous()
         offset = cursor[0]
         view = region.view(offset, t.dtype, t.shape, shared.contiguous_strides(t.shape))
-        view.copy_(t)
-        views.append(view)
+        call.views.append(view)
+        call.pending.append(t)
         cursor[0] += shared.aligned(t.numel() * t.element_size())
         return {"t": {"region": rid, "offset": offset, "dtype": shared.dtype_name(t.dtype),
                       "shape": list(t.shape), "strides": list(view.stride())}}  # fmt: skip
@@ -275,9 +278,9 @@ class Session:
         self.input_region = (region, self.runner.share(region, fd, self.kind))
         return self.input_region
 
-    def place(self, shape: Shape, seeds: list[int]) -> list[Call]:
-        """Inputs of one call per seed, generated here and written into the shared input region
-        (each call's tensors at their own offsets)."""
+    def place(self, shape: Shape, seeds: list[int], *, write: bool = True) -> list[Call]:
+        """Inputs of one call per seed, generated here and placed in the shared input region (each
+        call's tensors at their own offsets); written there now, or by `write` later."""
         sets = [self.problem.make_inputs(shape, seed, self.device) for seed in seeds]
         region, rid = self._input_region(sum(_layout(s) for s in sets))
         cursor = [0]
@@ -285,12 +288,20 @@ class Session:
         for seed, inputs in zip(seeds, sets, strict=True):
             call = Call(shape=shape, seed=seed, id=self.next_call)
             self.next_call += 1
-            call.args = [_encode(a, region, rid, cursor, call.views) for a in inputs.args]
-            call.kwargs = {k: _encode(v, region, rid, cursor, call.views) for k, v in inputs.kwargs.items()}
+            call.args = [_encode(a, region, rid, cursor, call) for a in inputs.args]
+            call.kwargs = {k: _encode(v, region, rid, cursor, call) for k, v in inputs.kwargs.items()}
             calls.append(call)
+        if write:
+            self.write(calls)
+        return calls
+
+    def write(self, calls: list[Call]) -> None:
+        for call in calls:
+            for view, t in zip(call.views, call.pending, strict=True):
+                view.copy_(t)
+            call.pending = []
         if self.kind == "cuda":
             torch.cuda.synchronize()  # the inputs are in memory before the runner reads them
-        return calls
 
     def run(self, calls: list[Call], *, noop: bool = False, poison: int = 0, where: str) -> list[dict]:
         """Untimed calls (checks, no-op proofs): what each returned, as the runner describes it."""
@@ -305,6 +316,9 @@ class Session:
         if ready.get("ready") is not True:
             raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner did not get ready to time")
         with gpu_use(lock, exclusive=True):
+            # The inputs reach the shared region only now, just before "go": a runner that got
+            # ready early has nothing to compute ahead of the clock.
+            self.write(calls)
             t0 = time.perf_counter()
             reply = self.runner.ask({"op": "go"}, where=where)
             wall_us = (time.perf_counter() - t0) * 1e6
@@ -601,14 +615,14 @@ class Evaluation:
         while len(samples) < target:
             n = min(per_batch, target - len(samples))
             with gpu_use(lock, exclusive=False):
-                calls = self.session.place(shape, [fresh_seed() for _ in range(n)])
+                calls = self.session.place(shape, [fresh_seed() for _ in range(n)], write=False)
             wall_us, times, described = self.session.run_timed(
                 calls, lock=lock, where=f"timing {shape.describe()}"
             )
             for d in described:  # the runner's own findings (aliasing, a subclass) fail any call
                 if isinstance(d.get("problem"), str):
                     raise Verdict(Status.WRONG, f"timing {shape.describe()}: {d['problem'][:500]}")
-            if not all(isinstance(t, int | float) and t >= 0 for t in times):
+            if not all(isinstance(t, int | float) and math.isfinite(t) and t >= 0 for t in times):
                 raise Verdict(
                     Status.RUNTIME_ERROR, f"timing {shape.describe()}: the runner reported no times"
                 )
@@ -616,7 +630,14 @@ class Evaluation:
                 outside_us += wall_us - calibration.rtt_us
                 accounted_us += sum(times) + n * calibration.flush_us
                 times = calibration.audit(shape, wall_us, times)
-            samples.extend(times)
+                per_call = (wall_us - calibration.rtt_us) / n - calibration.flush_us
+            else:
+                per_call = wall_us / n  # the interpreter: the judge's clock alone
+            # Rule timing from outside: each call counts at its batch's mean by the judge's
+            # clock, never at the runner's own per-call split (which a candidate that defers one
+            # call's work into the next could skew while the batch's sum stays honest); the
+            # events only raise it where they account for more.
+            samples.extend([max(per_call, sum(times) / n)] * n)
             # Rule checks on the timed calls: drawn after the batch ran, at least one per batch.
             chosen = [i for i in range(n) if self.rng.random() < 0.25] or [self.rng.randrange(n)]
             with gpu_use(lock, exclusive=False):

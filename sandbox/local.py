@@ -59,7 +59,7 @@ COMPILED = (Status.OK, Status.WRONG, Status.SUSPICIOUS)
 
 
 class WorkerBackend:
-    """What every backend that runs `sandbox.worker` on one host shares: screen first, then a
+    """What every backend that runs `sandbox.judge` on one host shares: screen first, then a
     fresh scratch directory per evaluation (seeded with the compiled artifacts of an earlier
     evaluation of the same source, where an artifact cache is set), removed afterwards.
     Subclasses run the worker, with its Triton cache at `scratch / "triton"`."""
@@ -199,7 +199,9 @@ class LocalBackend(WorkerBackend):
         judge_dir.mkdir(mode=0o700)
         (judge_dir / "request.json").write_text(request.model_dump_json())
         result_path = judge_dir / "result.json"
-        cmd = [sys.executable, "-m", "sandbox.judge", str(judge_dir / "request.json"), str(result_path)]
+        # -P: the judge's directory is not an import path (the runner's sandbox binds every
+        # import path of the judge, and must never see this directory).
+        cmd = [sys.executable, "-P", "-m", "sandbox.judge", str(judge_dir / "request.json"), str(result_path)]
         t0 = time.perf_counter()
         with open(judge_dir / "judge.log", "wb") as log:
             proc = subprocess.Popen(

@@ -19,7 +19,7 @@ Assumptions about the cluster:
   brings down a host would otherwise bring down the next one. It comes back as a runtime error.
 
 Ray is imported inside functions: importing `sandbox` stays light, and the evaluation worker
-(`sandbox.worker`, started by the local backend on the task's host) never imports it.
+(`sandbox.judge` and its runner, started by the local backend on the task's host) never import it.
 """
 
 from __future__ import annotations

@@ -311,7 +311,10 @@ class _Screen:
                 self.annotations.update(ast.walk(node.annotation))
         for node in self.tree.body:
             if isinstance(node, ast.FunctionDef) and self.is_kernel(node):
-                self.kernel_nodes.update(ast.walk(node))
+                # The body alone: decorators (heuristics, configs' pre-hooks) and defaults run on
+                # the host at every launch, so the language's attribute names are not theirs.
+                for statement in node.body:
+                    self.kernel_nodes.update(ast.walk(statement))
         for name, node in self.bindings():
             # Rule dunders: no `__x__` name is bound (a module-level __getattr__ runs on every
             # attribute lookup of the module, __builtins__ replaces the builtins).
@@ -423,6 +426,69 @@ class _Screen:
         if "matmul" in self.forbidden:
             self.flag("fallback", node, "use of the @ operator, a torch matmul")
 
+    # Rule names, by scope: a name read must be bound in its own scope or an enclosing one (a
+    # parameter of one function defines nothing elsewhere: the interpreter's Triton writes names
+    # such as `np` into the module's globals at run time, which a name bound only as some
+    # parameter would then reach).
+    _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+               ast.GeneratorExp)  # fmt: skip
+
+    def scope_of(self, node: ast.AST) -> ast.AST:
+        """The scope a node is evaluated in: decorators, defaults and annotations of a function
+        belong to the scope around it."""
+        child, parent = node, self.parents.get(node)
+        while parent is not None and not isinstance(parent, ast.Module):
+            if isinstance(parent, self._SCOPES):
+                outside = []
+                if isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
+                    outside = [*parent.decorator_list, parent.returns]
+                if isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                    outside += [*parent.args.defaults, *parent.args.kw_defaults]
+                if isinstance(parent, ast.ListComp | ast.SetComp | ast.DictComp | ast.GeneratorExp):
+                    outside.append(parent.generators[0].iter)  # the first iterable is outside
+                if not any(child is o for o in outside if o is not None):
+                    return parent
+            child, parent = parent, self.parents.get(parent)
+        return self.tree
+
+    def scope_bindings(self, scope: ast.AST) -> set[str]:
+        cache = self.__dict__.setdefault("_scope_cache", {})
+        if id(scope) not in cache:
+            names: set[str] = set()
+            for n in ast.walk(scope):
+                if n is scope:
+                    continue
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store | ast.Del):
+                    where = self.scope_of(n)
+                elif isinstance(n, ast.arg):
+                    where = self.parents.get(self.parents.get(n))  # arg -> arguments -> function
+                elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    where = self.scope_of(n)
+                elif isinstance(n, ast.Import | ast.ImportFrom):
+                    where = self.scope_of(n)
+                    names.update((a.asname or a.name.split(".")[0]) for a in n.names if where is scope)
+                    continue
+                elif isinstance(n, ast.ExceptHandler) and n.name:
+                    where = self.scope_of(n)
+                    if where is scope:
+                        names.add(n.name)
+                    continue
+                else:
+                    continue
+                if where is scope:
+                    names.add(n.arg if isinstance(n, ast.arg) else n.id if isinstance(n, ast.Name) else n.name)
+            cache[id(scope)] = names
+        return cache[id(scope)]
+
+    def bound_in_scope(self, node: ast.AST, name: str) -> bool:
+        scope = self.scope_of(node)
+        while True:
+            if name in self.scope_bindings(scope):
+                return True
+            if scope is self.tree:
+                return False
+            scope = self.scope_of(scope)
+
     def check_name(self, node: ast.Name) -> None:
         name = node.id
         if name in self.aliases or not isinstance(node.ctx, ast.Load):
@@ -430,7 +496,7 @@ class _Screen:
         # Rule dunders: no `__x__` name (__builtins__, __loader__, __spec__, __file__ ...).
         if _is_dunder(name):
             self.flag("dunders", node, f"use of {name}")
-        elif name in self.bound or (name in ANNOTATION_BUILTINS and node in self.annotations):
+        elif self.bound_in_scope(node, name) or (name in ANNOTATION_BUILTINS and node in self.annotations):
             return
         # Rule builtins: only the allowed builtins.
         elif hasattr(builtins, name) and name not in ALLOWED_BUILTINS:

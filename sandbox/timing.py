@@ -1,6 +1,6 @@
 """The one timing module: device events, warm-up, L2 flush, rotated inputs, median and spread.
 
-Used by the sandbox worker and the benchmarks alike, so a kernel is timed the same way wherever
+Used by the sandbox judge (for baselines) and the benchmarks alike, so a kernel is timed the same way wherever
 its number is reported."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Problems (op signature, reference, inputs, tolerances, roofline counts) and variant spaces.
 
-Everything here imports only torch: the sandbox worker loads problems on GPU hosts that hold
+Everything here imports only torch: the sandbox judge loads problems on GPU hosts that hold
 nothing but torch and triton.
 """
 

@@ -21,10 +21,27 @@ import torch
 from sandbox.candidate import Candidate
 from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
 from sandbox.screen import screen_candidate
-from sandbox.worker import _is_compile_error, load_candidate
+from sandbox.runner import _is_compile_error
 from search_space import get_problem
 
 QUICK_SHAPES = ("single-bag", "mixed-empty")
+
+
+def load_candidate(path: Path, entry: str):
+    """The candidate module's entry, imported in this process (as `candidate`, where Triton's
+    source inspection looks it up)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("candidate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["candidate"] = module
+    spec.loader.exec_module(module)
+    fn = getattr(module, entry, None)
+    if not callable(fn):
+        raise AttributeError(f"the module defines no callable {entry!r}")
+    return fn
 DEVICE = DeviceInfo(name="cpu", arch="interpreter", torch="t", triton="t", python="p", interpreted=True)
 
 

@@ -8,18 +8,22 @@ wrong with them is the exploit (`control_correct.py` proves the base passes).
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import socket
-import subprocess
 import sys
-import threading
+import tempfile
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from sandbox import Candidate, EvalResult, LocalBackend, Status
-from sandbox.local import network_namespace_prefix
+from sandbox import Candidate, EvalResult, LocalBackend, Status, isolation
+from sandbox.isolation import REPO_ROOT
+from sandbox.judge import evaluate
+from sandbox.protocol import EvalRequest
 
 HERE = Path(__file__).parent / "adversarial"
 CASES = sorted(p for p in HERE.glob("*.py") if p.name != "base.py")
@@ -92,27 +96,133 @@ def test_adversarial_candidate_gets_its_status(path: Path, outcomes) -> None:
     assert not scratch.exists() or not any(scratch.iterdir())
 
 
-def test_worker_network_namespace_has_no_route_to_the_host(tmp_path: Path) -> None:
-    """Even code that got past the screen could not connect: a listener on the host's loopback
-    is unreachable from the worker's namespace."""
-    prefix = network_namespace_prefix()
-    if not prefix:
-        pytest.skip("this OS does not allow a network namespace (unshare --net refused)")
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    accepted: list[object] = []
-    thread = threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True)
-    thread.start()
-    probe = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3)"
-    done = subprocess.run(
-        [*prefix, sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={"PATH": os.environ["PATH"]},
-    )
-    server.close()
-    # An empty namespace has no route at all ("Network is unreachable"); a refused connection
-    # would already mean a reachable host.
-    assert done.returncode != 0 and "Network is unreachable" in done.stderr, done.stderr
-    assert not accepted
+# Runs as the entry of a candidate in the real runner sandbox (evaluated by the judge directly,
+# which screens nothing): tries each way out, leaves a process behind in a session of its own,
+# and raises with what happened, as JSON, for the judge to report.
+PROBE = """
+import errno, json, os, socket, sys, time
+
+def _try(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc))
+
+def _write(path):
+    with open(path, "w") as f:
+        f.write("escaped")
+
+def _connect(host):
+    socket.create_connection((host, PORT), timeout=3).close()
+
+def embedding_bag(weight, indices, offsets, **kwargs):
+    report = {
+        "connect": {host: _try(lambda host=host: _connect(host)) for host in ("127.0.0.1", "192.0.2.1")},
+        "interfaces": [name for _, name in socket.if_nameindex()],
+        "sees": {label: os.path.exists(path) for label, path in SEE.items()},
+        "writes": {label: _try(lambda path=path: _write(path)) for label, path in WRITE.items()},
+    }
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", MARKER])
+    with open("/scratch/child.pid", "w") as f:
+        f.write(str(pid))
+    time.sleep(3)
+    raise RuntimeError("PROBE " + json.dumps(report))
+"""
+
+
+def _host_processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass  # it ended meanwhile
+    return found
+
+
+@pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+def test_the_runner_cannot_reach_the_host_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """What the screen would refuse, tried anyway inside the runner's sandbox: no connection to
+    a listener on the host's loopback, no sight of the host's /tmp (the GPU lock file) or of the
+    judge's directory, no write outside the scratch directory, and no process that outlives the
+    evaluation, even one in a session of its own."""
+    token = secrets.token_hex(4)
+    marker = f"recforge-probe-{token}"
+    judge_dir = tmp_path / "judge"
+    judge_dir.mkdir()
+    (judge_dir / "request.json").write_text("{}")
+    runner_dir = tmp_path / "runner"
+    runner_dir.mkdir()
+    host_tmp = Path(tempfile.gettempdir())
+    lock = host_tmp / f"{marker}.lock"
+    lock.write_text("")
+    see = {
+        "lock": str(lock),
+        "judge": str(judge_dir / "request.json"),
+        "git": str(REPO_ROOT / ".git"),
+        "agent": str(REPO_ROOT / "agent"),
+        "own source": f"{isolation.SCRATCH}/candidate.py",
+    }
+    write = {
+        "repository": str(REPO_ROOT / marker),
+        "sandbox package": str(REPO_ROOT / "sandbox" / marker),
+        "python": str(Path(sys.prefix) / marker),
+        "judge": str(judge_dir / marker),
+        "host tmp": str(host_tmp / f"{marker}.escaped"),
+        "scratch": f"{isolation.SCRATCH}/{marker}",
+    }
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        source = f"PORT = {port}\nSEE = {see!r}\nWRITE = {write!r}\nMARKER = {marker!r}\n" + PROBE
+        (runner_dir / "candidate.py").write_text(source)
+        request = EvalRequest(
+            problem="embedding_bag",
+            candidate_id="probe",
+            source_file=f"{isolation.SCRATCH}/candidate.py",
+            entry="embedding_bag",
+            runner_dir=str(runner_dir),
+            timing=False,
+            timeout_s=60,
+            timing_lock=str(lock),
+        )
+        try:
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                run = pool.submit(evaluate, request)
+                seen_during: list[int] = []
+                while not run.done() and not seen_during:
+                    seen_during = _host_processes_with(marker)
+                    time.sleep(0.05)
+                result = run.result()
+            left = _host_processes_with(marker)
+            listener.settimeout(0)
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # nothing ever connected
+        finally:
+            for path in (lock, host_tmp / f"{marker}.escaped"):
+                path.unlink(missing_ok=True)
+    assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
+    report = json.loads(result.message.split("PROBE ", 1)[1])
+    # A network namespace of its own: only a loopback (bubblewrap brings it up), on which nothing
+    # listens, and no route anywhere else; the host's listener never saw a connection (above).
+    assert report["connect"] == {"127.0.0.1": "ECONNREFUSED", "192.0.2.1": "ENETUNREACH"}
+    assert report["interfaces"] == ["lo"]
+    assert report["sees"] == {"lock": False, "judge": False, "git": False, "agent": False, "own source": True}
+    writes = report["writes"]
+    assert writes.pop("scratch") == "ok" and (runner_dir / marker).read_text() == "escaped"
+    # The runner's /tmp is its own (and its root's, so closed to it): nothing reaches the host's.
+    assert writes.pop("host tmp") in ("ok", "EACCES")
+    assert writes.pop("sandbox package") == "EROFS"
+    assert all(outcome != "ok" for outcome in writes.values()), writes
+    for label, path in write.items():
+        if label != "scratch":
+            assert not os.path.exists(path), f"{label}: {path} was written on the host"
+    # The process it left behind existed while the runner ran, and is gone with it.
+    assert (runner_dir / "child.pid").read_text().isdigit()
+    assert seen_during, "the probe's child never showed up among the host's processes"
+    assert left == [], f"processes outlived the evaluation: {left}"

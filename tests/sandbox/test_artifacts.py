@@ -24,7 +24,7 @@ def _tree(root: Path, files: dict[str, bytes]) -> Path:
 
 def test_save_then_restore_round_trip(tmp_path: Path) -> None:
     cache = ArtifactCache(tmp_path / "artifacts")
-    source = _tree(tmp_path / "worker", {"ab/kernel.cubin": b"\x7fELF", "ab/kernel.json": b"{}"})
+    source = _tree(tmp_path / "runner", {"ab/kernel.cubin": b"\x7fELF", "ab/kernel.json": b"{}"})
     assert cache.save("abc123", source)
     assert not cache.save("abc123", source), "a kept key is never overwritten"
     assert cache.restore("abc123", tmp_path / "next")
@@ -36,7 +36,7 @@ def test_save_then_restore_round_trip(tmp_path: Path) -> None:
 @pytest.mark.parametrize("what", ["file link", "dir link", "empty", "too large"])
 def test_untrusted_trees_are_not_kept(tmp_path: Path, what: str) -> None:
     cache = ArtifactCache(tmp_path / "artifacts", max_bytes=1000)
-    source = tmp_path / "worker"
+    source = tmp_path / "runner"
     source.mkdir()
     if what == "file link":
         _tree(source, {"ok.bin": b"1"})
@@ -59,8 +59,8 @@ def test_keys_must_be_content_hashes(tmp_path: Path) -> None:
 
 
 class _RecordingBackend(WorkerBackend):
-    """Runs no worker: records whether the scratch directory came with artifacts, and compiles
-    (writes a cache file) with the status it is told to end with."""
+    """Runs no judge: records whether the runner's scratch directory came with artifacts, and
+    compiles (writes a cache file there) with the status it is told to end with."""
 
     def __init__(self, root: Path, status: Status) -> None:
         self.scratch_root = root / "scratch"
@@ -70,7 +70,8 @@ class _RecordingBackend(WorkerBackend):
         self.saw_artifacts: list[bool] = []
 
     def _run(self, candidate, scratch, request) -> EvalResult:
-        triton = scratch / "triton"
+        triton = Path(request.runner_dir) / "triton"
+        assert Path(request.runner_dir).parent == scratch  # the runner's part of the evaluation's directory
         self.saw_artifacts.append((triton / "k.bin").exists())
         _tree(triton, {"k.bin": b"compiled " + candidate.id.encode()})
         return EvalResult(status=self.status, problem=candidate.problem, candidate_id=candidate.id)
@@ -92,7 +93,7 @@ def test_backend_reuses_artifacts_of_the_same_source_only(tmp_path: Path) -> Non
     assert (tmp_path / "artifacts" / a.id / "k.bin").read_bytes() == b"compiled " + a.id.encode()
 
 
-def test_backend_keeps_nothing_from_a_crashed_worker(tmp_path: Path) -> None:
+def test_backend_keeps_nothing_from_a_crashed_runner(tmp_path: Path) -> None:
     backend = _RecordingBackend(tmp_path, Status.RUNTIME_ERROR)
     candidate = _candidate()
     backend.evaluate(candidate)

@@ -20,7 +20,7 @@ needs_bwrap = pytest.mark.skipif(
     isolation.bwrap_works() is not None, reason=f"no sandbox here: {isolation.bwrap_works()}"
 )
 
-PROBE = '''
+PROBE = """
 import os, torch
 
 def double(x, *, scale=2.0):
@@ -35,7 +35,7 @@ def whoami(x):
     cap = int(status.split("CapEff:")[1].split()[0], 16)
     return torch.tensor([uid, cap, len([p for p in os.listdir("/proc") if p.isdigit()]), int(os.path.exists("/work/main/.git"))],
                         dtype=torch.float32, device=x.device)
-'''
+"""
 
 
 class Judge:
@@ -97,7 +97,9 @@ def test_inputs_and_outputs_cross_through_shared_regions(judge: Judge) -> None:
     x = inputs.view(0, torch.bfloat16, (3, 5), (5, 1))
     x.copy_(torch.randn(3, 5, device=judge.device).to(torch.bfloat16))
     assert judge.ask({"op": "load", "source_file": "/scratch/candidate.py", "entry": "double"})["ok"]
-    reply = judge.ask({"op": "run", "calls": [{"id": 1, "args": [_arg(1, 0, x)], "kwargs": {"scale": {"v": 3.0}}}]})
+    reply = judge.ask(
+        {"op": "run", "calls": [{"id": 1, "args": [_arg(1, 0, x)], "kwargs": {"scale": {"v": 3.0}}}]}
+    )
     assert reply["ok"], reply
     (call,) = reply["calls"]
     assert call["outputs"] == [

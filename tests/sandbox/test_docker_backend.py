@@ -1,6 +1,6 @@
-"""The Docker backend end to end: LocalBackend's statuses from a container, and the container's
-rules (no network, no writes outside the per-evaluation directory, memory limit, timeout) tried
-from inside it.
+"""The Docker backend end to end: the judge on this host, its runner in a container, with
+LocalBackend's statuses, and the container's rules (no network, no writes outside the runner's
+scratch directory, memory limit, timeout) tried from inside it.
 
 Skipped without a reachable daemon; `make test` starts one first where it can (`make engine`).
 Each containerized evaluation costs 6-10 s on a small CPU machine, so each outcome gets one
@@ -12,6 +12,8 @@ import os
 import secrets
 import socket
 import sys
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,11 +22,12 @@ import pytest
 pytest.importorskip("docker")
 
 from docker.errors import NotFound  # noqa: E402
-from docker.models.containers import ContainerCollection  # noqa: E402
 
 from sandbox import Candidate, EvalResult, LocalBackend, Status  # noqa: E402
-from sandbox.docker_backend import DockerBackend  # noqa: E402
+from sandbox.docker_backend import LABEL, DockerBackend  # noqa: E402
 from sandbox.docker_image import REPO_ROOT, DockerUnavailable, docker_client  # noqa: E402
+from sandbox.judge import evaluate  # noqa: E402
+from sandbox.protocol import EvalRequest  # noqa: E402
 from search_space.embedding_bag import CHECK_SHAPES, ENTRY, TEMPLATE  # noqa: E402
 
 try:
@@ -75,17 +78,22 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[EvalRe
 
 
 @pytest.fixture
-def created(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Ids of the containers the backend creates, so a test can check they are gone."""
-    ids: list[str] = []
-    create = ContainerCollection.create
+def created() -> Callable[[], list[str]]:
+    """The ids of the sandbox's containers created since the test began (by the judge, in this
+    process or in the judge processes a backend starts), from the daemon's events, so a test can
+    check they are gone."""
+    client = docker_client()
+    since = int(time.time()) - 1
 
-    def recording_create(self, *args, **kwargs):
-        container = create(self, *args, **kwargs)
-        ids.append(container.id)
-        return container
+    def ids() -> list[str]:
+        events = client.events(
+            since=since,
+            until=int(time.time()) + 1,
+            filters={"type": "container", "event": "create", "label": LABEL},
+            decode=True,
+        )
+        return [event["id"] for event in events]
 
-    monkeypatch.setattr(ContainerCollection, "create", recording_create)
     return ids
 
 
@@ -99,12 +107,15 @@ def _assert_removed(ids: list[str]) -> None:
 def test_correct_candidate_is_ok(outcomes) -> None:
     result, _, scratch = outcomes["correct"]
     assert result.status == Status.OK, f"{result.message}\n{result.log_tail}"
-    # every check shape, then the no-op proof (trial -1)
-    assert {c.shape for c in result.checks[:-1]} == {s.name for s in CHECK_SHAPES}
-    assert result.checks[-1].trial == -1 and all(c.ok for c in result.checks)
+    # every check shape, no-op proofs (trial -1) among them and in the timing, timed calls checked
+    assert {(c.shape, c.dtype) for c in result.checks if c.trial >= 0} == {
+        (s.name, s.dtype) for s in CHECK_SHAPES
+    }
+    assert any(c.trial == -1 for c in result.checks) and any(c.trial == -2 for c in result.checks)
+    assert all(c.ok for c in result.checks), [c for c in result.checks if not c.ok]
     assert result.device is not None and result.device.interpreted  # no GPU passed through here
     assert result.timings and all(t.candidate.median_us > 0 for t in result.timings)
-    assert list(scratch.iterdir()) == []  # the per-evaluation directory is removed afterwards
+    assert list(scratch.iterdir()) == []  # the evaluation's directory is removed afterwards
 
 
 def test_wrong_candidate_names_the_shape(outcomes) -> None:
@@ -126,89 +137,125 @@ def test_statuses_match_the_local_backend(outcomes) -> None:
     assert "candidate gave up" in raising.log_tail  # the traceback comes back out of the container
 
 
-def test_forbidden_import_is_rejected_without_a_container(tmp_path: Path, created: list[str]) -> None:
+def test_forbidden_import_is_rejected_without_a_container(
+    tmp_path: Path, created: Callable[[], list[str]]
+) -> None:
     source = _edit("import torch\n", "import socket\nimport torch\n")
     result = DockerBackend(scratch_root=tmp_path).evaluate(_candidate(source))
     assert result.status == Status.STATIC_REJECTED
     assert "rule 'imports': import of 'socket'" in result.message
-    assert created == []
+    assert created() == []
 
 
-# Runs in the sandbox: tries each way out and prints what happened as JSON.
+# The entry of a candidate whose runner is in the container (evaluated by the judge directly,
+# which screens nothing): tries each way out and raises with what happened, as JSON.
 PROBE = """
-import errno, json, socket, sys
-port, paths = int(sys.argv[1]), sys.argv[2:]
-report = {"interfaces": [name for _, name in socket.if_nameindex()], "writes": {}, "connect": {}}
-for path in paths:
+import errno, json, socket
+
+def _try(fn):
     try:
-        with open(path, "w") as f:
-            f.write("escaped")
-        report["writes"][path] = "written"
+        fn()
+        return "ok"
     except OSError as exc:
-        report["writes"][path] = errno.errorcode[exc.errno]
-for host in ("127.0.0.1", "192.0.2.1"):
-    try:
-        socket.create_connection((host, port), timeout=5).close()
-        report["connect"][host] = "connected"
-    except OSError as exc:
-        report["connect"][host] = errno.errorcode.get(exc.errno, str(exc))
-print(json.dumps(report))
+        return errno.errorcode.get(exc.errno, str(exc))
+
+def _write(path):
+    with open(path, "w") as f:
+        f.write("escaped")
+
+def _connect(host):
+    socket.create_connection((host, PORT), timeout=5).close()
+
+def embedding_bag(weight, indices, offsets, **kwargs):
+    report = {
+        "interfaces": [name for _, name in socket.if_nameindex()],
+        "connect": {host: _try(lambda host=host: _connect(host)) for host in ("127.0.0.1", "192.0.2.1")},
+        "writes": {label: _try(lambda path=path: _write(path)) for label, path in WRITE.items()},
+    }
+    raise RuntimeError("PROBE " + json.dumps(report))
 """
 
 
 def test_the_container_has_no_network_and_writes_only_its_directories(
-    tmp_path: Path, created: list[str]
+    tmp_path: Path, created: Callable[[], list[str]]
 ) -> None:
-    io_dir = tmp_path / "io"
-    io_dir.mkdir()
     name = f"probe-{secrets.token_hex(4)}"
-    outside = [
-        f"{REPO_ROOT}/{name}",
-        f"{sys.prefix}/{name}",
-        f"{sys.base_prefix}/{name}",
-        f"/{name}",
-        f"/etc/{name}",
-    ]
-    inside = [f"/io/{name}", f"/scratch/{name}", f"/tmp/{name}"]
+    outside = {
+        "repository": f"{REPO_ROOT}/{name}",
+        "sandbox package": f"{REPO_ROOT}/sandbox/{name}",
+        "prefix": f"{sys.prefix}/{name}",
+        "base prefix": f"{sys.base_prefix}/{name}",
+        "root": f"/{name}",
+        "etc": f"/etc/{name}",
+    }
+    inside = {"scratch": f"/scratch/{name}", "tmp": f"/tmp/{name}"}
+    runner_dir = tmp_path / "runner"
+    runner_dir.mkdir()
+    backend = DockerBackend(timeout_s=60)
     # A service on the host's loopback: the container's 127.0.0.1 is its own, so it must not
     # reach this.
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
-        run = DockerBackend(timeout_s=60).run_in_sandbox(
-            [sys.executable, "-c", PROBE, str(port), *outside, *inside], io_dir
+        write = {**outside, **inside}
+        (runner_dir / "candidate.py").write_text(f"PORT = {port}\nWRITE = {write!r}\n" + PROBE)
+        result = evaluate(
+            EvalRequest(
+                problem="embedding_bag",
+                candidate_id="probe",
+                source_file="/scratch/candidate.py",
+                entry=ENTRY,
+                runner_dir=str(runner_dir),
+                timing=False,
+                timeout_s=60,
+                isolation="docker",
+                docker={
+                    "image": backend.image,
+                    "mem_limit": "2g",
+                    "cpus": 1.0,
+                    "gpus": False,
+                    "timeout_s": 60,
+                },
+            )
         )
-    assert run.exit_code == 0, run.log
-    report = json.loads(run.log.strip().splitlines()[-1])
+        listener.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+    assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
+    report = json.loads(result.message.split("PROBE ", 1)[1])
     assert report["interfaces"] == ["lo"]
     assert report["connect"] == {"127.0.0.1": "ECONNREFUSED", "192.0.2.1": "ENETUNREACH"}
-    assert report["writes"] == {**dict.fromkeys(outside, "EROFS"), **dict.fromkeys(inside, "written")}
-    # On the host, only the per-evaluation directory holds a file; /tmp and /scratch were tmpfs.
-    assert [p.name for p in io_dir.iterdir()] == [name]
-    for path in [*outside, f"/tmp/{name}", f"/scratch/{name}"]:
+    assert report["writes"] == {**dict.fromkeys(outside, "EROFS"), **dict.fromkeys(inside, "ok")}
+    # On the host, only the runner's scratch directory holds a file; /tmp was the container's.
+    assert (runner_dir / name).read_text() == "escaped"
+    for path in [*outside.values(), f"/tmp/{name}", f"/scratch/{name}"]:
         assert not os.path.exists(path), path
-    _assert_removed(created)
+    assert len(created()) == 1
+    _assert_removed(created())
 
 
-def test_memory_hog_is_killed_and_reported(tmp_path: Path, created: list[str]) -> None:
+def test_memory_hog_is_killed_and_reported(tmp_path: Path, created: Callable[[], list[str]]) -> None:
     # 16 GiB of ones, every page written, against a 1 GiB limit.
     source = _edit(ENTRY_BODY, "    hog = [torch.ones(1 << 26) for _ in range(64)]\n" + ENTRY_BODY)
     backend = DockerBackend(timeout_s=120, mem_limit="1g", scratch_root=tmp_path)
     result = backend.evaluate(_candidate(source), timing=False, trials=1)
     assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
-    assert "out of memory: the container hit its 1g memory limit" in result.message
-    _assert_removed(created)
+    assert "the runner died: out of memory (the container's 1g limit)" in result.message
+    assert len(created()) == 1
+    _assert_removed(created())
 
 
-def test_hanging_entry_times_out_and_its_container_is_removed(tmp_path: Path, created: list[str]) -> None:
+def test_hanging_entry_times_out_and_its_container_is_removed(
+    tmp_path: Path, created: Callable[[], list[str]]
+) -> None:
     source = _edit(ENTRY_BODY, "    while True:\n        pass\n" + ENTRY_BODY)
     result = DockerBackend(timeout_s=8, scratch_root=tmp_path).evaluate(
         _candidate(source), timing=False, trials=1
     )
     assert result.status == Status.TIMEOUT, f"{result.message}\n{result.log_tail}"
-    assert result.message == "killed after 8 s"
+    assert result.message.startswith("killed after 8 s (") and "no answer" in result.message
     assert 8 <= result.wall_s < 20
-    assert len(created) == 1
-    _assert_removed(created)
+    assert len(created()) == 1
+    _assert_removed(created())
     assert list(tmp_path.iterdir()) == []
 
 

@@ -1,4 +1,4 @@
-"""The GPU lock of the local backend's workers: checks share the GPU, timing has it alone, and a
+"""The GPU lock of the local backend's judges: checks share the GPU, timing has it alone, and a
 waiting timer is not starved by a stream of checks. Real processes, real flock(2) locks."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import multiprocessing
 import time
 from pathlib import Path
 
-from sandbox.worker import gpu_use
+from sandbox.judge import gpu_use
 
 HOLD_S = 0.6
 

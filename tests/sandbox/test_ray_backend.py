@@ -69,7 +69,7 @@ def backend(cluster: None, scratch: Path) -> RayBackend:
 
 
 def test_importing_the_backend_leaves_ray_unimported() -> None:
-    # `sandbox` must stay light: the evaluation worker runs on hosts that need no Ray.
+    # `sandbox` must stay light: the judge and its runner run on hosts that need no Ray.
     code = "import sys, sandbox, sandbox.ray_backend; assert 'ray' not in sys.modules, 'ray was imported'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -111,8 +111,9 @@ def test_a_batch_gets_the_local_statuses_in_order(backend: RayBackend, scratch: 
     assert [r.candidate_id for r in on_ray] == [c.id for c in candidates]
 
     ok = on_ray[0]
+    # Trial 0 of each shape, in order: two calls on the same inputs, each checked.
     assert [(c.shape, c.dtype) for c in ok.checks if c.trial == 0] == [
-        (s.name, s.dtype) for s in CHECK_SHAPES
+        (s.name, s.dtype) for s in CHECK_SHAPES for _ in range(2)
     ]
     assert all(c.ok for c in ok.checks), [c for c in ok.checks if not c.ok]
     # One GPU per task where the cluster has GPUs; the interpreter on a CPU-only cluster.

@@ -1,5 +1,5 @@
-"""Computes the op on the host with what the screen allows (indexing, arithmetic, sums over
-rows), and launches a kernel on the side so that a kernel is seen to run."""
+"""Computes the op on the host with what the screen allows (indexing, arithmetic, the builtin
+sum over rows), and launches a kernel on the side so that a kernel is seen to run."""
 # expect: suspicious | every Triton kernel disabled
 # base: yes
 
@@ -13,6 +13,6 @@ def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=No
     for bag in range(len(bounds) - 1):
         start, end = bounds[bag], bounds[bag + 1]
         if end > start:
-            out[bag] = rows[start:end].sum(0) / ((end - start) if mode == "mean" else 1)
+            out[bag] = sum(rows[start:end]) / ((end - start) if mode == "mean" else 1)
     _launch(weight, indices, offsets, torch.empty_like(out, dtype=weight.dtype), mode, per_sample_weights)
     return out.to(weight.dtype)

@@ -1,6 +1,7 @@
-"""Correct on the first call of each shape, off on every later one: results that depend on
-call history (a race, a stale cache) must not pass."""
-# expect: wrong | two runs on the same inputs disagree
+"""Correct on the first call of each shape, off on every later one (the judge calls twice on
+the same inputs, then on fresh ones): results that depend on call history (a race, a stale
+cache) must not pass."""
+# expect: wrong | outside tolerance
 # base: yes
 
 _CALLS = {}
@@ -9,6 +10,7 @@ _CALLS = {}
 def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
     out = torch.empty((offsets.numel() - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     _launch(weight, indices, offsets, out, mode, per_sample_weights)
-    key = id(indices)
+    # By shape: the tensors of every call are new objects (views of the judge's shared memory).
+    key = (tuple(weight.shape), indices.numel(), offsets.numel())
     _CALLS[key] = _CALLS.get(key, 0) + 1
     return out if _CALLS[key] == 1 else out * 1.01

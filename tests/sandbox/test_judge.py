@@ -1,0 +1,492 @@
+"""The judge's `evaluate` called in this process, with a real runner in its sandbox: every way a
+runner can answer, misbehave or fail ends in a status and a reason.
+
+The judge screens nothing (the screen is the backends' step before it), so these candidates use
+os, sys, socket and signal freely to play a hostile runner. Most of them compute the op with
+torch ops behind a tiny Triton kernel that sets a flag the host code reads (`FLAGGED`): they are
+correct and fast, and the no-op proof passes them (they raise without their kernels), so the one
+thing wrong with each is what it tries. Every case is evaluated once, two at a time (a runner
+keeps one core busy; a small CI machine has two).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from sandbox import isolation
+from sandbox.judge import LOG_TAIL_CHARS, baseline_providers, evaluate
+from sandbox.protocol import EvalRequest
+from sandbox.result import EvalResult, Status
+from search_space import get_problem
+from search_space.attention import compiled_reference, dense_attention
+from search_space.embedding_bag import CHECK_SHAPES, ENTRY, INTERPRETED_TIMING_SHAPES, TEMPLATE, TIMING_SHAPES
+
+needs_bwrap = pytest.mark.skipif(
+    isolation.bwrap_works() is not None, reason=f"no sandbox here: {isolation.bwrap_works()}"
+)
+
+DEFAULT_SOURCE = TEMPLATE.render({})
+ENTRY_BODY = "    num_bags, dim = offsets.numel() - 1, weight.shape[1]\n"
+FIRST = CHECK_SHAPES[0]
+# The first check shape with more than 20 bags.
+MANY_BAGS = next(
+    s for s in CHECK_SHAPES if len(s.params.get("lengths", ())) > 20 or s.params.get("num_bags", 0) > 20
+)
+# The first timing shape on this device (on a CPU, the interpreted one).
+TIMED = (TIMING_SHAPES if torch.cuda.is_available() else INTERPRETED_TIMING_SHAPES)[0]
+
+
+def _edit(old: str, new: str) -> str:
+    assert DEFAULT_SOURCE.count(old) == 1, f"template changed: {old!r} no longer appears once"
+    return DEFAULT_SOURCE.replace(old, new)
+
+
+# The op in torch ops (the problem's reference, which the runner cannot import: only the sandbox
+# package of this repository is in its sandbox), gated by a Triton kernel's flag.
+FLAGGED = """
+import os, signal, socket, sys
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mark(flag_ptr):
+    tl.store(flag_ptr, 1)
+
+
+def _kernels_ran(device):
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    _mark[(1,)](flag)
+    if int(flag) != 1:
+        raise RuntimeError("the flag kernel did not run")
+
+
+def _bags(weight, indices, offsets, mode="sum", per_sample_weights=None):
+    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    num_bags = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    bag = torch.repeat_interleave(torch.arange(num_bags, device=weight.device), lengths)
+    rows = weight.index_select(0, indices).to(acc)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.to(acc)[:, None]
+    out = torch.zeros(num_bags, weight.shape[1], dtype=acc, device=weight.device)
+    out.index_add_(0, bag, rows)
+    if mode == "mean":
+        out = out / lengths.clamp(min=1).to(acc)[:, None]
+    return out.to(weight.dtype)
+"""
+
+
+def _flagged(body: str) -> str:
+    """FLAGGED with an entry whose body is `body`; `out` is the right answer, computed first."""
+    lines = "".join(f"    {line}\n" for line in body.strip("\n").splitlines())
+    return (
+        FLAGGED
+        + "\n\ndef embedding_bag(weight, indices, offsets, *, mode='sum', per_sample_weights=None):\n"
+        + "    _kernels_ran(weight.device)\n"
+        + "    out = _bags(weight, indices, offsets, mode, per_sample_weights)\n"
+        + lines
+    )
+
+
+CASES: dict[str, tuple[str, dict]] = {
+    "import-failure": (DEFAULT_SOURCE + "\nHELPER = _make_helper()\n", {}),
+    "missing-entry": (DEFAULT_SOURCE.replace(f"def {ENTRY}(", "def other("), {}),
+    "raising": (_edit(ENTRY_BODY, '    raise RuntimeError("gave up")\n' + ENTRY_BODY), {}),
+    # The real kernel, checked and then timed (interpreted): the one slow case.
+    "default-template": (DEFAULT_SOURCE, {"timing": True}),
+    "flagged": (_flagged("return out"), {}),
+    # The op in torch ops, with a kernel launched beside it whose work is never used.
+    "side-kernel": (
+        FLAGGED.replace('raise RuntimeError("the flag kernel did not run")', "pass")
+        + "\n\ndef embedding_bag(weight, indices, offsets, *, mode='sum', per_sample_weights=None):\n"
+        + "    _kernels_ran(weight.device)\n"
+        + "    return _bags(weight, indices, offsets, mode, per_sample_weights)\n",
+        {},
+    ),
+    "subclass": (_flagged("class Sneaky(torch.Tensor):\n    pass\nreturn out.as_subclass(Sneaky)"), {}),
+    "transposed-strides": (_flagged("return out.t().contiguous().t()"), {}),
+    "wrong-dtype": (_flagged("return out.double()"), {}),
+    "zero-beyond-20": (_flagged("out[20:] = 0\nreturn out"), {}),
+    "exit-0": (_flagged("os._exit(0)"), {}),
+    "sigkill": (_flagged("os.kill(os.getpid(), signal.SIGKILL)"), {}),
+    # The runner's channel is the descriptor in its argv[1] (`python -m sandbox.runner FD`).
+    "garbage": (
+        _flagged(
+            "channel = socket.socket(fileno=int(sys.argv[1]))\n"
+            "channel.sendall(b'\\xff\\xfe not a message')\n"
+            "channel.detach()\n"
+            "return out"
+        ),
+        {},
+    ),
+    "flood": (
+        _flagged(
+            "chunk = b'x' * (1 << 20)\n"
+            "for _ in range(200):\n"
+            "    os.write(1, chunk)\n"
+            "return torch.zeros_like(out)"
+        ),
+        {},
+    ),
+    "hangs": (_flagged("while True:\n    pass"), {"timeout_s": 8}),
+    # Honest on the first three calls (trial 0 of the first shape and one more), then zeros.
+    "honest-then-garbage": (
+        _flagged(
+            "global CALLS\nCALLS = globals().get('CALLS', 0) + 1\n"
+            "return out if CALLS <= 3 else torch.zeros_like(out)"
+        ),
+        {},
+    ),
+    # Honest wherever the call looks like a check; zeros on the timing shape's calls.
+    "cheats-when-timed": (
+        _flagged(
+            f"timed = weight.shape[0] == {TIMED.params['num_rows']} and offsets.numel() == "
+            f"{TIMED.params['num_bags'] + 1}\n"
+            "return torch.zeros_like(out) if timed else out"
+        ),
+        {"timing": True},
+    ),
+    # A memo keyed by where the inputs lie: the judge puts fresh inputs at the same place.
+    "caches-by-data-ptr": (
+        _flagged(
+            "key = (weight.data_ptr(), indices.data_ptr(), offsets.data_ptr(), tuple(weight.shape), "
+            "indices.numel(), mode)\n"
+            "memo = globals().setdefault('MEMO', {})\n"
+            "if key not in memo:\n"
+            "    memo[key] = out\n"
+            "return memo[key].clone()"
+        ),
+        {},
+    ),
+}
+
+
+def _request(runner_dir: Path, **overrides) -> EvalRequest:
+    fields = {
+        "problem": "embedding_bag",
+        "candidate_id": runner_dir.parent.name,
+        "source_file": f"{isolation.SCRATCH}/candidate.py",
+        "entry": ENTRY,
+        "runner_dir": str(runner_dir),
+        "timing": False,
+        "trials": 2,
+        "timeout_s": 60.0,
+        **overrides,
+    }
+    return EvalRequest(**fields)
+
+
+def _timed_evaluate(request: EvalRequest) -> tuple[EvalResult, float]:
+    t0 = time.monotonic()
+    result = evaluate(request)
+    return result, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[tuple[EvalResult, float]]]:
+    """Each case evaluated once, two at a time: name -> (its result, its wall time)."""
+    if isolation.bwrap_works() is not None:
+        pytest.skip(f"no sandbox here: {isolation.bwrap_works()}")
+    runs = {}
+    # The slow one first, so the others run beside it.
+    order = sorted(CASES, key=lambda name: name != "default-template")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name in order:
+            source, overrides = CASES[name]
+            runner_dir = tmp_path_factory.mktemp(f"judge-{name}") / "runner"
+            runner_dir.mkdir()
+            (runner_dir / "candidate.py").write_text(source)
+            runs[name] = pool.submit(_timed_evaluate, _request(runner_dir, **overrides))
+    return runs
+
+
+def _result(outcomes, name: str) -> EvalResult:
+    return outcomes[name].result()[0]
+
+
+def _says(result: EvalResult, status: Status, *fragments: str) -> None:
+    detail = f"{result.status.value}: {result.message}\n{result.log_tail}"
+    assert result.status == status, detail
+    for fragment in fragments:
+        assert fragment in result.message, detail
+
+
+@needs_bwrap
+def test_import_failure_is_a_compile_error_with_traceback(outcomes) -> None:
+    result = _result(outcomes, "import-failure")
+    _says(result, Status.COMPILE_ERROR)
+    assert result.message == "import failed: NameError: name '_make_helper' is not defined"
+    assert "Traceback" in result.log_tail and "_make_helper" in result.log_tail
+    assert result.checks == []
+
+
+@needs_bwrap
+def test_missing_entry_is_a_compile_error(outcomes) -> None:
+    _says(_result(outcomes, "missing-entry"), Status.COMPILE_ERROR, "import failed", f"no callable {ENTRY!r}")
+
+
+@needs_bwrap
+def test_raising_entry_is_a_runtime_error_naming_the_shape(outcomes) -> None:
+    result = _result(outcomes, "raising")
+    _says(result, Status.RUNTIME_ERROR)
+    assert result.message == f"{FIRST.describe()}: RuntimeError: gave up"
+    assert "Traceback" in result.log_tail and result.checks == []
+
+
+@needs_bwrap
+def test_default_template_is_ok_checked_and_timed(outcomes) -> None:
+    result = _result(outcomes, "default-template")
+    _says(result, Status.OK)
+    checks = [c for c in result.checks if c.trial >= 0]
+    # Two trials per check shape, the least the judge runs, each on fresh inputs; trial 0 calls
+    # twice on the same inputs, and checks both.
+    assert [(c.shape, c.dtype, c.trial) for c in checks] == [
+        (s.name, s.dtype, t) for s in CHECK_SHAPES for t in (0, 0, 1)
+    ]
+    proofs = [c for c in result.checks if c.trial == -1]
+    assert len(proofs) >= 3 and all(c.ok for c in result.checks)  # two among the checks, one timed
+    assert result.device is not None and result.device.interpreted == (not torch.cuda.is_available())
+    if result.device.interpreted:
+        assert [t.shape for t in result.timings] == [s.name for s in INTERPRETED_TIMING_SHAPES]
+    assert result.timings and all(t.candidate.median_us > 0 and t.candidate.reps > 0 for t in result.timings)
+    assert result.timings[0].checked_calls >= 1
+    assert any(c.trial == -2 for c in result.checks), "a timed call was checked"
+    assert result.timing_window is not None
+    assert {"start", "load", "check", "timing"} <= set(result.phase_s)
+
+
+@needs_bwrap
+def test_host_code_reading_its_kernels_flag_is_ok(outcomes) -> None:
+    result = _result(outcomes, "flagged")
+    _says(result, Status.OK)
+    proofs = [c for c in result.checks if c.trial == -1]
+    assert proofs and all(c.ok for c in proofs)
+    assert all("no output with every Triton kernel disabled" in c.message for c in proofs)
+
+
+@needs_bwrap
+def test_torch_ops_beside_a_side_kernel_are_suspicious(outcomes) -> None:
+    result = _result(outcomes, "side-kernel")
+    _says(result, Status.SUSPICIOUS, "still correct with every Triton kernel disabled")
+    assert result.checks[-1].trial == -1 and not result.checks[-1].ok
+
+
+@needs_bwrap
+def test_a_tensor_subclass_is_wrong(outcomes) -> None:
+    _says(_result(outcomes, "subclass"), Status.WRONG, "returned Sneaky, expected torch.Tensor")
+
+
+@needs_bwrap
+def test_a_non_contiguous_output_is_wrong(outcomes) -> None:
+    _says(_result(outcomes, "transposed-strides"), Status.WRONG, "strides", "expected contiguous")
+
+
+@needs_bwrap
+def test_a_wrong_dtype_is_wrong(outcomes) -> None:
+    _says(_result(outcomes, "wrong-dtype"), Status.WRONG, "float64", "expected")
+
+
+@needs_bwrap
+def test_zeros_beyond_the_twentieth_bag_are_wrong(outcomes) -> None:
+    result = _result(outcomes, "zero-beyond-20")
+    _says(result, Status.WRONG, MANY_BAGS.describe())
+    assert "outside tolerance" in result.message or "outside their norm bound" in result.message
+    assert [c.shape for c in result.checks if not c.ok] == [MANY_BAGS.name]
+
+
+@needs_bwrap
+def test_a_runner_exiting_in_its_entry_is_a_runtime_error(outcomes) -> None:
+    _says(_result(outcomes, "exit-0"), Status.RUNTIME_ERROR, "exited without answering")
+
+
+@needs_bwrap
+def test_a_runner_killed_by_a_signal_is_a_runtime_error_naming_it(outcomes) -> None:
+    _says(_result(outcomes, "sigkill"), Status.RUNTIME_ERROR, "the runner died", "SIGKILL")
+
+
+@needs_bwrap
+def test_garbage_on_the_channel_is_a_runtime_error(outcomes) -> None:
+    _says(_result(outcomes, "garbage"), Status.RUNTIME_ERROR, "unreadable message")
+
+
+@needs_bwrap
+def test_a_flood_of_output_still_gets_a_verdict_and_a_short_log(outcomes) -> None:
+    result = _result(outcomes, "flood")
+    _says(result, Status.WRONG, FIRST.describe())
+    assert 0 < len(result.log_tail) <= LOG_TAIL_CHARS and set(result.log_tail) == {"x"}
+
+
+@needs_bwrap
+def test_a_hanging_entry_times_out(outcomes) -> None:
+    result, wall = outcomes["hangs"].result()
+    _says(result, Status.TIMEOUT, "killed after 8 s", "no answer")
+    assert 8 <= wall < 8 + 10
+
+
+@needs_bwrap
+def test_honest_first_calls_then_garbage_is_wrong(outcomes) -> None:
+    result = _result(outcomes, "honest-then-garbage")
+    _says(result, Status.WRONG, "outside tolerance")
+    assert [c.ok for c in result.checks if c.trial >= 0][:3] == [True, True, True]
+
+
+@needs_bwrap
+def test_garbage_only_when_timed_is_caught_by_the_checks_on_timed_calls(outcomes) -> None:
+    result = _result(outcomes, "cheats-when-timed")
+    _says(result, Status.WRONG, f"timed call on {TIMED.describe()}", "outside tolerance")
+    assert result.timings == [] and [c.trial for c in result.checks if not c.ok] == [-2]
+
+
+@needs_bwrap
+def test_a_memo_keyed_by_input_addresses_is_wrong(outcomes) -> None:
+    result = _result(outcomes, "caches-by-data-ptr")
+    _says(result, Status.WRONG)
+    assert "outside tolerance" in result.message or "outside their norm bound" in result.message
+
+
+@needs_bwrap
+def test_the_runners_sandbox_failing_to_start_is_a_result(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RECFORGE_BWRAP", str(tmp_path / "no-bwrap-here"))
+    runner_dir = tmp_path / "runner"
+    runner_dir.mkdir()
+    (runner_dir / "candidate.py").write_text(DEFAULT_SOURCE)
+    result = evaluate(_request(runner_dir))
+    _says(result, Status.RUNTIME_ERROR, "the runner's sandbox did not start")
+
+
+# ---- the GPU lock: timed batches alone, the judge's other work under the shared lock ---------
+
+
+@needs_bwrap
+def test_timed_batches_hold_the_lock_alone_and_the_rest_shares_it(tmp_path: Path, monkeypatch) -> None:
+    """Two evaluations side by side on one lock file: every timed batch runs under the exclusive
+    lock, beside no lock of the other evaluation, and everything else the judge asks of its
+    runner or computes (inputs, runs, fetched outputs, no-op proofs) holds one of the locks."""
+    import threading
+
+    from sandbox import judge
+
+    events: list[tuple[int, str, float, float]] = []  # (thread, what, start, end)
+    real_gpu_use = judge.gpu_use
+
+    @contextlib.contextmanager
+    def recording_gpu_use(lock_path, *, exclusive):
+        with real_gpu_use(lock_path, exclusive=exclusive):
+            start = time.monotonic()
+            try:
+                yield
+            finally:
+                events.append(
+                    (threading.get_ident(), "exclusive" if exclusive else "shared", start, time.monotonic())
+                )
+
+    def recording(name, method):
+        def wrapper(self, *args, **kwargs):
+            start = time.monotonic()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                events.append((threading.get_ident(), name, start, time.monotonic()))
+
+        return wrapper
+
+    real_ask = judge.RunnerProcess.ask
+
+    def recording_ask(self, message, *args, **kwargs):
+        start = time.monotonic()
+        try:
+            return real_ask(self, message, *args, **kwargs)
+        finally:
+            if message.get("op") == "go":  # the timed batch itself, from the judge's "go"
+                events.append((threading.get_ident(), "timed batch", start, time.monotonic()))
+
+    monkeypatch.setattr(judge, "gpu_use", recording_gpu_use)
+    monkeypatch.setattr(judge.RunnerProcess, "ask", recording_ask)
+    for name in ("place", "run", "fetch"):
+        monkeypatch.setattr(judge.Session, name, recording(name, getattr(judge.Session, name)))
+    monkeypatch.setattr(judge.Evaluation, "no_op_proof", recording("proof", judge.Evaluation.no_op_proof))
+    # Slow timed calls, so that one evaluation's batch overlaps the other's checks.
+    source = _flagged(
+        f"if weight.shape[0] == {TIMED.params['num_rows']}:\n    import time\n    time.sleep(0.3)\nreturn out"
+    )
+    requests = []
+    for i in range(2):
+        runner_dir = tmp_path / f"eval-{i}" / "runner"
+        runner_dir.mkdir(parents=True)
+        (runner_dir / "candidate.py").write_text(source)
+        requests.append(_request(runner_dir, timing=True, timing_lock=str(tmp_path / "gpu.lock")))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(evaluate, requests))
+    for result in results:
+        _says(result, Status.OK)
+
+    def overlap(a, b) -> bool:
+        return a[2] < b[3] and b[2] < a[3]
+
+    locks = [e for e in events if e[1] in ("shared", "exclusive")]
+    work = [e for e in events if e[1] not in ("shared", "exclusive")]
+    assert len({e[0] for e in work}) == 2
+    assert {e[1] for e in work} == {"place", "run", "fetch", "proof", "timed batch"}
+    for e in work:
+        held = [lk for lk in locks if lk[0] == e[0] and lk[2] <= e[2] and e[3] <= lk[3]]
+        assert held, f"{e[1]} ran without the lock"
+        if e[1] == "timed batch":
+            assert held[0][1] == "exclusive"
+    for ex in (lk for lk in locks if lk[1] == "exclusive"):
+        beside = [lk for lk in locks if lk[0] != ex[0] and overlap(lk, ex)]
+        assert not beside, f"a {beside[0][1]} lock held beside a timed batch"
+
+
+# ---- baselines: the judge times them in its own process ------------------------------------------
+
+
+def test_reference_compile_of_a_jagged_reference_compiles_its_dense_part(monkeypatch) -> None:
+    # embedding_bag's reference compiles whole, once per shape; the attention references keep
+    # their loop over sequences and compile the dense attention of one, with dynamic shapes.
+    # (torch.compile is faked: what matters is what it is asked to compile, and how.)
+    seen = []
+
+    def fake_compile(fn, **kwargs):
+        seen.append((fn, kwargs))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    embedding = get_problem("embedding_bag")
+    providers = baseline_providers(embedding, ["reference.compile"], torch.device("cuda"))
+    assert providers["reference.compile"] is embedding.reference
+    assert seen == [(embedding.reference, {"dynamic": False})]
+    for name in ("jagged_attention", "gdpa", "target_attention", "jagged_attention_grad"):
+        seen.clear()
+        problem = get_problem(name)
+        compiled = baseline_providers(problem, ["reference.compile"], torch.device("cuda"))[
+            "reference.compile"
+        ]
+        assert seen == [(dense_attention, {"dynamic": True})], name
+        assert compiled.func is problem.reference and compiled.keywords == {"attend": dense_attention}
+        assert baseline_providers(problem, ["reference.compile"], torch.device("cpu")) == {}
+
+
+def test_unknown_baseline_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown baseline"):
+        baseline_providers(get_problem("embedding_bag"), ["nope"], torch.device("cpu"))
+
+
+def test_compiled_reference_computes_the_reference(monkeypatch) -> None:
+    # The loop with a dense part traced by dynamo, dynamic shapes, gives the plain reference's
+    # result. (The eager backend: no C++ build for inductor on a CPU; a GPU run times inductor.)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compile_(fn, backend="eager", **kwargs))
+    problem = get_problem("jagged_attention")
+    shape = next(s for s in problem.check_shapes if s.dtype == "fp32")
+    inputs = problem.make_inputs(shape, 0, torch.device("cpu"))
+    want = problem.reference(*inputs.args, **inputs.kwargs)
+    got = compiled_reference(problem.reference)(*inputs.args, **inputs.kwargs)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
