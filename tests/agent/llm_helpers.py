@@ -19,7 +19,7 @@ GOOD = TEMPLATE.render(TEMPLATE.defaults()).replace(
     "rendered from recforge's `embedding_bag` knob template.", "LLM-written variant of the pooled lookup."
 )
 # Fails at import, as a Triton compile error fails before anything runs.
-BROKEN_LINE = "NUM_SMS = tl.num_sms_of_this_gpu\n"
+BROKEN_LINE = "NUM_SMS = triton.cdiv(1)\n"
 BROKEN = GOOD.replace("\nKNOBS = {", "\n" + BROKEN_LINE + "KNOBS = {")
 STORE_GOOD = "acc.to(out_ptr.dtype.element_ty)"
 STORE_WRONG = "(acc * 2).to(out_ptr.dtype.element_ty)"

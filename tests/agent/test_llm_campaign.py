@@ -124,7 +124,7 @@ def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickB
     # The repair continues the conversation with the evaluation's error...
     repair = requests[4]["messages"]
     assert [m["role"] for m in repair] == ["system", "user", "assistant", "user", "assistant", "user"]
-    assert "compile_error" in repair[-1]["content"] and "num_sms_of_this_gpu" in repair[-1]["content"]
+    assert "compile_error" in repair[-1]["content"] and "cdiv" in repair[-1]["content"]
     # ...and a wrong kernel goes back with where and by how much it was off.
     assert "**wrong**" in _user(requests[6]) and "max abs err" in _user(requests[6])
     # A fresh proposal sees the recent attempts of the lineage, failures included.
