@@ -52,8 +52,8 @@ from sandbox.protocol import (
     fresh_seed,
     output_tensors,
 )
-from sandbox.result import DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status, TimingStats
-from sandbox.timing import L2_FLUSH_BYTES, benchmark
+from sandbox.result import DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
+from sandbox.timing import L2_FLUSH_BYTES, benchmark, sample_stats
 from search_space.problem import Inputs, Problem, Shape, get_problem
 
 LOG_TAIL_CHARS = 4000
@@ -662,7 +662,7 @@ class Evaluation:
             with gpu_use(lock, exclusive=True):
                 base = {name: benchmark(b, arg_sets, device=self.device) for name, b in baselines.items()}
             del arg_sets
-        stats = _stats(samples)
+        stats = sample_stats(samples)
         flops, nbytes = self.problem.flops(shape), self.problem.bytes(shape)
         bound = roofline_seconds(arch, flops, nbytes)
         return ShapeTiming(
@@ -679,13 +679,6 @@ class Evaluation:
             accounted=accounted_us / outside_us if gpu and outside_us > 0 else None,
             checked_calls=checked,
         )
-
-
-def _stats(samples_us: list[float]) -> TimingStats:
-    q = statistics.quantiles(samples_us, n=10, method="inclusive") if len(samples_us) > 1 else samples_us * 9
-    return TimingStats(
-        median_us=statistics.median(samples_us), p20_us=q[1], p80_us=q[7], reps=len(samples_us)
-    )
 
 
 @dataclass(frozen=True)

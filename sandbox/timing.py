@@ -17,7 +17,8 @@ from sandbox.result import TimingStats
 L2_FLUSH_BYTES = 128 * 1024 * 1024
 
 
-def _stats(samples_us: list[float]) -> TimingStats:
+def sample_stats(samples_us: list[float]) -> TimingStats:
+    """Median and spread (p20, p80) of per-call times in microseconds."""
     q = statistics.quantiles(samples_us, n=10, method="inclusive") if len(samples_us) > 1 else samples_us * 9
     return TimingStats(
         median_us=statistics.median(samples_us), p20_us=q[1], p80_us=q[7], reps=len(samples_us)
@@ -54,7 +55,7 @@ def benchmark(
             t0 = time.perf_counter()
             fn(*args, **kwargs)
             samples.append((time.perf_counter() - t0) * 1e6)
-        return _stats(samples)
+        return sample_stats(samples)
 
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
     for i in range(3):  # compile, autotune, lazy init
@@ -82,4 +83,4 @@ def benchmark(
             torch.cuda.synchronize(device)
         ends[i].record()
     torch.cuda.synchronize(device)
-    return _stats([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)])
+    return sample_stats([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)])
