@@ -83,7 +83,8 @@ def container_settings(argv: list[str], runner_dir: Path, settings: dict) -> dic
     return {
         "image": settings["image"],
         "command": argv,
-        "labels": {LABEL: "1"},
+        # The label's value names the evaluation (its runner's directory on the host).
+        "labels": {LABEL: str(runner_dir)},
         # Rule user: nobody, with no capability and no way to gain one.
         "user": "65534:65534",
         "working_dir": SCRATCH_DIR,
