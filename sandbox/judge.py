@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import math
 import os
@@ -225,15 +226,15 @@ class RunnerProcess:
 
 @dataclass
 class Call:
-    """One call of the candidate: the shape, the seed of its inputs, and where they lie."""
+    """One call of the candidate: the shape, its inputs (the judge's own copy, drawn from a seed
+    the runner never sees), and where they lie in the shared region."""
 
     shape: Shape
-    seed: int
+    inputs: Inputs
     args: list = field(default_factory=list)  # the runner's encoding of each argument
     kwargs: dict = field(default_factory=dict)
-    views: list[torch.Tensor] = field(default_factory=list)  # the judge's views of the inputs
+    views: list[torch.Tensor] = field(default_factory=list)  # the shared region's copy of each tensor
     id: int = 0
-    pending: list[torch.Tensor] = field(default_factory=list)  # what goes into `views`, unwritten
 
 
 def _layout(inputs: Inputs) -> int:
@@ -244,11 +245,10 @@ def _encode(value, region: shared.Region, rid: int, cursor: list[int], call: Cal
     """The runner's description of one argument, a tensor placed in `region` at `cursor` (and
     written there by Session.write)."""
     if isinstance(value, torch.Tensor):
-        t = value.contiguous()
+        t = value
         offset = cursor[0]
         view = region.view(offset, t.dtype, t.shape, shared.contiguous_strides(t.shape))
         call.views.append(view)
-        call.pending.append(t)
         cursor[0] += shared.aligned(t.numel() * t.element_size())
         return {"t": {"region": rid, "offset": offset, "dtype": shared.dtype_name(t.dtype),
                       "shape": list(t.shape), "strides": list(view.stride())}}  # fmt: skip
@@ -278,15 +278,15 @@ class Session:
         self.input_region = (region, self.runner.share(region, fd, self.kind))
         return self.input_region
 
-    def place(self, shape: Shape, seeds: list[int], *, write: bool = True) -> list[Call]:
-        """Inputs of one call per seed, generated here and placed in the shared input region (each
-        call's tensors at their own offsets); written there now, or by `write` later."""
-        sets = [self.problem.make_inputs(shape, seed, self.device) for seed in seeds]
+    def place(self, shape: Shape, n: int, *, write: bool = True) -> list[Call]:
+        """Inputs of `n` calls, each drawn here from a fresh seed and placed in the shared input
+        region (each call's tensors at their own offsets); written there now, or by `write` later."""
+        sets = [self.problem.make_inputs(shape, fresh_seed(), self.device) for _ in range(n)]
         region, rid = self._input_region(sum(_layout(s) for s in sets))
         cursor = [0]
         calls = []
-        for seed, inputs in zip(seeds, sets, strict=True):
-            call = Call(shape=shape, seed=seed, id=self.next_call)
+        for inputs in sets:
+            call = Call(shape=shape, inputs=inputs, id=self.next_call)
             self.next_call += 1
             call.args = [_encode(a, region, rid, cursor, call) for a in inputs.args]
             call.kwargs = {k: _encode(v, region, rid, cursor, call) for k, v in inputs.kwargs.items()}
@@ -297,9 +297,8 @@ class Session:
 
     def write(self, calls: list[Call]) -> None:
         for call in calls:
-            for view, t in zip(call.views, call.pending, strict=True):
+            for view, t in zip(call.views, call.inputs.tensors(), strict=True):
                 view.copy_(t)
-            call.pending = []
         if self.kind == "cuda":
             torch.cuda.synchronize()  # the inputs are in memory before the runner reads them
 
@@ -455,7 +454,7 @@ class Evaluation:
         assert self.session is not None
         got_all = []
         for call, described in zip(calls, outputs, strict=True):
-            pristine = self.problem.make_inputs(call.shape, call.seed, self.device)
+            pristine = call.inputs
             ref_inputs = pristine.clone()
             ref = self.problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
             key = (call.shape.name, call.shape.dtype)
@@ -484,12 +483,8 @@ class Evaluation:
         tolerance: results that depend on call history fail); later trials once, on new inputs."""
         assert self.session is not None
         where = shape.describe()
-        (call,) = self.session.place(shape, [fresh_seed()])
-        calls = (
-            [call]
-            if trial
-            else [call, Call(shape, call.seed, call.args, call.kwargs, call.views, id=call.id + 10**9)]
-        )
+        (call,) = self.session.place(shape, 1)
+        calls = [call] if trial else [call, dataclasses.replace(call, id=call.id + 10**9)]
         outputs = self.session.run(calls, poison=self.poison_bytes(shape), where=where)
         got = self.check(calls[:1], outputs[:1], trial, where=where)
         if trial == 0:
@@ -512,7 +507,7 @@ class Evaluation:
         give a wrong output here on purpose: the proof catches fallbacks that do not, and the
         screen's allowlist the torch functions that would compute the op.)"""
         assert self.session is not None
-        (call,) = self.session.place(shape, [fresh_seed()])
+        (call,) = self.session.place(shape, 1)
         (described,) = self.session.run(
             [call], noop=True, poison=self.poison_bytes(shape), where="no-op proof"
         )
@@ -520,8 +515,9 @@ class Evaluation:
         if "raised" in described:
             self.checks.append(ShapeCheck(**proof, ok=True, message=f"no output with every Triton kernel disabled ({described['raised']})"[:200]))  # fmt: skip
             return
-        pristine = self.problem.make_inputs(shape, call.seed, self.device)
-        ref = self.problem.reference(*pristine.clone().args, **pristine.clone().kwargs)
+        pristine = call.inputs
+        ref_inputs = pristine.clone()
+        ref = self.problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
         if not any(t.numel() and bool(t.ne(0).any()) for t in output_tensors(ref)):
             # Empty or all zeros (no candidates, say): a candidate with no kernel gets it right.
             self.session.drop(calls=[call])
@@ -608,14 +604,14 @@ class Evaluation:
         proof_at = self.rng.randrange(max(1, target // per_batch))  # rule no-op proof, in timing too
         # Warm-up, untimed: compiling and autotuning at this shape happen here, not in a timed call.
         with gpu_use(lock, exclusive=False):
-            warm = self.session.place(shape, [fresh_seed(), fresh_seed()])
+            warm = self.session.place(shape, 2)
             self.session.run(warm, where=f"warm-up {shape.describe()}")
             self.session.drop(calls=warm)
         batch_index = 0
         while len(samples) < target:
             n = min(per_batch, target - len(samples))
             with gpu_use(lock, exclusive=False):
-                calls = self.session.place(shape, [fresh_seed() for _ in range(n)], write=False)
+                calls = self.session.place(shape, n, write=False)
             wall_us, times, described = self.session.run_timed(
                 calls, lock=lock, where=f"timing {shape.describe()}"
             )
