@@ -162,8 +162,7 @@ class Runner:
         for cid in message.get("calls", []):
             self.outputs.pop(int(cid), None)
         if message.get("regions"):
-            if self.device == "cuda":
-                torch.cuda.synchronize()
+            self._sync()
             for rid in message["regions"]:
                 region = self.regions.pop(int(rid), None)
                 if region is not None:
@@ -261,7 +260,7 @@ class Runner:
             if type(t) is not torch.Tensor:
                 # Only plain tensors: a subclass could compare equal to anything.
                 return f"returned {type(t).__name__}, expected torch.Tensor"
-        return items if isinstance(out, tuple | list) else items
+        return items
 
     def _describe(self, cid: int) -> dict:
         out = self.outputs.get(cid)
@@ -348,11 +347,7 @@ class Runner:
 
 
 def _inside(ptr: int, region: shared.Region) -> bool:
-    if region.device == "cpu":
-        base = torch.frombuffer(region._keep, dtype=torch.uint8, count=1).data_ptr()
-    else:
-        base = region.base
-    return base <= ptr < base + max(region.nbytes, 1)
+    return region.base <= ptr < region.base + max(region.nbytes, 1)
 
 
 def main(argv: list[str]) -> int:

@@ -67,7 +67,7 @@ class SharedMemoryError(RuntimeError):
 
 
 class Region:
-    """`nbytes` of memory on `device` ("cpu" or "cuda"), mapped in this process."""
+    """`nbytes` of memory on `device` ("cpu" or "cuda"), mapped in this process at `base`."""
 
     def __init__(self, device: str, nbytes: int, base: int, keep: object, close) -> None:
         self.device, self.nbytes, self.base = device, nbytes, base
@@ -158,7 +158,8 @@ def _cpu_map(fd: int, nbytes: int) -> Region:
     if os.fstat(fd).st_size < max(nbytes, 1):
         raise SharedMemoryError(f"the region's memfd holds fewer than {nbytes} bytes")
     mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    return Region("cpu", nbytes, 0, mm, lambda: None)
+    base = torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
+    return Region("cpu", nbytes, base, mm, lambda: None)
 
 
 # ---- GPU: the CUDA driver's virtual memory management API -----------------------------------
