@@ -30,7 +30,13 @@ demo: $(STAMP) $(SANDBOX)
 # Two pytest-xdist workers or more (one per core), each test file in one worker, so that a
 # module's fixture (campaigns or adversarial candidates run side by side) runs once.
 test: $(STAMP) $(SANDBOX) $(ENGINE) $(BROWSER)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q -n auto --dist loadfile
+
+# For development: the same without the tests marked slow (campaigns, the adversarial suite).
+test-fast: $(STAMP) $(SANDBOX)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q -n auto --dist loadfile -m "not slow"
 
 # Nothing to do when a daemon answers. Otherwise, as root on Debian or Ubuntu: install the
 # engine (and static busybox, which the sandbox image is built from) and start dockerd without

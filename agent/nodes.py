@@ -275,9 +275,7 @@ def _winners(
     return winners
 
 
-def _slower_on_recheck(
-    evidence: EvalResult, recheck: EvalResult, served: dict[str, list[str]]
-) -> str | None:
+def _slower_on_recheck(evidence: EvalResult, recheck: EvalResult, served: dict[str, list[str]]) -> str | None:
     """Why the re-verification's timing does not bear out the evaluation's, or None: on a GPU,
     each served (dtype, bucket) must time no slower than it did by more than either's noise."""
     if recheck.interpreted:

@@ -39,9 +39,9 @@ from rich.console import Console
 from rich.table import Table
 
 from evals.bench_ops import BenchRun, select_shapes
+from sandbox.judge import baseline_providers
 from sandbox.protocol import all_baselines, compare
 from sandbox.timing import benchmark
-from sandbox.judge import baseline_providers
 from search_space import get_problem
 from search_space.problem import Inputs, Problem, Shape
 

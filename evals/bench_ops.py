@@ -27,9 +27,9 @@ from rich.table import Table
 from torch import Tensor
 
 from kernels.registry import DISPATCHER, KernelLibrary, device_arch
+from sandbox.judge import baseline_providers
 from sandbox.protocol import all_baselines, compare, fresh_seed
 from sandbox.timing import benchmark
-from sandbox.judge import baseline_providers
 from search_space import get_problem, problem_names
 from search_space.problem import Inputs, Problem, Shape
 

@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         results = list(pool.map(lambda job: backend.evaluate(job[1]), jobs))
     wall = time.perf_counter() - t0
-    table = Table("problem", "status", "checks", "shape", "dtype", "event p50 us", "judge us/call",
-                  "accounted", "checked", "s", title=f"incumbents through the sandbox ({wall:.0f} s)")  # fmt: skip
+    columns = ("problem", "status", "checks", "shape", "dtype", "event p50 us", "judge us/call",
+               "accounted", "checked", "s")  # fmt: skip
+    table = Table(*columns, title=f"incumbents through the sandbox ({wall:.0f} s)")
     for (name, _), r in zip(jobs, results, strict=True):
         status = r.status.value + ("" if r.status.value == "ok" else f": {r.message[:120]}")
         if not r.timings:

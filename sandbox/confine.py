@@ -46,13 +46,23 @@ def become_unprivileged(uid: int) -> None:
 
 
 def apply_limits(cpu_seconds: int | None, address_space: int | None) -> None:
-    """The runner's resource limits, set on itself before any candidate code exists."""
+    """The runner's resource limits, set on itself before any candidate code exists (the bound
+    on tasks comes after the drop to its user: see limit_tasks)."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, 1 << 30))  # no file over 1 GiB in scratch
     if cpu_seconds is not None:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
     if address_space is not None:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+
+def limit_tasks(max_tasks: int | None) -> None:
+    """Rule resources (sandbox.isolation): at most `max_tasks` processes and threads of the
+    runner's user (sandbox.isolation.task_limit), so a fork bomb ends in EAGAIN and not in a
+    host without free PIDs. Set once the runner is that user and in its own user namespace:
+    root ignores the bound."""
+    if max_tasks is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (max_tasks, max_tasks))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -62,6 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--become", type=int, help="uid to drop to from root (sandbox.isolation)")
     parser.add_argument("--cpu-seconds", type=int)
     parser.add_argument("--address-space", type=int)
+    parser.add_argument("--max-tasks", type=int, help="bound on the runner user's tasks (RLIMIT_NPROC)")
     return parser.parse_args(argv)
 
 
@@ -69,3 +80,4 @@ def confine(args: argparse.Namespace) -> None:
     apply_limits(args.cpu_seconds, args.address_space)
     if args.become is not None:
         become_unprivileged(args.become)
+    limit_tasks(args.max_tasks)

@@ -138,7 +138,8 @@ class ContainerRunner:
         os.chmod(path, 0o777)
         self.listener.listen(1)
         self.client = docker_client()
-        argv = [sys.executable, "-P", "-m", "sandbox.runner", "--connect", f"{SCRATCH_DIR}/{SOCKET_NAME}", *limits]
+        connect = f"{SCRATCH_DIR}/{SOCKET_NAME}"
+        argv = [sys.executable, "-P", "-m", "sandbox.runner", "--connect", connect, *limits]
         self.container = self.client.containers.create(**container_settings(argv, runner_dir, settings))
         self.mem_limit = settings["mem_limit"]
         self._docker_errors = docker.errors

@@ -18,7 +18,11 @@ Rules (each enforced where it is written below):
 - processes: --die-with-parent and a new PID namespace, so when the judge kills bubblewrap (or
   dies) every process the runner started dies with it, whatever session or process group it
   made for itself; --new-session takes the terminal away.
-- resources: limits the runner sets on itself before any candidate code exists (runner.main).
+- resources: limits the runner sets on itself before any candidate code exists (sandbox.confine:
+  CPU time, address space on a CPU, file size, and the tasks its user may run, TASK_BUDGET more
+  than it runs already); a private /tmp and /dev/shm of TMPFS_BYTES each; and the judge's watch
+  on the scratch directory, which stops a runner that holds more there than its request's quota
+  (EvalRequest.scratch_bytes and scratch_files; sandbox.judge.RunnerProcess).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +41,11 @@ SCRATCH = "/scratch"
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/opt")
 # What the dynamic loader and a C compiler (Triton builds its launchers with one) read from /etc.
 ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives")
+# Rule resources. A runner uses a few dozen threads (torch's pools, the CUDA driver's, a compiler
+# or two); TMPDIR is the scratch directory, so /tmp and /dev/shm hold only what the candidate
+# puts there, in the host's memory.
+TASK_BUDGET = 1024
+TMPFS_BYTES = 256 * 1024**2
 
 
 class IsolationUnavailable(RuntimeError):
@@ -61,8 +71,8 @@ def _import_roots() -> list[Path]:
         if not entry:
             continue  # the working directory: the judge's own (rule filesystem)
         path = Path(entry).resolve()
-        if path == cwd:
-            continue
+        if path == cwd or Path(tempfile.gettempdir()).resolve().is_relative_to(path):
+            continue  # nor the host's temporary directory, where judges keep their files
         if path.is_dir() and path != REPO_ROOT and not path.is_relative_to(REPO_ROOT / "sandbox"):
             roots.add(path)
     for entry in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
@@ -111,7 +121,10 @@ def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool) -> list[str]:
     for f in ETC_FILES:
         cmd += ["--ro-bind-try", f, f]
     # Before the binds: an import root may lie under /tmp (wheels installed there on a GPU host).
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+    cmd += ["--proc", "/proc", "--dev", "/dev"]
+    for tmp in ("/tmp", "/dev/shm"):
+        # Rule resources: sized where bubblewrap can (0.6 and later), else the kernel's default.
+        cmd += (["--size", str(TMPFS_BYTES)] if _sizes_tmpfs(bwrap) else []) + ["--tmpfs", tmp]
     binds = [*_import_roots(), REPO_ROOT / "sandbox"]
     # Parents that bubblewrap would create for a mount point come out mode 0700: the runner's
     # user could not walk through them (a Python under /root, say).
@@ -128,6 +141,43 @@ def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool) -> list[str]:
         cmd += ["--ro-bind", "/sys", "/sys"]
     cmd += ["--bind", str(scratch), SCRATCH, "--chdir", SCRATCH]
     return [*cmd, "--", *argv]
+
+
+@functools.cache
+def _sizes_tmpfs(bwrap: str) -> bool:
+    """Whether this bubblewrap takes `--size` for a tmpfs."""
+    try:
+        usage = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "--size" in usage
+
+
+def tasks_of(uid: int) -> int:
+    """How many processes and threads of real user `uid` run on this host now (what the kernel
+    counts against RLIMIT_NPROC)."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue  # it ended meanwhile
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            count += int(fields.get("Threads", "1"))
+    return count
+
+
+def task_limit(*, own_user_namespace: bool) -> int:
+    """Rule resources: RLIMIT_NPROC for the runner. Since Linux 5.14 the kernel counts a user's
+    tasks per user namespace: in one of its own, the runner's budget is the bound. Otherwise the
+    count is of every task of the real uid on the host, and the budget comes on top of those."""
+    release = tuple(int(part) for part in os.uname().release.split("-")[0].split(".")[:2] if part.isdigit())
+    if own_user_namespace and release >= (5, 14):
+        return TASK_BUDGET
+    return tasks_of(NOBODY if drops_privileges() else os.getuid()) + TASK_BUDGET
 
 
 def runner_env(*, gpu: bool) -> dict[str, str]:
@@ -188,6 +238,7 @@ def start_runner(
     """Start `argv` (the runner) in its sandbox. `isolation="none"` runs it as a plain child
     process instead, for hosts without user namespaces; never the default (rule: none holds)."""
     env = runner_env(gpu=gpu)
+    argv = [*argv, "--max-tasks", str(task_limit(own_user_namespace=isolation == "bwrap"))]
     if isolation == "none":
         env.update(HOME=str(scratch), TMPDIR=str(scratch), TRITON_CACHE_DIR=str(scratch / "triton"))
         cmd, cwd = argv, scratch
@@ -213,8 +264,6 @@ def start_runner(
 @functools.cache
 def bwrap_works(gpu: bool = False) -> str | None:
     """None if a sandboxed `true` runs here, else why not (the message bubblewrap gave)."""
-    import tempfile
-
     try:
         with tempfile.TemporaryDirectory(prefix="recforge-bwrap-probe-") as tmp:
             scratch = Path(tmp) / "scratch"

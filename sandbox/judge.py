@@ -119,11 +119,14 @@ class RunnerProcess:
         self._tail_bytes = 0
         self.next_region = 1
         self.bwrap = request.isolation == "bwrap"
+        self.stopped: str | None = None  # why the judge stopped the runner, if it did
+        self._ended = threading.Event()
         if request.isolation == "docker":
             from sandbox.docker_backend import ContainerRunner
 
             self.container = ContainerRunner(request, limits, gpu=gpu, deadline=deadline)
             self.sock = self.container.sock
+            self._watch(request)
             return
         self.sock, runner_end = wire.socket_pair()
         argv = [sys.executable, "-P", "-m", "sandbox.runner", str(runner_end.fileno()), *limits]
@@ -140,6 +143,41 @@ class RunnerProcess:
         # flooding fills neither a pipe nor a disk.
         self._drain = threading.Thread(target=self._read_output, daemon=True)
         self._drain.start()
+        self._watch(request)
+
+    def _watch(self, request: EvalRequest) -> None:
+        """Rule resources (sandbox.isolation): the scratch directory is on the host's disk, so
+        the judge looks at what the runner holds there twice a second and stops it beyond its
+        quota of bytes (allocated blocks: a sparse file counts for what it uses) or files."""
+        if request.scratch_bytes is None and request.scratch_files is None:
+            return
+        max_bytes, max_files = request.scratch_bytes or math.inf, request.scratch_files or math.inf
+        root = Path(request.runner_dir)
+
+        def watch() -> None:
+            while not self._ended.wait(0.5):
+                used, files = _disk_use(root, max_files)
+                if used > max_bytes or files > max_files:
+                    held = f"{used / 2**20:.0f} MiB in {files} files"
+                    self.stopped = (
+                        f"was stopped: it held {held} in its scratch directory, over its quota of "
+                        f"{max_bytes / 2**20:.0f} MiB and {max_files} files"
+                    )
+                    self._stop()
+                    return
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    def _stop(self) -> None:
+        """Kill the runner and everything it started (it may be mid-answer: ask() sees a closed
+        channel and reports self.stopped)."""
+        if self.container is not None:
+            self.container.remove()
+        else:
+            assert self.proc is not None
+            # Rule processes (sandbox.isolation): the runner's PID namespace dies with bubblewrap.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     def _read_output(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -180,6 +218,8 @@ class RunnerProcess:
         raise Verdict(status, f"{where}: {text}", log=str(error.get("traceback", ""))[-LOG_TAIL_CHARS:])
 
     def _how_it_ended(self) -> str:
+        if self.stopped is not None:
+            return self.stopped
         if self.container is not None:
             return self.container.how_it_ended()
         assert self.proc is not None
@@ -209,16 +249,33 @@ class RunnerProcess:
         return rid
 
     def kill(self) -> None:
-        if self.container is not None:
-            self.container.remove()
-        else:
-            assert self.proc is not None
-            # Rule processes (sandbox.isolation): the runner's PID namespace dies with bubblewrap.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._ended.set()
+        self._stop()
+        if self.proc is not None:
             self.proc.wait()
             self._drain.join(timeout=5)
         self.sock.close()
+
+
+def _disk_use(root: Path, max_files: float) -> tuple[int, int]:
+    """Bytes allocated to the files under `root` and how many there are, counting no further
+    than one past `max_files`."""
+    used = files = 0
+    stack = [str(root)]
+    while stack and files <= max_files:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            files += 1
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                used += entry.stat(follow_symlinks=False).st_blocks * 512
+            except OSError:
+                continue  # removed meanwhile
+    return used, files
 
 
 # ---- calls: inputs in shared memory, outputs copied back -------------------------------------
@@ -372,8 +429,8 @@ class Session:
             if got != expected:
                 raise Verdict(
                     Status.WRONG,
-                    f"{where}: {label}returned {tuple(got['shape'] or ())} {got['dtype']} on {got['device']}, "
-                    f"expected {tuple(r.shape)} {expected['dtype']} on {self.kind}",
+                    f"{where}: {label}returned {tuple(got['shape'] or ())} {got['dtype']} on "
+                    f"{got['device']}, expected {tuple(r.shape)} {expected['dtype']} on {self.kind}",
                 )
             want_strides = shared.contiguous_strides(r.shape)
             strides = o.get("strides")
@@ -513,7 +570,8 @@ class Evaluation:
         )
         proof = dict(shape=shape.name, dtype=shape.dtype, trial=-1)
         if "raised" in described:
-            self.checks.append(ShapeCheck(**proof, ok=True, message=f"no output with every Triton kernel disabled ({described['raised']})"[:200]))  # fmt: skip
+            message = f"no output with every Triton kernel disabled ({described['raised']})"
+            self.checks.append(ShapeCheck(**proof, ok=True, message=message[:200]))
             return
         pristine = call.inputs
         ref_inputs = pristine.clone()
@@ -535,9 +593,9 @@ class Evaluation:
             got, ref, self.problem.tolerance(shape.dtype), self.problem.tolerance_scale(pristine)
         )
         if still_ok:
-            self.checks.append(ShapeCheck(**proof, ok=False, message="output is still correct with every Triton kernel disabled"))  # fmt: skip
-            raise Verdict(Status.SUSPICIOUS, "output is still correct with every Triton kernel disabled: "
-                          "the op was not computed by its kernels")  # fmt: skip
+            message = "output is still correct with every Triton kernel disabled"
+            self.checks.append(ShapeCheck(**proof, ok=False, message=message))
+            raise Verdict(Status.SUSPICIOUS, f"{message}: the op was not computed by its kernels")
         self.checks.append(ShapeCheck(**proof, ok=True))
 
     def run_checks(self) -> None:

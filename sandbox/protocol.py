@@ -53,6 +53,9 @@ class EvalRequest(BaseModel):
     # Applied by the runner to itself before the candidate is imported (None: not set here).
     cpu_seconds: int | None = None
     address_space_bytes: int | None = None
+    # What the runner may hold in its scratch directory, watched by the judge (None: unwatched).
+    scratch_bytes: int | None = 4 * 1024**3
+    scratch_files: int | None = 100_000
     # With isolation "docker": the container's settings (sandbox.docker_backend.ContainerRunner).
     docker: dict | None = None
 
@@ -194,9 +197,9 @@ def check_shape(
 ) -> ShapeCheck:
     """Run one correctness trial of `fn` on fresh inputs of `shape` (twice with `repeat`, to
     check that it agrees with itself), in this process: for the library's own, trusted kernels
-    (tests of problems and kernels); candidates are checked by the judge, never so. `held` keeps earlier outputs alive, so an output that
-    shares their memory is a buffer the candidate reuses, not a fresh allocation. Exceptions
-    propagate."""
+    (tests of problems and kernels); candidates are checked by the judge, never so. `held` keeps
+    earlier outputs alive, so an output that shares their memory is a buffer the candidate
+    reuses, not a fresh allocation. Exceptions propagate."""
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     pristine = inputs.clone()
     ref_inputs = pristine.clone()  # the reference gets its own copy: it may not see the candidate's

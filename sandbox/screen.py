@@ -157,26 +157,6 @@ VETTED_ASM = frozenset(
     }
 )
 
-# The rules as the LLM's system prompt still names them (agent/llm/prompting.py): examples of
-# what the allowlist rejects, not the screen's rules (tests check that it rejects each one).
-FORBIDDEN_CALLS = frozenset(
-    {"open", "exec", "eval", "compile", "__import__", "globals", "locals", "vars", "getattr",
-     "setattr", "delattr", "breakpoint", "input", "memoryview", "type", "object", "super"}
-)  # fmt: skip
-FORBIDDEN_TORCH = (
-    "torch.utils", "torch.hub", "torch.multiprocessing", "torch.distributed", "torch.ops",
-    "torch.library", "torch.backends", "torch.load", "torch.save", "torch.from_file",
-    "torch.compile", "torch.jit", "torch.cuda", "torch.random", "torch.autograd", "torch.func",
-    "torch.fx", "torch.export", "torch.set_", "torch.use_deterministic_algorithms",
-    "torch.manual_seed", "torch.seed", "torch.initial_seed", "torch.nn", "torch._C", "torch.os",
-)  # fmt: skip
-FORBIDDEN_ATTRIBUTES = frozenset(
-    {"Stream", "Event", "synchronize", "stream", "current_stream", "default_stream",
-     "set_stream", "_C", "_dynamo", "_inductor", "cuda_graph", "CUDAGraph", "graph", "f_back",
-     "f_globals", "gi_frame", "tb_frame", "modules", "do_bench", "perf_counter", "elapsed_time",
-     "manual_seed", "get_rng_state", "set_rng_state", "format"}
-)  # fmt: skip
-
 
 @functools.cache
 def _public_names(module: str) -> frozenset[str]:
@@ -476,7 +456,8 @@ class _Screen:
                 else:
                     continue
                 if where is scope:
-                    names.add(n.arg if isinstance(n, ast.arg) else n.id if isinstance(n, ast.Name) else n.name)
+                    name = n.arg if isinstance(n, ast.arg) else n.id if isinstance(n, ast.Name) else n.name
+                    names.add(name)
             cache[id(scope)] = names
         return cache[id(scope)]
 

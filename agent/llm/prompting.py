@@ -146,12 +146,15 @@ def lineage(rows: list[EvaluationRow], best: EvaluationRow | None, limit: int) -
 
 
 def screen_rules(problem: Problem) -> dict:
+    """The screen's allowlist (sandbox.screen) as the system prompt states it."""
+    extras = getattr(problem, "screen_extras", ())
     return {
         "allowed_imports": sorted(screen.ALLOWED_IMPORTS - {"__future__"}),
-        "forbidden_calls": sorted(screen.FORBIDDEN_CALLS),
-        "forbidden_torch": list(screen.FORBIDDEN_TORCH),
-        "forbidden_attributes": sorted(screen.FORBIDDEN_ATTRIBUTES),
-        "forbidden_ops": list(problem.forbidden_ops),
+        "open_modules": list(screen.OPEN_MODULES),
+        "triton": sorted(screen.ALLOWED_TRITON),
+        "torch": sorted(screen.ALLOWED_TORCH - screen.TORCH_DTYPES) + [e for e in extras if "." in e],
+        "attributes": sorted(screen.VALUE_ATTRIBUTES | {e for e in extras if "." not in e}),
+        "builtins": sorted(screen.ALLOWED_BUILTINS - {"None", "True", "False", "Ellipsis", "NotImplemented"}),
     }
 
 

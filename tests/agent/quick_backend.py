@@ -20,8 +20,8 @@ import torch
 
 from sandbox.candidate import Candidate
 from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
-from sandbox.screen import screen_candidate
 from sandbox.runner import _is_compile_error
+from sandbox.screen import screen_candidate
 from search_space import get_problem
 
 QUICK_SHAPES = ("single-bag", "mixed-empty")
@@ -42,6 +42,8 @@ def load_candidate(path: Path, entry: str):
     if not callable(fn):
         raise AttributeError(f"the module defines no callable {entry!r}")
     return fn
+
+
 DEVICE = DeviceInfo(name="cpu", arch="interpreter", torch="t", triton="t", python="p", interpreted=True)
 
 

@@ -226,3 +226,111 @@ def test_the_runner_cannot_reach_the_host_and_leaves_nothing_behind(tmp_path: Pa
     assert (runner_dir / "child.pid").read_text().isdigit()
     assert seen_during, "the probe's child never showed up among the host's processes"
     assert left == [], f"processes outlived the evaluation: {left}"
+
+
+# Runs as the entry of a candidate in the real runner sandbox: fills its /tmp and /dev/shm and
+# forks until each refuses, and raises with how far it got, as JSON.
+EXHAUST = """
+import errno, json, os, signal
+
+def _fill(directory):
+    written = 0
+    try:
+        with open(os.path.join(directory, "fill"), "wb") as f:
+            while written < (4 << 30):
+                f.write(b"x" * (1 << 20))
+                f.flush()
+                written += 1 << 20
+        return written, "never refused"
+    except OSError as exc:
+        return written, errno.errorcode.get(exc.errno, str(exc))
+    finally:
+        try:
+            os.unlink(os.path.join(directory, "fill"))
+        except OSError:
+            pass
+
+def _fork_all():
+    children = 0
+    try:
+        while children < 100_000:
+            if os.fork() == 0:
+                try:
+                    signal.pause()
+                finally:
+                    os._exit(0)
+            children += 1
+        return children, "never refused"
+    except OSError as exc:
+        return children, errno.errorcode.get(exc.errno, str(exc))
+
+def embedding_bag(weight, indices, offsets, **kwargs):
+    with open("/proc/self/mounts") as f:
+        mounts = {line.split()[1]: line.split()[3] for line in f}
+    report = {
+        "tmp": _fill("/tmp"),
+        "shm": _fill("/dev/shm"),
+        "forks": _fork_all(),
+        "options": {place: mounts.get(place, "") for place in ("/tmp", "/dev/shm")},
+    }
+    raise RuntimeError("EXHAUST " + json.dumps(report))
+"""
+
+# Writes files into its scratch directory until the judge stops it (or gives up at 1 GiB).
+FLOOD_SCRATCH = """
+import time
+
+def embedding_bag(weight, indices, offsets, **kwargs):
+    for i in range(128):
+        with open(f"/scratch/flood-{i}", "wb") as f:
+            f.write(b"x" * (8 << 20))
+        time.sleep(0.02)
+    raise RuntimeError("NOT STOPPED")
+"""
+
+
+def _probe_request(runner_dir: Path, source: str, **overrides) -> EvalRequest:
+    runner_dir.mkdir()
+    (runner_dir / "candidate.py").write_text(source)
+    fields = {
+        "problem": "embedding_bag",
+        "candidate_id": "probe",
+        "source_file": f"{isolation.SCRATCH}/candidate.py",
+        "entry": "embedding_bag",
+        "runner_dir": str(runner_dir),
+        "timing": False,
+        "timeout_s": 120,
+        **overrides,
+    }
+    return EvalRequest(**fields)
+
+
+@pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+def test_the_runner_cannot_exhaust_the_hosts_memory_or_pids(tmp_path: Path) -> None:
+    """Its /tmp and /dev/shm (in the host's memory) are sized, and end there (under a root judge
+    they are root's, so closed to the runner's user altogether); forking ends at the task
+    budget; each with the error a full system gives, not with a host out of memory or PIDs."""
+    result = evaluate(_probe_request(tmp_path / "runner", EXHAUST))
+    assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
+    report = json.loads(result.message.split("EXHAUST ", 1)[1])
+    for place in ("tmp", "shm"):
+        written, error = report[place]
+        full = error == "ENOSPC" and written <= isolation.TMPFS_BYTES
+        closed = error in ("EACCES", "EROFS") and written == 0
+        assert full or closed, (place, report[place])
+    for place, options in report["options"].items():
+        assert f"size={isolation.TMPFS_BYTES // 1024}k" in options.split(","), (place, options)
+    forks, error = report["forks"]
+    assert error == "EAGAIN" and 0 < forks <= isolation.TASK_BUDGET, report["forks"]
+
+
+@pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+def test_a_runner_filling_its_scratch_directory_is_stopped(tmp_path: Path) -> None:
+    runner_dir = tmp_path / "runner"
+    request = _probe_request(runner_dir, FLOOD_SCRATCH, scratch_bytes=64 * 1024**2)
+    result = evaluate(request)
+    assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
+    assert "over its quota of 64 MiB" in result.message, result.message
+    # Stopped within about one look (half a second) of crossing the quota: far from 1 GiB.
+    written = sum(p.stat().st_size for p in runner_dir.glob("flood-*"))
+    assert 64 * 1024**2 < written < 512 * 1024**2, written

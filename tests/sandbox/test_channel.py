@@ -33,8 +33,9 @@ def whoami(x):
     status = open("/proc/self/status").read()
     uid = int(status.split("Uid:")[1].split()[0])
     cap = int(status.split("CapEff:")[1].split()[0], 16)
-    return torch.tensor([uid, cap, len([p for p in os.listdir("/proc") if p.isdigit()]), int(os.path.exists("/work/main/.git"))],
-                        dtype=torch.float32, device=x.device)
+    pids = len([p for p in os.listdir("/proc") if p.isdigit()])
+    sees_git = int(os.path.exists("/work/main/.git"))
+    return torch.tensor([uid, cap, pids, sees_git], dtype=torch.float32, device=x.device)
 """
 
 
@@ -47,7 +48,7 @@ class Judge:
         scratch = tmp / "runner"
         scratch.mkdir()
         (scratch / "candidate.py").write_text(source)
-        self.log = open(tmp / "runner.log", "wb")
+        self.log = open(tmp / "runner.log", "wb")  # noqa: SIM115 - closed by close()
         argv = [sys.executable, "-m", "sandbox.runner", str(runner_end.fileno())]
         self.proc = isolation.start_runner(
             argv, scratch, gpu=device == "cuda", pass_fds=(runner_end.fileno(),), stdout=self.log

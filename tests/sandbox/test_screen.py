@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 
 from kernels.registry import KernelLibrary
-from sandbox import screen as screen_module
 from sandbox.candidate import Candidate
 from sandbox.result import Status
 from sandbox.screen import screen, screen_candidate, screen_problem
@@ -567,18 +566,51 @@ def test_screen_candidate_applies_the_problems_declarations(monkeypatch: pytest.
     assert screen_candidate(candidate) is None
 
 
-@pytest.mark.parametrize(
-    "example",
-    sorted(screen_module.FORBIDDEN_CALLS)
-    + list(screen_module.FORBIDDEN_TORCH)
-    + sorted(screen_module.FORBIDDEN_ATTRIBUTES),
-)
-def test_the_prompts_examples_of_forbidden_names_are_rejected(example: str) -> None:
-    """agent/llm/prompting.py still shows the model these lists: each must be rejected."""
+# Names a blocklist would have listed: each is outside the allowlist.
+FORBIDDEN_CALLS = (
+    "open", "exec", "eval", "compile", "__import__", "globals", "locals", "vars", "getattr",
+    "setattr", "delattr", "breakpoint", "input", "memoryview", "type", "object", "super",
+)  # fmt: skip
+FORBIDDEN_TORCH = (
+    "torch.utils", "torch.hub", "torch.multiprocessing", "torch.distributed", "torch.ops",
+    "torch.library", "torch.backends", "torch.load", "torch.save", "torch.from_file",
+    "torch.compile", "torch.jit", "torch.cuda", "torch.random", "torch.autograd", "torch.func",
+    "torch.fx", "torch.export", "torch.set_", "torch.use_deterministic_algorithms",
+    "torch.manual_seed", "torch.seed", "torch.initial_seed", "torch.nn", "torch._C", "torch.os",
+)  # fmt: skip
+FORBIDDEN_ATTRIBUTES = (
+    "Stream", "Event", "synchronize", "stream", "current_stream", "default_stream", "set_stream",
+    "_C", "_dynamo", "_inductor", "cuda_graph", "CUDAGraph", "graph", "f_back", "f_globals",
+    "gi_frame", "tb_frame", "modules", "do_bench", "perf_counter", "elapsed_time", "manual_seed",
+    "get_rng_state", "set_rng_state", "format",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("example", FORBIDDEN_CALLS + FORBIDDEN_TORCH + FORBIDDEN_ATTRIBUTES)
+def test_names_a_blocklist_would_list_are_rejected(example: str) -> None:
     if example.startswith("torch."):
         body = f"x = {example}x" if example.endswith("_") else f"x = {example}"
-    elif example in screen_module.FORBIDDEN_CALLS:
+    elif example in FORBIDDEN_CALLS:
         body = f"x = {example}()"
     else:
         body = f"x = weight.{example}"
     assert screen(_with_body(body), ENTRY, FORBIDDEN), body
+
+
+def _prompt_rules() -> dict:
+    from agent.llm.prompting import screen_rules
+    from search_space import get_problem
+
+    return screen_rules(get_problem("embedding_bag"))
+
+
+def test_every_name_the_prompt_allows_passes_the_screen() -> None:
+    """The system prompt states the allowlist (agent/llm/prompting.py: screen_rules): what it
+    offers must pass, or the model is told to write what the screen refuses."""
+    rules = _prompt_rules()
+    # Module members and builtins are called (the screen refuses them as values: rule aliases).
+    bodies = [f"x = {name}()" for name in rules["torch"] + rules["triton"] + rules["builtins"]]
+    bodies += [f"x = weight.{name}" for name in rules["attributes"]]
+    refused = {body: screen(_with_body(body), ENTRY, FORBIDDEN) for body in bodies}
+    assert not {body: why for body, why in refused.items() if why}
+    assert len(bodies) > 60
