@@ -18,6 +18,9 @@ EvalResult. Rules, each enforced where it is written below:
 - timing from outside: the judge's clock around each batch, which ends only after the runner's
   device-wide synchronize, bounds the per-call event times the runner reports; times that do not
   account for the judge's clock make the result suspicious;
+- host compute: every untimed call, and one timed batch per shape drawn at random (its times
+  dropped), runs under the runner's watch of torch ops on floating-point data
+  (sandbox.host_ops); host code that computes the op so is suspicious;
 - the runner's failures are statuses: it may die, hang, flood its output, send garbage or exit
   without answering; each becomes a result with a reason, and the judge goes on to write it.
 """
@@ -38,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,15 +364,20 @@ class Session:
             torch.cuda.synchronize()  # the inputs are in memory before the runner reads them
 
     def run(self, calls: list[Call], *, noop: bool = False, poison: int = 0, where: str) -> list[dict]:
-        """Untimed calls (checks, no-op proofs): what each returned, as the runner describes it."""
-        reply = self.runner.ask(self._message(calls, timed=False, noop=noop, poison=poison), where=where)
+        """Untimed calls (checks, no-op proofs), watched: what each returned, as the runner
+        describes it."""
+        message = self._message(calls, timed=False, noop=noop, poison=poison, watch=True)
+        reply = self.runner.ask(message, where=where)
         return self._by_call(calls, reply.get("calls"), where)
 
-    def run_timed(self, calls: list[Call], *, lock: str | None, where: str) -> tuple[float, list, list[dict]]:
+    def run_timed(
+        self, calls: list[Call], *, lock: str | None, where: str, watch: bool = False
+    ) -> tuple[float, list, list[dict]]:
         """A timed batch: the judge's clock in microseconds from its "go" to the runner's answer
         (which comes after the runner's device-wide synchronize), the runner's per-call times,
-        and what each call returned."""
-        ready = self.runner.ask(self._message(calls, timed=True), where=where)
+        and what each call returned. `watch`: under the host-compute watch, whose overhead the
+        times then include."""
+        ready = self.runner.ask(self._message(calls, timed=True, watch=watch), where=where)
         if ready.get("ready") is not True:
             raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner did not get ready to time")
         with gpu_use(lock, exclusive=True):
@@ -385,13 +394,16 @@ class Session:
         return wall_us, times, self._by_call(calls, described.get("calls"), where)
 
     @staticmethod
-    def _message(calls: list[Call], *, timed: bool, noop: bool = False, poison: int = 0) -> dict:
+    def _message(
+        calls: list[Call], *, timed: bool, noop: bool = False, poison: int = 0, watch: bool = False
+    ) -> dict:
         return {
             "op": "run",
             "calls": [{"id": c.id, "args": c.args, "kwargs": c.kwargs} for c in calls],
             "timed": timed,
             "noop": noop,
             "poison_bytes": poison,
+            "watch": watch,
         }
 
     @staticmethod
@@ -404,6 +416,14 @@ class Session:
             raise Verdict(
                 Status.RUNTIME_ERROR, f"{where}: the runner answered for other calls than it was given"
             )
+        for item in by_id.values():
+            # Rule host compute (sandbox.host_ops): the op is computed by the kernels.
+            if item.get("host_compute"):
+                raise Verdict(
+                    Status.SUSPICIOUS,
+                    f"{where}: host code computed on floating-point tensors with "
+                    f"{str(item['host_compute'])[:200]}: the op must be computed by its Triton kernels",
+                )
         return [by_id[c.id] for c in calls]
 
     def fetch(self, call: Call, described: dict, ref: Output, where: str) -> Output:
@@ -429,8 +449,8 @@ class Session:
             if got != expected:
                 raise Verdict(
                     Status.WRONG,
-                    f"{where}: {label}returned {tuple(got['shape'] or ())} {got['dtype']} on "
-                    f"{got['device']}, expected {tuple(r.shape)} {expected['dtype']} on {self.kind}",
+                    f"{where}: {label}returned {str(got['shape'])[:100]} {str(got['dtype'])[:40]} on "
+                    f"{str(got['device'])[:40]}, expected {list(r.shape)} {expected['dtype']} on {self.kind}",
                 )
             want_strides = shared.contiguous_strides(r.shape)
             strides = o.get("strides")
@@ -665,33 +685,46 @@ class Evaluation:
             warm = self.session.place(shape, 2)
             self.session.run(warm, where=f"warm-up {shape.describe()}")
             self.session.drop(calls=warm)
+        # Rule host compute: one batch, at a random point among them, runs under the watch
+        # (sandbox.host_ops); its times, which the watch's overhead inflates, are not kept.
+        watch_at = self.rng.randrange(max(1, target // per_batch))
+        watched = False
         batch_index = 0
-        while len(samples) < target:
-            n = min(per_batch, target - len(samples))
+        while True:
+            enough = len(samples) >= target or (
+                gpu and len(samples) >= MIN_TIMED_CALLS and sum(samples) * 1e-6 >= TIMED_TARGET_S
+            )
+            if enough and watched:
+                break
+            watch = not watched and (enough or batch_index == watch_at)
+            n = per_batch if enough else min(per_batch, target - len(samples))
             with gpu_use(lock, exclusive=False):
                 calls = self.session.place(shape, n, write=False)
             wall_us, times, described = self.session.run_timed(
-                calls, lock=lock, where=f"timing {shape.describe()}"
+                calls, lock=lock, where=f"timing {shape.describe()}", watch=watch
             )
             for d in described:  # the runner's own findings (aliasing, a subclass) fail any call
                 if isinstance(d.get("problem"), str):
                     raise Verdict(Status.WRONG, f"timing {shape.describe()}: {d['problem'][:500]}")
-            if not all(isinstance(t, int | float) and math.isfinite(t) and t >= 0 for t in times):
+            if not all(_a_time(t) for t in times):
                 raise Verdict(
                     Status.RUNTIME_ERROR, f"timing {shape.describe()}: the runner reported no times"
                 )
-            if gpu:
+            if watch:
+                watched = True
+            elif gpu:
                 outside_us += wall_us - calibration.rtt_us
                 accounted_us += sum(times) + n * calibration.flush_us
                 times = calibration.audit(shape, wall_us, times)
                 per_call = (wall_us - calibration.rtt_us) / n - calibration.flush_us
             else:
                 per_call = wall_us / n  # the interpreter: the judge's clock alone
-            # Rule timing from outside: each call counts at its batch's mean by the judge's
-            # clock, never at the runner's own per-call split (which a candidate that defers one
-            # call's work into the next could skew while the batch's sum stays honest); the
-            # events only raise it where they account for more.
-            samples.extend([max(per_call, sum(times) / n)] * n)
+            if not watch:
+                # Rule timing from outside: each call counts at its batch's mean by the judge's
+                # clock, never at the runner's own per-call split (which a candidate that defers
+                # one call's work into the next could skew while the batch's sum stays honest);
+                # the events only raise it where they account for more.
+                samples.extend([max(per_call, sum(times) / n)] * n)
             # Rule checks on the timed calls: drawn after the batch ran, at least one per batch.
             chosen = [i for i in range(n) if self.rng.random() < 0.25] or [self.rng.randrange(n)]
             with gpu_use(lock, exclusive=False):
@@ -704,8 +737,6 @@ class Evaluation:
                     with contextlib.suppress(_EmptyOutput):
                         self.no_op_proof(shape)
             batch_index += 1
-            if gpu and len(samples) >= MIN_TIMED_CALLS and sum(samples) * 1e-6 >= TIMED_TARGET_S:
-                break
         base = {}
         if baselines:
             arg_sets = []
@@ -733,6 +764,16 @@ class Evaluation:
             accounted=accounted_us / outside_us if gpu and outside_us > 0 else None,
             checked_calls=checked,
         )
+
+
+def _a_time(t) -> bool:
+    """A per-call time as the runner must report it: a finite, non-negative number."""
+    if isinstance(t, bool) or not isinstance(t, int | float):
+        return False
+    try:
+        return math.isfinite(t) and t >= 0
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 @dataclass(frozen=True)
@@ -837,8 +878,9 @@ def evaluate(request: EvalRequest) -> EvalResult:
         ev.session = Session(runner, ev.problem, ev.device)
         runner.ask({"op": "ping"}, where="start")
         ev.clock.start("load")
-        runner.ask({"op": "load", "source_file": request.source_file, "entry": request.entry},
-                   where="import failed")  # fmt: skip
+        load = {"op": "load", "source_file": request.source_file, "entry": request.entry,
+                "host_float_ops": list(ev.problem.host_float_ops)}  # fmt: skip
+        runner.ask(load, where="import failed")
         if request.check:
             ev.clock.start("check")
             ev.run_checks()
@@ -851,6 +893,11 @@ def evaluate(request: EvalRequest) -> EvalResult:
         status, message, log = verdict.status, verdict.message, verdict.log
     except (isolation.IsolationUnavailable, OSError) as exc:
         status, message = Status.RUNTIME_ERROR, f"the runner's sandbox did not start: {exc}"
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError, AttributeError) as exc:
+        # Rule failures: an answer of the runner that got past the checks on its form and still
+        # could not be used is the runner's failure, never the judge's crash.
+        status, log = Status.RUNTIME_ERROR, traceback.format_exc()
+        message = f"the judge could not use the runner's answers ({type(exc).__name__}: {exc})"
     finally:
         if runner is not None:
             runner.kill()

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from sandbox import confine, shared, wire
+from sandbox import confine, host_ops, shared, wire
 
 POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
 L2_FLUSH_BYTES = 128 * 1024 * 1024  # twice the H200's 60 MB L2: writing it evicts what a call left
@@ -101,6 +101,11 @@ class Runner:
         self.outputs: dict[int, list[torch.Tensor]] = {}  # call id -> its output tensors
         self.fn = None
         self._flush: torch.Tensor | None = None
+        # The host-compute watch (sandbox.host_ops): on for the calls of a run that asks for it;
+        # what it found, by call id; the torch ops the problem lets host code run on floats.
+        self.watch = False
+        self.host_compute: dict[int, str] = {}
+        self.host_float_ops: frozenset[str] = frozenset()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -135,12 +140,19 @@ class Runner:
         return None
 
     def op_load(self, message: dict, fds: list[int]) -> dict:
+        self.host_float_ops = frozenset(str(op) for op in message.get("host_float_ops", ()))
+        host_ops.leave_launches_unwatched(_kernel_classes())
         try:
-            spec = importlib.util.spec_from_file_location("candidate", message["source_file"])
-            assert spec is not None and spec.loader is not None
+            path = message["source_file"]
+            # The text the screen read (sandbox.screen, rule text): UTF-8, compiled from the
+            # string, whatever the file might declare.
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
+            spec = importlib.util.spec_from_file_location("candidate", path)
+            assert spec is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules["candidate"] = module  # triton's source inspection looks modules up here
-            spec.loader.exec_module(module)
+            exec(compile(text, path, "exec", dont_inherit=True), module.__dict__)
             fn = getattr(module, message["entry"], None)
             if not callable(fn):
                 raise AttributeError(f"the module defines no callable {message['entry']!r}")
@@ -177,6 +189,7 @@ class Runner:
             raise RunnerError("no candidate loaded")
         calls = [(int(c["id"]), self._arguments(c)) for c in message["calls"]]
         timed, noop = bool(message.get("timed")), bool(message.get("noop"))
+        self.watch = bool(message.get("watch"))
         poison = int(message.get("poison_bytes", 0))
         results: list[dict] = []
         try:
@@ -198,14 +211,14 @@ class Runner:
                     if noop:
                         with kernels_disabled():
                             try:
-                                self.outputs[cid] = self._call(args, kwargs)
+                                self._call(cid, args, kwargs)
                             except Exception as exc:  # noqa: BLE001
                                 # No output without kernels: a fallback would have given one.
                                 self._sync()  # a CUDA error is an error, not an answer
                                 results.append({"id": cid, "raised": type(exc).__name__})
                                 continue
                     else:
-                        self.outputs[cid] = self._call(args, kwargs)
+                        self._call(cid, args, kwargs)
                     self._sync()
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):
@@ -253,22 +266,30 @@ class Runner:
 
         return [value(a) for a in call["args"]], {k: value(v) for k, v in call["kwargs"].items()}
 
-    def _call(self, args: list, kwargs: dict) -> list[torch.Tensor] | str:
-        out = self.fn(*args, **kwargs)
+    def _call(self, cid: int, args: list, kwargs: dict) -> None:
+        """Call the entry; its outputs (or what is wrong with them) kept as call `cid`'s."""
+        with host_ops.watching(self.watch, self.host_float_ops) as watch:
+            out = self.fn(*args, **kwargs)
+        if watch is not None and watch.first is not None:
+            self.host_compute[cid] = watch.first
         items = list(out) if isinstance(out, tuple | list) else [out]
         for t in items:
             if type(t) is not torch.Tensor:
                 # Only plain tensors: a subclass could compare equal to anything.
-                return f"returned {type(t).__name__}, expected torch.Tensor"
-        return items
+                self.outputs[cid] = f"returned {type(t).__name__}, expected torch.Tensor"
+                return
+        self.outputs[cid] = items
 
     def _describe(self, cid: int) -> dict:
+        host = self.host_compute.pop(cid, None)
+        found = {"host_compute": host} if host else {}
         out = self.outputs.get(cid)
         if isinstance(out, str):
             self.outputs.pop(cid)
-            return {"problem": out}
+            return {"problem": out, **found}
         problem = self._aliasing(cid, out)
         return {
+            **found,
             "tuple": len(out) != 1 or None,
             "outputs": [
                 {
@@ -333,13 +354,13 @@ class Runner:
             times = []
             for cid, (args, kwargs) in calls:
                 t0 = _perf_counter()
-                self.outputs[cid] = self._call(args, kwargs)
+                self._call(cid, args, kwargs)
                 times.append((_perf_counter() - t0) * 1e6)
             return times
         for i, (cid, (args, kwargs)) in enumerate(calls):
             self._flush.zero_()
             starts[i].record()
-            self.outputs[cid] = self._call(args, kwargs)
+            self._call(cid, args, kwargs)
             ends[i].record()
         # Device-wide: work on any stream is done before the judge's clock stops.
         _cuda_synchronize()

@@ -21,7 +21,9 @@ import builtins
 import functools
 import importlib
 import inspect
+import io
 import threading
+import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -604,6 +606,31 @@ class _Screen:
                 return
 
 
+# Rule text: the screen reads the text Python will run. Python decodes a module file by its
+# coding declaration (PEP 263) while this screen parses the string it is given, so a source
+# that declares another encoding (utf-7 turns a comment into code) is refused, as are control
+# characters (a form feed, a lone carriage return) that the two readings could split lines on.
+TEXT_CONTROLS = frozenset(chr(c) for c in range(32) if chr(c) not in "\t\n") | {"\x7f"}
+
+
+def _text_violations(source: str) -> list[Violation]:
+    try:
+        data = source.encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates
+        return [Violation("text", 0, f"the source is not valid UTF-8 text ({exc.reason})")]
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as exc:
+        return [Violation("text", 0, f"unreadable coding declaration: {exc}")]
+    if encoding not in ("utf-8", "utf-8-sig"):
+        return [Violation("text", 0, f"declares the {encoding} encoding; only UTF-8 source is read")]
+    for number, line in enumerate(source.split("\n"), start=1):
+        bad = sorted(set(line) & TEXT_CONTROLS)
+        if bad:
+            return [Violation("text", number, f"control character {bad[0]!r}; only tabs and newlines")]
+    return []
+
+
 def screen(
     source: str,
     entry: str,
@@ -618,6 +645,9 @@ def screen(
     attribute name: a candidate must do that work in a Triton kernel. `allowed_extras` are names
     the problem allows beyond the lists above: dotted (torch.cumsum) or attribute names (cumsum);
     `allow_inline_asm` lets kernels use tl.inline_asm_elementwise."""
+    text = _text_violations(source)
+    if text:
+        return text
     try:
         tree = parse_source(source)
     except SyntaxError as exc:

@@ -126,6 +126,9 @@ def grad_problem(
         template=name,
         error_scale=grad_error_scale,
         forbidden_ops=(*forward.forbidden_ops, "autograd", "grad", "backward", "vjp", "jvp"),
+        # The default kernels sum per-program partials of dq (broadcast queries) and of
+        # d rel_bias on the host.
+        host_float_ops=("sum",),
     )
 
 

@@ -152,6 +152,16 @@ CHECK_SHAPES = tuple(
         _s("weighted", dtype, num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True),
         _s("duplicates", dtype, num_rows=100, dim=64, lengths=[6, 9, 1, 33], duplicates=True),
         _s("dim-200", dtype, num_rows=64, dim=200, num_bags=5, max_len=120),
+        # Wider than any tile of 256 columns: a second column block.
+        _s("dim-300", dtype, num_rows=40, dim=300, num_bags=6, max_len=20),
+    )
+) + tuple(
+    # fp16 has a tolerance, so it is part of the domain a kernel is checked on.
+    _s(name, "fp16", **params)
+    for name, params in (
+        ("mixed-empty", dict(num_rows=1000, dim=64, lengths=[3, 0, 1, 7, 0, 0, 12, 5, 1, 0, 2])),
+        ("dim-100-mean", dict(num_rows=300, dim=100, num_bags=17, max_len=30, mode="mean")),
+        ("weighted", dict(num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True)),
     )
 )
 
@@ -244,9 +254,9 @@ PROBLEM = Problem(
     op_family="embedding",
     entry=ENTRY,
     signature=(
-        "embedding_bag(weight: Tensor[num_rows, D], indices: int64 Tensor[nnz], "
+        "embedding_bag(weight: Tensor[num_rows, D] (fp32, bf16 or fp16), indices: int64 Tensor[nnz], "
         "offsets: int64 Tensor[B + 1], *, mode: 'sum' | 'mean' = 'sum', "
-        "per_sample_weights: Tensor[nnz] | None = None) -> Tensor[B, D]"
+        "per_sample_weights: Tensor[nnz] | None = None) -> Tensor[B, D]; every tensor contiguous"
     ),
     description=__doc__,
     check_shapes=CHECK_SHAPES,

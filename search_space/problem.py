@@ -113,6 +113,10 @@ class Problem:
     shape_baselines: Mapping[str, ShapeBaseline] = field(default_factory=dict)
     # torch functions that compute this op: a candidate may not fall back to them.
     forbidden_ops: tuple[str, ...] = ()
+    # torch ops (aten names, "sum") that host code may run on floating-point tensors beyond
+    # allocation, views, copies and casts (sandbox.host_ops): a final reduction of per-program
+    # partial sums, say. Host code computing anything else on floating-point data is suspicious.
+    host_float_ops: tuple[str, ...] = ()
     # What the candidate screen's allowlist (sandbox.screen) lets through for this problem only:
     # dotted names ("torch.cumsum") and attribute names ("sum") its host code needs.
     screen_extras: tuple[str, ...] = ()

@@ -47,14 +47,12 @@ def _edit(old: str, new: str) -> str:
     return DEFAULT_SOURCE.replace(old, new)
 
 
-# The op in torch ops (the problem's reference, which the runner cannot import: only the sandbox
-# package of this repository is in its sandbox), gated by a Triton kernel's flag.
-FLAGGED = """
-import os, signal, socket, sys
-import torch
-import triton
-import triton.language as tl
-
+# A correct Triton kernel (the adversarial suite's base) for the op, gated by a second kernel's
+# flag: host code reading its kernels' flag, as the no-op proof must allow.
+FLAGGED = (
+    "import os, signal, socket, sys\n"
+    + (Path(__file__).parent / "adversarial" / "base.py").read_text()
+    + """
 
 @triton.jit
 def _mark(flag_ptr):
@@ -69,18 +67,28 @@ def _kernels_ran(device):
 
 
 def _bags(weight, indices, offsets, mode="sum", per_sample_weights=None):
-    acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-    num_bags = offsets.numel() - 1
-    lengths = offsets[1:] - offsets[:-1]
-    bag = torch.repeat_interleave(torch.arange(num_bags, device=weight.device), lengths)
-    rows = weight.index_select(0, indices).to(acc)
-    if per_sample_weights is not None:
-        rows = rows * per_sample_weights.to(acc)[:, None]
-    out = torch.zeros(num_bags, weight.shape[1], dtype=acc, device=weight.device)
-    out.index_add_(0, bag, rows)
-    if mode == "mean":
-        out = out / lengths.clamp(min=1).to(acc)[:, None]
-    return out.to(weight.dtype)
+    out = torch.empty((offsets.numel() - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    return _launch(weight, indices, offsets, out, mode, per_sample_weights)
+"""
+)
+
+# The op in plain Python on host copies of the inputs (lists, then written back element by
+# element: allocation and copies only, which the host-compute watch allows), beside a kernel
+# whose work is never used: only the no-op proof can tell.
+PYTHON_BAGS = """
+def _python_bags(weight, indices, offsets, mode, per_sample_weights):
+    rows, ids, starts = weight.tolist(), indices.tolist(), offsets.tolist()
+    scales = per_sample_weights.tolist() if per_sample_weights is not None else None
+    out = torch.empty((len(starts) - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    for b in range(len(starts) - 1):
+        acc = [0.0] * weight.shape[1]
+        for i in range(starts[b], starts[b + 1]):
+            s = scales[i] if scales is not None else 1.0
+            acc = [a + s * r for a, r in zip(acc, rows[ids[i]])]
+        if mode == "mean":
+            acc = [a / max(starts[b + 1] - starts[b], 1) for a in acc]
+        out[b] = torch.tensor(acc)
+    return out
 """
 
 
@@ -103,12 +111,45 @@ CASES: dict[str, tuple[str, dict]] = {
     # The real kernel, checked and then timed (interpreted): the one slow case.
     "default-template": (DEFAULT_SOURCE, {"timing": True}),
     "flagged": (_flagged("return out"), {}),
-    # The op in torch ops, with a kernel launched beside it whose work is never used.
+    # The op in plain Python, with a kernel launched beside it whose work is never used.
     "side-kernel": (
         FLAGGED.replace('raise RuntimeError("the flag kernel did not run")', "pass")
+        + PYTHON_BAGS
         + "\n\ndef embedding_bag(weight, indices, offsets, *, mode='sum', per_sample_weights=None):\n"
         + "    _kernels_ran(weight.device)\n"
-        + "    return _bags(weight, indices, offsets, mode, per_sample_weights)\n",
+        + "    return _python_bags(weight, indices, offsets, mode, per_sample_weights)\n",
+        {},
+    ),
+    # The runner itself patched (`python -m sandbox.runner` is __main__ there) to describe an
+    # output that is no shape at all, and to report a time too large for a float.
+    "malformed-describe": (
+        _flagged(
+            "runner = sys.modules['__main__'].Runner\n"
+            "runner._describe = lambda self, cid: {'outputs': [{'shape': 5, 'dtype': [], 'strides': 3}]}\n"
+            "return out"
+        ),
+        {},
+    ),
+    "huge-times": (
+        _flagged(
+            "runner = sys.modules['__main__'].Runner\n"
+            "timed = runner._timed\n"
+            "runner._timed = lambda self, *batch: [10**400 for _ in timed(self, *batch)]\n"
+            "return out"
+        ),
+        {"timing": True},
+    ),
+    # The op in torch ops on the host, beside the flag kernel: the host-compute watch sees it.
+    "torch-fallback": (
+        _flagged("return weight.index_select(0, indices).sum(0, keepdim=True).expand_as(out).contiguous()"),
+        {},
+    ),
+    # A gather on the table's bits viewed as integers, which the watch must also see.
+    "int-view-gather": (
+        _flagged(
+            "bits = weight.view(torch.int32 if weight.element_size() == 4 else torch.int16)\n"
+            "return bits[indices[: out.shape[0]]].view(weight.dtype)"
+        ),
         {},
     ),
     "subclass": (_flagged("class Sneaky(torch.Tensor):\n    pass\nreturn out.as_subclass(Sneaky)"), {}),
@@ -277,6 +318,26 @@ def test_torch_ops_beside_a_side_kernel_are_suspicious(outcomes) -> None:
     result = _result(outcomes, "side-kernel")
     _says(result, Status.SUSPICIOUS, "still correct with every Triton kernel disabled")
     assert result.checks[-1].trial == -1 and not result.checks[-1].ok
+
+
+@needs_bwrap
+def test_torch_ops_on_floating_point_data_in_host_code_are_suspicious(outcomes) -> None:
+    _says(_result(outcomes, "torch-fallback"), Status.SUSPICIOUS, "host code computed", "aten.index_select")
+
+
+@needs_bwrap
+def test_floating_point_data_viewed_as_integers_is_suspicious(outcomes) -> None:
+    _says(_result(outcomes, "int-view-gather"), Status.SUSPICIOUS, "host code computed", "aten.view.dtype")
+
+
+@needs_bwrap
+def test_a_malformed_description_is_wrong_not_a_crash(outcomes) -> None:
+    _says(_result(outcomes, "malformed-describe"), Status.WRONG, "returned 5 [] on None")
+
+
+@needs_bwrap
+def test_a_time_too_large_for_a_float_is_a_runtime_error(outcomes) -> None:
+    _says(_result(outcomes, "huge-times"), Status.RUNTIME_ERROR, "the runner reported no times")
 
 
 @needs_bwrap

@@ -614,3 +614,24 @@ def test_every_name_the_prompt_allows_passes_the_screen() -> None:
     refused = {body: screen(_with_body(body), ENTRY, FORBIDDEN) for body in bodies}
     assert not {body: why for body, why in refused.items() if why}
     assert len(bodies) > 60
+
+
+@pytest.mark.parametrize(
+    ("header", "fragment"),
+    [
+        # utf-7 decodes "+AAo-" to a newline: what the screen reads as a comment Python runs.
+        ("# -*- coding: utf-7 -*-\n", "declares the utf-7 encoding"),
+        ("#!/usr/bin/env python\n# vim: set fileencoding=latin-1 :\n", "declares the iso-8859-1 encoding"),
+        ("# a form feed \x0c splits lines differently\n", "control character '\\x0c'"),
+        ("x = 1\r# a lone carriage return\n", "control character '\\r'"),
+    ],
+)
+def test_source_python_would_read_otherwise_is_rejected(header: str, fragment: str) -> None:
+    """Rule text: the screen reads the text Python will run, or refuses the source."""
+    violations = screen(header + _with_body("pass"), ENTRY, FORBIDDEN)
+    assert violations and violations[0].rule == "text" and fragment in violations[0].detail, violations
+
+
+def test_utf8_source_with_a_utf8_declaration_and_non_ascii_text_passes() -> None:
+    source = "# -*- coding: utf-8 -*-\n# Größe, naïve\n" + _with_body("pass")
+    assert screen(source, ENTRY, FORBIDDEN) == []

@@ -1,6 +1,7 @@
 """Computes the op on the host with what the screen allows (indexing, arithmetic, the builtin
-sum over rows), and launches a kernel on the side so that a kernel is seen to run."""
-# expect: suspicious | every Triton kernel disabled
+sum over rows), and launches a kernel on the side so that a kernel is seen to run: the
+host-compute watch sees the gather (without it, the no-op proof would catch this one)."""
+# expect: suspicious | host code computed on floating-point tensors
 # base: yes
 
 

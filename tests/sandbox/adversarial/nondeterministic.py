@@ -9,8 +9,9 @@ _CALLS = {}
 
 def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
     out = torch.empty((offsets.numel() - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-    _launch(weight, indices, offsets, out, mode, per_sample_weights)
     # By shape: the tensors of every call are new objects (views of the judge's shared memory).
     key = (tuple(weight.shape), indices.numel(), offsets.numel())
     _CALLS[key] = _CALLS.get(key, 0) + 1
-    return out if _CALLS[key] == 1 else out * 1.01
+    # Later calls reduce the other way (a mean for a sum): off wherever a bag has two ids or more.
+    flipped = mode if _CALLS[key] == 1 else ("mean" if mode == "sum" else "sum")
+    return _launch(weight, indices, offsets, out, flipped, per_sample_weights)

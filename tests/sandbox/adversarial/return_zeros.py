@@ -6,4 +6,4 @@
 def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
     out = torch.zeros((offsets.numel() - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
     _launch(weight, indices, offsets, torch.empty_like(out), mode, per_sample_weights)
-    return out * 1e-3
+    return out
