@@ -45,3 +45,17 @@ def incumbents(problem: str, library: KernelLibrary, arch: str) -> list[Candidat
         c = Candidate(problem=problem, source=source, entry=entry, origin=ORIGIN)
         out.setdefault(c.id, c)
     return list(out.values())
+
+
+def unmeasured_incumbents(rows) -> str | None:
+    """Why a campaign's proposals for a problem have no bar to clear, or None: an incumbent (what
+    dispatch runs today) that the campaign could not evaluate. Then nothing is registered for
+    the problem: a proposal would replace kernels it was never compared with."""
+    failed = [r for r in rows if r.candidate.origin == ORIGIN and r.result.status.value != "ok"]
+    if not failed:
+        return None
+    named = "; ".join(
+        f"{r.candidate.entry} {r.candidate.id} {r.result.status.value}: {r.result.message[:200]}"
+        for r in failed
+    )
+    return f"what dispatch runs today could not be evaluated ({named})"

@@ -11,7 +11,7 @@ from langgraph.runtime import Runtime
 
 from agent.config import BudgetSpent
 from agent.incumbents import ORIGIN as INCUMBENT
-from agent.incumbents import campaign_arch, incumbents
+from agent.incumbents import campaign_arch, incumbents, unmeasured_incumbents
 from agent.population import beats, bucket_us, buckets, elites, margin, pick_best, pick_bucket_bests
 from agent.proposers import ProposalRequest, propose_batch
 from agent.report import write_report
@@ -69,10 +69,11 @@ def propose(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     n = max(1, min(ctx.config.proposer.batch_size, remaining))
     best_id = state.get("best", {}).get(problem)
     seen = {r.candidate.id for r in rows}
-    # The first batch measures what dispatch runs today: the bar every proposal must clear (unless
-    # the campaign starts from the reference, proposals only).
+    # The first batches measure what dispatch runs today, every kernel of it however small the
+    # batches: the bar every proposal must clear (unless the campaign starts from the
+    # reference, proposals only).
     seeds = []
-    if not rows and ctx.config.start_from == "library":
+    if ctx.config.start_from == "library":
         seeds = [c for c in incumbents(problem, ctx.library, campaign_arch()) if c.id not in seen]
     seeds = seeds[:n]
     proposers = ctx.proposers[problem]
@@ -295,6 +296,10 @@ def _slower_on_recheck(evidence: EvalResult, recheck: EvalResult, served: dict[s
 
 def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
     rows = ctx.store.evaluations(ctx.campaign_id, problem)
+    unmeasured = unmeasured_incumbents(rows)
+    if unmeasured is not None:
+        ctx.events.message(f"{problem}: nothing registered: {unmeasured}")
+        return []
     kernel_ids = []
     for candidate_id, served in _winners(ctx, problem, rows).items():
         row = next(r for r in rows if r.candidate.id == candidate_id)

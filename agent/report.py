@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from agent.incumbents import ORIGIN as INCUMBENT
+from agent.incumbents import unmeasured_incumbents
 from agent.plots import SpeedupSeries, speedup_plot
 from agent.population import bucket_key, bucket_us, buckets, pick_bucket_bests
 from agent.store import EvaluationRow, Store
@@ -90,6 +91,7 @@ class ProblemReport:
     roofline: float | None = None
     evidence: Evidence = field(default_factory=Evidence)
     bucket_winners: list[BucketWinner] = field(default_factory=list)  # where not the best
+    unmeasured: str | None = None  # why nothing could be registered (agent.incumbents)
 
     @property
     def best_knobs(self) -> str:
@@ -196,6 +198,7 @@ def _problem(
         previous=min(
             (r for r in ok if r.candidate.origin == INCUMBENT), key=lambda r: r.score_us, default=None
         ),
+        unmeasured=unmeasured_incumbents(rows),
     )
     if p.best is None:
         return p

@@ -128,7 +128,7 @@ def _forward_config(dim: int, element_size: int) -> dict:
     return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
 
 
-def _check(
+def check_arguments(
     weight: torch.Tensor,
     indices: torch.Tensor,
     offsets: torch.Tensor,
@@ -164,7 +164,7 @@ def embedding_bag_forward(
     per_sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """weight [num_rows, D], indices [nnz], offsets [B + 1], psw [nnz] or None -> out [B, D]."""
-    _check(weight, indices, offsets, mode, per_sample_weights)
+    check_arguments(weight, indices, offsets, mode, per_sample_weights)
     num_bags, dim = offsets.numel() - 1, weight.shape[1]
     out = torch.empty((num_bags, dim), dtype=weight.dtype, device=weight.device)
     if num_bags == 0 or dim == 0:

@@ -11,180 +11,29 @@ from functools import partial
 import torch
 
 from kernels import attention as _attn
-from kernels import embedding_bag as _eb
-from kernels.registry import DISPATCHER, Implementation, triton_usable
+from kernels.opdef import _EagerOp, define, defined, public
+from kernels.registry import DISPATCHER, Implementation
+from search_space import embedding_bag as _eb_problem
+from search_space import embedding_bag_backward as _ebb_problem
 from search_space.attention import gdpa_reference, jagged_attention_reference, target_attention_reference
-from search_space.embedding_bag import dim_bucket
-from search_space.embedding_bag import reference as embedding_bag_reference
+from search_space.op import get_op
 from search_space.problem import DTYPES
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-# --- eager calls --------------------------------------------------------------------------------
-#
-# A torch custom op costs about 0.1 ms of host time per eager call (its autograd wrapper, the
-# redispatch and the guard that keeps torch.compile out of the implementation), more than some
-# of these kernels take. In plain eager mode each op runs its implementation directly, with the
-# same autograd formula in a torch.autograd.Function; under torch.compile or export tracing, a
-# functorch transform, or on tensor subclasses (fake tensors included) it goes through the custom
-# op as registered.
+# --- ops declared once (search_space.op.Op; kernels.opdef.define) ---------------------------
+
+embedding_bag = define(_eb_problem.OP)
+embedding_bag_backward = define(_ebb_problem.OP)
 
 
-def _plain_eager(args: tuple) -> bool:
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return False
-    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
-
-
-class _EagerOp:
-    """Calls `op` (a custom op) as its implementation `impl` where _plain_eager allows, with
-    `setup_context` and `backward` (the formula registered for the op, if any) for autograd."""
-
-    def __init__(
-        self,
-        op: Callable,
-        impl: Callable,
-        setup_context: Callable | None = None,
-        backward: Callable | None = None,
-    ) -> None:
-        self.op, self.impl = op, impl
-        self.function = None
-        if backward is not None:
-            assert setup_context is not None
-
-            class Function(torch.autograd.Function):
-                @staticmethod
-                def forward(ctx, *args):
-                    output = impl(*args)
-                    setup_context(ctx, args, output)
-                    ctx.num_args = len(args)
-                    # Statistics returned beside the output (lse) get None, not a zero tensor.
-                    ctx.set_materialize_grads(False)
-                    return output
-
-                @staticmethod
-                def backward(ctx, *grads):
-                    if grads[0] is None:  # only outputs that are not differentiated were used
-                        return (None,) * ctx.num_args
-                    return backward(ctx, *grads)
-
-            self.function = Function
-
-    def __call__(self, *args):
-        if not _plain_eager(args):
-            return self.op(*args)
-        needs_grad = torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args
-        )
-        if self.function is not None and needs_grad:
-            return self.function.apply(*args)
-        return self.impl(*args)
-
-
-DISPATCHER.register_op("embedding_bag", default=_eb.embedding_bag_forward, reference=embedding_bag_reference)
-
-
-def _embedding_bag_impl(
-    weight: torch.Tensor,
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    mode: str,
-    per_sample_weights: torch.Tensor | None,
-) -> torch.Tensor:
-    impl = DISPATCHER.resolve(
-        "embedding_bag",
-        device=weight.device,
-        dtype=_DTYPE_NAMES.get(weight.dtype, str(weight.dtype)),
-        bucket=dim_bucket(weight.shape[1]),
-    )
-    return impl.fn(weight, indices, offsets, mode=mode, per_sample_weights=per_sample_weights)
-
-
-_embedding_bag_op = torch.library.custom_op("recforge::embedding_bag", mutates_args=())(_embedding_bag_impl)
-
-
-@_embedding_bag_op.register_fake
-def _(weight, indices, offsets, mode, per_sample_weights):
-    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
-
-
-def _embedding_bag_backward_impl(
-    grad_out: torch.Tensor,
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None,
-    num_rows: int,
-    mode: str,
-) -> torch.Tensor:
-    if triton_usable(grad_out.device):
-        return _eb.embedding_bag_backward(
-            grad_out, indices, offsets, num_rows, mode=mode, per_sample_weights=per_sample_weights
-        )
-    # No Triton here (CPU without the interpreter): the same math in PyTorch.
-    lengths = offsets[1:] - offsets[:-1]
-    bag_of_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad_out.device), lengths)
-    upd = grad_out.float()[bag_of_index]
-    if mode == "mean":
-        upd = upd / lengths.clamp(min=1)[bag_of_index, None]
-    if per_sample_weights is not None:
-        upd = upd * per_sample_weights.float()[:, None]
-    grad_weight = torch.zeros(num_rows, grad_out.shape[1], device=grad_out.device)
-    return grad_weight.index_add_(0, indices, upd).to(grad_out.dtype)
-
-
-_embedding_bag_backward_op = torch.library.custom_op("recforge::embedding_bag_backward", mutates_args=())(
-    _embedding_bag_backward_impl
-)
-
-
-@_embedding_bag_backward_op.register_fake
-def _(grad_out, indices, offsets, per_sample_weights, num_rows, mode):
-    return grad_out.new_empty((num_rows, grad_out.shape[1]))
-
-
-def _setup_context(ctx, inputs, output):
-    weight, indices, offsets, mode, per_sample_weights = inputs
-    ctx.save_for_backward(weight, indices, offsets, per_sample_weights)
-    ctx.mode = mode
-
-
-def _backward(ctx, grad_out):
-    weight, indices, offsets, per_sample_weights = ctx.saved_tensors
-    grad_weight = grad_psw = None
-    if ctx.needs_input_grad[0]:
-        grad_weight = _embedding_bag_backward_call(
-            grad_out, indices, offsets, per_sample_weights, weight.shape[0], ctx.mode
-        )
-    if ctx.needs_input_grad[4]:
-        lengths = offsets[1:] - offsets[:-1]
-        bag_of_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=weight.device), lengths)
-        grad_psw = (grad_out.float()[bag_of_index] * weight.float()[indices]).sum(-1)
-        grad_psw = grad_psw.to(per_sample_weights.dtype)
-    return grad_weight, None, None, None, grad_psw
-
-
-torch.library.register_autograd("recforge::embedding_bag", _backward, setup_context=_setup_context)
-_embedding_bag_call = _EagerOp(_embedding_bag_op, _embedding_bag_impl, _setup_context, _backward)
-_embedding_bag_backward_call = _EagerOp(_embedding_bag_backward_op, _embedding_bag_backward_impl)
-
-
-def embedding_bag(
-    weight: torch.Tensor,
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    mode: str = "sum",
-    per_sample_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Pooled embedding-bag lookup.
-
-    weight [num_rows, D]; indices [nnz] int32/int64; offsets [B + 1] (bag b is
-    indices[offsets[b]:offsets[b+1]]); per_sample_weights [nnz] (mode 'sum' only) -> [B, D].
-    Differentiable in weight and per_sample_weights.
-    """
-    _eb._check(weight, indices, offsets, mode, per_sample_weights)
-    return _embedding_bag_call(weight, indices, offsets, mode, per_sample_weights)
+def op(name: str) -> Callable:
+    """The public function of op `name`: one of this module's, or a plug-in's (declared in a
+    module RECFORGE_OPS names; see search_space.problem), defined on first use."""
+    if name in defined():
+        return public(name)
+    return define(get_op(name))
 
 
 # --- attention family ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Variables the judge inherits; everything else (tokens, keys, proxies) stays behind.
 PASSED_ENV = (
     "PATH",
+    "RECFORGE_OPS",  # plug-in ops' modules (search_space.problem): the judge loads their problems
     "LANG",
     "LC_ALL",
     "CUDA_VISIBLE_DEVICES",

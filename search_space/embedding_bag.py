@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from search_space import workload
+from search_space.op import Backward, Op
 from search_space.problem import Inputs, Problem, Shape, Tolerance
 from search_space.template import Knob, KnobTemplate
 
@@ -294,4 +295,55 @@ PROBLEM = Problem(
         "sparse_coo_tensor",
         "sparse_csr_tensor",
     ),
+)
+
+
+# --- the op ------------------------------------------------------------------------------------
+
+
+def _fake(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
+    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
+
+
+def _call_bucket(weight, indices, offsets, *, mode="sum", per_sample_weights=None) -> str:
+    return dim_bucket(weight.shape[1])
+
+
+def _save(ctx, inputs: dict, output) -> None:
+    kept = ("weight", "indices", "offsets", "per_sample_weights")
+    ctx.save_for_backward(*(inputs[name] for name in kept))
+    ctx.mode = inputs["mode"]
+
+
+def _grads(ctx, grad_out: torch.Tensor) -> dict:
+    from kernels.opdef import public  # the backward's kernels are dispatched too
+
+    weight, indices, offsets, psw = ctx.saved_tensors
+    grads = {}
+    if ctx.needs_grad["weight"]:
+        grads["weight"] = public("embedding_bag_backward")(
+            grad_out, indices, offsets, weight.shape[0], mode=ctx.mode, per_sample_weights=psw
+        )
+    if ctx.needs_grad["per_sample_weights"]:
+        lengths = offsets[1:] - offsets[:-1]
+        bag_of_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=weight.device), lengths)
+        grad_psw = (grad_out.float()[bag_of_index] * weight.float()[indices]).sum(-1)
+        grads["per_sample_weights"] = grad_psw.to(psw.dtype)
+    return grads
+
+
+OP = Op(
+    name="embedding_bag",
+    problem=PROBLEM,
+    default="kernels.embedding_bag:embedding_bag_forward",
+    check="kernels.embedding_bag:check_arguments",
+    fake=_fake,
+    bucket=_call_bucket,
+    backward=Backward(save=_save, grads=_grads),
+    doc="""Pooled embedding-bag lookup.
+
+    weight [num_rows, D]; indices [nnz] int32/int64; offsets [B + 1] (bag b is
+    indices[offsets[b]:offsets[b+1]]); per_sample_weights [nnz] (mode 'sum' only) -> [B, D].
+    Differentiable in weight and per_sample_weights.
+    """,
 )

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from search_space import embedding_bag as forward
+from search_space.op import Op
 from search_space.problem import Inputs, Shape
 
 ENTRY = "embedding_bag_backward"
@@ -28,13 +29,19 @@ def reference(
     mode: str = "sum",
     per_sample_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The gradient of search_space.embedding_bag.reference for its table, written out: each
+    id's row gets its bag's upstream gradient, scaled, accumulated in fp32 (fp64 if given fp64).
+    (No autograd: dispatch runs this inside a custom op, where autograd is switched off.)"""
     acc = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
-    weight = torch.zeros(num_rows, grad_out.shape[1], dtype=acc, device=grad_out.device, requires_grad=True)
-    psw = None if per_sample_weights is None else per_sample_weights.to(acc)
-    with torch.enable_grad():
-        out = forward.reference(weight, indices, offsets, mode=mode, per_sample_weights=psw)
-        (grad,) = torch.autograd.grad(out, weight, grad_out.to(acc))
-    return grad.to(grad_out.dtype)
+    lengths = offsets[1:] - offsets[:-1]
+    bag_of_index = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad_out.device), lengths)
+    rows = grad_out.to(acc)[bag_of_index]
+    if mode == "mean":
+        rows = rows / lengths.clamp(min=1).to(acc)[bag_of_index, None]
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.to(acc)[:, None]
+    grad = torch.zeros(num_rows, grad_out.shape[1], dtype=acc, device=grad_out.device)
+    return grad.index_add_(0, indices, rows).to(grad_out.dtype)
 
 
 def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
@@ -69,4 +76,23 @@ PROBLEM = dataclasses.replace(
     bytes=bytes_moved,
     template=None,
     forbidden_ops=(*forward.PROBLEM.forbidden_ops, "index_put", "index_put_", "put_", "autograd"),
+)
+
+
+def _fake(grad_out, indices, offsets, num_rows, *, mode="sum", per_sample_weights=None):
+    return grad_out.new_empty((num_rows, grad_out.shape[1]))
+
+
+def _call_bucket(grad_out, indices, offsets, num_rows, *, mode="sum", per_sample_weights=None) -> str:
+    return forward.dim_bucket(grad_out.shape[1])
+
+
+OP = Op(
+    name="embedding_bag_backward",
+    problem=PROBLEM,
+    default="kernels.embedding_bag:embedding_bag_backward",
+    fake=_fake,
+    bucket=_call_bucket,
+    doc="""The embedding-bag training update: grad_out [B, D] -> the dense table gradient
+    [num_rows, D] in grad_out's dtype (ids repeat, so rows accumulate).""",
 )

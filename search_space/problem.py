@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -140,24 +144,68 @@ class Problem:
         return self.tolerances[dtype]
 
 
-_PROBLEM_MODULES = {
-    "embedding_bag": "search_space.embedding_bag",
-    "embedding_bag_backward": "search_space.embedding_bag_backward",
-    "jagged_attention": "search_space.jagged_attention",
-    "gdpa": "search_space.gdpa",
-    "target_attention": "search_space.target_attention",
-    "jagged_attention_grad": "search_space.jagged_attention_grad",
-    "gdpa_grad": "search_space.gdpa_grad",
-    "target_attention_grad": "search_space.target_attention_grad",
-}
+# --- where problems are declared ---------------------------------------------------------------
+#
+# A problem is declared in its own module, found by its name: `search_space/<name>.py` defines
+# PROBLEM (and, for a searchable kernel, TEMPLATE). Ops outside this package (a plug-in, a test's
+# own op) name their modules in RECFORGE_OPS, comma-separated; each defines PROBLEM or PROBLEMS
+# (and TEMPLATE, or TEMPLATES by problem name). The sandbox's judge sees the same variable.
+
+PLUGINS_ENV = "RECFORGE_OPS"
+
+
+def plugin_modules() -> list[str]:
+    """The modules RECFORGE_OPS names, in order."""
+    return [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
+
+
+def _problems_of(module: ModuleType) -> list[Problem]:
+    found = list(getattr(module, "PROBLEMS", ()))
+    if isinstance(getattr(module, "PROBLEM", None), Problem):
+        found.insert(0, module.PROBLEM)
+    return found
+
+
+def _plugin(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ValueError(f"{PLUGINS_ENV} names module {name!r}, which does not import: {exc}") from exc
+
+
+def _builtin(name: str) -> ModuleType | None:
+    """search_space.<name>, if it exists and declares the problem `name`."""
+    if not name.isidentifier() or importlib.util.find_spec(f"search_space.{name}") is None:
+        return None
+    module = importlib.import_module(f"search_space.{name}")
+    return module if any(p.name == name for p in _problems_of(module)) else None
+
+
+def problem_module(name: str) -> ModuleType:
+    """The module that declares problem `name`; ValueError naming the known ones otherwise."""
+    module = _builtin(name)
+    if module is not None:
+        return module
+    for plugin in plugin_modules():
+        module = _plugin(plugin)
+        if any(p.name == name for p in _problems_of(module)):
+            return module
+    raise ValueError(f"unknown problem {name!r}; known problems: {', '.join(problem_names())}")
 
 
 def problem_names() -> list[str]:
-    return sorted(_PROBLEM_MODULES)
+    """Every problem: this package's modules that declare one, then the plug-ins'."""
+    import search_space
+
+    names: set[str] = set()
+    for info in pkgutil.iter_modules(search_space.__path__):
+        if not info.ispkg and _builtin(info.name) is not None:
+            names.add(info.name)
+    for plugin in plugin_modules():
+        names.update(p.name for p in _problems_of(_plugin(plugin)))
+    return sorted(names)
 
 
 def get_problem(name: str) -> Problem:
     """The problem called `name`; ValueError naming the known ones otherwise."""
-    if name not in _PROBLEM_MODULES:
-        raise ValueError(f"unknown problem {name!r}; known problems: {', '.join(problem_names())}")
-    return importlib.import_module(_PROBLEM_MODULES[name]).PROBLEM
+    return next(p for p in _problems_of(problem_module(name)) if p.name == name)

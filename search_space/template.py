@@ -7,16 +7,20 @@ LLM or a person go through exactly the same screen, sandbox and registry.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
 import importlib.util
 import string
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+_PARSE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -32,17 +36,25 @@ class Knob:
 
 @dataclass(frozen=True, kw_only=True)
 class KnobTemplate:
-    """`template_file` (under search_space/templates) with `$KNOB` placeholders; with
-    `base_module`, the rendered text follows that module's source, verbatim: the template is then
-    an entry point that launches the module's kernels with the knobs' configuration (the module
-    is read as text, not imported, and must itself pass the screen)."""
+    """Either `template_file` (under search_space/templates) with `$KNOB` placeholders, or
+    `source_module`: a self-contained kernel module (the op's default kernel, one source for
+    both) whose top-level `KNOBS = {...}` dict of literals holds the knobs, rendered by writing
+    the values into that dict. With `base_module`, a template file's rendered text follows that
+    module's source, verbatim: the template is then an entry point that launches the module's
+    kernels with the knobs' configuration (the module is read as text, not imported, and must
+    itself pass the screen)."""
 
     problem: str
-    template_file: str
     entry: str
     knobs: tuple[Knob, ...]
     constraint: Callable[[dict[str, Any]], str | None]
+    template_file: str | None = None
+    source_module: str | None = None
     base_module: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.template_file is None) == (self.source_module is None):
+            raise ValueError(f"template {self.problem!r}: give exactly one of template_file, source_module")
 
     def defaults(self) -> dict[str, Any]:
         return {k.name: k.default for k in self.knobs}
@@ -67,6 +79,8 @@ class KnobTemplate:
         return full
 
     def source_template(self) -> str:
+        if self.source_module is not None:
+            return _module_source(self.source_module)
         return resources.files("search_space").joinpath("templates", self.template_file).read_text()
 
     def base_source(self) -> str:
@@ -75,6 +89,8 @@ class KnobTemplate:
     def render(self, knobs: dict[str, Any]) -> str:
         """Complete module source for these knob values (validated first)."""
         full = self.validate(knobs)
+        if self.source_module is not None:
+            return with_knobs(self.source_template(), full)
         entry = string.Template(self.source_template()).substitute({k: repr(v) for k, v in full.items()})
         return self.base_source() + entry
 
@@ -88,14 +104,89 @@ def _module_source(name: str) -> str:
     return Path(spec.origin).read_text()
 
 
+KNOBS_NAME = "KNOBS"
+_MASK = b"..."
+
+
+def _literal_spans(source: str) -> dict[str, tuple[Any, int, int]] | None:
+    """Knob name -> (value, start byte, end byte) of its value in `source`; None without a
+    top-level KNOBS dict of constants."""
+    try:
+        with _PARSE_LOCK:  # as sandbox.screen.parse_source
+            tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and node.targets[0].id == KNOBS_NAME
+            and isinstance(node.value, ast.Dict)
+        ):
+            break
+    else:
+        return None
+    # ast counts columns in UTF-8 bytes.
+    line_starts = [0]
+    for line in source.encode().splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    spans: dict[str, tuple[Any, int, int]] = {}
+    for key, value in zip(node.value.keys, node.value.values, strict=True):
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            return None
+        if not isinstance(value, ast.Constant):
+            return None  # computed values are the module's business, not a knob
+        assert value.end_lineno is not None and value.end_col_offset is not None
+        start = line_starts[value.lineno - 1] + value.col_offset
+        end = line_starts[value.end_lineno - 1] + value.end_col_offset
+        spans[key.value] = (value.value, start, end)
+    return spans
+
+
+def knob_values(source: str) -> dict[str, Any]:
+    """The values of the module's KNOBS dict ({} without one)."""
+    spans = _literal_spans(source)
+    return {name: value for name, (value, _, _) in (spans or {}).items()}
+
+
+def _splice(source: str, replacements: dict[str, bytes]) -> str:
+    spans = _literal_spans(source)
+    assert spans is not None
+    data = source.encode()
+    for name, (_, start, end) in sorted(spans.items(), key=lambda kv: -kv[1][1]):
+        if name in replacements:
+            data = data[:start] + replacements[name] + data[end:]
+    return data.decode()
+
+
+def structure_key(source: str) -> str:
+    """Hash of the source with its knob values masked: the same kernel at other knob values
+    has the same key."""
+    spans = _literal_spans(source)
+    if not spans:
+        return source_hash(source)
+    return source_hash(_splice(source, {name: _MASK for name in spans}))
+
+
+def with_knobs(source: str, knobs: dict[str, Any]) -> str:
+    """`source` with these knob values written into its KNOBS dict."""
+    return _splice(source, {name: repr(value).encode() for name, value in knobs.items()})
+
+
 def source_hash(source: str) -> str:
     """Content hash identifying a candidate's source everywhere (store, cache, library)."""
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 def get_template(problem: str) -> KnobTemplate:
-    from search_space.problem import get_problem  # late: problem modules import this one
+    """The knob template of `problem`: its module's TEMPLATE (or TEMPLATES[problem], where a
+    module declares several problems)."""
+    from search_space.problem import problem_module  # late: problem modules import this one
 
-    get_problem(problem)  # clear error for unknown names
-    module = importlib.import_module(f"search_space.{problem}")
-    return module.TEMPLATE
+    module = problem_module(problem)
+    templates = getattr(module, "TEMPLATES", {})
+    template = templates.get(problem) if templates else getattr(module, "TEMPLATE", None)
+    if template is None:
+        raise ValueError(f"problem {problem!r} has no knob template")
+    return template
