@@ -22,9 +22,10 @@ from agent.nodes import campaign_progress
 from agent.population import pick_best
 from agent.proposers import make_proposers
 from agent.report import ReportFiles, render_report
-from agent.state import Backend, CampaignContext, CampaignState, Events, _QuietEvents
+from agent.state import CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
+from sandbox.backend import Backend
 from sandbox.local import LocalBackend
 
 

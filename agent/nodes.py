@@ -12,7 +12,16 @@ from langgraph.runtime import Runtime
 from agent.config import BudgetSpent
 from agent.incumbents import ORIGIN as INCUMBENT
 from agent.incumbents import campaign_arch, incumbents, unmeasured_incumbents
-from agent.population import beats, bucket_us, buckets, elites, margin, pick_best, pick_bucket_bests
+from agent.population import (
+    beats,
+    bucket_us,
+    buckets,
+    elites,
+    margin,
+    pick_best,
+    pick_bucket_bests,
+    primary_baseline,
+)
 from agent.proposers import ProposalRequest, propose_batch
 from agent.report import write_report
 from agent.state import CampaignContext, CampaignProgress, CampaignState, ProblemProgress
@@ -193,12 +202,6 @@ def best_speedup(ctx: CampaignContext, problem: str) -> float | None:
     best = rows[0]
     speedups = best.result.speedups(ctx.store.baselines(ctx.campaign_id, problem))
     return speedups.get(primary_baseline(problem))
-
-
-def primary_baseline(problem: str) -> str:
-    from search_space import get_problem
-
-    return next(iter(get_problem(problem).baselines), "reference")
 
 
 def select(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:

@@ -135,3 +135,10 @@ def elites(
             roots.add(root)
             out.append(row)
     return out
+
+
+def primary_baseline(problem: str) -> str:
+    """The production baseline progress and plots compare with: the problem's first eager op."""
+    from search_space import get_problem
+
+    return next(iter(get_problem(problem).baselines), "reference")

@@ -21,7 +21,7 @@ import jinja2
 from agent.incumbents import ORIGIN as INCUMBENT
 from agent.incumbents import unmeasured_incumbents
 from agent.plots import SpeedupSeries, speedup_plot
-from agent.population import bucket_key, bucket_us, buckets, pick_bucket_bests
+from agent.population import bucket_key, bucket_us, buckets, pick_bucket_bests, primary_baseline
 from agent.store import EvaluationRow, Store
 from kernels.registry import KernelLibrary, LibraryEntry
 from sandbox.result import Status, TimingStats
@@ -177,7 +177,6 @@ def _problem(
     entries: list[LibraryEntry],
     bucket_best: dict[str, str] | None = None,
 ) -> ProblemReport:
-    from agent.nodes import primary_baseline  # nodes writes reports: imported here, not at the top
 
     rows = store.evaluations(campaign_id, problem)
     baselines = store.baselines(campaign_id, problem)

@@ -7,7 +7,6 @@ budgets spent live in the store, which outlives any process.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict
 
@@ -15,7 +14,7 @@ from agent.config import BudgetSpent, CampaignConfig
 from agent.proposers import Proposer
 from agent.store import Store
 from kernels.registry import KernelLibrary
-from sandbox.candidate import Candidate
+from sandbox.backend import Backend
 from sandbox.result import EvalResult
 
 
@@ -28,30 +27,6 @@ class CampaignState(TypedDict, total=False):
     bucket_best: dict[str, dict[str, str]]  # problem -> "dtype/bucket" -> candidate id of its best
     stop_reason: str | None
     registered: list[str]  # kernel ids added to the library by this campaign
-
-
-class Backend(Protocol):
-    name: str
-
-    def evaluate(
-        self,
-        candidate: Candidate,
-        *,
-        check: bool = True,
-        timing: bool = True,
-        baselines: list[str] | None = None,
-        trials: int = 2,
-    ) -> EvalResult: ...
-
-    def evaluate_many(
-        self,
-        candidates: Sequence[Candidate],
-        *,
-        check: bool = True,
-        timing: bool = True,
-        baselines: list[str] | None = None,
-        trials: int = 2,
-    ) -> list[EvalResult]: ...
 
 
 @dataclass(frozen=True)

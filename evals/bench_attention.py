@@ -38,7 +38,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from evals.bench_ops import BenchRun, select_shapes
+from evals.bench_common import BenchRun, select_shapes
 from sandbox.judge import baseline_providers
 from sandbox.protocol import all_baselines, compare
 from sandbox.timing import benchmark

@@ -13,87 +13,25 @@ read once per occurrence, indices and offsets read, output written once):
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
-import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import triton
 from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
+from evals.bench_attention import PASSES, run_attention_benchmark
+from evals.bench_common import BenchRun
 from kernels.registry import DISPATCHER, KernelLibrary, device_arch
 from sandbox.judge import baseline_providers
-from sandbox.protocol import all_baselines, compare, fresh_seed
+from sandbox.protocol import all_baselines, compare
 from sandbox.timing import benchmark
 from search_space import get_problem, problem_names
-from search_space.problem import Inputs, Problem, Shape
+from search_space.problem import Inputs, Problem
 
 COPY_BYTES = 2 * 1024**3
 FAMILIES = ("embedding", "attention", "all")
-
-
-@dataclass(frozen=True)
-class BenchRun:
-    """What every benchmark row carries and every table's title shows: the device, software and
-    commit it ran on; and how a benchmark draws its shapes and input sets on that device."""
-
-    device: torch.device
-    gpu: str
-    versions: str
-    commit: str
-
-    @classmethod
-    def here(cls) -> BenchRun:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(
-            device=device,
-            gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
-            versions=(
-                f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}"
-            ),
-            commit=git_commit(),
-        )
-
-    @property
-    def interpreted(self) -> bool:
-        return self.device.type != "cuda"
-
-    def title(self, op: str) -> str:
-        return f"{op} on {self.gpu}; {self.versions}; commit {self.commit}"
-
-    def fields(self) -> dict:
-        return {
-            "gpu": self.gpu,
-            "versions": self.versions,
-            "commit": self.commit,
-            "interpreted": self.interpreted,
-        }
-
-    def shapes(self, problem: Problem, only: list[str] | None = None) -> tuple[Shape, ...]:
-        """The problem's timing shapes for this device (interpreted ones on a CPU), filtered."""
-        return select_shapes(
-            problem.interpreted_timing_shapes if self.interpreted else problem.timing_shapes, only
-        )
-
-    def input_sets(self, problem: Problem, shape: Shape) -> list[tuple[tuple, dict]]:
-        """Fresh inputs to rotate over: three on a GPU (nothing stays cached), one interpreted."""
-        return [
-            (i.args, i.kwargs)
-            for i in (
-                problem.make_inputs(shape, fresh_seed(), self.device)
-                for _ in range(1 if self.interpreted else 3)
-            )
-        ]
-
-    def finish(self, console: Console, table: Table) -> None:
-        console.print(table)
-        if self.interpreted:
-            console.print("[yellow]interpreted Triton on a CPU: these timings say nothing about GPU speed[/]")
 
 
 def family_ops(family: str) -> list[str]:
@@ -112,11 +50,6 @@ def run_family_benchmark(family: str, **options) -> list[dict]:
     return rows
 
 
-def select_shapes(shapes: tuple[Shape, ...], only: list[str] | None) -> tuple[Shape, ...]:
-    """The shapes whose name contains one of `only` (all of them when `only` is empty)."""
-    return tuple(s for s in shapes if not only or any(part in s.name for part in only))
-
-
 def measure_copy_bandwidth(device: torch.device) -> float | None:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     if device.type != "cuda":
@@ -124,26 +57,6 @@ def measure_copy_bandwidth(device: torch.device) -> float | None:
     src = torch.empty(COPY_BYTES // 2, dtype=torch.uint8, device=device).random_(0, 255)
     stats = benchmark(Tensor.copy_, [((torch.empty_like(src), src), {})], device=device, max_reps=50)
     return COPY_BYTES / (stats.median_us * 1e-6)
-
-
-def git_commit() -> str:
-    """The checkout's commit; RECFORGE_COMMIT overrides it where the tree is a copy whose git
-    metadata is not the checkout's (a GPU host that receives the working tree)."""
-    if os.environ.get("RECFORGE_COMMIT"):
-        return os.environ["RECFORGE_COMMIT"]
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).parent,
-                timeout=5,
-            ).stdout.strip()
-            or "unknown"
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
 
 
 def _providers(problem: Problem, library: KernelLibrary, device: torch.device, shape) -> dict[str, Callable]:
@@ -174,8 +87,6 @@ def run_op_benchmark(
     as it is measured."""
     problem = get_problem(op)
     if problem.op_family == "attention":
-        from evals.bench_attention import PASSES, run_attention_benchmark
-
         return run_attention_benchmark(
             op,
             library=library,

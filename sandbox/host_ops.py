@@ -6,18 +6,20 @@ floating-point tensor among its inputs or outputs is host code computing the op 
 gather by indexing, a product by an operator, a sum by a builtin), which no static screen of
 Python can see: tensors and numbers look alike there. The runner watches its calls with this
 torch dispatch mode (all untimed ones, and a timed batch the judge picks at random, whose times
-it then discards) and reports the first such op; Triton's own launches and autotuning run
+it then discards) and reports the first such op; only Triton's autotuning benchmarks run
 unwatched.
 
-Imports torch only: the runner loads it before any candidate code exists.
+Imported by the runner before any candidate code exists.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
@@ -30,7 +32,7 @@ BOOKKEEPING = frozenset(
         "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "expand", "t", "transpose",
         "permute", "unsqueeze", "squeeze", "select", "slice", "narrow", "split",
         "split_with_sizes", "chunk", "unbind", "alias", "detach", "lift_fresh",
-        "lift_fresh_copy", "_local_scalar_dense", "contiguous", "resize_",
+        "lift_fresh_copy", "_local_scalar_dense", "contiguous", "resize_", "set_",
     }
 )  # fmt: skip
 
@@ -69,21 +71,78 @@ def _unwatched(run):
         with _disable_current_modes():
             return run(*args, **kwargs)
 
-    wrapper.unwatched = True
+    wrapper.recforge_wrapped = True
     return wrapper
 
 
-def leave_launches_unwatched(kernel_classes: list[type]) -> None:
-    """Triton's launches (the interpreter's copies of tiles included) and its autotuner's
-    benchmarking run with the watch suspended: they are the kernels', not the host code's.
-    Autotuner.run itself, which calls the candidate's hooks and prune functions, stays watched."""
+def _constexpr_names(kernel) -> set[str]:
+    params = getattr(kernel, "params", None)
+    if params is not None:  # a JITFunction
+        return {p.name for p in params if p.is_constexpr}
+    fn = getattr(kernel, "fn", None)  # an InterpretedFunction
+    if fn is None:
+        return set()
+    import triton.language as tl
+
+    return {
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.annotation is tl.constexpr or str(p.annotation).endswith("constexpr")
+    }
+
+
+def _checked_launch(run):
+    """A kernel's launch that refuses a tensor as a compile-time constant: Triton would run the
+    kernel body's methods on it as host Python (the interpreter) or in its code generator."""
+
+    def wrapper(self, *args, **kwargs):
+        names = getattr(self, "arg_names", None) or []
+        constexprs = _constexpr_names(self)
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
+        for name in constexprs & set(given):
+            if any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(given[name])):
+                raise TypeError(f"a tensor passed as the compile-time constant {name} of a kernel")
+        return run(self, *args, **kwargs)
+
+    wrapper.recforge_wrapped = True
+    return wrapper
+
+
+def prepare_triton(kernel_classes: list[type]) -> None:
+    """Triton's launches are watched like the rest of the host code (the grid function runs in
+    them, and the interpreter's own copies of the arguments are bookkeeping), and refuse tensors
+    as compile-time constants. Only the autotuner's benchmarking (triton.testing's statistics on
+    its timings) runs with the watch suspended; the screen refuses the hooks that would run the
+    candidate's code there (sandbox.screen, rule hooks)."""
     from triton.runtime.autotuner import Autotuner
 
-    targets = [(cls, "run") for cls in kernel_classes] + [(Autotuner, "_bench")]
-    for cls, name in targets:
-        run = cls.__dict__.get(name)
-        if run is not None and not getattr(run, "unwatched", False):
-            setattr(cls, name, _unwatched(run))
+    for cls in kernel_classes:
+        run = cls.__dict__.get("run")
+        if run is not None and not getattr(run, "recforge_wrapped", False):
+            cls.run = _checked_launch(run)
+    bench = Autotuner.__dict__.get("_bench")
+    if bench is not None and not getattr(bench, "recforge_wrapped", False):
+        Autotuner._bench = _unwatched(bench)
+
+
+# Tensor methods that read values into host Python, which no aten op shows (tolist) or which
+# are bookkeeping on integers (item): on floating-point data, host code computing with them.
+READS = frozenset(
+    {"tolist", "item", "numpy", "__float__", "__int__", "__index__", "__bool__", "__complex__", "__array__"}
+)
+
+
+class HostReads(TorchFunctionMode):
+    """Records, into `ops`, the first read of floating-point values into host Python."""
+
+    def __init__(self, ops: HostOps) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.ops.first is None and getattr(func, "__name__", "") in READS and args and _floating(args[0]):
+            self.ops.first = f"Tensor.{func.__name__} on {args[0].dtype}".replace("torch.", "")
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -91,5 +150,6 @@ def watching(enabled: bool, allowed: frozenset[str] = frozenset()) -> Iterator[H
     if not enabled:
         yield None
         return
-    with HostOps(allowed) as mode:
-        yield mode
+    ops = HostOps(allowed)
+    with ops, HostReads(ops):
+        yield ops

@@ -893,7 +893,15 @@ def evaluate(request: EvalRequest) -> EvalResult:
         status, message, log = verdict.status, verdict.message, verdict.log
     except (isolation.IsolationUnavailable, OSError) as exc:
         status, message = Status.RUNTIME_ERROR, f"the runner's sandbox did not start: {exc}"
-    except (TypeError, ValueError, KeyError, IndexError, OverflowError, AttributeError) as exc:
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        IndexError,
+        OverflowError,
+        AttributeError,
+        RecursionError,
+    ) as exc:  # noqa: E501
         # Rule failures: an answer of the runner that got past the checks on its form and still
         # could not be used is the runner's failure, never the judge's crash.
         status, log = Status.RUNTIME_ERROR, traceback.format_exc()

@@ -141,7 +141,7 @@ class Runner:
 
     def op_load(self, message: dict, fds: list[int]) -> dict:
         self.host_float_ops = frozenset(str(op) for op in message.get("host_float_ops", ()))
-        host_ops.leave_launches_unwatched(_kernel_classes())
+        host_ops.prepare_triton(_kernel_classes())
         try:
             path = message["source_file"]
             # The text the screen read (sandbox.screen, rule text): UTF-8, compiled from the

@@ -392,6 +392,13 @@ class _Screen:
                 # Rule statements: no with statements: the one context manager within reach,
                 # torch.device, sets torch's default device for the whole process while entered.
                 self.flag("statements", node, "with statement")
+            elif isinstance(node, ast.Try | ast.TryStar):
+                # Rule statements: no exception handling: a candidate that catches errors can
+                # probe its surroundings (the depth of the stack under the host-compute watch,
+                # which launches fail) and act on what it finds; a kernel has nothing to catch.
+                self.flag("statements", node, "try statement")
+            elif isinstance(node, ast.Call):
+                self.check_call(node)
             elif isinstance(node, ast.BinOp | ast.AugAssign) and isinstance(node.op, ast.MatMult):
                 self.check_matmul(node)
         top = {n.name: n for n in self.tree.body if isinstance(n, ast.FunctionDef)}
@@ -402,6 +409,32 @@ class _Screen:
         if entry not in top:
             self.flag("entry", self.tree, f"no top-level function {entry!r}")
         return sorted(self.found, key=lambda v: v.line)
+
+    # Rule hooks: the autotuner's and a config's hooks run the candidate's code inside Triton's
+    # benchmarking, which the host-compute watch leaves alone (sandbox.host_ops).
+    HOOK_KEYWORDS = {
+        "triton.autotune": {
+            "pre_hook",
+            "post_hook",
+            "prune_configs_by",
+            "do_bench",
+            "perf_model",
+            "early_config_prune",
+        },
+        "triton.Config": {"pre_hook"},
+    }
+
+    def check_call(self, node: ast.Call) -> None:
+        path = self.dotted(node.func)
+        for keyword in node.keywords:
+            if keyword.arg in self.HOOK_KEYWORDS.get(path or "", ()):
+                self.flag("hooks", node, f"{path}({keyword.arg}=...): no hooks in Triton's benchmarking")
+            elif keyword.arg is None and path in self.HOOK_KEYWORDS:
+                self.flag("hooks", node, f"{path}(**...): keywords must be named")
+        # Rule fallback: torch.Tensor names the type (annotations, isinstance); called, it makes
+        # a tensor of host values the candidate computed in Python.
+        if path == "torch.Tensor":
+            self.flag("fallback", node, "torch.Tensor(...) builds a tensor from host values")
 
     def check_matmul(self, node: ast.BinOp | ast.AugAssign) -> None:
         # Rule fallback: `a @ b` is torch.matmul by another name (in a kernel, tl.dot).
@@ -433,8 +466,30 @@ class _Screen:
             child, parent = parent, self.parents.get(parent)
         return self.tree
 
+    def module_bindings(self) -> set[str]:
+        """Rule names, at module level: the names that statements of the module's body bind
+        unconditionally (imports, assignments, function definitions). A name bound only in a
+        branch or a loop may never be bound at run time, and then reads a global that
+        something else put there (the interpreter's Triton copies its own module's globals,
+        a setattr by string among them, into the candidate's)."""
+        names: set[str] = set()
+        for node in self.tree.body:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names.update((a.asname or a.name.split(".")[0]) for a in node.names)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        return names
+
     def scope_bindings(self, scope: ast.AST) -> set[str]:
         cache = self.__dict__.setdefault("_scope_cache", {})
+        if scope is self.tree:
+            if id(scope) not in cache:
+                cache[id(scope)] = self.module_bindings()
+            return cache[id(scope)]
         if id(scope) not in cache:
             names: set[str] = set()
             for n in ast.walk(scope):
@@ -652,7 +707,21 @@ def screen(
         tree = parse_source(source)
     except SyntaxError as exc:
         return [Violation("syntax", exc.lineno or 0, exc.msg)]
-    return _Screen(tree, forbidden_ops, frozenset(allowed_extras), allow_inline_asm).run(entry)
+    defs = _def_line_violations(source, tree)
+    return defs + _Screen(tree, forbidden_ops, frozenset(allowed_extras), allow_inline_asm).run(entry)
+
+
+def _def_line_violations(source: str, tree: ast.Module) -> list[Violation]:
+    """Rule text: Triton finds a kernel's source by its lines, not by Python's parse (the
+    interpreter takes the function's last line that starts with `def `, the compiler its first
+    that matches `def name(`), so a line that reads as a def must be one: inside a string, the
+    kernel Triton runs would be text the screen never saw as code."""
+    real = {n.lineno for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return [
+        Violation("text", number, "a line that starts with `def ` but defines no function (a string?)")
+        for number, line in enumerate(source.split("\n"), start=1)
+        if line.strip().startswith(("def ", "def\t", "async def")) and number not in real
+    ]
 
 
 def screen_problem(source: str, entry: str, problem) -> list[Violation]:

@@ -81,8 +81,8 @@ def receive(sock: socket.socket, deadline: float | None = None) -> tuple[dict, l
             raise BadMessage(f"a message over {MAX_MESSAGE} bytes (or with too many descriptors)")
         try:
             message = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadMessage(f"not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # bad JSON or text; nesting past the stack
+            raise BadMessage(f"not JSON: {type(exc).__name__}: {str(exc)[:200]}") from exc
         if not isinstance(message, dict):
             raise BadMessage(f"a JSON {type(message).__name__}, not an object")
     except BadMessage:

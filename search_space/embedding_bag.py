@@ -153,8 +153,11 @@ CHECK_SHAPES = tuple(
         _s("weighted", dtype, num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True),
         _s("duplicates", dtype, num_rows=100, dim=64, lengths=[6, 9, 1, 33], duplicates=True),
         _s("dim-200", dtype, num_rows=64, dim=200, num_bags=5, max_len=120),
-        # Wider than any tile of 256 columns: a second column block.
+        # Wider than any tile of 256 or 512 columns: a second column block.
         _s("dim-300", dtype, num_rows=40, dim=300, num_bags=6, max_len=20),
+        _s("dim-600", dtype, num_rows=30, dim=600, num_bags=4, max_len=10),
+        # A bag longer than any id tile or fixed cap a kernel might keep.
+        _s("bag-2k", dtype, num_rows=3000, dim=32, lengths=[2000, 3, 0]),
     )
 ) + tuple(
     # fp16 has a tolerance, so it is part of the domain a kernel is checked on.

@@ -163,3 +163,14 @@ def test_a_view_cannot_reach_past_its_region() -> None:
         region.view(1000, torch.float32, (8,), (1,))
     with pytest.raises(shared.SharedMemoryError, match="overruns"):
         region.view(0, torch.float32, (2, 2), (1000, 1))
+
+
+def test_a_message_nested_past_the_stack_is_a_bad_message() -> None:
+    ours, theirs = wire.socket_pair()
+    try:
+        theirs.send(b"[" * 500_000)
+        with pytest.raises(wire.BadMessage, match="RecursionError"):
+            wire.receive(ours, time.monotonic() + 5)
+    finally:
+        ours.close()
+        theirs.close()

@@ -72,22 +72,49 @@ def _bags(weight, indices, offsets, mode="sum", per_sample_weights=None):
 """
 )
 
-# The op in plain Python on host copies of the inputs (lists, then written back element by
-# element: allocation and copies only, which the host-compute watch allows), beside a kernel
-# whose work is never used: only the no-op proof can tell.
+# The op in plain Python on the inputs' bytes, read and written through ctypes at their
+# addresses (host memory: CPU only), which no torch mode sees, beside a kernel whose work is
+# never used: only the no-op proof can tell.
 PYTHON_BAGS = """
+import ctypes, struct
+
+_FORMATS = {torch.float32: ("I", "f"), torch.bfloat16: ("H", None), torch.float16: ("H", "e")}
+
+
+def _floats(t):
+    raw, fmt = _FORMATS[t.dtype]
+    bits = (ctypes.c_uint32 if raw == "I" else ctypes.c_uint16) * t.numel()
+    words = list(bits.from_address(t.data_ptr()))
+    if fmt is None:  # bfloat16: the high half of a float32
+        return [struct.unpack("f", struct.pack("I", w << 16))[0] for w in words]
+    return [struct.unpack(fmt, struct.pack(raw, w))[0] for w in words]
+
+
+def _store(t, values):
+    raw, fmt = _FORMATS[t.dtype]
+    bits = ((ctypes.c_uint32 if raw == "I" else ctypes.c_uint16) * t.numel()).from_address(t.data_ptr())
+    for i, v in enumerate(values):
+        if fmt is None:
+            bits[i] = (struct.unpack("I", struct.pack("f", v))[0] + 0x8000) >> 16
+        else:
+            bits[i] = struct.unpack(raw, struct.pack(fmt, v))[0]
+
+
 def _python_bags(weight, indices, offsets, mode, per_sample_weights):
-    rows, ids, starts = weight.tolist(), indices.tolist(), offsets.tolist()
-    scales = per_sample_weights.tolist() if per_sample_weights is not None else None
-    out = torch.empty((len(starts) - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    dim = weight.shape[1]
+    rows, ids, starts = _floats(weight), indices.tolist(), offsets.tolist()
+    scales = _floats(per_sample_weights) if per_sample_weights is not None else None
+    out = torch.empty((len(starts) - 1, dim), dtype=weight.dtype, device=weight.device)
+    values = []
     for b in range(len(starts) - 1):
-        acc = [0.0] * weight.shape[1]
+        acc = [0.0] * dim
         for i in range(starts[b], starts[b + 1]):
             s = scales[i] if scales is not None else 1.0
-            acc = [a + s * r for a, r in zip(acc, rows[ids[i]])]
+            acc = [a + s * r for a, r in zip(acc, rows[ids[i] * dim : (ids[i] + 1) * dim])]
         if mode == "mean":
             acc = [a / max(starts[b + 1] - starts[b], 1) for a in acc]
-        out[b] = torch.tensor(acc)
+        values += acc
+    _store(out, values)
     return out
 """
 
@@ -139,6 +166,8 @@ CASES: dict[str, tuple[str, dict]] = {
         ),
         {"timing": True},
     ),
+    # The table's values read into Python (tolist dispatches no torch op): the watch sees it.
+    "python-floats": (_flagged("rows = weight.tolist()\nreturn out"), {}),
     # The op in torch ops on the host, beside the flag kernel: the host-compute watch sees it.
     "torch-fallback": (
         _flagged("return weight.index_select(0, indices).sum(0, keepdim=True).expand_as(out).contiguous()"),
@@ -314,7 +343,9 @@ def test_host_code_reading_its_kernels_flag_is_ok(outcomes) -> None:
 
 
 @needs_bwrap
-def test_torch_ops_beside_a_side_kernel_are_suspicious(outcomes) -> None:
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case reads its inputs' host memory (CPU only)")
+def test_the_op_beside_a_side_kernel_and_out_of_the_watchs_sight_is_suspicious(outcomes) -> None:
+    """What the host-compute watch cannot see (Python on the inputs' bytes), the no-op proof does."""
     result = _result(outcomes, "side-kernel")
     _says(result, Status.SUSPICIOUS, "still correct with every Triton kernel disabled")
     assert result.checks[-1].trial == -1 and not result.checks[-1].ok
@@ -323,6 +354,11 @@ def test_torch_ops_beside_a_side_kernel_are_suspicious(outcomes) -> None:
 @needs_bwrap
 def test_torch_ops_on_floating_point_data_in_host_code_are_suspicious(outcomes) -> None:
     _says(_result(outcomes, "torch-fallback"), Status.SUSPICIOUS, "host code computed", "aten.index_select")
+
+
+@needs_bwrap
+def test_floating_point_values_read_into_python_are_suspicious(outcomes) -> None:
+    _says(_result(outcomes, "python-floats"), Status.SUSPICIOUS, "host code computed", "Tensor.tolist")
 
 
 @needs_bwrap

@@ -301,7 +301,7 @@ def test_a_caught_exceptions_frame_is_unreachable() -> None:
     body = (
         "try:\n        raise ValueError()\n    except ValueError as e:\n        t = e.__traceback__.tb_frame"
     )
-    _assert_rejected(_with_body(body), ["dunders"], BODY_LINE + 3)
+    _assert_rejected(_with_body(body), ["statements", "dunders"], BODY_LINE)
 
 
 # --- the other rules ---------------------------------------------------------------------------
@@ -609,7 +609,11 @@ def test_every_name_the_prompt_allows_passes_the_screen() -> None:
     offers must pass, or the model is told to write what the screen refuses."""
     rules = _prompt_rules()
     # Module members and builtins are called (the screen refuses them as values: rule aliases).
-    bodies = [f"x = {name}()" for name in rules["torch"] + rules["triton"] + rules["builtins"]]
+    # torch.Tensor is a type to check against, never called (rule fallback).
+    bodies = [
+        f"x = isinstance(weight, {name})" if name == "torch.Tensor" else f"x = {name}()"
+        for name in rules["torch"] + rules["triton"] + rules["builtins"]
+    ]
     bodies += [f"x = weight.{name}" for name in rules["attributes"]]
     refused = {body: screen(_with_body(body), ENTRY, FORBIDDEN) for body in bodies}
     assert not {body: why for body, why in refused.items() if why}
@@ -635,3 +639,39 @@ def test_source_python_would_read_otherwise_is_rejected(header: str, fragment: s
 def test_utf8_source_with_a_utf8_declaration_and_non_ascii_text_passes() -> None:
     source = "# -*- coding: utf-8 -*-\n# Größe, naïve\n" + _with_body("pass")
     assert screen(source, ENTRY, FORBIDDEN) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "rule"),
+    [
+        # A def inside a string: the line Triton's interpreter (the last `def ` line) or compiler
+        # (the first) would take as the kernel's.
+        ('doc = """\ndef _kernel(x_ptr):\n    pass\n"""', "text"),
+        ("x = torch.Tensor([1.0, 2.0])", "fallback"),
+        ("try:\n        x = 1\n    except RuntimeError:\n        x = 2", "statements"),
+    ],
+)
+def test_text_the_compiler_reads_otherwise_host_values_and_handlers_are_rejected(
+    body: str, rule: str
+) -> None:
+    assert rule in _rules(_with_body(body))
+
+
+@pytest.mark.parametrize(
+    "decorator",
+    [
+        "@triton.autotune(configs=[triton.Config({})], key=[], pre_hook=lambda args: None)",
+        "@triton.autotune(configs=[triton.Config({})], key=[], prune_configs_by={'early_config_prune': len})",
+        "@triton.autotune(configs=[triton.Config({}, pre_hook=lambda args: None)], key=[])",
+    ],
+)
+def test_hooks_in_the_autotuners_benchmarking_are_rejected(decorator: str) -> None:
+    source = _with_body("pass").replace("@triton.jit\n", f"{decorator}\n@triton.jit\n", 1)
+    assert "hooks" in _rules(source), source
+
+
+def test_a_module_name_bound_only_in_dead_code_is_undefined() -> None:
+    """The interpreter's Triton copies its globals (`_patch_attr`, a setattr by string) into
+    the candidate's module: a name bound only where the code never runs would read them."""
+    source = _with_body("x = _patch_attr") + "\nif False:\n    _patch_attr = None\n"
+    assert "names" in _rules(source)

@@ -12,25 +12,37 @@ import triton.language as tl
 
 @triton.heuristics(
     {
-        "DONE": lambda a: a["out"].copy_(
-            torch.zeros((a["out"].shape[0], a["w"].shape[1]), dtype=torch.float32, device=a["w"].device)
-            .scatter(
-                0,
-                (
-                    torch.zeros(a["idx"].numel() + 1, dtype=torch.int64, device=a["w"].device)
-                    .scatter(0, a["off"][1:-1], torch.ones(max(a["off"].numel() - 2, 0), dtype=torch.int64, device=a["w"].device), reduce="add")
-                    .cumsum(0)[: a["idx"].numel()]
-                )[:, None].expand(-1, a["w"].shape[1]),
-                a["w"][a["idx"]].float() * (a["s"].float()[:, None] if a["HAS_S"] else 1.0),
-                reduce="add",
+        "DONE": lambda a: (
+            a["out"]
+            .copy_(
+                torch.zeros(
+                    (a["out"].shape[0], a["w"].shape[1]), dtype=torch.float32, device=a["w"].device
+                ).scatter(
+                    0,
+                    (
+                        torch.zeros(a["idx"].numel() + 1, dtype=torch.int64, device=a["w"].device)
+                        .scatter(
+                            0,
+                            a["off"][1:-1],
+                            torch.ones(max(a["off"].numel() - 2, 0), dtype=torch.int64, device=a["w"].device),
+                            reduce="add",
+                        )
+                        .cumsum(0)[: a["idx"].numel()]
+                    )[:, None].expand(-1, a["w"].shape[1]),
+                    a["w"][a["idx"]].float() * (a["s"].float()[:, None] if a["HAS_S"] else 1.0),
+                    reduce="add",
+                )
+                / (
+                    ((a["off"][1:] - a["off"][:-1]).float() + ((a["off"][1:] - a["off"][:-1]) == 0).float())[
+                        :, None
+                    ]
+                    if a["MEAN"]
+                    else 1.0
+                )
             )
-            / (
-                ((a["off"][1:] - a["off"][:-1]).float() + ((a["off"][1:] - a["off"][:-1]) == 0).float())[:, None]
-                if a["MEAN"]
-                else 1.0
-            )
-        ).numel()
-        * 0
+            .numel()
+            * 0
+        )
     }
 )
 @triton.jit

@@ -7,7 +7,11 @@ zeroed row must fail, however many rows are right."""
 @triton.jit
 def _zero_row(out_ptr, row, dim, BLOCK_D: tl.constexpr):
     cols = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + row * dim + cols, tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=cols < dim)
+    tl.store(
+        out_ptr + row * dim + cols,
+        tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+        mask=cols < dim,
+    )
 
 
 def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
@@ -16,5 +20,7 @@ def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=No
     bounds = offsets.tolist()
     nonempty = [b for b in range(len(bounds) - 1) if bounds[b + 1] > bounds[b]]
     if weight.dtype == torch.bfloat16 and nonempty:
-        _zero_row[(1,)](out, nonempty[-1], weight.shape[1], BLOCK_D=triton.next_power_of_2(max(weight.shape[1], 16)))
+        _zero_row[(1,)](
+            out, nonempty[-1], weight.shape[1], BLOCK_D=triton.next_power_of_2(max(weight.shape[1], 16))
+        )
     return out
