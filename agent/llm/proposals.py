@@ -221,13 +221,15 @@ def to_candidate(
         entry = template.entry
     else:
         if isinstance(proposal, ModuleProposal):
-            source = proposal.source
+            source, entry = proposal.source, p.entry
         else:
             assert base is not None
             source = apply_edits(base.source, proposal.edits)
             if source == base.source:
                 raise ProposalError("the edits leave the kernel unchanged; change something")
-        entry = p.entry
+            # An edit keeps the kernel's own entry point (the default embedding-bag kernel's is
+            # embedding_bag_forward, not the problem's name).
+            entry = base.entry
         _check_module(source, entry)
         knobs = knobs_of(source)
     return Candidate(

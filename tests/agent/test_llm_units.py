@@ -360,3 +360,24 @@ def test_the_prompt_offers_the_fused_variants(monkeypatch) -> None:
     )
     assert '- "bag+scale" (entry `embedding_bag`), knobs: BLOCK_B [1, 2, 4, 8, 16];' in text
     assert "written for sm_90 (NVIDIA H200)" in text and "Triton interpreter on a CPU" in text
+
+
+def test_an_edit_of_the_default_kernel_keeps_its_entry_point() -> None:
+    """The default embedding-bag kernel (an incumbent) defines embedding_bag_forward, not the
+    problem's entry name: an edit of it keeps that entry, and the prompt names it."""
+    import inspect
+
+    from kernels.embedding_bag import embedding_bag_forward
+
+    source = Path(inspect.getsourcefile(embedding_bag_forward)).read_text()
+    base = Candidate(problem="embedding_bag", source=source, entry="embedding_bag_forward", origin="library")
+    edit = proposal("edit", edits=[{"search": "num_stages=1,", "replace": "num_stages=2,"}])
+    candidate = to_candidate(parse_proposal(edit), problem="embedding_bag", base=base, parent_id=base.id)
+    assert candidate.entry == "embedding_bag_forward" and "num_stages=2," in candidate.source
+    from agent.llm.prompting import propose_prompt
+
+    text = propose_prompt(
+        problem="embedding_bag", arch="interpreter", best=None, base=base, attempts=[], llm_rows={},
+        baselines={}, kinds=["edit", "module"],
+    )  # fmt: skip
+    assert "an edit keeps, is `embedding_bag_forward`" in text
