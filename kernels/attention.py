@@ -1309,7 +1309,7 @@ def _forward_config(
     GPU values: FlashAttention-2 style tiles, picked from sm_90 builds (triton 3.9, cuobjdump
     resource usage) so that the heaviest variant of each row (softmax, causal, targets, bias)
     spills no registers or a few dozen bytes; at D = 128 without a bias, the fastest of ten
-    tilings timed on an H200 (evals/sweep_attention.py, BENCHMARKS.md): 128 x 64 with 8 warps for
+    tilings timed on an H200 (evals/studies/sweep_attention.py, BENCHMARKS.md): 128 x 64 with 8 warps for
     softmax, 128 x 32 with 4 warps for pointwise activations (10% faster for silu and gelu,
     whose tile holds no running max and sum). With a relative bias, tiles near the diagonal take
     a bucket and a gathered load per score, hence smaller tiles at D = 128 (64 x 32 stayed the
@@ -1355,9 +1355,9 @@ def _backward_config(
             "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
         }
     if head_dim <= 128:
-        # Timed on an H200 at D = 128 (evals/sweep_attention.py): these beat the 8-warp,
+        # Timed on an H200 at D = 128 (evals/studies/sweep_attention.py): these beat the 8-warp,
         # 2-stage tiles of the first cut by 1.4x (dK/dV) and 1.1x to 1.4x (dQ) on softmax, silu,
-        # gelu and target attention alike. With a bias (evals/compare_attention.py), since most
+        # gelu and target attention alike. With a bias (evals/studies/compare_attention.py), since most
         # tiles take the two-bucket path: the same dK/dV tiles, 2.5x faster than the 32 x 32
         # ones, and a 64 x 64 dQ tile.
         return {

@@ -10,7 +10,8 @@ the CUDA kernels of one forward call of the current default are listed (where th
 besides the kernel).
 
     git show <commit>:kernels/attention.py > /tmp/prev_attention.py
-    python3 -m evals.compare_attention --baseline /tmp/prev_attention.py [--case NAME] [--out rows.jsonl]
+    python3 -m evals.studies.compare_attention --baseline /tmp/prev_attention.py \
+        [--case NAME] [--out rows.jsonl]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 op under no_grad, and the public op with grad mode on (inputs not requiring grad), to tell a
 systematic cost of the op path from the order of rows in a longer run.
 
-    python3 -m evals.probe_op_path [--case jagged_attention/b256-n4096-power-softmax] [--rounds 3]
+    python3 -m evals.studies.probe_op_path [--case jagged_attention/b256-n4096-power-softmax] [--rounds 3]
 """
 
 from __future__ import annotations

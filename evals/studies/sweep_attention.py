@@ -6,7 +6,7 @@ every variant's output is compared with the default configuration's and with the
 reference, so a configuration that is fast but wrong shows as such. Prints one table per op and
 writes JSON lines.
 
-    python3 -m evals.sweep_attention [--out rows.jsonl] [--quick]
+    python3 -m evals.studies.sweep_attention [--out rows.jsonl] [--quick]
 """
 
 from __future__ import annotations

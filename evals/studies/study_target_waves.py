@@ -3,7 +3,7 @@ same histories with more candidates: the same batch with its requests reordered,
 128-row blocks per request, with equal histories, and with eight times the candidates. Each
 variant is the default launcher with bounds, replayed from a CUDA graph (no host in the time).
 
-    python3 -m evals.study_target_waves
+    python3 -m evals.studies.study_target_waves
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from evals.bench_attention import graphed
-from evals.compare_attention import _median_ms
+from evals.studies.compare_attention import _median_ms
 from kernels import attention
 from search_space import get_problem
 from search_space.problem import Shape

@@ -2,7 +2,7 @@
 reference, time on the problem's timing shapes. A quick map of the space before a campaign
 (the campaign's sandbox remains the only judge of acceptance).
 
-    python3 -m evals.sweep_knobs embedding_bag --samples 40 --dtype bf16
+    python3 -m evals.studies.sweep_knobs embedding_bag --samples 40 --dtype bf16
 """
 
 from __future__ import annotations
