@@ -1,0 +1,62 @@
+"""The host-compute watch (sandbox.host_ops) passes every kernel dispatch runs today, on this
+machine's device (the interpreter on a CPU, compiled launches on a GPU), and sees host code that
+computes on floating-point data."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent.incumbents import incumbents
+from kernels.registry import KernelLibrary
+from sandbox import host_ops
+from sandbox.protocol import fresh_seed
+from sandbox.runner import _kernel_classes
+from search_space import get_problem, problem_names
+
+
+def _load(source: str, entry: str, tmp_path: Path, name: str):
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # Triton reads a kernel's source through its module
+    spec.loader.exec_module(module)
+    return getattr(module, entry)
+
+
+@pytest.mark.parametrize("problem", problem_names())
+def test_every_incumbent_runs_clean_under_the_watch(problem: str, tmp_path: Path, device) -> None:
+    host_ops.prepare_triton(_kernel_classes())
+    p = get_problem(problem)
+    # The defaults (an empty library holds no other incumbent, whatever the architecture).
+    for i, candidate in enumerate(incumbents(problem, KernelLibrary(tmp_path / "empty"), "any")):
+        fn = _load(candidate.source, candidate.entry, tmp_path, f"incumbent_{problem}_{i}")
+        for shape in p.check_shapes[:2]:
+            inputs = p.make_inputs(shape, fresh_seed(), device)
+            with host_ops.watching(True, frozenset(p.host_float_ops)) as watch:
+                fn(*inputs.args, **inputs.kwargs)
+            assert watch.first is None, f"{candidate.entry} on {shape.describe()}: {watch.first}"
+
+
+@pytest.mark.parametrize(
+    ("host_code", "seen"),
+    [
+        (lambda w, i: w[i], "aten.index.Tensor"),
+        (lambda w, i: w * 2, "aten.mul.Tensor"),
+        (lambda w, i: w.view(torch.int32)[i], "aten.view.dtype"),
+        (lambda w, i: w.tolist(), "Tensor.tolist"),
+        (lambda w, i: float(w[0, 0]), "Tensor.__float__"),
+        (lambda w, i: (i * 2).cumsum(0), None),  # integers: offsets, lengths, schedules
+        (lambda w, i: w.new_empty(w.shape).copy_(w).t().contiguous(), None),  # bookkeeping
+    ],
+)
+def test_the_watch_sees_host_compute_on_floating_point_data(host_code, seen: str | None) -> None:
+    w, i = torch.randn(4, 3), torch.tensor([0, 2])
+    with host_ops.watching(True) as watch:
+        host_code(w, i)
+    assert (watch.first is None) if seen is None else (seen in (watch.first or "")), watch.first
