@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The sandbox's GPU evidence in one call: the host-compute watch, the judge's cases, the
-# adversarial suite and the runner's channel on the GPU, then sandbox throughput now and, where .tools/before.tgz holds an earlier commit's tree
-# (git archive COMMIT | gzip), the same benchmark on it, side by side. Logs go to $OUT.
+# adversarial suite and the runner's channel on the GPU, then sandbox throughput now and, where
+# .tools/before.tgz holds an earlier commit's tree (git archive COMMIT | gzip), the same
+# benchmark on it, side by side. Logs go to $OUT.
 # Usage (repo root, on a GPU host whose python3 has torch and triton; RECFORGE_BWRAP may name a
 # bubblewrap binary carried along): bash evals/gpu_sandbox.sh
 set -uo pipefail
