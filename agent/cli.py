@@ -275,7 +275,12 @@ def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
 def sandbox_eval(
     problem: Annotated[str, typer.Option(help="problem name, e.g. embedding_bag")],
     source: Annotated[Path, typer.Option(help="candidate module source file")],
-    entry: Annotated[str | None, typer.Option(help="entry function (default: the problem's)")] = None,
+    entry: Annotated[
+        str | None,
+        typer.Option(
+            help="entry function (default: the problem's, or its template's where the source defines that)"
+        ),
+    ] = None,
     timeout: Annotated[float, typer.Option(help="hard wall-clock limit in seconds")] = 300.0,
     timing: Annotated[bool, typer.Option(help="time the candidate after checking it")] = True,
     baselines: Annotated[
@@ -298,7 +303,9 @@ def sandbox_eval(
         text = source.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise fail(f"cannot read {source}: {exc}") from None
-    candidate = Candidate(problem=prob.name, source=text, entry=entry or prob.entry, origin="human")
+    candidate = Candidate(
+        problem=prob.name, source=text, entry=entry or _default_entry(prob, text), origin="human"
+    )
     result = LocalBackend(timeout_s=timeout).evaluate(
         candidate, timing=timing, baselines=campaign_baselines(prob) if baselines else []
     )
@@ -438,6 +445,23 @@ def bench_ops(
         run_op_benchmark(op, **options) if op else run_family_benchmark(family, **options)
     except ValueError as exc:
         raise fail(str(exc)) from None
+
+
+def _default_entry(problem, source: str) -> str:
+    """The problem's entry; the template's (the default kernel's own, embedding_bag_forward for
+    embedding_bag) where the source defines that one and not the problem's."""
+    import ast
+
+    from search_space.template import get_template, parse_source
+
+    try:
+        defined = {n.name for n in parse_source(source).body if isinstance(n, ast.FunctionDef)}
+    except SyntaxError:
+        return problem.entry  # the screen says what is wrong
+    if problem.entry in defined or problem.template is None:
+        return problem.entry
+    template_entry = get_template(problem.name).entry
+    return template_entry if template_entry in defined else problem.entry
 
 
 def main() -> None:  # pragma: no cover - console script entry

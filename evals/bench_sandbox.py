@@ -21,7 +21,7 @@ from rich.table import Table
 from sandbox.candidate import Candidate
 from search_space.embedding_bag import TEMPLATE
 
-WRONG_EDIT = ("acc = acc / tl.maximum", "acc = acc * 2 / tl.maximum")
+WRONG_EDIT = ("acc_BD = acc_BD / tl.maximum", "acc_BD = acc_BD * 2 / tl.maximum")
 CRASH_LINE = '    raise RuntimeError("crashed on purpose")\n'
 
 

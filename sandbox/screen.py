@@ -22,27 +22,13 @@ import functools
 import importlib
 import inspect
 import io
-import threading
 import tokenize
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sandbox.candidate import Candidate
 from sandbox.result import EvalResult, Status
-
-# CPython 3.11 keeps the AST constructor's recursion depth in state shared by every thread: a
-# parse that another thread's parse interrupts (a finalizer run by the garbage collector hands
-# over the GIL) fails with "SystemError: AST constructor recursion depth mismatch". A parallel
-# LocalBackend screens its candidates in threads, and campaigns may run side by side: every parse
-# of candidate source goes through this lock.
-_PARSE_LOCK = threading.Lock()
-
-
-def parse_source(source: str) -> ast.Module:
-    """`ast.parse(source)`, one thread at a time (see _PARSE_LOCK); raises SyntaxError."""
-    with _PARSE_LOCK:
-        return ast.parse(source)
-
+from search_space.template import parse_source
 
 # --- what a candidate may name -------------------------------------------------------------
 

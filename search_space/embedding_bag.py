@@ -138,34 +138,40 @@ def _s(name: str, dtype: str, **params) -> Shape:
     return Shape(name=name, dtype=dtype, params=params)
 
 
-CHECK_SHAPES = tuple(
-    shape
-    for dtype in ("fp32", "bf16")
-    for shape in (
-        _s("mixed-empty", dtype, num_rows=1000, dim=64, lengths=[3, 0, 1, 7, 0, 0, 12, 5, 1, 0, 2]),
-        _s("single-bag", dtype, num_rows=50, dim=32, lengths=[9]),
-        _s("all-empty", dtype, num_rows=10, dim=16, lengths=[0, 0, 0, 0, 0]),
-        _s("no-bags", dtype, num_rows=10, dim=16, lengths=[]),
-        _s("dim-48", dtype, num_rows=300, dim=48, num_bags=29, max_len=40),
-        _s("dim-100-mean", dtype, num_rows=300, dim=100, num_bags=17, max_len=30, mode="mean"),
-        # One long bag (301 ids, over many steps of any id tile) beside empty and short ones.
-        _s("long-bag", dtype, num_rows=5000, dim=64, lengths=[1, 301, 0, 4, 257]),
-        _s("weighted", dtype, num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True),
-        _s("duplicates", dtype, num_rows=100, dim=64, lengths=[6, 9, 1, 33], duplicates=True),
-        _s("dim-200", dtype, num_rows=64, dim=200, num_bags=5, max_len=120),
-        # Wider than any tile of 256 or 512 columns: a second column block.
-        _s("dim-300", dtype, num_rows=40, dim=300, num_bags=6, max_len=20),
-        _s("dim-600", dtype, num_rows=30, dim=600, num_bags=4, max_len=10),
-        # A bag longer than any id tile or fixed cap a kernel might keep.
-        _s("bag-2k", dtype, num_rows=3000, dim=32, lengths=[2000, 3, 0]),
+CHECK_SHAPES = (
+    tuple(
+        shape
+        for dtype in ("fp32", "bf16")
+        for shape in (
+            _s("mixed-empty", dtype, num_rows=1000, dim=64, lengths=[3, 0, 1, 7, 0, 0, 12, 5, 1, 0, 2]),
+            _s("single-bag", dtype, num_rows=50, dim=32, lengths=[9]),
+            _s("all-empty", dtype, num_rows=10, dim=16, lengths=[0, 0, 0, 0, 0]),
+            _s("no-bags", dtype, num_rows=10, dim=16, lengths=[]),
+            _s("dim-48", dtype, num_rows=300, dim=48, num_bags=29, max_len=40),
+            _s("dim-100-mean", dtype, num_rows=300, dim=100, num_bags=17, max_len=30, mode="mean"),
+            # One long bag (301 ids, over many steps of any id tile) beside empty and short ones.
+            _s("long-bag", dtype, num_rows=5000, dim=64, lengths=[1, 301, 0, 4, 257]),
+            _s("weighted", dtype, num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True),
+            _s("duplicates", dtype, num_rows=100, dim=64, lengths=[6, 9, 1, 33], duplicates=True),
+            _s("dim-200", dtype, num_rows=64, dim=200, num_bags=5, max_len=120),
+            # Wider than any tile of 256 columns: a second column block.
+            _s("dim-300", dtype, num_rows=40, dim=300, num_bags=6, max_len=20),
+        )
     )
-) + tuple(
-    # fp16 has a tolerance, so it is part of the domain a kernel is checked on.
-    _s(name, "fp16", **params)
-    for name, params in (
-        ("mixed-empty", dict(num_rows=1000, dim=64, lengths=[3, 0, 1, 7, 0, 0, 12, 5, 1, 0, 2])),
-        ("dim-100-mean", dict(num_rows=300, dim=100, num_bags=17, max_len=30, mode="mean")),
-        ("weighted", dict(num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True)),
+    + (
+        # Wider than a tile of 512 columns; a bag longer than a cap of 1024 ids a kernel might keep
+        # (fp32 only: the interpreter takes a second per call for such a bag).
+        _s("dim-600", "fp32", num_rows=30, dim=600, num_bags=4, max_len=10),
+        _s("bag-1100", "fp32", num_rows=3000, dim=32, lengths=[1100, 3, 0]),
+    )
+    + tuple(
+        # fp16 has a tolerance, so it is part of the domain a kernel is checked on.
+        _s(name, "fp16", **params)
+        for name, params in (
+            ("mixed-empty", dict(num_rows=1000, dim=64, lengths=[3, 0, 1, 7, 0, 0, 12, 5, 1, 0, 2])),
+            ("dim-100-mean", dict(num_rows=300, dim=100, num_bags=17, max_len=30, mode="mean")),
+            ("weighted", dict(num_rows=700, dim=128, num_bags=23, max_len=60, weighted=True)),
+        )
     )
 )
 
@@ -204,24 +210,26 @@ TOLERANCES = {
     "fp16": Tolerance(atol=2e-3, rtol=2e-3, norm_rtol=1e-3, row_rtol=2**-9, row_atol=2**-14),
 }
 
+# The knobs of the default kernel (kernels/embedding_bag.py, whose KNOBS dict they are): None
+# keeps the kernel's launch heuristic for that knob at each call's dim and dtype.
 KNOBS = (
     Knob(
         "BLOCK_B",
-        (1, 2, 4, 8, 16),
-        default=4,
+        (None, 1, 2, 4, 8, 16),
+        default=None,
         help="bags a program advances together; more ids in flight, more idle lanes on skew",
     ),
-    Knob("BLOCK_L", (4, 8, 16, 32), default=8, help="ids gathered per bag per step"),
+    Knob("BLOCK_L", (None, 4, 8, 16, 32), default=None, help="ids gathered per bag per step"),
     Knob(
         "BLOCK_D",
-        (16, 32, 64, 128, 256),
-        default=64,
+        (None, 16, 32, 64, 128, 256),
+        default=None,
         help="embedding columns per program; a program covers ceil(D / BLOCK_D) of a row",
     ),
     Knob(
         "ACC_3D",
-        (False, True),
-        default=False,
+        (None, False, True),
+        default=None,
         help="accumulate the whole [B, L, D] tile and reduce once at the end",
     ),
     Knob(
@@ -230,25 +238,32 @@ KNOBS = (
         default="",
         help="cache policy of the gathered rows (streamed once unless ids repeat)",
     ),
-    Knob("num_warps", (1, 2, 4, 8), default=2, help="warps per program"),
+    Knob("num_warps", (None, 1, 2, 4, 8), default=None, help="warps per program"),
     Knob("num_stages", (1, 2, 3), default=1, help="software pipelining depth of the id loop"),
 )
 
 
 def _knob_constraints(knobs: dict) -> str | None:
-    tile = knobs["BLOCK_B"] * knobs["BLOCK_L"] * knobs["BLOCK_D"]
+    """Tile bounds, where the tile is fixed (a knob left to the heuristic takes its value per
+    call, within the bounds the heuristic keeps)."""
+    sizes = [knobs["BLOCK_B"], knobs["BLOCK_L"], knobs["BLOCK_D"]]
+    if None in sizes:
+        return None
+    tile = sizes[0] * sizes[1] * sizes[2]
     limit = 8192 if knobs["ACC_3D"] else 16384
     if tile > limit:
         return f"BLOCK_B * BLOCK_L * BLOCK_D = {tile} > {limit} elements: the tile spills registers"
-    if tile < 32 * knobs["num_warps"]:
-        return f"BLOCK_B * BLOCK_L * BLOCK_D = {tile} is smaller than {knobs['num_warps']} warps of 32 lanes"
+    warps = knobs["num_warps"] or 1
+    if tile < 32 * warps:
+        return f"BLOCK_B * BLOCK_L * BLOCK_D = {tile} is smaller than {warps} warps of 32 lanes"
     return None
 
 
+# One source: the template is the default kernel's module, its knobs written into its KNOBS.
 TEMPLATE = KnobTemplate(
     problem="embedding_bag",
-    template_file="embedding_bag.py.tmpl",
-    entry=ENTRY,
+    source_module="kernels.embedding_bag",
+    entry="embedding_bag_forward",
     knobs=KNOBS,
     constraint=_knob_constraints,
 )

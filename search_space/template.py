@@ -20,7 +20,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+# CPython 3.11 keeps the AST constructor's recursion depth in state shared by every thread: a
+# parse that another thread's parse interrupts (a finalizer run by the garbage collector hands
+# over the GIL) fails with "SystemError: AST constructor recursion depth mismatch". A parallel
+# LocalBackend screens its candidates in threads, campaigns render knobs into sources beside it:
+# every parse of candidate or template source goes through this one lock.
 _PARSE_LOCK = threading.Lock()
+
+
+def parse_source(source: str) -> ast.Module:
+    """`ast.parse(source)`, one thread at a time (see _PARSE_LOCK); raises SyntaxError."""
+    with _PARSE_LOCK:
+        return ast.parse(source)
 
 
 @dataclass(frozen=True)
@@ -112,8 +123,7 @@ def _literal_spans(source: str) -> dict[str, tuple[Any, int, int]] | None:
     """Knob name -> (value, start byte, end byte) of its value in `source`; None without a
     top-level KNOBS dict of constants."""
     try:
-        with _PARSE_LOCK:  # as sandbox.screen.parse_source
-            tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError:
         return None
     for node in tree.body:
@@ -170,8 +180,15 @@ def structure_key(source: str) -> str:
 
 
 def with_knobs(source: str, knobs: dict[str, Any]) -> str:
-    """`source` with these knob values written into its KNOBS dict."""
-    return _splice(source, {name: repr(value).encode() for name, value in knobs.items()})
+    """`source` with these knob values written into its KNOBS dict; a value the dict holds
+    already keeps its text (so the defaults render the source byte for byte)."""
+    current = knob_values(source)
+    changed = {
+        name: repr(value).encode()
+        for name, value in knobs.items()
+        if not (name in current and type(current[name]) is type(value) and current[name] == value)
+    }
+    return _splice(source, changed)
 
 
 def source_hash(source: str) -> str:

@@ -209,8 +209,9 @@ def to_candidate(
     if isinstance(proposal, KnobsProposal):
         from search_space.template import get_template
 
-        source, knobs = _render(get_template(problem), proposal.knobs, "knobs")
-        entry = p.entry
+        template = get_template(problem)
+        source, knobs = _render(template, proposal.knobs, "knobs")
+        entry = template.entry
     elif isinstance(proposal, FusionProposal):
         fusions = fusion_templates(problem)
         if proposal.fusion not in fusions:

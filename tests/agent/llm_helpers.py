@@ -13,16 +13,23 @@ from search_space.embedding_bag import TEMPLATE
 KEY_ENV = "RECFORGE_TEST_LLM_KEY"
 KEY = "sk-test-4f8a1c0de5ec2e7"
 
-# A module "written by the model": the template's kernel under another docstring, so it is new
-# source (a module, not a knob setting) that still keeps its knobs in KNOBS.
+# A module "written by the model": the template's kernel under another docstring, with the
+# problem's entry point, so it is new source (a module, not a knob setting) that still keeps its
+# knobs in KNOBS.
 GOOD = TEMPLATE.render(TEMPLATE.defaults()).replace(
-    "rendered from recforge's `embedding_bag` knob template.", "LLM-written variant of the pooled lookup."
+    "Pooled embedding-bag lookup: the library's hand-written default kernels.",
+    "LLM-written variant of the pooled lookup.",
+) + (
+    '\n\ndef embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):\n'
+    "    psw = per_sample_weights\n"
+    "    return embedding_bag_forward(weight, indices, offsets, mode=mode, per_sample_weights=psw)\n"
 )
+assert GOOD.startswith('"""LLM-written')
 # Fails at import, as a Triton compile error fails before anything runs.
 BROKEN_LINE = "NUM_SMS = triton.cdiv(1)\n"
 BROKEN = GOOD.replace("\nKNOBS = {", "\n" + BROKEN_LINE + "KNOBS = {")
-STORE_GOOD = "acc.to(out_ptr.dtype.element_ty)"
-STORE_WRONG = "(acc * 2).to(out_ptr.dtype.element_ty)"
+STORE_GOOD = "acc_BD.to(out_ptr.dtype.element_ty)"
+STORE_WRONG = "(acc_BD * 2).to(out_ptr.dtype.element_ty)"
 WRONG = GOOD.replace(STORE_GOOD, STORE_WRONG)
 
 

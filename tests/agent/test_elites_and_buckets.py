@@ -34,7 +34,12 @@ BASE = {"name": "x", "problems": [OP], "budget": {"max_evaluations": 3, "max_wal
 def _candidate(origin: str = "template", parent: str | None = None, **knobs) -> Candidate:
     knobs = TEMPLATE.validate(knobs)
     return Candidate(
-        problem=OP, source=TEMPLATE.render(knobs), entry=OP, knobs=knobs, origin=origin, parent_id=parent
+        problem=OP,
+        source=TEMPLATE.render(knobs),
+        entry=TEMPLATE.entry,
+        knobs=knobs,
+        origin=origin,
+        parent_id=parent,
     )
 
 
@@ -157,7 +162,7 @@ def test_a_bucket_won_within_the_noise_is_not_registered(tmp_path: Path) -> None
 def test_dispatch_ranks_entries_by_their_time_on_the_bucket(tmp_path: Path) -> None:
     """A kernel registered for one bucket is compared there, not by a mean over other buckets."""
     library = KernelLibrary(tmp_path)
-    common = {"op": OP, "entry": OP, "arch": "sm_90", "dtype": "fp32", "interpreted": False}
+    common = {"op": OP, "entry": TEMPLATE.entry, "arch": "sm_90", "dtype": "fp32", "interpreted": False}
     both = library.add(
         source=TEMPLATE.render({"BLOCK_L": 4}),
         buckets=["d16", "d64"],

@@ -35,14 +35,17 @@ def test_nothing_is_registered_when_what_dispatch_runs_cannot_be_evaluated(
     import agent.campaign
     from agent.campaign import Campaigns
     from agent.config import parse_config
-    from search_space.embedding_bag import ENTRY, TEMPLATE
+    from search_space.embedding_bag import TEMPLATE
 
     library = KernelLibrary(tmp_path / "library")
-    broken = TEMPLATE.render({}).replace("    return out\n", "    return out.zero_()\n")
+    broken = TEMPLATE.render({"BLOCK_L": 8}).replace(
+        "        **cfg,\n    )\n    return out\n", "        **cfg,\n    )\n    return out.zero_()\n"
+    )
     assert broken != TEMPLATE.render({})
     library.add(
-        op="embedding_bag", entry=ENTRY, source=broken, arch="interpreter", dtype="fp32", buckets=["d64"],
-        median_us=None, interpreted=True, evidence={}, provenance={"test": "broken incumbent"},
+        op="embedding_bag", entry=TEMPLATE.entry, source=broken, arch="interpreter", dtype="fp32",
+        buckets=["d64"], median_us=None, interpreted=True, evidence={},
+        provenance={"test": "broken incumbent"},
     )  # fmt: skip
     monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: QuickBackend())
     messages: list[str] = []

@@ -114,7 +114,8 @@ def test_proposals_become_candidates_or_errors_for_the_model() -> None:
             base=None,
             parent_id=None,
         )
-    edit = EditProposal(kind="edit", edits=[SearchReplace(search='"num_warps": 2', replace='"num_warps": 4')])
+    warps = '"num_warps": None'
+    edit = EditProposal(kind="edit", edits=[SearchReplace(search=warps, replace='"num_warps": 4')])
     assert (
         '"num_warps": 4' in to_candidate(edit, problem="embedding_bag", base=base, parent_id=base.id).source
     )
@@ -124,7 +125,7 @@ def test_proposals_become_candidates_or_errors_for_the_model() -> None:
         to_candidate(
             parse_proposal(proposal("fusion", fusion="x")), problem="embedding_bag", base=base, parent_id=None
         )
-    same = EditProposal(kind="edit", edits=[SearchReplace(search='"num_warps": 2', replace='"num_warps": 2')])
+    same = EditProposal(kind="edit", edits=[SearchReplace(search=warps, replace=warps)])
     with pytest.raises(ProposalError, match="unchanged"):
         to_candidate(same, problem="embedding_bag", base=base, parent_id=None)
     # A problem without a template offers no knobs.
@@ -157,7 +158,7 @@ def test_knobs_kept_in_a_module_are_tuned_in_place() -> None:
     knobs = {"BLOCK_B": 8, "EVICT_ROWS": "evict_first", "ACC_3D": True}
     assert with_knobs(rendered, knobs) == TEMPLATE.render(knobs)  # same bytes as the template's
     assert structure_key(TEMPLATE.render(knobs)) == structure_key(rendered) != structure_key(GOOD)
-    space = SourceKnobs(TEMPLATE, GOOD.replace('"BLOCK_D": 64', '"BLOCK_D": 96'), "embedding_bag")
+    space = SourceKnobs(TEMPLATE, GOOD.replace('"BLOCK_D": None', '"BLOCK_D": 96'), "embedding_bag")
     assert "BLOCK_D" not in {k.name for k in space.knobs}  # 96 is not a choice: left as written
     tuned = space.render({"BLOCK_B": 2})
     assert knob_values(tuned)["BLOCK_B"] == 2 and knob_values(tuned)["BLOCK_D"] == 96
@@ -358,7 +359,7 @@ def test_the_prompt_offers_the_fused_variants(monkeypatch) -> None:
         baselines={},
         kinds=kinds,
     )
-    assert '- "bag+scale" (entry `embedding_bag`), knobs: BLOCK_B [1, 2, 4, 8, 16];' in text
+    assert '- "bag+scale" (entry `embedding_bag_forward`), knobs: BLOCK_B [null, 1, 2, 4, 8, 16];' in text
     assert "written for sm_90 (NVIDIA H200)" in text and "Triton interpreter on a CPU" in text
 
 

@@ -45,7 +45,7 @@ def _candidate(block_l: int) -> Candidate:
     return Candidate(
         problem="embedding_bag",
         source=TEMPLATE.render(knobs),
-        entry="embedding_bag",
+        entry=TEMPLATE.entry,
         knobs=knobs,
         origin="template",
     )

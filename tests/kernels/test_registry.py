@@ -33,7 +33,7 @@ def _add(
 ) -> LibraryEntry:
     return library.add(
         op=OP,
-        entry="embedding_bag",
+        entry=TEMPLATE.entry,
         source=source,
         arch=arch,
         dtype=dtype,

@@ -146,7 +146,7 @@ def test_registered_kernel_replaces_default_in_training_and_serving(
     source = eb_problem.TEMPLATE.render({"BLOCK_D": 32, "BLOCK_L": 8, "BLOCK_B": 2, "ACC_3D": True})
     entry = empty_library.add(
         op=OP,
-        entry=eb_problem.ENTRY,
+        entry=eb_problem.TEMPLATE.entry,
         source=source,
         arch=arch,
         dtype="fp32",

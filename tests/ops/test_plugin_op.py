@@ -82,7 +82,7 @@ def test_the_sandbox_checks_a_campaign_registers_dispatch_runs_and_the_benchmark
     assert result["status"] == "ok", result["message"]
     assert result["timings"] and {c["dtype"] for c in result["checks"]} == {"fp32", "bf16"}
 
-    # A short knob search: the incumbent (its default kernel) and three proposals.
+    # A short knob search: the incumbent (its default kernel) and two proposals.
     library = tmp_path / "library"
     config = tmp_path / "campaign.toml"
     config.write_text(
@@ -96,7 +96,7 @@ def test_the_sandbox_checks_a_campaign_registers_dispatch_runs_and_the_benchmark
         batch_size = 2
         seed = 1
         [budget]
-        max_evaluations = 4
+        max_evaluations = 3
         max_wall_s = 600
         [sandbox]
         timeout_s = 120

@@ -48,12 +48,15 @@ def _edit(old: str, new: str) -> str:
 
 
 def _candidate(source: str) -> Candidate:
-    return Candidate(problem="embedding_bag", source=source, entry=ENTRY, origin="human")
+    return Candidate(problem="embedding_bag", source=source, entry=TEMPLATE.entry, origin="human")
 
 
 CASES = {
     "correct": (DEFAULT_SOURCE, {"trials": 1}),
-    "wrong": (_edit("acc = acc / tl.maximum", "acc = acc * 2 / tl.maximum"), {"timing": False, "trials": 1}),
+    "wrong": (
+        _edit("acc_BD = acc_BD / tl.maximum", "acc_BD = acc_BD * 2 / tl.maximum"),
+        {"timing": False, "trials": 1},
+    ),
     "raising": (
         _edit(ENTRY_BODY, '    raise RuntimeError("candidate gave up")\n' + ENTRY_BODY),
         {"timing": False, "trials": 1},

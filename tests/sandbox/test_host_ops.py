@@ -36,7 +36,7 @@ def test_every_incumbent_runs_clean_under_the_watch(problem: str, tmp_path: Path
     # The defaults (an empty library holds no other incumbent, whatever the architecture).
     for i, candidate in enumerate(incumbents(problem, KernelLibrary(tmp_path / "empty"), "any")):
         fn = _load(candidate.source, candidate.entry, tmp_path, f"incumbent_{problem}_{i}")
-        for shape in p.check_shapes[:2]:
+        for shape in p.check_shapes[:1]:
             inputs = p.make_inputs(shape, fresh_seed(), device)
             with host_ops.watching(True, frozenset(p.host_float_ops)) as watch:
                 fn(*inputs.args, **inputs.kwargs)

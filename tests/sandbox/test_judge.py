@@ -31,7 +31,13 @@ needs_bwrap = pytest.mark.skipif(
     isolation.bwrap_works() is not None, reason=f"no sandbox here: {isolation.bwrap_works()}"
 )
 
-DEFAULT_SOURCE = TEMPLATE.render({})
+# The default kernel (the template at its defaults), entered under the problem's entry name as
+# the other cases are.
+DEFAULT_SOURCE = TEMPLATE.render({}) + (
+    f"\n\ndef {ENTRY}(weight, indices, offsets, *, mode='sum', per_sample_weights=None):\n"
+    f"    psw = per_sample_weights\n"
+    f"    return {TEMPLATE.entry}(weight, indices, offsets, mode=mode, per_sample_weights=psw)\n"
+)
 ENTRY_BODY = "    num_bags, dim = offsets.numel() - 1, weight.shape[1]\n"
 FIRST = CHECK_SHAPES[0]
 # The first check shape with more than 20 bags.

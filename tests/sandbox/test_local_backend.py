@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from sandbox import Candidate, EvalResult, LocalBackend, Status
-from search_space.embedding_bag import CHECK_SHAPES, ENTRY, INTERPRETED_TIMING_SHAPES, TEMPLATE
+from search_space.embedding_bag import CHECK_SHAPES, INTERPRETED_TIMING_SHAPES, TEMPLATE
 
 pytestmark = pytest.mark.slow
 
 DEFAULT_SOURCE = TEMPLATE.render({})
 # First statement of the rendered entry's body: code injected before it runs on every call.
 ENTRY_BODY = "    num_bags, dim = offsets.numel() - 1, weight.shape[1]\n"
-STORE = "acc.to(out_ptr.dtype.element_ty)"
+STORE = "acc_BD.to(out_ptr.dtype.element_ty)"
 
 
 def _edit(old: str, new: str) -> str:
@@ -30,7 +30,7 @@ def _edit(old: str, new: str) -> str:
 
 
 def _candidate(source: str) -> Candidate:
-    return Candidate(problem="embedding_bag", source=source, entry=ENTRY, origin="human")
+    return Candidate(problem="embedding_bag", source=source, entry=TEMPLATE.entry, origin="human")
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def _judges(started: list[subprocess.Popen]) -> list[subprocess.Popen]:
 UNTIMED = {"timing": False, "trials": 1}
 CASES = {
     "correct": (DEFAULT_SOURCE, {"trials": 1}),
-    "wrong": (_edit(STORE, f"(acc * 2.0).{STORE[4:]}"), UNTIMED),
+    "wrong": (_edit(STORE, STORE.replace("acc_BD.", "(acc_BD * 2.0).")), UNTIMED),
     "raising": (_edit(ENTRY_BODY, '    raise RuntimeError("candidate gave up")\n' + ENTRY_BODY), UNTIMED),
     # A module-level lookup that fails when the module runs (the screen only reads it).
     "key-error": (DEFAULT_SOURCE + '\nHELPER = KNOBS["missing"]\n', UNTIMED),

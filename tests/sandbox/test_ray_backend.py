@@ -23,14 +23,14 @@ import torch
 from sandbox import Candidate, EvalResult, LocalBackend, Status
 from sandbox.local import REPO_ROOT
 from sandbox.ray_backend import RayBackend
-from search_space.embedding_bag import CHECK_SHAPES, ENTRY, TEMPLATE
+from search_space.embedding_bag import CHECK_SHAPES, TEMPLATE
 
 pytestmark = pytest.mark.slow
 
 DEFAULT_SOURCE = TEMPLATE.render({})
-MEAN = "acc = acc / tl.maximum"
+MEAN = "acc_BD = acc_BD / tl.maximum"
 # Wrong only in mean mode: the first check shape it fails is the first mean one.
-WRONG_SOURCE = DEFAULT_SOURCE.replace(MEAN, "acc = acc * 2 / tl.maximum")
+WRONG_SOURCE = DEFAULT_SOURCE.replace(MEAN, "acc_BD = acc_BD * 2 / tl.maximum")
 REJECTED_SOURCE = DEFAULT_SOURCE.replace("import torch\n", "import os\nimport torch\n", 1)
 # Reaches for torch's own embedding_bag: the op computed outside a Triton kernel.
 FALLBACK_SOURCE = DEFAULT_SOURCE + "\nFALLBACK = torch.nn.functional.embedding_bag\n"
@@ -38,7 +38,7 @@ FIRST_MEAN_SHAPE = next(s for s in CHECK_SHAPES if s.params.get("mode") == "mean
 
 
 def _candidate(source: str) -> Candidate:
-    return Candidate(problem="embedding_bag", source=source, entry=ENTRY, origin="human")
+    return Candidate(problem="embedding_bag", source=source, entry=TEMPLATE.entry, origin="human")
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_a_batch_gets_the_local_statuses_in_order(backend: RayBackend, scratch: 
 def test_rejection_is_the_local_one_and_schedules_no_task(
     backend: RayBackend, monkeypatch: pytest.MonkeyPatch, problem: str, source: str, rule: str
 ) -> None:
-    candidate = Candidate(problem=problem, source=source, entry=ENTRY, origin="human")
+    candidate = Candidate(problem=problem, source=source, entry=TEMPLATE.entry, origin="human")
     monkeypatch.setattr(backend, "_task", None)  # any submission would raise AttributeError
     result = backend.evaluate(candidate)
     assert result.status == Status.STATIC_REJECTED
