@@ -93,14 +93,27 @@ def _constexpr_names(kernel) -> set[str]:
 
 def _checked_launch(run):
     """A kernel's launch that refuses a tensor as a compile-time constant: Triton would run the
-    kernel body's methods on it as host Python (the interpreter) or in its code generator."""
+    kernel body's methods on it as host Python (the interpreter) or in its code generator. The
+    constants' positions are found once per kernel: every launch, timed ones too, pays only a
+    lookup per constant."""
 
     def wrapper(self, *args, **kwargs):
-        names = getattr(self, "arg_names", None) or []
-        constexprs = _constexpr_names(self)
-        given = {**dict(zip(names, args, strict=False)), **kwargs}
-        for name in constexprs & set(given):
-            if any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(given[name])):
+        positions = self.__dict__.get("_constexpr_positions")
+        if positions is None:
+            names = list(getattr(self, "arg_names", None) or [])
+            positions = [(n, names.index(n) if n in names else None) for n in sorted(_constexpr_names(self))]
+            self.__dict__["_constexpr_positions"] = positions
+        for name, position in positions:
+            if name in kwargs:
+                value = kwargs[name]
+            elif position is not None and position < len(args):
+                value = args[position]
+            else:
+                continue
+            if isinstance(value, torch.Tensor) or (
+                isinstance(value, tuple | list | dict)
+                and any(isinstance(v, torch.Tensor) for v in tree_leaves(value))
+            ):
                 raise TypeError(f"a tensor passed as the compile-time constant {name} of a kernel")
         return run(self, *args, **kwargs)
 

@@ -267,11 +267,15 @@ class Runner:
         return [value(a) for a in call["args"]], {k: value(v) for k, v in call["kwargs"].items()}
 
     def _call(self, cid: int, args: list, kwargs: dict) -> None:
-        """Call the entry; its outputs (or what is wrong with them) kept as call `cid`'s."""
-        with host_ops.watching(self.watch, self.host_float_ops) as watch:
+        """Call the entry; its outputs (or what is wrong with them) kept as call `cid`'s. Unwatched,
+        the call is the entry's alone (a timed call's events bracket nothing else)."""
+        if self.watch:
+            with host_ops.watching(True, self.host_float_ops) as watch:
+                out = self.fn(*args, **kwargs)
+            if watch.first is not None:
+                self.host_compute[cid] = watch.first
+        else:
             out = self.fn(*args, **kwargs)
-        if watch is not None and watch.first is not None:
-            self.host_compute[cid] = watch.first
         items = list(out) if isinstance(out, tuple | list) else [out]
         for t in items:
             if type(t) is not torch.Tensor:
