@@ -296,6 +296,7 @@ def test_llm_proposals_improve_the_elites_in_turn(tmp_path: Path) -> None:
     assert again.parent_id == other.candidate.id
 
 
+@pytest.mark.slow
 def test_search_starts_from_the_elites_when_the_best_is_exhausted() -> None:
     best = _row(1, _candidate(), 10.0)
     written = Candidate(problem=OP, source=GOOD, entry=OP, knobs=knob_values(GOOD), origin="llm")

@@ -29,6 +29,7 @@ def _load(source: str, entry: str, tmp_path: Path, name: str):
     return getattr(module, entry)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem", problem_names())
 def test_every_incumbent_runs_clean_under_the_watch(problem: str, tmp_path: Path, device) -> None:
     host_ops.prepare_triton(_kernel_classes())

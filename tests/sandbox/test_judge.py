@@ -27,6 +27,9 @@ from search_space import get_problem
 from search_space.attention import compiled_reference, dense_attention
 from search_space.embedding_bag import CHECK_SHAPES, ENTRY, INTERPRETED_TIMING_SHAPES, TEMPLATE, TIMING_SHAPES
 
+# Every case starts a sandboxed runner: the full suite's, not the fast target's.
+pytestmark = pytest.mark.slow
+
 needs_bwrap = pytest.mark.skipif(
     isolation.bwrap_works() is not None, reason=f"no sandbox here: {isolation.bwrap_works()}"
 )
