@@ -4,10 +4,11 @@ A candidate computes its op in Triton kernels; its host code allocates, views, c
 tensors and may compute on integer ones (offsets, lengths, schedules). Any other torch op with a
 floating-point tensor among its inputs or outputs is host code computing the op itself (a
 gather by indexing, a product by an operator, a sum by a builtin), which no static screen of
-Python can see: tensors and numbers look alike there. The runner watches its calls with this
-torch dispatch mode (all untimed ones, and a timed batch the judge picks at random, whose times
-it then discards) and reports the first such op; only Triton's autotuning benchmarks run
-unwatched.
+Python can see: tensors and numbers look alike there; so is reading floating-point values into
+Python (tolist, item), which dispatches no such op. The runner watches its calls with a torch
+dispatch mode and a torch function mode (all untimed calls, and a timed batch the judge picks at
+random, whose times it then discards) and reports the first finding; only Triton's autotuning
+benchmarks run unwatched.
 
 Imported by the runner before any candidate code exists.
 """
