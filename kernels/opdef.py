@@ -16,8 +16,9 @@ From it, `define` makes:
 - the public function, with the reference's signature and the declaration's docstring.
 
 Implementations are called with the op's whole signature, positional arguments positionally
-and keyword-only ones by keyword, exactly as the problem calls a candidate; launch bounds
-(`bounds`, e.g. a max length) are arguments like any other, so every implementation gets them.
+and keyword-only ones by keyword, exactly as the problem calls a candidate: an op whose
+signature has launch bounds (a max length, for sync-free calls) gives them to every
+implementation.
 """
 
 from __future__ import annotations

@@ -50,7 +50,6 @@ class Op:
     # ValueError naming what is wrong with the arguments (a callable or "module:function").
     check: Callable[..., None] | str | None = None
     backward: Backward | None = None
-    bounds: tuple[str, ...] = ()  # keyword arguments that bound the launch (sync-free calls)
     doc: str = ""
     # The dtype that keys dispatch: by default the first tensor argument's.
     dtype_of: Callable[..., torch.dtype] | None = None
