@@ -115,6 +115,23 @@ class _EagerOp:
 # --- define ---------------------------------------------------------------------------------
 
 
+def _binder(name: str, sig: inspect.Signature) -> Callable[..., tuple]:
+    """A function with the op's signature that returns every argument's value in order:
+    Python's own binding, about a hundred times faster than inspect.Signature.bind (whose tens of
+    microseconds a public op would pay on every call), with the same errors, under the op's name."""
+    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    positional, keyword = [], []
+    for n, p in sig.parameters.items():
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            raise ValueError(f"op {name}: a signature without *args or **kwargs, please ({n})")
+        text = f"{n}=_defaults[{n!r}]" if n in defaults else n
+        (keyword if p.kind is inspect.Parameter.KEYWORD_ONLY else positional).append(text)
+    arguments = ", ".join(positional + (["*", *keyword] if keyword else []))
+    namespace = {"_defaults": defaults}
+    exec(f"def {name}({arguments}):\n    return ({', '.join(sig.parameters)},)\n", namespace)
+    return namespace[name]
+
+
 def _first_tensor_dtype(*args, **kwargs) -> torch.dtype:
     return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)).dtype
 
@@ -140,6 +157,8 @@ def define(op: Op) -> Callable[..., Any]:
 
     def split(values: tuple, named: dict) -> tuple[tuple, dict]:
         """The op's (args, kwargs) from the custom op's values (torch may leave defaults out)."""
+        if not named and len(values) == len(names):  # every value, in order: no binding to do
+            return values[:n_positional], dict(zip(keyword, values[n_positional:], strict=True))
         bound = flat.bind(*values, **named)
         bound.apply_defaults()
         ordered = [bound.arguments[n] for n in names]
@@ -187,12 +206,13 @@ def define(op: Op) -> Callable[..., Any]:
         torch.library.register_autograd(f"{NAMESPACE}::{op.name}", backward, setup_context=setup_context)
     call = _EagerOp(custom, impl, setup_context, backward)
 
+    bind = _binder(op.name, sig)
+
     def public_fn(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
+        values = bind(*args, **kwargs)
         if check is not None:
-            check(*bound.args, **bound.kwargs)
-        return call(*(bound.arguments[n] for n in names))
+            check(*values[:n_positional], **dict(zip(keyword, values[n_positional:], strict=True)))
+        return call(*values)
 
     public_fn.__signature__ = sig
     public_fn.__name__ = public_fn.__qualname__ = op.name
