@@ -11,16 +11,12 @@ from functools import partial
 import torch
 
 from kernels import attention as _attn
-from kernels.opdef import _EagerOp, define, defined, public
+from kernels.opdef import _DTYPE_NAMES, _EagerOp, define, defined, public
 from kernels.registry import DISPATCHER, Implementation
 from search_space import embedding_bag as _eb_problem
 from search_space import embedding_bag_backward as _ebb_problem
 from search_space.attention import gdpa_reference, jagged_attention_reference, target_attention_reference
 from search_space.op import get_op
-from search_space.problem import DTYPES
-
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
 
 # --- ops declared once (search_space.op.Op; kernels.opdef.define) ---------------------------
 

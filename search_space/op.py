@@ -80,13 +80,10 @@ class Op:
 
 def get_op(name: str) -> Op:
     """The declaration of op `name`, from the module that declares its problem (OP, or OPS)."""
-    from search_space.problem import problem_module
+    from search_space.problem import declarations, problem_module
 
     module = problem_module(name)
-    declared = list(getattr(module, "OPS", ()))
-    if isinstance(getattr(module, "OP", None), Op):
-        declared.insert(0, module.OP)
-    for op in declared:
+    for op in declarations(module, "OP", Op):
         if op.name == name:
             return op
     raise ValueError(f"problem {name!r} declares no op (no OP or OPS in {module.__name__})")

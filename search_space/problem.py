@@ -159,11 +159,16 @@ def plugin_modules() -> list[str]:
     return [m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
 
 
-def _problems_of(module: ModuleType) -> list[Problem]:
-    found = list(getattr(module, "PROBLEMS", ()))
-    if isinstance(getattr(module, "PROBLEM", None), Problem):
-        found.insert(0, module.PROBLEM)
+def declarations(module: ModuleType, name: str, kind: type) -> list:
+    """What a module declares as `name` (one object of `kind`) and `name + "S"` (several)."""
+    found = list(getattr(module, name + "S", ()))
+    if isinstance(getattr(module, name, None), kind):
+        found.insert(0, getattr(module, name))
     return found
+
+
+def _problems_of(module: ModuleType) -> list[Problem]:
+    return declarations(module, "PROBLEM", Problem)
 
 
 def _plugin(name: str) -> ModuleType:
