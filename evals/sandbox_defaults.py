@@ -40,8 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         except AttributeError:  # a problem with neither a dispatched default nor a template
             print(f"{name}: no incumbent to evaluate")
     t0 = time.perf_counter()
+
+    def evaluate(job):
+        # A line as each one ends, so that a run cut short still says what it found.
+        result = backend.evaluate(job[1])
+        print(f"{job[0]}: {result.status.value} in {result.wall_s:.0f} s {result.message[:300]}", flush=True)
+        return result
+
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        results = list(pool.map(lambda job: backend.evaluate(job[1]), jobs))
+        results = list(pool.map(evaluate, jobs))
     wall = time.perf_counter() - t0
     columns = ("problem", "status", "checks", "shape", "dtype", "event p50 us", "judge us/call",
                "accounted", "checked", "s")  # fmt: skip

@@ -879,7 +879,8 @@ def evaluate(request: EvalRequest) -> EvalResult:
         runner.ask({"op": "ping"}, where="start")
         ev.clock.start("load")
         load = {"op": "load", "source_file": request.source_file, "entry": request.entry,
-                "host_float_ops": list(ev.problem.host_float_ops)}  # fmt: skip
+                "host_float_ops": list(ev.problem.host_float_ops),
+                "gpu_memory_bytes": request.gpu_memory_bytes}  # fmt: skip
         runner.ask(load, where="import failed")
         if request.check:
             ev.clock.start("check")
@@ -950,7 +951,13 @@ def gpu_use(lock_path: str | None, *, exclusive: bool) -> Iterator[None]:
 
 
 def main(argv: list[str]) -> int:
+    """python -m sandbox.judge REQUEST RESULT [PARENT_PID]: with PARENT_PID, the judge (and with
+    it its runner, which dies with its judge) is killed when that process ends."""
     request_path, result_path = Path(argv[0]), Path(argv[1])
+    if len(argv) > 2:
+        from sandbox.confine import die_with_parent
+
+        die_with_parent(int(argv[2]))
     request = EvalRequest.model_validate_json(request_path.read_text())
     try:
         result = evaluate(request)

@@ -48,7 +48,8 @@ PASSED_ENV = (
 
 
 # Address-space cap of a worker without a GPU. (With CUDA none is set: the driver reserves
-# address space far beyond what the process uses; the GPU's own memory bounds a GPU worker.)
+# address space far beyond what the process uses; EvalRequest.gpu_memory_bytes bounds a GPU
+# worker's device memory.)
 CPU_ADDRESS_SPACE = 16 * 1024**3
 
 
@@ -202,7 +203,9 @@ class LocalBackend(WorkerBackend):
         result_path = judge_dir / "result.json"
         # -P: the judge's directory is not an import path (the runner's sandbox binds every
         # import path of the judge, and must never see this directory).
-        cmd = [sys.executable, "-P", "-m", "sandbox.judge", str(judge_dir / "request.json"), str(result_path)]
+        # This process's pid: the judge dies with it (a killed campaign leaves nothing on the GPU).
+        cmd = [sys.executable, "-P", "-m", "sandbox.judge", str(judge_dir / "request.json"), str(result_path),
+               str(os.getpid())]  # fmt: skip
         t0 = time.perf_counter()
         with open(judge_dir / "judge.log", "wb") as log:
             proc = subprocess.Popen(

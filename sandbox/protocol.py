@@ -53,6 +53,10 @@ class EvalRequest(BaseModel):
     # Applied by the runner to itself before the candidate is imported (None: not set here).
     cpu_seconds: int | None = None
     address_space_bytes: int | None = None
+    # The most device memory the runner's allocator may hold (torch's per-process fraction, set
+    # before the candidate is imported; the shared input regions, the judge's, do not count):
+    # evaluations share one GPU, and a candidate that takes all of it would fail the others.
+    gpu_memory_bytes: int | None = 32 * 1024**3
     # What the runner may hold in its scratch directory, watched by the judge (None: unwatched).
     scratch_bytes: int | None = 4 * 1024**3
     scratch_files: int | None = 100_000

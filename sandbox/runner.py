@@ -142,6 +142,7 @@ class Runner:
     def op_load(self, message: dict, fds: list[int]) -> dict:
         self.host_float_ops = frozenset(str(op) for op in message.get("host_float_ops", ()))
         host_ops.prepare_triton(_kernel_classes())
+        self._cap_device_memory(message.get("gpu_memory_bytes"))
         try:
             path = message["source_file"]
             # The text the screen read (sandbox.screen, rule text): UTF-8, compiled from the
@@ -162,6 +163,16 @@ class Runner:
             return {"ok": False, "error": {**_error(exc), "kind": "compile_error"}}
         self.fn = fn
         return {"ok": True}
+
+    def _cap_device_memory(self, nbytes) -> None:
+        """Rule resources: the allocator's share of the GPU, set before any candidate code runs
+        (the screen admits nothing of torch.cuda, so the candidate cannot raise it)."""
+        if nbytes is None or self.device == "cpu":
+            return
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise RunnerError(f"gpu_memory_bytes must be a positive integer, not {nbytes!r}")
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), 0)
 
     def op_region(self, message: dict, fds: list[int]) -> dict:
         if len(fds) != 1:
