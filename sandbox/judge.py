@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fcntl
 import math
 import os
 import platform
@@ -42,7 +41,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +48,7 @@ import torch
 
 from sandbox import isolation, shared, wire
 from sandbox.hardware import roofline_seconds
+from sandbox.locks import gpu_use
 from sandbox.protocol import (
     EvalRequest,
     Output,
@@ -924,30 +923,6 @@ def evaluate(request: EvalRequest) -> EvalResult:
         log_tail=tail[-LOG_TAIL_CHARS:],
         **base,
     )
-
-
-@contextlib.contextmanager
-def gpu_use(lock_path: str | None, *, exclusive: bool) -> Iterator[None]:
-    """Use of the GPU behind `lock_path` (nothing when None): shared for checks, which run side by
-    side in several evaluations, exclusive for timing, which runs with no check beside it (with
-    checks running beside them, embedding-bag timings in a four-worker H200 campaign spread by up
-    to 93%, and the noise margin then refused a 2.5x faster kernel). A timer waiting at the
-    turnstile keeps new checks from starting, so checks cannot starve it. Both locks are flock(2)
-    locks, taken by the judge on its runner's behalf: nothing the runner starts can see the lock
-    file (sandbox.isolation), so none can hold it; the kernel releases them when the judge dies."""
-    if lock_path is None:
-        yield
-        return
-    with open(f"{lock_path}.turnstile", "a") as turnstile, open(lock_path, "a") as gpu:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(gpu, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(gpu, fcntl.LOCK_UN)
 
 
 def main(argv: list[str]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from sandbox.artifacts import ArtifactCache
 from sandbox.candidate import Candidate
 from sandbox.hardware import cuda_present
 from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
+from sandbox.locks import gpu_use
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
 from sandbox.screen import screen_candidate
@@ -60,6 +62,18 @@ JUDGE_GRACE_S = 60.0
 COMPILED = (Status.OK, Status.WRONG, Status.SUSPICIOUS)
 
 
+def judge_out_of_memory(result: EvalResult) -> bool:
+    """Whether the judge itself (trusted code, whose failures alone read "the judge failed")
+    ran out of device memory: torch's allocator, or the driver's for a shared region
+    (CUDA_ERROR_OUT_OF_MEMORY is the driver's error 2)."""
+    message = result.message
+    return (
+        result.status == Status.RUNTIME_ERROR
+        and message.startswith("the judge failed: ")
+        and ("OutOfMemoryError" in message or re.search(r"CUDA driver error 2\b", message) is not None)
+    )
+
+
 class WorkerBackend:
     """What every backend that runs `sandbox.judge` on one host shares: screen first, then a
     fresh scratch directory per evaluation (seeded with the compiled artifacts of an earlier
@@ -69,6 +83,9 @@ class WorkerBackend:
     scratch_root: Path | None
     keep_scratch: bool
     artifacts: ArtifactCache | None = None
+    # The host's device-memory lock (set on a GPU host): each evaluation holds it shared; one
+    # whose judge ran out of device memory beside others runs again holding it alone.
+    memory_lock: Path | None = None
 
     def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
         """One after another: the evaluations on one host share its GPU, and timings must not."""
@@ -94,7 +111,7 @@ class WorkerBackend:
         (runner_dir / "candidate.py").write_text(candidate.source)
         reused = self.artifacts is not None and self.artifacts.restore(candidate.id, runner_dir / "triton")
         try:
-            result = self._run(
+            result = self._run_sharing_memory(
                 candidate,
                 scratch,
                 EvalRequest(
@@ -115,6 +132,20 @@ class WorkerBackend:
         finally:
             if not self.keep_scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+    def _run_sharing_memory(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
+        """_run beside the host's other evaluations; again alone when the judge's own work ran
+        out of device memory (theirs and its together: a gradient reference at a timing shape
+        can hold tens of GiB), so an honest candidate is never failed for its neighbours."""
+        lock = str(self.memory_lock) if self.memory_lock is not None else None
+        with gpu_use(lock, exclusive=False):
+            result = self._run(candidate, scratch, request)
+        if lock is None or not judge_out_of_memory(result):
+            return result
+        shutil.rmtree(scratch / "judge", ignore_errors=True)
+        with gpu_use(lock, exclusive=True):
+            again = self._run(candidate, scratch, request)
+        return again.model_copy(update={"wall_s": again.wall_s + result.wall_s})
 
     def _source_file(self, runner_dir: Path) -> str:
         """Where the runner finds the candidate's source."""
@@ -163,6 +194,8 @@ class LocalBackend(WorkerBackend):
         # on one GPU take turns too.
         devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-") or "none"
         self.timing_lock = Path(tempfile.gettempdir()) / f"recforge-timing-{devices}.lock"
+        if cuda_present():
+            self.memory_lock = Path(tempfile.gettempdir()) / f"recforge-memory-{devices}.lock"
 
     def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
         if self.parallel == 1 or len(candidates) < 2:

@@ -40,7 +40,7 @@ class EvalRequest(BaseModel):
     timing: bool = True
     baselines: list[str] = []  # names among "reference", "reference.compile", problem baselines
     input_sets: int = 3  # for the baselines, which the judge times in its own process
-    # The GPU's lock file (judge.gpu_use): evaluations check and compile side by side under a
+    # The GPU's lock file (sandbox.locks.gpu_use): evaluations check and compile side by side under a
     # shared lock, and one at a time measures the GPU under an exclusive one, with nothing beside.
     timing_lock: str | None = None
     # The runner's scratch directory (its only writable place) and how it is isolated.

@@ -7,7 +7,7 @@ import multiprocessing
 import time
 from pathlib import Path
 
-from sandbox.judge import gpu_use
+from sandbox.locks import gpu_use
 
 HOLD_S = 0.6
 

@@ -187,3 +187,48 @@ def test_parallel_evaluations_all_finish_in_order(tmp_path: Path) -> None:
     assert [r.status for r in results] == [Status.OK] * 3, [r.message for r in results]
     assert all(r.timing_window is not None and r.timings for r in results)
     assert [r.candidate_id for r in results] == [_candidate(s).id for s in sources]  # order kept
+
+
+def _oom(message: str) -> EvalResult:
+    return EvalResult(status=Status.RUNTIME_ERROR, problem="embedding_bag", candidate_id="c", message=message)
+
+
+@pytest.mark.parametrize(
+    ("message", "retried"),
+    [
+        ("the judge failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 1.17 GiB", True),
+        ("the judge failed: SharedMemoryError: cuMemCreate failed with CUDA driver error 2", True),
+        ("the judge failed: SharedMemoryError: cuMemCreate failed with CUDA driver error 20", False),
+        ("b64k [bf16]: OutOfMemoryError: CUDA out of memory (the candidate's own)", False),
+        ("the judge failed: ValueError: something else", False),
+    ],
+)
+def test_only_the_judges_own_out_of_memory_runs_alone(tmp_path: Path, message: str, retried: bool) -> None:
+    """The first run fails as `message` says; a judge's own out-of-memory runs again, holding
+    the host's memory lock alone (no other evaluation could take it shared meanwhile)."""
+    import fcntl
+
+    from sandbox.local import WorkerBackend, judge_out_of_memory
+
+    lock = tmp_path / "memory.lock"
+    runs: list[bool] = []  # per run: could another evaluation share the lock meanwhile?
+
+    class Scripted(WorkerBackend):
+        scratch_root, keep_scratch, memory_lock = tmp_path / "scratch", False, lock
+
+        def _run(self, candidate, scratch, request):
+            with open(lock, "a") as other:
+                try:
+                    fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    runs.append(True)
+                    fcntl.flock(other, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    runs.append(False)
+            if len(runs) == 1:
+                return _oom(message)
+            return EvalResult(status=Status.OK, problem="embedding_bag", candidate_id="c", message="")
+
+    result = Scripted().evaluate(_candidate(DEFAULT_SOURCE), timing=False)
+    assert judge_out_of_memory(_oom(message)) is retried
+    assert runs == ([True, False] if retried else [True])
+    assert result.status == (Status.OK if retried else Status.RUNTIME_ERROR)
