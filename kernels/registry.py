@@ -160,11 +160,12 @@ class KernelLibrary:
         return new
 
     def best(self, op: str, arch: str, dtype: str, bucket: str) -> LibraryEntry | None:
-        matches = [
-            e
-            for e in self.entries()
-            if e.op == op and e.arch == arch and e.dtype == dtype and bucket in e.buckets
-        ]
+        candidates = [e for e in self.entries() if e.op == op and e.arch == arch and e.dtype == dtype]
+        matches = [e for e in candidates if bucket in e.buckets]
+        if not matches:
+            # An entry registered before its op's buckets split into regimes ("d64" before
+            # "d64-short" and "d64-long") serves every regime of its old bucket, as it did.
+            matches = [e for e in candidates if any(bucket.startswith(f"{b}-") for b in e.buckets)]
         if not matches:
             return None
         # Fastest first, on the bucket itself when every match was timed there (entries of older

@@ -84,7 +84,7 @@ def _fake(grad_out, indices, offsets, num_rows, *, mode="sum", per_sample_weight
 
 
 def _call_bucket(grad_out, indices, offsets, num_rows, *, mode="sum", per_sample_weights=None) -> str:
-    return forward.dim_bucket(grad_out.shape[1])
+    return forward.call_bucket(grad_out.shape[1], indices, offsets)
 
 
 OP = Op(

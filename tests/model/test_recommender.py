@@ -150,7 +150,9 @@ def test_registered_kernel_replaces_default_in_training_and_serving(
         source=source,
         arch=arch,
         dtype="fp32",
-        buckets=sorted({eb_problem.dim_bucket(f.dim) for f in CONFIG.sparse_features}),
+        buckets=sorted(
+            {eb_problem.bucket_of(f.dim, ids) for f in CONFIG.sparse_features for ids in (1, 20)}
+        ),  # both bag regimes of every feature's dim
         median_us=None,
         interpreted=arch == ARCH_INTERPRETER,
         evidence={},

@@ -11,8 +11,13 @@ from search_space import get_problem
 from search_space.embedding_bag import (
     CHECK_SHAPES,
     KNOBS,
+    SHORT_BAG_MEAN_IDS,
     TEMPLATE,
+    TIMING_SHAPES,
+    bucket_of,
+    call_bucket,
     dim_bucket,
+    make_inputs,
     reference,
     torch_embedding_bag,
 )
@@ -162,7 +167,7 @@ def test_flops_and_bytes_no_bags() -> None:
 )
 def test_dim_bucket(dim: int, bucket: str) -> None:
     assert dim_bucket(dim) == bucket
-    assert PROBLEM.bucket(_shape(num_rows=4, dim=dim, lengths=[1])) == bucket
+    assert PROBLEM.bucket(_shape(num_rows=4, dim=dim, lengths=[1])) == f"{bucket}-short"
 
 
 def test_every_check_dtype_has_a_tolerance() -> None:
@@ -221,3 +226,34 @@ def test_render_rejects_invalid_knobs(knobs: dict, named: str) -> None:
 def test_render_rejects_values_equal_to_a_choice_of_another_type(knobs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(knobs))):
         TEMPLATE.render(knobs)
+
+
+def test_buckets_separate_short_bags_from_long_ones_alike_for_shapes_and_calls() -> None:
+    """One bucket function: a timing shape and a call drawn from it fall in the same bucket, and
+    the workload's short bags (one to three ids) in another than its pooled ones."""
+    seen = {}
+    for shape in TIMING_SHAPES:
+        small = Shape(name=shape.name, dtype=shape.dtype, params={**shape.params, "num_rows": 1000})
+        weight, indices, offsets = make_inputs(small, seed=3, device=torch.device("cpu")).args
+        assert PROBLEM.bucket(shape) == call_bucket(weight.shape[1], indices, offsets), shape.name
+        seen[shape.name] = PROBLEM.bucket(shape)
+    assert seen["b256k-d64-4m-short"] == "d64-short" and seen["b256k-d64-4m"] == "d64-long"
+    assert seen["b64k-d16-1m-short"] == "d16-short" and seen["b64k-d128-1m"] == "d128-long"
+    assert (
+        bucket_of(64, SHORT_BAG_MEAN_IDS) == "d64-short"
+        and bucket_of(64, SHORT_BAG_MEAN_IDS + 0.1) == "d64-long"
+    )
+
+
+def test_an_entry_of_a_bucket_before_regimes_serves_both_regimes(tmp_path) -> None:
+    from kernels.registry import KernelLibrary
+
+    library = KernelLibrary(tmp_path / "lib")
+    common = dict(op="embedding_bag", entry="embedding_bag", arch="sm_90", dtype="bf16", median_us=None,
+                  interpreted=False, evidence={}, provenance={})  # fmt: skip
+    old = library.add(source="# old\n", buckets=["d64"], **common)
+    assert library.best("embedding_bag", "sm_90", "bf16", "d64-short").kernel_id == old.kernel_id
+    assert library.best("embedding_bag", "sm_90", "bf16", "d128-short") is None
+    new = library.add(source="# new\n", buckets=["d64-short"], **common)
+    assert library.best("embedding_bag", "sm_90", "bf16", "d64-short").kernel_id == new.kernel_id
+    assert library.best("embedding_bag", "sm_90", "bf16", "d64-long").kernel_id == old.kernel_id
