@@ -16,6 +16,7 @@ from kernels.registry import DISPATCHER, Implementation
 from search_space import embedding_bag as _eb_problem
 from search_space import embedding_bag_backward as _ebb_problem
 from search_space.attention import gdpa_reference, jagged_attention_reference, target_attention_reference
+from search_space.attention_common import bucket_of as attention_bucket
 from search_space.op import get_op
 
 # --- ops declared once (search_space.op.Op; kernels.opdef.define) ---------------------------
@@ -52,9 +53,17 @@ DISPATCHER.register_op(
 )
 
 
-def _resolve_attention(op: str, q: torch.Tensor) -> Implementation:
+def _resolve_attention(
+    op: str, q: torch.Tensor, max_len: int | None, offsets: torch.Tensor
+) -> Implementation:
+    """The implementation for the call's bucket (search_space.attention_common.bucket_of), by its
+    longest sequence of keys: the bound where the caller gave one, else read from `offsets`
+    (a host sync, as the kernels make without bounds)."""
+    if max_len is None:
+        max_len = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+    bucket = attention_bucket(q.shape[-1], max_len)
     return DISPATCHER.resolve(
-        op, device=q.device, dtype=_DTYPE_NAMES.get(q.dtype, str(q.dtype)), bucket=f"d{q.shape[-1]}"
+        op, device=q.device, dtype=_DTYPE_NAMES.get(q.dtype, str(q.dtype)), bucket=bucket
     )
 
 
@@ -182,7 +191,7 @@ def _jagged_attention_impl(
         scale=scale,
     )
     lse_shape = (q.shape[1], q.shape[0]) if need_lse and activation == "softmax" else None
-    impl = _resolve_attention("jagged_attention", q)
+    impl = _resolve_attention("jagged_attention", q, max_seq_len, offsets)
     return _forward_with_lse(impl, _attn.jagged_attention_forward, (q, k, v, offsets), kwargs, lse_shape, q)
 
 
@@ -215,7 +224,7 @@ def _jagged_attention_backward_impl(
     kwargs = dict(
         max_seq_len=max_seq_len, activation=activation, causal=causal, num_targets=num_targets, scale=scale
     )
-    impl = _resolve_attention("jagged_attention_grad", q)
+    impl = _resolve_attention("jagged_attention_grad", q, max_seq_len, offsets)
     if impl.name == "default":
         dq, dk, dv, d_rel_bias = _attn.jagged_attention_backward(
             grad_out, q, k, v, offsets, out, lse, rel_bias=rel_bias, **kwargs
@@ -322,7 +331,7 @@ def _gdpa_impl(
     max_q_len: int | None,
     max_kv_len: int | None,
 ) -> torch.Tensor:
-    impl = _resolve_attention("gdpa", q)
+    impl = _resolve_attention("gdpa", q, max_kv_len, kv_offsets)
     bounds = _default_only(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
     return impl.fn(
         q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, broadcast_q=broadcast_q, **bounds
@@ -352,7 +361,7 @@ def _gdpa_backward_impl(
     max_kv_len: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The default (gdpa_backward) needs no forward statistics: every implementation is called alike.
-    impl = _resolve_attention("gdpa_grad", q)
+    impl = _resolve_attention("gdpa_grad", q, max_kv_len, kv_offsets)
     bounds = _default_only(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
     dq, dk, dv = impl.fn(
         grad_out, q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale,
@@ -440,7 +449,7 @@ def _target_attention_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_cand, seeds, num_heads, _ = q_cand.shape
     lse_shape = (num_heads, num_cand * seeds) if need_lse and activation == "softmax" else None
-    impl = _resolve_attention("target_attention", q_cand)
+    impl = _resolve_attention("target_attention", q_cand, max_history, kv_offsets)
     args = (q_cand, k, v, kv_offsets, cand_to_request)
     kwargs = dict(activation=activation, scale=scale)
     default = _attn.target_attention_forward
@@ -478,7 +487,7 @@ def _target_attention_backward_impl(
     max_candidates: int | None,
     max_history: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    impl = _resolve_attention("target_attention_grad", q_cand)
+    impl = _resolve_attention("target_attention_grad", q_cand, max_history, kv_offsets)
     if impl.name == "default":
         return _attn.target_attention_backward(
             grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation=activation,

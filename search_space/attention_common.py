@@ -145,8 +145,26 @@ def head_dim_bucket(dim: int) -> str:
     return f"d{max(16, 1 << math.ceil(math.log2(max(dim, 1))))}"
 
 
+# Key-length regimes (the longest sequence's keys, at most): the kernels' own choices change
+# across them (tile shapes, the shifted last tile for spans up to 2048, programs per sequence).
+LENGTH_REGIMES = ((512, "short"), (2048, "medium"), (8192, "long"))
+
+
+def length_regime(max_len: int) -> str:
+    """ "short" (at most 512 keys), "medium" (2048), "long" (8192) or "xlong"."""
+    return next((name for bound, name in LENGTH_REGIMES if max_len <= bound), "xlong")
+
+
+def bucket_of(dim: int, max_len: int) -> str:
+    """The shape bucket of an attention call (one function for problem, dispatch and report):
+    the head dim rounded up to a power of two, then the key-length regime, e.g. "d128-long"."""
+    return f"{head_dim_bucket(dim)}-{length_regime(max_len)}"
+
+
 def bucket(shape: Shape) -> str:
-    return head_dim_bucket(shape.params["dim"])
+    p = shape.params
+    longest = p["max_len"] if "max_len" in p else max(p.get("lengths") or [0])  # keys' lengths
+    return bucket_of(p["dim"], longest)
 
 
 def index_dtype(params: Mapping[str, Any]) -> torch.dtype:

@@ -67,10 +67,42 @@ def test_problems_are_registered() -> None:
         for shape in (*p.check_shapes, *p.timing_shapes, *p.interpreted_timing_shapes):
             p.tolerance(shape.dtype)
         assert {s.dtype for s in p.check_shapes} == {"fp32", "bf16", "fp16"}
-        assert all(s.dtype == "bf16" and p.bucket(s) == "d128" for s in p.timing_shapes)
+        assert all(s.dtype == "bf16" and p.bucket(s).startswith("d128-") for s in p.timing_shapes)
+        # Buckets separate length regimes: every family is timed in more than one.
+        assert len({p.bucket(s) for s in p.timing_shapes}) >= 2, name
         # The sandbox's no-op proof uses the first check shape: it must have a non-zero output.
         first = p.make_inputs(p.check_shapes[0], 0, CPU)
         assert p.reference(*first.args, **first.kwargs).abs().sum() > 0
+
+
+def test_length_regimes() -> None:
+    regimes = [attention_common.length_regime(n) for n in (0, 512, 513, 2048, 4096, 8192, 16384)]
+    assert regimes == ["short", "short", "medium", "medium", "long", "long", "xlong"]
+    assert attention_common.bucket_of(100, 1024) == "d128-medium"
+
+
+def test_dispatch_asks_for_the_bucket_the_problem_gives_its_shape(monkeypatch) -> None:
+    """A call of each public attention op resolves the bucket its problem gives the shape of the
+    same lengths: from the caller's bound, and from the offsets where it gave none."""
+    from kernels import ops
+    from kernels.registry import DISPATCHER
+
+    asked = []
+    real = DISPATCHER.resolve
+
+    def recording(op, **kw):
+        asked.append((op, kw["bucket"]))
+        return real(op, **kw)
+
+    monkeypatch.setattr(DISPATCHER, "resolve", recording)
+    heads, dim, lengths = 2, 32, [700, 5, 0]
+    offsets = torch.tensor([0, 700, 705, 705])
+    q, k, v = (torch.randn(705, heads, dim) for _ in range(3))
+    ops.jagged_attention(q, k, v, offsets, max_seq_len=max(lengths))
+    seeds = torch.randn(4, heads, dim)
+    ops.gdpa(seeds, k, v, None, offsets, broadcast_q=True)  # no bound: read from the offsets
+    want = attention_common.bucket_of(dim, max(lengths))
+    assert want == "d32-medium" and asked == [("jagged_attention", want), ("gdpa", want)]
 
 
 def test_head_dim_bucket() -> None:
