@@ -50,8 +50,8 @@ BWD_FLOP_FACTOR = 2.5
 MATMUL_N = 8192
 PEAK_ROUNDS = 3
 KERNEL = "kernels.ops"
-# The kernel under test with the op's bounds, replayed from a CUDA graph (forward; see
-# sync_free_bounds), for ops whose eager calls are bound by host time at request shapes.
+# The kernel under test with the inputs' launch bounds, replayed from a CUDA graph (forward; see
+# BOUNDS), for ops whose eager calls are bound by host time at request shapes.
 GRAPHED = "kernels.ops, bounds, CUDA graph"
 KERNELS = (KERNEL, GRAPHED)
 FORWARD_ONLY = ("reference", "reference.compile", GRAPHED)
@@ -77,31 +77,15 @@ def measure_matmul_peak(device: torch.device, rounds: int = PEAK_ROUNDS) -> floa
     return 2 * MATMUL_N**3 / (best_us * 1e-6)
 
 
-def _longest(offsets: torch.Tensor) -> int:
-    return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+# The launch bounds of the ops that take them. The problems' inputs carry them, as a model's
+# calls do, so that a call neither syncs the host nor checks its inputs on the device and can be
+# captured in a CUDA graph.
+BOUNDS = {"gdpa": ("max_q_len", "max_kv_len"), "target_attention": ("max_candidates", "max_history")}
 
 
-def _gdpa_bounds(args: tuple, kwargs: dict) -> dict:
-    _, _, _, q_offsets, kv_offsets = args
-    if kwargs.get("broadcast_q"):
-        return {"max_kv_len": _longest(kv_offsets)}
-    return {"max_kv_len": _longest(kv_offsets), "max_q_len": _longest(q_offsets)}
-
-
-def _target_bounds(args: tuple, kwargs: dict) -> dict:
-    _, _, _, kv_offsets, cand_to_request = args
-    most = int(torch.bincount(cand_to_request).max()) if cand_to_request.numel() else 0
-    return {"max_candidates": most, "max_history": _longest(kv_offsets)}
-
-
-# The bounds with which `kernels.ops.<op>` neither syncs the host nor checks its inputs on the
-# device, so that a call can be captured in a CUDA graph.
-SYNC_FREE_BOUNDS = {"gdpa": _gdpa_bounds, "target_attention": _target_bounds}
-
-
-def sync_free_bounds(op: str, args: tuple, kwargs: dict) -> dict:
-    """The op's sync-free bounds measured on these inputs (a host sync, outside any timing)."""
-    return SYNC_FREE_BOUNDS[op](args, kwargs)
+def without_bounds(op: str, kwargs: dict) -> dict:
+    """kwargs less the op's launch bounds: the call that measures the lengths itself (a host sync)."""
+    return {k: v for k, v in kwargs.items() if k not in BOUNDS.get(op, ())}
 
 
 def graphed(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
@@ -154,7 +138,7 @@ def _providers(problem: Problem, shape: Shape, device: torch.device, kernel: Cal
     providers: dict[str, Callable] = {}
     if kernel is not None:
         providers[KERNEL] = kernel
-        if problem.name in SYNC_FREE_BOUNDS:
+        if problem.name in BOUNDS:
             providers[GRAPHED] = kernel
     # The baselines exactly as the sandbox worker times them, then the shape-dependent ones.
     providers |= baseline_providers(problem, all_baselines(problem), device)
@@ -178,7 +162,7 @@ def _time_forward(fn, arg_sets, ref, problem, shape, device) -> dict:
 
 
 def _time_graph_replay(fn, op, arg_sets, ref, problem, shape, device) -> dict:
-    """The forward of `fn` with the op's sync-free bounds, captured in a CUDA graph per input set
+    """The forward of `fn` with the inputs' launch bounds, captured in a CUDA graph per input set
     and timed by replays, each to its last kernel (`joined_streams`: capture admits no work left
     on another stream). A kernel that cannot be captured (a library kernel that syncs) is an
     error row."""
@@ -187,7 +171,7 @@ def _time_graph_replay(fn, op, arg_sets, ref, problem, shape, device) -> dict:
     replays, outputs = [], []
     with torch.no_grad():
         for args, kwargs in arg_sets:
-            replay, out = graphed(partial(fn, *args, **kwargs, **sync_free_bounds(op, args, kwargs)))
+            replay, out = graphed(partial(fn, *args, **kwargs))
             replays.append(replay)
             outputs.append(out)
     args, kwargs = arg_sets[0]

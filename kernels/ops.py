@@ -5,8 +5,9 @@ attention ops' backwards ask it too, for the op's gradients (`<op>_grad`)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
-from functools import partial
 
 import torch
 
@@ -67,10 +68,20 @@ def _resolve_attention(
     )
 
 
-def _default_only(impl: Implementation, **options) -> dict:
-    """`options` for the default kernels (launch bounds that spare them a host sync); none for
-    other implementations, which take the problem's arguments only."""
-    return options if impl.name == "default" else {}
+def _bounds_for(impl: Implementation, **bounds) -> dict:
+    """The call's launch bounds, which spare a kernel its host sync and keep the op capturable
+    in a CUDA graph: part of every implementation's arguments (the problems pass them too),
+    except a library entry registered before they were, whose function does not name them."""
+    return bounds if _takes_bounds(impl.fn, tuple(bounds)) else {}
+
+
+@functools.lru_cache(maxsize=512)
+def _takes_bounds(fn: Callable, names: tuple[str, ...]) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: called as the problem calls it
+        return True
+    return all(n in parameters for n in names) or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def _forward_with_lse(
@@ -332,7 +343,7 @@ def _gdpa_impl(
     max_kv_len: int | None,
 ) -> torch.Tensor:
     impl = _resolve_attention("gdpa", q, max_kv_len, kv_offsets)
-    bounds = _default_only(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
+    bounds = _bounds_for(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
     return impl.fn(
         q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, broadcast_q=broadcast_q, **bounds
     )
@@ -362,7 +373,7 @@ def _gdpa_backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The default (gdpa_backward) needs no forward statistics: every implementation is called alike.
     impl = _resolve_attention("gdpa_grad", q, max_kv_len, kv_offsets)
-    bounds = _default_only(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
+    bounds = _bounds_for(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
     dq, dk, dv = impl.fn(
         grad_out, q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale,
         broadcast_q=broadcast_q, **bounds,
@@ -452,13 +463,8 @@ def _target_attention_impl(
     impl = _resolve_attention("target_attention", q_cand, max_history, kv_offsets)
     args = (q_cand, k, v, kv_offsets, cand_to_request)
     kwargs = dict(activation=activation, scale=scale)
-    default = _attn.target_attention_forward
-    if max_candidates is not None:
-        # The bounds make the default kernels free of host syncs; other implementations take
-        # the problem's arguments only.
-        default = partial(default, max_candidates=max_candidates, max_history=max_history)
-        impl = Implementation("default", default) if impl.name == "default" else impl
-    return _forward_with_lse(impl, default, args, kwargs, lse_shape, q_cand)
+    kwargs |= _bounds_for(impl, max_candidates=max_candidates, max_history=max_history)
+    return _forward_with_lse(impl, _attn.target_attention_forward, args, kwargs, lse_shape, q_cand)
 
 
 _target_attention_op = torch.library.custom_op("recforge::target_attention", mutates_args=())(
@@ -493,8 +499,9 @@ def _target_attention_backward_impl(
             grad_out, q_cand, k, v, kv_offsets, cand_to_request, out, lse, activation=activation,
             scale=scale, max_candidates=max_candidates, max_history=max_history,
         )  # fmt: skip
+    bounds = _bounds_for(impl, max_candidates=max_candidates, max_history=max_history)
     dq, dk, dv = impl.fn(
-        grad_out, q_cand, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale
+        grad_out, q_cand, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale, **bounds
     )
     return dq, dk, dv
 

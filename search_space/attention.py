@@ -159,6 +159,29 @@ def jagged_attention_reference(
     return out.to(q.dtype)
 
 
+def check_bound(name: str, bound: int | None, offsets: torch.Tensor) -> None:
+    """A caller's bound on the longest sequence of `offsets` must hold (None: no bound)."""
+    if bound is None or offsets.numel() < 2:
+        return
+    longest = int((offsets[1:] - offsets[:-1]).max())
+    if longest > bound:
+        raise ValueError(f"{name} {bound} is below the longest sequence ({longest})")
+
+
+def check_target_bounds(
+    kv_offsets: torch.Tensor,
+    cand_to_request: torch.Tensor,
+    max_candidates: int | None,
+    max_history: int | None,
+) -> None:
+    """Target attention's bounds, where given, must hold for the whole batch."""
+    check_bound("max_history", max_history, kv_offsets)
+    if max_candidates is not None and cand_to_request.numel():
+        most = int(torch.bincount(cand_to_request.long()).max())
+        if most > max_candidates:
+            raise ValueError(f"max_candidates {max_candidates} is below a request's {most} candidates")
+
+
 def gdpa_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -169,11 +192,18 @@ def gdpa_reference(
     activation: str = "gelu",
     scale: float | None = None,
     broadcast_q: bool = False,
+    max_q_len: int | None = None,
+    max_kv_len: int | None = None,
     attend: Callable[..., torch.Tensor] = dense_attention,
 ) -> torch.Tensor:
-    """Generalized dot-product attention; with broadcast_q, q is [n_q, H, D] for every sample."""
+    """Generalized dot-product attention; with broadcast_q, q is [n_q, H, D] for every sample.
+    max_q_len and max_kv_len, where given, bound the longest query and key sequences (kernels
+    launch from them without reading the offsets); the math does not depend on them."""
     if activation not in ("gelu", "silu", "relu", "none"):
         raise ValueError(f"gdpa supports gelu, silu, relu and none, got {activation!r}")
+    check_bound("max_kv_len", max_kv_len, kv_offsets)
+    if not broadcast_q and q_offsets is not None:
+        check_bound("max_q_len", max_q_len, q_offsets)
     acc = _acc_dtype(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kv_bounds = kv_offsets.tolist()
@@ -209,11 +239,16 @@ def target_attention_reference(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    max_candidates: int | None = None,
+    max_history: int | None = None,
     attend: Callable[..., torch.Tensor] = dense_attention,
 ) -> torch.Tensor:
-    """Candidates [C, S, H, D] attend to their request's history; histories are never copied."""
+    """Candidates [C, S, H, D] attend to their request's history; histories are never copied.
+    max_candidates and max_history, where given, bound the candidates of any request and the
+    longest history (kernels launch from them); the math does not depend on them."""
     if activation not in ("softmax", "silu"):
         raise ValueError(f"target_attention supports softmax and silu, got {activation!r}")
+    check_target_bounds(kv_offsets, cand_to_request, max_candidates, max_history)
     acc = _acc_dtype(q_cand)
     scale = q_cand.shape[-1] ** -0.5 if scale is None else scale
     num_cand, seeds, heads, _ = q_cand.shape

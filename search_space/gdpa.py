@@ -26,6 +26,7 @@ from search_space.attention_common import (
     from_quantiles,
     index_bytes,
     index_dtype,
+    launch_bound,
     length_weights,
     offsets_of,
     pad,
@@ -68,6 +69,10 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     k, v = (randn((sum(kv_lengths), heads, dim), gen, device, dtype) for _ in range(2))
     q_offsets = None if broadcast else offsets_of(q_lengths, idx, device)
     kwargs = {"activation": p.get("activation", "gelu"), "scale": p.get("scale"), "broadcast_q": broadcast}
+    kwargs["max_q_len"] = (
+        None if broadcast else launch_bound(p, q_lengths, seed, prefix="q_" if mode == "cross" else "")
+    )
+    kwargs["max_kv_len"] = launch_bound(p, kv_lengths, seed)
     return Inputs(args=(q, k, v, q_offsets, offsets_of(kv_lengths, idx, device)), kwargs=kwargs)
 
 
@@ -134,6 +139,8 @@ def torch_padded(
     activation: str = "gelu",
     scale: float | None = None,
     broadcast_q: bool = False,
+    max_q_len: int | None = None,  # the caller's bounds: the padded sizes come from the offsets
+    max_kv_len: int | None = None,
 ) -> torch.Tensor:
     """Padded dense GDPA: pad queries and keys to the batch's longest sequences, materialize the
     activated scores (a bounded chunk at a time), multiply by V, unpad; all inside the call. The
@@ -321,7 +328,9 @@ PROBLEM = Problem(
         "gdpa(q: Tensor[Tq, H, D] (Tensor[n_q, H, D] with broadcast_q), k: Tensor[Tk, H, D], "
         "v: Tensor[Tk, H, Dv], q_offsets: int32|int64 Tensor[B + 1] | None, "
         "kv_offsets: int32|int64 Tensor[B + 1], *, activation: 'gelu' | 'silu' | 'relu' | 'none' = 'gelu', "
-        "scale: float | None = None, broadcast_q: bool = False) -> Tensor[Tq (B * n_q), H, Dv]"
+        "scale: float | None = None, broadcast_q: bool = False, max_q_len: int | None = None "
+        "(>= every query sequence; None with broadcast_q), max_kv_len: int | None = None (>= every "
+        "key sequence; launch from the bounds where given, with no host sync)) -> Tensor[Tq (B * n_q), H, Dv]"
     ),
     description=__doc__,
     check_shapes=CHECK_SHAPES,

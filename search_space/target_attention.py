@@ -17,7 +17,12 @@ from collections.abc import Callable
 import torch
 
 from search_space import workload
-from search_space.attention import compiled_reference, dense_attention, target_attention_reference
+from search_space.attention import (
+    check_target_bounds,
+    compiled_reference,
+    dense_attention,
+    target_attention_reference,
+)
 from search_space.attention_common import (
     DENSE_BUDGET,
     FORBIDDEN_OPS,
@@ -34,6 +39,7 @@ from search_space.attention_common import (
     from_quantiles,
     index_bytes,
     index_dtype,
+    launch_bound,
     length_weights,
     offsets_of,
     pad,
@@ -59,12 +65,16 @@ def reference(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    max_candidates: int | None = None,
+    max_history: int | None = None,
     attend: Callable[..., torch.Tensor] = dense_attention,
 ) -> torch.Tensor:
     """attention.py's reference, called on groups of candidates small enough that its fp32 score
     tensor stays under REFERENCE_BUDGET elements (2048 candidates x 32 seeds over a 16k history
     would be 17 GB at once). Candidates are independent, so the result is the same. `attend`: as
     search_space.attention's."""
+    # The bounds hold for the whole batch, which a group of candidates does not show: checked here.
+    check_target_bounds(kv_offsets, cand_to_request, max_candidates, max_history)
     num_cand, seeds, heads, _ = q_cand.shape
     longest = int((kv_offsets[1:] - kv_offsets[:-1]).max()) if kv_offsets.numel() > 1 else 0
     step = max(1, REFERENCE_BUDGET // max(seeds * heads * longest, 1))
@@ -121,7 +131,10 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
         offsets_of(lengths, idx, device),
         torch.tensor(requests, dtype=idx, device=device),
     )
-    return Inputs(args=args, kwargs={"activation": p.get("activation", "softmax"), "scale": p.get("scale")})
+    kwargs = {"activation": p.get("activation", "softmax"), "scale": p.get("scale")}
+    kwargs["max_candidates"] = max(cands, default=0) + (3 if seed % 2 else 0)
+    kwargs["max_history"] = launch_bound(p, lengths, seed)
+    return Inputs(args=args, kwargs=kwargs)
 
 
 # --- roofline counts ------------------------------------------------------------------------
@@ -175,6 +188,8 @@ def torch_padded(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    max_candidates: int | None = None,  # the caller's bounds, unused here
+    max_history: int | None = None,
 ) -> torch.Tensor:
     """Per-request padded attention, the strongest plain PyTorch way: the seeds of a request's
     candidates become one query block [R, H, max_cands * S, D] against its padded history
@@ -222,6 +237,8 @@ def torch_replicate_kv(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    max_candidates: int | None = None,  # the caller's bounds, unused here
+    max_history: int | None = None,
 ) -> torch.Tensor:
     """Replicate-then-attend, what the in-kernel broadcast avoids: every candidate gets its own
     copy of its request's history, [C, H, max_len, D] (a gather inside the call), then attends
@@ -284,6 +301,8 @@ def torch_flex(
     *,
     activation: str = "softmax",
     scale: float | None = None,
+    max_candidates: int | None = None,  # the caller's bounds, unused here
+    max_history: int | None = None,
 ) -> torch.Tensor:
     """flex_attention of all seeds [1, H, C * S, D] against the packed histories [1, H, T, D],
     a block mask pairing each candidate with its request's keys (histories are not copied).
@@ -447,7 +466,10 @@ PROBLEM = Problem(
     signature=(
         "target_attention(q_cand: Tensor[C, S, H, D], k: Tensor[T, H, D], v: Tensor[T, H, Dv], "
         "kv_offsets: int32|int64 Tensor[R + 1], cand_to_request: int32|int64 Tensor[C], *, "
-        "activation: 'softmax' | 'silu' = 'softmax', scale: float | None = None) -> Tensor[C, S, H, Dv]"
+        "activation: 'softmax' | 'silu' = 'softmax', scale: float | None = None, "
+        "max_candidates: int | None = None (>= any request's candidates), max_history: int | None = "
+        "None (>= every history; launch from the bounds where given, with no host sync)) "
+        "-> Tensor[C, S, H, Dv]"
     ),
     description=__doc__,
     check_shapes=CHECK_SHAPES,

@@ -25,11 +25,12 @@ from types import ModuleType
 
 import torch
 
-from evals.bench_attention import graphed, sync_free_bounds
+from evals.bench_attention import graphed, without_bounds
 from kernels import attention as current
 from sandbox.protocol import compare, fresh_seed
 from sandbox.timing import benchmark
 from search_space import get_problem
+from search_space.problem import Inputs
 
 FORWARDS = {"jagged_attention": "jagged_attention_forward", "gdpa": "gdpa_forward"}
 FORWARDS["target_attention"] = "target_attention_forward"
@@ -171,11 +172,12 @@ def _op_forward(op: str, inputs, options: dict):
         return getattr(ops, op)(*inputs.args, **inputs.kwargs, **options)
 
 
-def _bounds(op: str, inputs, options: dict) -> dict:
-    """options with {"bounds": True} replaced by the case's bounds (see sync_free_bounds)."""
-    if not options.pop("bounds", False):
-        return options
-    return {**options, **sync_free_bounds(op, inputs.args, inputs.kwargs)}
+def _bounded(op: str, inputs: Inputs, options: dict) -> tuple[Inputs, dict]:
+    """(inputs, options) of a variant: the problem's inputs carry the op's launch bounds, which
+    {"bounds": False} (the default) takes out (the call then measures the lengths itself)."""
+    if options.pop("bounds", False):
+        return inputs, options
+    return Inputs(args=inputs.args, kwargs=without_bounds(op, inputs.kwargs)), options
 
 
 def _backward(module: ModuleType, op: str, inputs, grad_out, out, lse, options: dict):
@@ -195,7 +197,7 @@ def _median_ms(fn, device: torch.device, reps: int, replayed: bool = False) -> f
 def _profile(module: ModuleType, op: str, inputs) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    options = _bounds(op, inputs, {"bounds": op == "target_attention"})
+    inputs, options = _bounded(op, inputs, {"bounds": op == "target_attention"})
     for _ in range(2):
         _forward(module, op, inputs, options)
     torch.cuda.synchronize()
@@ -227,14 +229,15 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
         if module_key not in modules and module_key != "ops":
             continue
         module = modules.get(module_key, current)
-        fwd_options = _bounds(op, inputs, dict(fwd_options))
-        bwd_options = None if bwd_options is None else _bounds(op, inputs, dict(bwd_options))
+        fwd_inputs, fwd_options = _bounded(op, inputs, dict(fwd_options))
+        if bwd_options is not None:
+            bwd_inputs, bwd_options = _bounded(op, inputs, dict(bwd_options))
         row = {"case": case, "variant": label}
         try:
             if module_key == "ops":
-                forward = partial(_op_forward, op, inputs, fwd_options)
+                forward = partial(_op_forward, op, fwd_inputs, fwd_options)
             else:
-                forward = partial(_forward, module, op, inputs, fwd_options)
+                forward = partial(_forward, module, op, fwd_inputs, fwd_options)
             if replayed:
                 forward, out = graphed(forward)
                 forward()
@@ -249,7 +252,7 @@ def run_case(case: str, variants: list, modules: dict, device: torch.device, pro
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 continue
-            backward = partial(_backward, module, op, inputs, grad_out, out0, lse0, bwd_options)
+            backward = partial(_backward, module, op, bwd_inputs, grad_out, out0, lse0, bwd_options)
             if replayed:
                 backward, grads = graphed(backward)
                 backward()

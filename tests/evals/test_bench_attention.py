@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 from agent.cli import app
 from evals import bench_attention
 from evals.bench_attention import (
+    BOUNDS,
     GRAPHED,
-    SYNC_FREE_BOUNDS,
     pass_flops,
     run_attention_benchmark,
-    sync_free_bounds,
+    without_bounds,
 )
 from evals.bench_ops import family_ops
 from kernels import ops
@@ -73,18 +73,18 @@ def test_attention_bench_rows_on_the_interpreted_shape(monkeypatch) -> None:
     assert "target_attention on cpu" in console.file.getvalue()
 
 
-@pytest.mark.parametrize("op", sorted(SYNC_FREE_BOUNDS))
-def test_sync_free_bounds_give_the_synced_output(op: str, empty_library) -> None:
-    # The bench's replayed row calls the op with these bounds: measured on the inputs, they give
-    # what the call without them (which measures the lengths itself) gives, on every interpreted
-    # timing shape.
+@pytest.mark.parametrize("op", sorted(BOUNDS))
+def test_launch_bounds_give_the_synced_output(op: str, empty_library) -> None:
+    # The problems' inputs carry the launch bounds (the bench's replayed row needs them): with
+    # them the op gives what the call without them (which measures the lengths itself) gives,
+    # on every interpreted timing shape.
     problem = get_problem(op)
     for shape in problem.interpreted_timing_shapes:
         inputs = problem.make_inputs(shape, 0, torch.device("cpu"))
-        bounds = sync_free_bounds(op, inputs.args, inputs.kwargs)
+        bounds = {k: inputs.kwargs[k] for k in BOUNDS[op] if inputs.kwargs.get(k) is not None}
         assert bounds and all(isinstance(v, int) and v > 0 for v in bounds.values()), bounds
-        want = getattr(ops, op)(*inputs.args, **inputs.kwargs)
-        got = getattr(ops, op)(*inputs.args, **inputs.kwargs, **bounds)
+        want = getattr(ops, op)(*inputs.args, **without_bounds(op, inputs.kwargs))
+        got = getattr(ops, op)(*inputs.args, **inputs.kwargs)
         assert torch.equal(got, want), (op, shape.name, bounds)
 
 

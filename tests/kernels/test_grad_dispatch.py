@@ -112,7 +112,7 @@ def test_backward_runs_a_registered_gradient_kernel(
 ) -> None:
     """Without a library kernel the backward runs the default; with one, that kernel is called
     with the gradient problem's arguments (grad_out, then the forward's, all tensors the very ones
-    the op received) and its gradients are the backward's."""
+    the op received, the launch bounds among them) and its gradients are the backward's."""
     op, shape, inputs = _case(case, device)
     before = DISPATCHER.calls.copy()
     default_grads = _op_grads(op, inputs)
