@@ -6,9 +6,9 @@ floating-point tensor among its inputs or outputs is host code computing the op 
 gather by indexing, a product by an operator, a sum by a builtin), which no static screen of
 Python can see: tensors and numbers look alike there; so is reading floating-point values into
 Python (tolist, item), which dispatches no such op. The runner watches its calls with a torch
-dispatch mode and a torch function mode (all untimed calls, and a timed batch the judge picks at
-random, whose times it then discards) and reports the first finding; only Triton's autotuning
-benchmarks run unwatched.
+dispatch mode and a torch function mode (every call, timed or not: a watch that were on for some
+calls only could be detected from Python, and host code could compute while it is off) and
+reports the first finding; only Triton's autotuning benchmarks run unwatched.
 
 Imported by the runner before any candidate code exists.
 """

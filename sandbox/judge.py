@@ -18,9 +18,12 @@ EvalResult. Rules, each enforced where it is written below:
 - timing from outside: the judge's clock around each batch, which ends only after the runner's
   device-wide synchronize, bounds the per-call event times the runner reports; times that do not
   account for the judge's clock make the result suspicious;
-- host compute: every untimed call, and one timed batch per shape drawn at random (its times
-  dropped), runs under the runner's watch of torch ops on floating-point data
-  (sandbox.host_ops); host code that computes the op so is suspicious;
+- host compute: every call, timed or not, runs under the runner's watch of torch ops on
+  floating-point data (sandbox.host_ops), and before every run the runner fills freed memory
+  with NaN: no call can tell a candidate whether it is timed, checked or watched; host code that
+  computes the op so is suspicious;
+- replies: each request carries a nonce its reply must echo, and nothing may wait on the channel
+  before a request: an answer written ahead of "go" cannot stop the clock;
 - the runner's failures are statuses: it may die, hang, flood its output, send garbage or exit
   without answering; each becomes a result with a reason, and the judge goes on to write it.
 """
@@ -34,6 +37,7 @@ import math
 import os
 import platform
 import random
+import secrets
 import signal
 import statistics
 import subprocess
@@ -196,9 +200,15 @@ class RunnerProcess:
         return b"".join(self._tail).decode(errors="replace")[-LOG_TAIL_CHARS:]
 
     def ask(self, message: dict, fds: tuple[int, ...] = (), *, where: str) -> dict:
-        """Send `message`, return the reply; any failure of the runner becomes a Verdict."""
+        """Send `message`, return the reply; any failure of the runner becomes a Verdict.
+        Rule replies: each request carries a fresh nonce that its reply must echo, and nothing
+        may wait on the channel before a request is sent, so an answer written ahead (to stop the
+        judge's clock at "go" before the calls have run) is refused, never taken for the reply."""
+        nonce = secrets.token_hex(8)
         try:
-            wire.send(self.sock, message, fds)
+            if wire.pending(self.sock):
+                raise Verdict(Status.SUSPICIOUS, f"{where}: the runner sent a message nobody asked for")
+            wire.send(self.sock, {**message, "nonce": nonce}, fds)
             reply, extra = wire.receive(self.sock, self.deadline)
         except wire.ChannelTimeout:
             raise Verdict(
@@ -213,6 +223,8 @@ class RunnerProcess:
         for fd in extra:  # the judge takes no descriptor from the runner
             with contextlib.suppress(OSError):
                 os.close(fd)
+        if reply.get("re") != nonce:
+            raise Verdict(Status.SUSPICIOUS, f"{where}: the runner answered a request it was not sent")
         if reply.get("ok") is True:
             return reply
         error = reply.get("error") if isinstance(reply.get("error"), dict) else {}
@@ -370,13 +382,13 @@ class Session:
         return self._by_call(calls, reply.get("calls"), where)
 
     def run_timed(
-        self, calls: list[Call], *, lock: str | None, where: str, watch: bool = False
+        self, calls: list[Call], *, lock: str | None, where: str, poison: int = 0
     ) -> tuple[float, list, list[dict]]:
-        """A timed batch: the judge's clock in microseconds from its "go" to the runner's answer
-        (which comes after the runner's device-wide synchronize), the runner's per-call times,
-        and what each call returned. `watch`: under the host-compute watch, whose overhead the
-        times then include."""
-        ready = self.runner.ask(self._message(calls, timed=True, watch=watch), where=where)
+        """A timed batch, watched as every call is: the judge's clock in microseconds from its
+        "go" to the runner's answer (which comes after the runner's device-wide synchronize), the
+        runner's per-call times, and what each call returned. `poison`: bytes per call the runner
+        fills with NaN before it gets ready (outside the clock)."""
+        ready = self.runner.ask(self._message(calls, timed=True, poison=poison, watch=True), where=where)
         if ready.get("ready") is not True:
             raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner did not get ready to time")
         with gpu_use(lock, exclusive=True):
@@ -684,23 +696,23 @@ class Evaluation:
             warm = self.session.place(shape, 2)
             self.session.run(warm, where=f"warm-up {shape.describe()}")
             self.session.drop(calls=warm)
-        # Rule host compute: one batch, at a random point among them, runs under the watch
-        # (sandbox.host_ops); its times, which the watch's overhead inflates, are not kept.
-        watch_at = self.rng.randrange(max(1, target // per_batch))
-        watched = False
+        # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
+        # untimed one does, and before each batch the runner fills freed memory as it does
+        # before checks: nothing tells a candidate whether a call is timed, checked or watched
+        # (in-process watches can be detected; one that is always on need not be). Its overhead
+        # is in every candidate's times alike, the incumbent's too.
         batch_index = 0
         while True:
             enough = len(samples) >= target or (
                 gpu and len(samples) >= MIN_TIMED_CALLS and sum(samples) * 1e-6 >= TIMED_TARGET_S
             )
-            if enough and watched:
+            if enough:
                 break
-            watch = not watched and (enough or batch_index == watch_at)
-            n = per_batch if enough else min(per_batch, target - len(samples))
+            n = min(per_batch, target - len(samples))
             with gpu_use(lock, exclusive=False):
                 calls = self.session.place(shape, n, write=False)
             wall_us, times, described = self.session.run_timed(
-                calls, lock=lock, where=f"timing {shape.describe()}", watch=watch
+                calls, lock=lock, where=f"timing {shape.describe()}", poison=self.poison_bytes(shape)
             )
             for d in described:  # the runner's own findings (aliasing, a subclass) fail any call
                 if isinstance(d.get("problem"), str):
@@ -709,21 +721,18 @@ class Evaluation:
                 raise Verdict(
                     Status.RUNTIME_ERROR, f"timing {shape.describe()}: the runner reported no times"
                 )
-            if watch:
-                watched = True
-            elif gpu:
+            if gpu:
                 outside_us += wall_us - calibration.rtt_us
                 accounted_us += sum(times) + n * calibration.flush_us
                 times = calibration.audit(shape, wall_us, times)
                 per_call = (wall_us - calibration.rtt_us) / n - calibration.flush_us
             else:
                 per_call = wall_us / n  # the interpreter: the judge's clock alone
-            if not watch:
-                # Rule timing from outside: each call counts at its batch's mean by the judge's
-                # clock, never at the runner's own per-call split (which a candidate that defers
-                # one call's work into the next could skew while the batch's sum stays honest);
-                # the events only raise it where they account for more.
-                samples.extend([max(per_call, sum(times) / n)] * n)
+            # Rule timing from outside: each call counts at its batch's mean by the judge's clock,
+            # never at the runner's own per-call split (which a candidate that defers one call's
+            # work into the next could skew while the batch's sum stays honest); the events only
+            # raise it where they account for more.
+            samples.extend([max(per_call, sum(times) / n)] * n)
             # Rule checks on the timed calls: drawn after the batch ran, at least one per batch.
             chosen = [i for i in range(n) if self.rng.random() < 0.25] or [self.rng.randrange(n)]
             with gpu_use(lock, exclusive=False):

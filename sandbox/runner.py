@@ -131,6 +131,8 @@ class Runner:
                         os.close(fd)
             if reply is None:  # exit
                 return
+            # The reply names the request it answers (a timed run's final answer names the "go").
+            reply.setdefault("re", message.get("nonce"))
             wire.send(self.sock, reply)
 
     def op_ping(self, message: dict, fds: list[int]) -> dict:
@@ -203,18 +205,21 @@ class Runner:
         self.watch = bool(message.get("watch"))
         poison = int(message.get("poison_bytes", 0))
         results: list[dict] = []
+        answering = message.get("nonce")  # the request this run's answer replies to
         try:
             if timed:
                 # Arguments and events are ready: the judge's clock runs from its "go" to this
                 # batch's answer, around the calls and the final synchronize alone.
+                self._poison(poison * len(calls))  # as before untimed calls: no tell-tale
                 starts, ends = self._prepare_timing(len(calls))
-                wire.send(self.sock, {"ok": True, "ready": True})
+                wire.send(self.sock, {"ok": True, "ready": True, "re": message.get("nonce")})
                 go, extra = wire.receive(self.sock)
                 for fd in extra:
                     os.close(fd)
+                answering = go.get("nonce")
                 if go.get("op") != "go":
                     raise RunnerError(f"expected go, got {go.get('op')!r}")
-                return {"ok": True, "times": self._timed(calls, starts, ends)}
+                return {"ok": True, "times": self._timed(calls, starts, ends), "re": answering}
             else:
                 times = [None] * len(calls)
                 for cid, (args, kwargs) in calls:
@@ -234,7 +239,7 @@ class Runner:
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            return {"ok": False, "error": _error(exc)}
+            return {"ok": False, "error": _error(exc), "re": answering}
         raised = {r["id"] for r in results}
         for (cid, _), us in zip(calls, times, strict=True):
             if cid in raised:

@@ -92,6 +92,18 @@ def receive(sock: socket.socket, deadline: float | None = None) -> tuple[dict, l
     return message, fds
 
 
+def pending(sock: socket.socket) -> bool:
+    """Whether a message is already waiting on `sock` (read nothing)."""
+    sock.settimeout(None)
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:  # reset or closed: the next receive says so
+        return False
+    return True
+
+
 def _close_quietly(fd: int) -> None:
     import os
 

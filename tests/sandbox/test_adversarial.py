@@ -3,7 +3,8 @@
 Each file in `adversarial/` says in its docstring what it tries and, in a header line
 `# expect: STATUS | FRAGMENT`, the status it must get and a fragment of the message. Files marked
 `# base: yes` are appended to `adversarial/base.py`, a correct kernel, so that the only thing
-wrong with them is the exploit (`control_correct.py` proves the base passes).
+wrong with them is the exploit (`control_correct.py` proves the base passes). Files marked
+`# timing: yes` are timed as well (the rest are checked only).
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ HERE = Path(__file__).parent / "adversarial"
 CASES = sorted(p for p in HERE.glob("*.py") if p.name != "base.py")
 
 
-def _header(text: str, key: str) -> str:
-    line = next(line for line in text.splitlines() if line.startswith(f"# {key}:"))
+def _header(text: str, key: str, default: str | None = None) -> str:
+    line = next((line for line in text.splitlines() if line.startswith(f"# {key}:")), None)
+    if line is None and default is not None:
+        return default
+    assert line is not None, f"no '# {key}:' header"
     return line.split(":", 1)[1].strip()
 
 
@@ -72,8 +76,9 @@ def outcomes(
             # Cases that must time out get a short limit; the rest a generous one for slow CI machines.
             backend = LocalBackend(timeout_s=8 if expected == Status.TIMEOUT else 120, scratch_root=scratch)
             candidate = Candidate(problem="embedding_bag", source=source, entry="embedding_bag")
+            timing = _header(path.read_text(), "timing", "no") == "yes"
             runs[path.stem] = (
-                pool.submit(backend.evaluate, candidate, trials=2, timing=False),
+                pool.submit(backend.evaluate, candidate, trials=2, timing=timing),
                 scratch,
                 canary,
             )

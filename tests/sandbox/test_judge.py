@@ -175,6 +175,27 @@ CASES: dict[str, tuple[str, dict]] = {
         ),
         {"timing": True},
     ),
+    # A timed run answered ahead: the times are sent before "go" is, to stop the judge's clock
+    # at once, and the calls would run after it.
+    "answers-ahead-of-go": (
+        _flagged(
+            "rm = sys.modules['__main__']\n"
+            "if not getattr(rm.Runner, 'ahead', False):\n"
+            "    real = rm.Runner.op_run\n"
+            "    def op_run(self, message, fds):\n"
+            "        if not message.get('timed'):\n"
+            "            return real(self, message, fds)\n"
+            "        n = len(message['calls'])\n"
+            "        rm.wire.send(self.sock, {'ok': True, 'ready': True, 're': message.get('nonce')})\n"
+            "        rm.wire.send(self.sock, {'ok': True, 'times': [0.0] * n, 're': message.get('nonce')})\n"
+            "        go, _ = rm.wire.receive(self.sock)\n"
+            "        return {'ok': True, 'times': [0.0] * n, 're': go.get('nonce')}\n"
+            "    rm.Runner.op_run = op_run\n"
+            "    rm.Runner.ahead = True\n"
+            "return out"
+        ),
+        {"timing": True},
+    ),
     # The table's values read into Python (tolist dispatches no torch op): the watch sees it.
     "python-floats": (_flagged("rows = weight.tolist()\nreturn out"), {}),
     # The op in torch ops on the host, beside the flag kernel: the host-compute watch sees it.
@@ -383,6 +404,13 @@ def test_a_malformed_description_is_wrong_not_a_crash(outcomes) -> None:
 @needs_bwrap
 def test_a_time_too_large_for_a_float_is_a_runtime_error(outcomes) -> None:
     _says(_result(outcomes, "huge-times"), Status.RUNTIME_ERROR, "the runner reported no times")
+
+
+@needs_bwrap
+def test_an_answer_sent_ahead_of_go_is_suspicious(outcomes) -> None:
+    result = _result(outcomes, "answers-ahead-of-go")
+    assert result.status == Status.SUSPICIOUS, f"{result.status.value}: {result.message}"
+    assert "a message nobody asked for" in result.message or "a request it was not sent" in result.message
 
 
 @needs_bwrap
