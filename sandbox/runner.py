@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from sandbox import confine, host_ops, shared, wire
+from sandbox import confine, host_ops, interpreter_memory, shared, wire
 
 POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
 L2_FLUSH_BYTES = 128 * 1024 * 1024  # twice the H200's 60 MB L2: writing it evicts what a call left
@@ -144,6 +144,8 @@ class Runner:
     def op_load(self, message: dict, fds: list[int]) -> dict:
         self.host_float_ops = frozenset(str(op) for op in message.get("host_float_ops", ()))
         host_ops.prepare_triton(_kernel_classes())
+        if self.device == "cpu":  # Triton interprets: its kernels' pointers are host addresses
+            interpreter_memory.install()
         self._cap_device_memory(message.get("gpu_memory_bytes"))
         try:
             path = message["source_file"]

@@ -4,7 +4,8 @@ Each file in `adversarial/` says in its docstring what it tries and, in a header
 `# expect: STATUS | FRAGMENT`, the status it must get and a fragment of the message. Files marked
 `# base: yes` are appended to `adversarial/base.py`, a correct kernel, so that the only thing
 wrong with them is the exploit (`control_correct.py` proves the base passes). Files marked
-`# timing: yes` are timed as well (the rest are checked only).
+`# timing: yes` are timed as well (the rest are checked only); `# expect-gpu:`, where present,
+replaces `# expect:` on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from sandbox import Candidate, EvalResult, LocalBackend, Status, isolation
 from sandbox.isolation import REPO_ROOT
@@ -40,7 +42,10 @@ def _header(text: str, key: str, default: str | None = None) -> str:
 
 def _source(path: Path) -> tuple[str, Status, str]:
     text = path.read_text()
-    status, _, fragment = _header(text, "expect").partition("|")
+    expect = _header(text, "expect")
+    if torch.cuda.is_available():  # a case may expect another outcome of compiled kernels
+        expect = _header(text, "expect-gpu", expect)
+    status, _, fragment = expect.partition("|")
     if _header(text, "base") == "yes":
         text = (HERE / "base.py").read_text() + "\n\n" + text
     return text, Status(status.strip()), fragment.strip()

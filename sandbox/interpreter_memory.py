@@ -1,0 +1,124 @@
+"""Rule memory, interpreted: a kernel run by Triton's interpreter touches only the memory of the
+tensors its launch passed.
+
+Compiled, a kernel's pointers address the GPU, where the runner holds nothing but its tensors
+and the judge's shared regions. Interpreted (on a CPU), a pointer is a host address, and the
+interpreter reads and writes at any address it is given: a kernel doing arithmetic on a
+pointer argument could read or write the runner's own objects (its functions, its socket's
+state) and so run any Python in it. Here every load, store and atomic of an interpreted launch
+is checked against the address ranges of that launch's tensor arguments (their whole storages,
+tensor descriptors' bases included) before it runs, masked-off lanes excepted; anything else
+raises. Installed by the runner before any candidate code exists; it fails closed where the
+interpreter's shape is not the one it knows.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+_launch = threading.local()  # .ranges: [(start, end)] of the launch being interpreted, or None
+
+
+class OutOfBounds(RuntimeError):
+    pass
+
+
+def install() -> None:
+    """Wrap the interpreter's launch and memory operations (once per process)."""
+    from triton.runtime import interpreter as interp
+
+    executor, builder = interp.GridExecutor, interp.InterpreterBuilder
+    needed = [(executor, "__call__"), (executor, "_init_args_hst")] + [
+        (builder, name)
+        for name in ("create_masked_load", "create_masked_store", "create_atomic_cas", "create_atomic_rmw")
+    ]
+    missing = [f"{cls.__name__}.{name}" for cls, name in needed if not callable(cls.__dict__.get(name))]
+    if missing:
+        raise RuntimeError(
+            f"this Triton's interpreter has no {', '.join(missing)}: its memory cannot be bounded"
+        )
+    if getattr(executor.__call__, "recforge_bounded", False):
+        return
+    executor._init_args_hst = _recording_ranges(executor._init_args_hst)
+    executor.__call__ = _one_launch(executor.__call__)
+    builder.create_masked_load = _checked(builder.create_masked_load, pointer=0, mask=1)
+    builder.create_masked_store = _checked(builder.create_masked_store, pointer=0, mask=2)
+    builder.create_atomic_cas = _checked(builder.create_atomic_cas, pointer=0, mask=None)
+    builder.create_atomic_rmw = _checked(builder.create_atomic_rmw, pointer=1, mask=3)
+
+
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _tensors(v)
+    elif hasattr(value, "base") and isinstance(getattr(value, "base", None), torch.Tensor):
+        yield value.base  # a tensor descriptor
+
+
+def _recording_ranges(init_args):
+    def wrapper(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        _launch.ranges = [_storage_range(t) for t in _tensors([*args_hst, *kwargs_hst.values()])]
+        return args_hst, kwargs_hst
+
+    return wrapper
+
+
+def _one_launch(call):
+    def wrapper(self, *args, **kwargs):
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _launch.ranges = None
+
+    wrapper.recforge_bounded = True
+    return wrapper
+
+
+def _checked(op, *, pointer: int, mask: int | None):
+    """`op`(self, *handles) with the pointer handle at position `pointer` (and the mask handle at
+    `mask`) checked: every active lane's element lies inside one of the launch's ranges."""
+
+    def wrapper(self, *args, **kwargs):
+        ptrs = args[pointer]
+        active = None if mask is None or args[mask] is None else np.asarray(args[mask].data, dtype=bool)
+        _check(ptrs, active)
+        return op(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _check(ptrs, active) -> None:
+    ranges = getattr(_launch, "ranges", None)
+    if ranges is None:
+        raise OutOfBounds("a memory access outside any interpreted launch")
+    addresses = np.asarray(ptrs.data).astype(np.uint64, copy=False)
+    if active is not None:
+        addresses = addresses[np.broadcast_to(active, addresses.shape)]
+    else:
+        addresses = addresses.reshape(-1)
+    if addresses.size == 0:
+        return
+    itemsize = np.uint64(_element_bytes(ptrs))
+    inside = np.zeros(addresses.shape, dtype=bool)
+    for start, end in ranges:
+        inside |= (addresses >= np.uint64(start)) & (addresses + itemsize <= np.uint64(end))
+    if not inside.all():
+        bad = int(addresses[~inside][0])
+        raise OutOfBounds(f"a kernel accessed address {bad:#x}, outside every tensor its launch was given")
+
+
+def _element_bytes(ptrs) -> int:
+    from triton.runtime.interpreter import _get_np_dtype
+
+    return np.dtype(_get_np_dtype(ptrs.get_element_ty())).itemsize
