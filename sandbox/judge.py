@@ -561,10 +561,28 @@ class Evaluation:
         return got_all
 
     def poison_bytes(self, shape: Shape) -> int:
-        """How much freed memory the runner fills with NaN before a checked call: twice the
-        largest output seen for the shape (or its inputs, before any), so an element the
-        candidate never writes is NaN."""
-        return 2 * max(self._out_bytes.get((shape.name, shape.dtype), 0), self.set_bytes(shape)) + (1 << 20)
+        """How much freed memory the runner fills with NaN per call, before checked and timed calls
+        alike: twice the largest output seen for the shape (its inputs' size before any is), so
+        an element the candidate never writes is NaN."""
+        seen = self._out_bytes.get((shape.name, shape.dtype))
+        return 2 * (seen if seen is not None else self.set_bytes(shape)) + (1 << 20)
+
+    def note_output_bytes(self, shape: Shape, described: list[dict]) -> None:
+        """The outputs' size as the runner describes them (a warm-up's), for poison_bytes: the
+        runner's word, bounded by four times the inputs' size."""
+        total = 0
+        for d in described:
+            outs = d.get("outputs") if isinstance(d.get("outputs"), list) else []
+            size = 0
+            for o in outs:
+                if not isinstance(o, dict) or not isinstance(o.get("dtype"), str):
+                    continue
+                dims, dtype = o.get("shape"), shared.DTYPES.get(o["dtype"])
+                if isinstance(dims, list) and all(isinstance(n, int) and n >= 0 for n in dims) and dtype:
+                    size += math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+            total = max(total, size)
+        key = (shape.name, shape.dtype)
+        self._out_bytes[key] = max(self._out_bytes.get(key, 0), min(total, 4 * self.set_bytes(shape)))
 
     def check_shape(self, shape: Shape, trial: int) -> None:
         """Trial 0 calls twice on the same inputs (the two outputs must agree within the
@@ -694,7 +712,7 @@ class Evaluation:
         # Warm-up, untimed: compiling and autotuning at this shape happen here, not in a timed call.
         with gpu_use(lock, exclusive=False):
             warm = self.session.place(shape, 2)
-            self.session.run(warm, where=f"warm-up {shape.describe()}")
+            self.note_output_bytes(shape, self.session.run(warm, where=f"warm-up {shape.describe()}"))
             self.session.drop(calls=warm)
         # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
         # untimed one does, and before each batch the runner fills freed memory as it does
