@@ -47,7 +47,7 @@ def _config(tmp_path: Path, max_evaluations: int) -> Path:
         max_evaluations = {max_evaluations}
         max_wall_s = 600
         [sandbox]
-        timeout_s = 120
+        timeout_s = 300  # four campaigns share a small machine's two cores
         trials = 2
     """)
     )
@@ -132,7 +132,7 @@ def _on_backend(tmp_path: Path, backend: str) -> dict[str, str]:
         [sandbox]
         backend = "{backend}"
         ray_address = "local"
-        timeout_s = 120
+        timeout_s = 300  # four campaigns share a small machine's two cores
     """)
     )
     campaigns = Campaigns(tmp_path / backend / "home")

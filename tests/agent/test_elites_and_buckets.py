@@ -3,6 +3,7 @@ registration for the buckets it wins; diverse elites by lineage, and the propose
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 from types import SimpleNamespace
@@ -298,18 +299,31 @@ def test_llm_proposals_improve_the_elites_in_turn(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_search_starts_from_the_elites_when_the_best_is_exhausted() -> None:
+    # The template's space cut to four settings (two choices of two knobs, the rest at their
+    # defaults), so that every render can be listed as seen.
+    small = dataclasses.replace(
+        TEMPLATE,
+        knobs=tuple(
+            dataclasses.replace(k, choices=(k.default, next(c for c in k.choices if c != k.default)))
+            if i < 2
+            else dataclasses.replace(k, choices=(k.default,))
+            for i, k in enumerate(TEMPLATE.knobs)
+        ),
+    )
     best = _row(1, _candidate(), 10.0)
     written = Candidate(problem=OP, source=GOOD, entry=OP, knobs=knob_values(GOOD), origin="llm")
     elite = _row(2, written, 20.0)
-    names = [k.name for k in TEMPLATE.knobs]
+    names = [k.name for k in small.knobs]
     every_render = set()
-    for values in itertools.product(*(k.choices for k in TEMPLATE.knobs)):
+    for values in itertools.product(*(k.choices for k in small.knobs)):
+        knobs = dict(zip(names, values, strict=True))
         try:
-            every_render.add(_candidate(**dict(zip(names, values, strict=True))).id)
+            every_render.add(Candidate(problem=OP, source=small.render(small.validate(knobs)), entry=OP).id)
         except ValueError:
             continue
+    assert len(every_render) >= 2
     seen = frozenset(every_render | {written.id})
-    search = SearchProposer(TEMPLATE, seed=3)
+    search = SearchProposer(small, seed=3)
     alone = ProposalRequest(campaign_id="c", problem=OP, rows=[best, elite], best=best, seen=seen)
     assert search.propose(2, alone) == [] and search.exhausted is not None
     with_elites = ProposalRequest(
