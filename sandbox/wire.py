@@ -93,15 +93,16 @@ def receive(sock: socket.socket, deadline: float | None = None) -> tuple[dict, l
 
 
 def pending(sock: socket.socket) -> bool:
-    """Whether a message is already waiting on `sock` (read nothing)."""
+    """Whether a message is already waiting on `sock` (read nothing). A closed or reset channel
+    has none: the next receive says what became of the peer."""
     sock.settimeout(None)
     try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        data, ancillary, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(4), socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError):
         return False
-    except OSError:  # reset or closed: the next receive says so
+    except OSError:
         return False
-    return True
+    return bool(data or ancillary)
 
 
 def _close_quietly(fd: int) -> None:

@@ -174,3 +174,19 @@ def test_a_message_nested_past_the_stack_is_a_bad_message() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_waiting_message_is_pending_and_a_closed_channel_is_not() -> None:
+    ours, theirs = wire.socket_pair()
+    try:
+        assert not wire.pending(ours)
+        wire.send(theirs, {"ok": True})
+        assert wire.pending(ours) and wire.pending(ours)  # a peek reads nothing
+        assert wire.receive(ours, time.monotonic() + 5)[0] == {"ok": True}
+        assert not wire.pending(ours)
+        theirs.close()
+        assert not wire.pending(ours)
+        with pytest.raises(wire.ChannelClosed):
+            wire.receive(ours, time.monotonic() + 5)
+    finally:
+        ours.close()

@@ -5,10 +5,7 @@ when outputs are fetched. Interpreted launches touch only their tensors' memory 
 address the GPU, where a host address is an illegal access): the import fails."""
 # expect: compile_error | outside every tensor its launch was given
 # expect-gpu: compile_error |
-# base: no
-import torch
-import triton
-import triton.language as tl
+# base: yes
 
 
 @triton.jit
@@ -19,25 +16,6 @@ def _peek(base_ptr, out_ptr, delta):
 @triton.jit
 def _poke(base_ptr, delta, val):
     tl.store(base_ptr + delta, val)
-
-
-@triton.jit
-def _bag_kernel(weight_ptr, indices_ptr, offsets_ptr, psw_ptr, out_ptr, dim,
-                HAS_PSW: tl.constexpr, MEAN: tl.constexpr, BLOCK_D: tl.constexpr):
-    bag = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    start = tl.load(offsets_ptr + bag)
-    end = tl.load(offsets_ptr + bag + 1)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(start, end):
-        row = tl.load(indices_ptr + i)
-        val = tl.load(weight_ptr + row * dim + cols, mask=cols < dim, other=0.0).to(tl.float32)
-        if HAS_PSW:
-            val = val * tl.load(psw_ptr + i).to(tl.float32)
-        acc += val
-    if MEAN:
-        acc = acc / tl.maximum(end - start, 1).to(tl.float32)
-    tl.store(out_ptr + bag * dim + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < dim)
 
 
 def _rd(addr):
@@ -100,11 +78,4 @@ _run(_PAYLOAD, {})
 
 def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
     out = torch.empty((offsets.numel() - 1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-    if out.shape[0] > 0:
-        psw = per_sample_weights if per_sample_weights is not None else weight
-        _bag_kernel[(out.shape[0],)](
-            weight, indices, offsets, psw, out, weight.shape[1],
-            HAS_PSW=per_sample_weights is not None, MEAN=mode == "mean",
-            BLOCK_D=triton.next_power_of_2(max(weight.shape[1], 16)),
-        )
-    return out
+    return _launch(weight, indices, offsets, out, mode, per_sample_weights)
