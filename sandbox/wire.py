@@ -97,12 +97,13 @@ def pending(sock: socket.socket) -> bool:
     has none: the next receive says what became of the peer."""
     sock.settimeout(None)
     try:
-        data, ancillary, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(4), socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        # No room for descriptors: a peek at a message that carries some takes none of them.
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:
         return False
-    return bool(data or ancillary)
+    return bool(data)  # b"": the peer closed the channel
 
 
 def _close_quietly(fd: int) -> None:
