@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 _launch = threading.local()  # .ranges: [(start, end)] of the launch being interpreted, or None
+_np_dtype = None  # the interpreter's element-type-to-numpy map, bound by install()
 
 
 class OutOfBounds(RuntimeError):
@@ -42,6 +43,8 @@ def install() -> None:
         )
     if getattr(executor.__call__, "recforge_bounded", False):
         return
+    global _np_dtype
+    _np_dtype = interp._get_np_dtype
     executor._init_args_hst = _recording_ranges(executor._init_args_hst)
     executor.__call__ = _one_launch(executor.__call__)
     builder.create_masked_load = _checked(builder.create_masked_load, pointer=0, mask=1)
@@ -119,6 +122,4 @@ def _check(ptrs, active) -> None:
 
 
 def _element_bytes(ptrs) -> int:
-    from triton.runtime.interpreter import _get_np_dtype
-
-    return np.dtype(_get_np_dtype(ptrs.get_element_ty())).itemsize
+    return np.dtype(_np_dtype(ptrs.get_element_ty())).itemsize

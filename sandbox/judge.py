@@ -579,7 +579,7 @@ class Evaluation:
                     continue
                 dims, dtype = o.get("shape"), shared.DTYPES.get(o["dtype"])
                 if isinstance(dims, list) and all(isinstance(n, int) and n >= 0 for n in dims) and dtype:
-                    size += math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+                    size += math.prod(dims) * dtype.itemsize
             total = max(total, size)
         key = (shape.name, shape.dtype)
         self._out_bytes[key] = max(self._out_bytes.get(key, 0), min(total, 4 * self.set_bytes(shape)))

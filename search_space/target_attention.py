@@ -132,7 +132,7 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
         torch.tensor(requests, dtype=idx, device=device),
     )
     kwargs = {"activation": p.get("activation", "softmax"), "scale": p.get("scale")}
-    kwargs["max_candidates"] = max(cands, default=0) + (3 if seed % 2 else 0)
+    kwargs["max_candidates"] = launch_bound({}, cands, seed)
     kwargs["max_history"] = launch_bound(p, lengths, seed)
     return Inputs(args=args, kwargs=kwargs)
 
