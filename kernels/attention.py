@@ -549,6 +549,35 @@ def _request_groups_kernel(
         tl.store(q_offsets_ptr + req, before.to(tl.int64) * seeds, mask=req <= num_requests)
 
 
+@triton.jit
+def _regroup_rows_kernel(
+    src_ptr,
+    dst_ptr,
+    row_map_ptr,
+    num_rows,
+    stride_src_head,
+    stride_src_row,
+    stride_dst_head,
+    ROWS_PER_INDEX: tl.constexpr,
+    TO_GROUPED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One block of rows of one head (program axis 1) of a [H, rows] statistic, moved between the
+    # grouped row order and the candidates' own: grouped row r is row
+    # row_map[r // G] * G + r % G (G = ROWS_PER_INDEX), as _row_ptrs maps q and out.
+    head = tl.program_id(1)
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < num_rows
+    index = tl.load(row_map_ptr + r // ROWS_PER_INDEX, mask=ok, other=0).to(tl.int64)
+    own = index * ROWS_PER_INDEX + r % ROWS_PER_INDEX
+    if TO_GROUPED:
+        x = tl.load(src_ptr + head * stride_src_head + own * stride_src_row, mask=ok)
+        tl.store(dst_ptr + head * stride_dst_head + r, x, mask=ok)
+    else:
+        x = tl.load(src_ptr + head * stride_src_head + r * stride_src_row, mask=ok)
+        tl.store(dst_ptr + head * stride_dst_head + own, x, mask=ok)
+
+
 # --- forward ----------------------------------------------------------------------------------
 
 
@@ -1578,6 +1607,20 @@ def _cross_lengths(
     return host[4], host[0]
 
 
+def _regroup_rows(
+    stat: torch.Tensor, row_map: torch.Tensor, rows_per_index: int, *, to_grouped: bool
+) -> torch.Tensor:
+    """A [H, rows] statistic (lse) in the grouped row order of `row_map` from the candidates'
+    own (to_grouped), or back: the kernels keep it grouped, the op's contract in candidate order."""
+    out = torch.empty((stat.shape[0], stat.shape[1]), dtype=stat.dtype, device=stat.device)
+    if stat.numel():
+        _regroup_rows_kernel[(triton.cdiv(stat.shape[1], 256), stat.shape[0])](
+            stat, out, row_map, stat.shape[1], stat.stride(0), stat.stride(1), out.stride(0),
+            ROWS_PER_INDEX=rows_per_index, TO_GROUPED=to_grouped, BLOCK=256,
+        )  # fmt: skip
+    return out
+
+
 def _request_groups(
     cand_to_request: torch.Tensor,
     kv_offsets: torch.Tensor,
@@ -2118,7 +2161,7 @@ def jagged_attention_forward(
     offsets[0] = 0 and offsets[-1] = total_tokens); max_seq_len >= every length (it sizes the
     grid and is the silu normaliser); num_targets [B]; rel_bias [H, num_buckets].
     -> out [total_tokens, H, D], and with return_lse the softmax lse (base 2) fp32 [H, total_tokens]
-    (None for silu).
+    (empty, [0], for silu): search_space/attention.py defines it.
     """
     check_jagged_attention(
         q,
@@ -2143,7 +2186,12 @@ def jagged_attention_forward(
         ),
         schedule=schedule,
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return (out, _or_empty(lse, q)) if return_lse else out
+
+
+def _or_empty(lse: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The statistics a forward returns: lse, or empty where the activation keeps none."""
+    return lse if lse is not None else like.new_empty(0, dtype=torch.float32)
 
 
 def jagged_attention_backward(
@@ -2339,9 +2387,10 @@ def target_attention_forward(
 
     q_cand [C, S, H, D] (S seeds per candidate); k, v [total_kv, H, D] with kv_offsets [R + 1];
     cand_to_request [C] in [0, R) -> out [C, S, H, D], and with return_lse the softmax lse fp32
-    [H, C * S] in request-grouped row order. Histories are never copied per candidate. One host
-    sync (checks, grouping and grid size), or none with max_candidates (>= the candidates of
-    every request) and max_history (>= every history length), which are then trusted.
+    [H, C * S] in candidate order (row c * S + s; -inf for an empty history; empty for silu).
+    Histories are never copied per candidate. One host sync (checks, grouping and grid size),
+    or none with max_candidates (>= the candidates of every request) and max_history (>= every
+    history length), which are then trusted.
     """
     check_target_attention(
         q_cand, k, v, kv_offsets, cand_to_request, activation=activation,
@@ -2353,7 +2402,7 @@ def target_attention_forward(
         lse = None
         if return_lse and activation == "softmax":
             lse = torch.empty((num_heads, 0), dtype=torch.float32, device=q_cand.device)
-        return (out, lse) if return_lse else out
+        return (out, _or_empty(lse, q_cand)) if return_lse else out
     q_offsets, order, max_q_len, max_kv_len = _request_groups(
         cand_to_request, kv_offsets, seeds, k.shape[0], _bounds(max_candidates, max_history)
     )
@@ -2370,7 +2419,9 @@ def target_attention_forward(
         schedule=schedule, row_map=order, rows_per_index=seeds,
     )  # fmt: skip
     out = out_rows.view(num_cand, seeds, num_heads, head_dim)
-    return (out, lse) if return_lse else out
+    if lse is not None and order is not None:  # the kernel wrote it in grouped row order
+        lse = _regroup_rows(lse, order, seeds, to_grouped=False)
+    return (out, _or_empty(lse, q_cand)) if return_lse else out
 
 
 def target_attention_backward(
@@ -2398,9 +2449,9 @@ def target_attention_backward(
     schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """grad_out [C, S, H, D], the forward's out and lse -> dq_cand [C, S, H, D], dk, dv. Groups
-    the candidates as the forward did (the argsort is stable, so the same order, which lse's
-    rows follow): one host sync, or none with the forward's max_candidates and max_history."""
+    """grad_out [C, S, H, D], the forward's out and lse (candidate order) -> dq_cand [C, S, H, D],
+    dk, dv. Groups the candidates as the forward did: one host sync, or none with the forward's
+    max_candidates and max_history."""
     num_cand, seeds, num_heads, head_dim = q_cand.shape
     if num_cand == 0 or seeds == 0:
         return torch.zeros_like(q_cand), torch.zeros_like(k), torch.zeros_like(v)
@@ -2409,6 +2460,8 @@ def target_attention_backward(
         cand_to_request, kv_offsets, seeds, k.shape[0], _bounds(max_candidates, max_history)
     )
     rows = num_cand * seeds
+    if lse is not None and lse.numel() and order is not None:  # the kernels read grouped rows
+        lse = _regroup_rows(lse, order, seeds, to_grouped=True)
 
     def as_rows(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(rows, num_heads, head_dim)

@@ -43,7 +43,9 @@ def op(name: str) -> Callable:
 # d rel_bias where the call has a bias, and recomputes whatever forward statistics it needs; the
 # default backward reads the ones the forward saved instead. The softmax forwards also return
 # the row statistics (lse) the default backward reads; when no gradient will be taken, or for
-# silu, that second output is empty.
+# silu, that second output is empty. A library forward returns them itself when asked
+# (return_lse=True, the forward problems' contract: search_space.attention_common.SOFTMAX_LSE),
+# so training runs one forward whichever kernel computes it.
 
 DISPATCHER.register_op(
     "jagged_attention", default=_attn.jagged_attention_forward, reference=jagged_attention_reference
@@ -72,11 +74,11 @@ def _bounds_for(impl: Implementation, **bounds) -> dict:
     """The call's launch bounds, which spare a kernel its host sync and keep the op capturable
     in a CUDA graph: part of every implementation's arguments (the problems pass them too),
     except a library entry registered before they were, whose function does not name them."""
-    return bounds if _takes_bounds(impl.fn, tuple(bounds)) else {}
+    return bounds if _takes(impl.fn, tuple(bounds)) else {}
 
 
 @functools.lru_cache(maxsize=512)
-def _takes_bounds(fn: Callable, names: tuple[str, ...]) -> bool:
+def _takes(fn: Callable, names: tuple[str, ...]) -> bool:
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C function: called as the problem calls it
@@ -97,12 +99,25 @@ def _forward_with_lse(
         return impl.fn(*args, **kwargs), like.new_empty(0, dtype=torch.float32)
     if impl.name == "default":
         return default(*args, **kwargs, return_lse=True)
-    out = impl.fn(*args, **kwargs)
     if impl.name == "reference":
         # Without Triton the backward differentiates the reference and never reads lse.
-        return out, like.new_zeros(lse_shape, dtype=torch.float32)
-    # A library kernel returns the output alone; the statistics come from one default forward.
-    return out, default(*args, **kwargs, return_lse=True)[1]
+        return impl.fn(*args, **kwargs), like.new_zeros(lse_shape, dtype=torch.float32)
+    if _takes(impl.fn, ("return_lse",)):
+        # The forward problems' contract: the sandbox checked these statistics with the output.
+        got = impl.fn(*args, **kwargs, return_lse=True)
+        lse = got[1] if isinstance(got, tuple) and len(got) == 2 else None
+        if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != lse_shape or lse.dtype != torch.float32:
+            what = (
+                f"lse {tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(got).__name__
+            )
+            raise RuntimeError(
+                f"library kernel {impl.name!r} given return_lse=True returned {what}, expected "
+                f"(out, lse {lse_shape} torch.float32)"
+            )
+        return got[0], lse
+    # An entry registered before the contract returned statistics computes the output alone;
+    # they come from one default forward.
+    return impl.fn(*args, **kwargs), default(*args, **kwargs, return_lse=True)[1]
 
 
 def _needs_lse(activation: str, *inputs: torch.Tensor | None) -> bool:

@@ -13,11 +13,19 @@ import torch.nn.functional as F
 from model.embeddings import JaggedFeature
 from model.recommender import Recommender, RecommenderConfig
 from model.sequence import SequenceConfig, UserHistory
-from search_space import workload
-from search_space.embedding_bag import bag_lengths
 
 # Candidates scored per request in a synthetic batch (a serving request ranks tens of ads).
 CANDIDATES_PER_REQUEST = 4
+# Exponent of the truncated power law P(L) ~ L^-a of synthetic bag and history lengths: the
+# production pooling factors that the kernels' workload assumes too (a mean bag of about 19 ids
+# in 1..120, with a long tail).
+LENGTH_ALPHA = 1.1
+
+
+def power_law_lengths(count: int, max_len: int, gen: torch.Generator) -> torch.Tensor:
+    """`count` lengths in [1, max_len], int64 on the CPU, P(L) proportional to L^-LENGTH_ALPHA."""
+    probs = torch.arange(1, max_len + 1, dtype=torch.float32).pow(-LENGTH_ALPHA)
+    return torch.multinomial(probs / probs.sum(), count, replacement=True, generator=gen) + 1
 
 
 @dataclass(kw_only=True)
@@ -56,10 +64,9 @@ def make_synthetic_batch(
         raise ValueError(f"empty_fraction must be in [0, 1], got {empty_fraction}")
     # Generated on the CPU so that a seed gives the same batch on every device.
     gen = torch.Generator().manual_seed(seed)
-    cpu = torch.device("cpu")
     sparse = {}
     for f in config.sparse_features:
-        lengths_B = bag_lengths(batch_size, f.max_bag_length, workload.BAG_LENGTH_ALPHA, gen, cpu)
+        lengths_B = power_law_lengths(batch_size, f.max_bag_length, gen)
         lengths_B[torch.rand(batch_size, generator=gen) < empty_fraction] = 0
         offsets = torch.zeros(batch_size + 1, dtype=torch.int64)
         torch.cumsum(lengths_B, 0, out=offsets[1:])
@@ -86,9 +93,7 @@ def synthetic_history(
     batch arrives), each request with a power-law history in [1, max_seq_len] (some empty)."""
     num_requests = max(1, math.ceil(batch_size / CANDIDATES_PER_REQUEST))
     cand_to_request = torch.arange(batch_size) * num_requests // batch_size
-    lengths_R = bag_lengths(
-        num_requests, config.max_seq_len, workload.BAG_LENGTH_ALPHA, gen, torch.device("cpu")
-    )
+    lengths_R = power_law_lengths(num_requests, config.max_seq_len, gen)
     lengths_R[torch.rand(num_requests, generator=gen) < empty_fraction] = 0
     offsets = torch.zeros(num_requests + 1, dtype=torch.int64)
     torch.cumsum(lengths_R, 0, out=offsets[1:])

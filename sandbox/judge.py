@@ -552,8 +552,7 @@ class Evaluation:
             if not self.session.inputs_unchanged(call, pristine):
                 self.checks.append(ShapeCheck(**base, ok=False, message="the candidate modified its inputs"))
                 raise Verdict(Status.WRONG, f"{where}: the candidate modified its inputs")
-            tol = self.problem.tolerance(call.shape.dtype)
-            ok, details = compare(got, ref, tol, self.problem.tolerance_scale(pristine))
+            ok, details = compare(got, ref, *self.problem.closeness(call.shape.dtype, pristine))
             self.checks.append(ShapeCheck(**base, ok=ok, **details))
             if not ok:
                 raise Verdict(Status.WRONG, f"{where}: {details['message']}")
@@ -597,7 +596,7 @@ class Evaluation:
             second = self.check(
                 calls[1:], outputs[1:], trial, where=f"{where}, second call on the same inputs"
             )
-            tol = self.problem.tolerance(shape.dtype)
+            tol, _ = self.problem.closeness(shape.dtype, call.inputs)
             again, _ = compare(second[0], got[0], tol, None)
             if not again:
                 self.checks.append(ShapeCheck(shape=shape.name, dtype=shape.dtype, trial=trial, ok=False,
@@ -638,9 +637,7 @@ class Evaluation:
             return
         finally:
             self.session.drop(calls=[call])
-        still_ok, _ = compare(
-            got, ref, self.problem.tolerance(shape.dtype), self.problem.tolerance_scale(pristine)
-        )
+        still_ok, _ = compare(got, ref, *self.problem.closeness(shape.dtype, pristine))
         if still_ok:
             message = "output is still correct with every Triton kernel disabled"
             self.checks.append(ShapeCheck(**proof, ok=False, message=message))

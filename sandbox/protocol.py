@@ -113,20 +113,33 @@ def _nbytes(out: Output) -> int:
     return sum(t.numel() * t.element_size() for t in output_tensors(out))
 
 
-def compare(out: object, ref: Output, tol: Tolerance, scale: float | None = None) -> tuple[bool, dict]:
+def compare(
+    out: object,
+    ref: Output,
+    tol: Tolerance | tuple[Tolerance, ...],
+    scale: float | None | tuple[float | None, ...] = None,
+) -> tuple[bool, dict]:
     """Closeness of `out` to `ref` under `tol`; the details say where and by how much. atol is
     relative to the reference's RMS, or to `scale` where that is larger (a problem's error
     scale: the magnitude its rounding errors come with). A tuple reference (several outputs,
-    such as gradients) needs a tuple of as many tensors, each close."""
+    such as gradients) needs a tuple of as many tensors, each close: under `tol` and `scale`,
+    or where those are tuples (Problem.closeness), under its own. Where the reference is not
+    finite (the -inf log-sum-exp of a row with no key) the output must equal it."""
     if isinstance(ref, tuple):
         if not isinstance(out, tuple | list) or len(out) != len(ref):
             got = f"{len(out)} values" if isinstance(out, tuple | list) else type(out).__name__
             return False, {"message": f"returned {got}, expected a tuple of {len(ref)} tensors"}
-        for i, (o, r) in enumerate(zip(out, ref, strict=True)):
-            ok, details = compare(o, r, tol, scale)
+        tols = tol if isinstance(tol, tuple) else (tol,) * len(ref)
+        scales = scale if isinstance(scale, tuple) else (scale,) * len(ref)
+        if len(tols) != len(ref) or len(scales) != len(ref):
+            raise ValueError(f"{len(tols)} tolerances and {len(scales)} scales for {len(ref)} outputs")
+        for i, (o, r, t, sc) in enumerate(zip(out, ref, tols, scales, strict=True)):
+            ok, details = compare(o, r, t, sc)
             if not ok:
                 return False, {**details, "message": f"output {i}: {details['message']}"}
         return True, {}
+    if isinstance(tol, tuple) or isinstance(scale, tuple):
+        return False, {"message": f"returned {type(out).__name__}, expected a tuple of {len(tol)} tensors"}
     return _compare_tensor(out, ref, tol, scale)
 
 
@@ -143,6 +156,20 @@ def _compare_tensor(
     if ref.numel() == 0:
         return True, {}
     out64, ref64 = out.double(), ref.double()
+    infinite = ~torch.isfinite(ref64)
+    if bool(infinite.any()):
+        unequal = infinite & ~(out64 == ref64)
+        if bool(unequal.any()):
+            first = torch.tensor(int(unequal.flatten().nonzero()[0]))
+            where = [int(i) for i in torch.unravel_index(first, ref.shape)]
+            return False, {
+                "message": f"{int(unequal.sum())} of {int(infinite.sum())} non-finite reference elements "
+                f"differ; first at {where}: got {out64[tuple(where)].item():.6g}, expected "
+                f"{ref64[tuple(where)].item():.6g}",
+                "worst_index": where,
+            }
+        # Equal there: the finite elements are compared as usual, the others count as exact.
+        out64, ref64 = out64.masked_fill(infinite, 0.0), ref64.masked_fill(infinite, 0.0)
     diff = (out64 - ref64).abs()
     rms = ref64.pow(2).mean().sqrt().item()
     scale = max(rms, scale or 0.0, 1e-6)
@@ -229,7 +256,7 @@ def check_shape(
         seen.add(storage)
         if held is not None:
             held.append(tensor)
-    tol, scale = problem.tolerance(shape.dtype), problem.tolerance_scale(pristine)
+    tol, scale = problem.closeness(shape.dtype, pristine)
     ok, details = compare(out, ref, tol, scale)
     if ok and repeat:
         poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))

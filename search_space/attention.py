@@ -23,6 +23,11 @@ set of learned query seeds q [n_q, H, D] shared by every sample (output [B * n_q
 target_attention (request-broadcast)
     out[c, s] = attend(q_cand[c, s], K/V of request cand_to_request[c])
 softmax as above (no mask), silu as gdpa's (no normalization); an empty history gives zeros.
+
+The softmax statistics (`return_lse=True`: the forward's saved values, which its backward reads)
+    lse[h, i] = log2 sum_{allowed j} exp(s_ij)                        fp32 [heads, rows]
+in the output's row order (tokens; for target attention candidate-major rows c * S + s); a row
+with no key (an empty history) has lse -inf. silu has no statistics: lse is empty, [0].
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 ACTIVATIONS = ("softmax", "silu", "gelu", "relu", "none")
+LOG2E = 1.0 / math.log(2.0)
 
 
 def relative_bucket(distance: torch.Tensor, num_buckets: int) -> torch.Tensor:
@@ -91,8 +97,10 @@ def dense_attention(
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     divide_by: float = 1.0,
-) -> torch.Tensor:
-    """Dense attention of one sequence: q [m, H, D], k and v [n, H, D] -> [m, H, D] (acc dtype)."""
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of one sequence: q [m, H, D], k and v [n, H, D] -> [m, H, D] (acc dtype),
+    and with `with_lse` (softmax) the rows' log2-sum-exp [H, m] beside it."""
     s = torch.einsum("mhd,nhd->hmn", q, k) * scale
     if bias is not None:
         s = s + bias
@@ -104,7 +112,17 @@ def dense_attention(
         p = _activate(s, activation) / divide_by
         if mask is not None:
             p = p.masked_fill(~mask, 0.0)
-    return torch.einsum("hmn,nhd->mhd", p, v)
+    out = torch.einsum("hmn,nhd->mhd", p, v)
+    if with_lse:
+        return out, torch.logsumexp(s, dim=-1) * LOG2E
+    return out
+
+
+def _no_lse(rows: int, heads: int, activation: str, device: torch.device) -> torch.Tensor:
+    """The statistics tensor a reference fills: -inf per row (no key yet) for softmax, else empty."""
+    if activation != "softmax":
+        return torch.empty(0, dtype=torch.float32, device=device)
+    return torch.full((heads, rows), float("-inf"), dtype=torch.float32, device=device)
 
 
 def compiled_reference(reference: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -127,14 +145,18 @@ def jagged_attention_reference(
     num_targets: torch.Tensor | None = None,
     rel_bias: torch.Tensor | None = None,
     scale: float | None = None,
+    return_lse: bool = False,
     attend: Callable[..., torch.Tensor] = dense_attention,
-) -> torch.Tensor:
-    """HSTU / Jagged Flash Attention self-attention; rel_bias is [H, num_buckets]."""
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HSTU / Jagged Flash Attention self-attention; rel_bias is [H, num_buckets]. With
+    return_lse, (out, lse) as the module's docstring defines lse."""
     if activation not in ("softmax", "silu"):
         raise ValueError(f"jagged_attention supports softmax and silu, got {activation!r}")
     acc = _acc_dtype(q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=acc, device=q.device)
+    lse = _no_lse(q.shape[0], q.shape[1], activation, q.device)
+    with_lse = return_lse and activation == "softmax"
     bounds = offsets.tolist()
     targets = num_targets.tolist() if num_targets is not None else [0] * (len(bounds) - 1)
     for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
@@ -146,7 +168,7 @@ def jagged_attention_reference(
         if rel_bias is not None:
             buckets = relative_bucket((pos[:, None] - pos[None, :]).abs(), rel_bias.shape[1])
             bias = rel_bias.to(acc)[:, buckets]  # [H, n, n]
-        out[start:end] = attend(
+        got = attend(
             q[start:end].to(acc),
             k[start:end].to(acc),
             v[start:end].to(acc),
@@ -155,8 +177,13 @@ def jagged_attention_reference(
             mask=allowed_mask(n, n - min(int(targets[b]), n), causal, q.device),
             bias=bias,
             divide_by=max_seq_len,
+            with_lse=with_lse,
         )
-    return out.to(q.dtype)
+        if with_lse:
+            got, lse_b = got
+            lse[:, start:end] = lse_b
+        out[start:end] = got
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
 
 def check_bound(name: str, bound: int | None, offsets: torch.Tensor) -> None:
@@ -241,11 +268,13 @@ def target_attention_reference(
     scale: float | None = None,
     max_candidates: int | None = None,
     max_history: int | None = None,
+    return_lse: bool = False,
     attend: Callable[..., torch.Tensor] = dense_attention,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Candidates [C, S, H, D] attend to their request's history; histories are never copied.
     max_candidates and max_history, where given, bound the candidates of any request and the
-    longest history (kernels launch from them); the math does not depend on them."""
+    longest history (kernels launch from them); the math does not depend on them. With
+    return_lse, (out, lse) as the module's docstring defines lse."""
     if activation not in ("softmax", "silu"):
         raise ValueError(f"target_attention supports softmax and silu, got {activation!r}")
     check_target_bounds(kv_offsets, cand_to_request, max_candidates, max_history)
@@ -253,6 +282,8 @@ def target_attention_reference(
     scale = q_cand.shape[-1] ** -0.5 if scale is None else scale
     num_cand, seeds, heads, _ = q_cand.shape
     out = torch.zeros(num_cand, seeds, heads, v.shape[2], dtype=acc, device=q_cand.device)
+    lse = _no_lse(num_cand * seeds, heads, activation, q_cand.device)
+    with_lse = return_lse and activation == "softmax"
     bounds = kv_offsets.tolist()
     requests = cand_to_request.tolist()
     for r in sorted(set(requests)):
@@ -261,6 +292,12 @@ def target_attention_reference(
             continue
         cands = torch.tensor([c for c, req in enumerate(requests) if req == r], device=q_cand.device)
         q_r = q_cand[cands].reshape(-1, heads, q_cand.shape[-1]).to(acc)  # every seed of the request
-        o_r = attend(q_r, k[start:end].to(acc), v[start:end].to(acc), activation=activation, scale=scale)
+        o_r = attend(
+            q_r, k[start:end].to(acc), v[start:end].to(acc), activation=activation, scale=scale,
+            with_lse=with_lse,
+        )  # fmt: skip
+        if with_lse:
+            o_r, lse_r = o_r
+            lse.view(heads, num_cand, seeds)[:, cands] = lse_r.reshape(heads, len(cands), seeds).float()
         out[cands] = o_r.reshape(len(cands), seeds, heads, -1)
-    return out.to(q_cand.dtype)
+    return (out.to(q_cand.dtype), lse) if return_lse else out.to(q_cand.dtype)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from search_space import workload
-from search_space.problem import Inputs, Shape, Tolerance
+from search_space.problem import Inputs, Shape, Statistics, Tolerance
 from search_space.template import Knob, KnobTemplate
 
 # Closeness of attention outputs (RMS-relative, see Tolerance). A correct kernel accumulating in
@@ -62,6 +62,31 @@ TOLERANCES = {
     "bf16": Tolerance(atol=2e-2, rtol=2e-2, norm_rtol=1e-2, row_rtol=2**-8, row_atol=1e-2),
     "fp16": Tolerance(atol=3e-3, rtol=3e-3, norm_rtol=1.5e-3, row_rtol=2**-11, row_atol=1.5e-3),
 }
+
+# The softmax forwards' saved statistics: the log2-sum-exp of each query row's scores, which
+# their backward reads (search_space/attention.py defines it). Both sides compute the scores
+# from the same inputs in fp32, so the statistic differs by accumulation order and exp2
+# rounding only (about 1e-6 of its magnitude; RMS-relative bounds as Tolerance's): far tighter
+# than the output's, since a backward that reads a statistic off by e scales every gradient
+# of the row by about e ln 2.
+SOFTMAX_LSE = Statistics(
+    flag="return_lse",
+    description=(
+        "return_lse=True asks for (out, lse): lse[h, i] = log2 sum over allowed keys j of exp(s_ij), "
+        "fp32 [H, rows] in the output's row order, -inf for a row with no key; empty ([0]) for silu"
+    ),
+    tolerances={
+        "fp32": Tolerance(atol=1e-5, rtol=1e-5, norm_rtol=1e-5),
+        "bf16": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=5e-5),
+        "fp16": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=5e-5),
+    },
+)
+
+
+def with_statistics(kwargs: dict, params: Mapping[str, Any]) -> dict:
+    """A call's keywords, asking for the statistics where the shape says `with_lse`."""
+    return {**kwargs, SOFTMAX_LSE.flag: True} if params.get("with_lse") else kwargs
+
 
 # Torch functions by which a candidate could compute attention, or a part of it, without writing
 # the kernel (the screen rejects any attribute of these names). tl.dot stays allowed; so does

@@ -100,7 +100,7 @@ def grad_problem(
     name = f"{forward.name}_grad"
 
     def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
-        fwd = forward.make_inputs(shape, seed, device)
+        fwd = forward.without_statistics(forward.make_inputs(shape, seed, device))
         gen = torch.Generator(device=device).manual_seed(seed ^ 0x6A7D)
         grad_out = torch.randn(output_shape(fwd), generator=gen, device=device).to(shape.torch_dtype)
         return Inputs(args=(grad_out, *fwd.args), kwargs=fwd.kwargs)
@@ -129,6 +129,8 @@ def grad_problem(
         # The default kernels sum per-program partials of dq (broadcast queries) and of
         # d rel_bias on the host.
         host_float_ops=("sum",),
+        optimizes="backward",
+        statistics=None,  # gradients recompute what they need
     )
 
 

@@ -76,6 +76,7 @@ PROBLEM = dataclasses.replace(
     bytes=bytes_moved,
     template=None,
     forbidden_ops=(*forward.PROBLEM.forbidden_ops, "index_put", "index_put_", "put_", "autograd"),
+    optimizes="backward",
 )
 
 

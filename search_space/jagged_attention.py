@@ -22,6 +22,7 @@ from search_space.attention_common import (
     FORBIDDEN_OPS,
     REL_BIAS_STD,
     SCREEN_EXTRAS,
+    SOFTMAX_LSE,
     TOLERANCES,
     IndexCache,
     block_mask,
@@ -44,6 +45,7 @@ from search_space.attention_common import (
     tile_template,
     token_positions,
     unpad,
+    with_statistics,
 )
 from search_space.problem import Inputs, Problem, Shape, ShapeBaseline
 
@@ -53,7 +55,8 @@ ENTRY = "jagged_attention"
 def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     """Params: heads, dim; `lengths` or num_seqs + dist + max_len (+ min_frac, sampled); optional
     max_seq_len, activation, causal, max_targets (+ random_targets: uniform in [0, max_targets]
-    per sequence, else max_targets each), rel_bias (+ bias_buckets), scale, index_dtype."""
+    per sequence, else max_targets each), rel_bias (+ bias_buckets), scale, index_dtype;
+    with_lse (the call asks for the statistics, see SOFTMAX_LSE)."""
     p = shape.params
     gen = torch.Generator(device=device).manual_seed(seed)
     lengths = draw_lengths(p, gen, device)
@@ -82,7 +85,7 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
         "rel_bias": rel_bias,
         "scale": p.get("scale"),
     }
-    return Inputs(args=(q, k, v, offsets_of(lengths, idx, device)), kwargs=kwargs)
+    return Inputs(args=(q, k, v, offsets_of(lengths, idx, device)), kwargs=with_statistics(kwargs, p))
 
 
 # --- roofline counts ------------------------------------------------------------------------
@@ -285,18 +288,36 @@ def _s(name: str, dtype: str, **params) -> Shape:
 def _check_shapes(dtype: str) -> tuple[Shape, ...]:
     h = {"heads": 2}
     return (
-        _s("mixed-d32", dtype, **h, dim=32, lengths=[5, 0, 1, 37, 16, 64, 3, 100]),
+        _s("mixed-d32", dtype, **h, dim=32, lengths=[5, 0, 1, 37, 16, 64, 3, 100], with_lse=True),
         _s("one-long-d16", dtype, **h, dim=16, lengths=[3, 1, 250, 2, 0, 5, 2]),
         _s("no-sequences", dtype, **h, dim=16, lengths=[]),
-        _s("all-empty", dtype, **h, dim=16, lengths=[0, 0, 0]),
+        _s("all-empty", dtype, **h, dim=16, lengths=[0, 0, 0], with_lse=True),
         _s("single-token", dtype, **h, dim=32, lengths=[1]),
         _s("power-sampled", dtype, **h, dim=32, num_seqs=7, dist="power", max_len=80, sampled=True),
         _s("uniform-int32", dtype, **h, dim=16, num_seqs=5, dist="uniform", max_len=50, index_dtype="int32"),
         _s("targets", dtype, **h, dim=32, lengths=[10, 40, 3, 0, 70, 1], max_targets=6, random_targets=True),
-        _s("targets-bias", dtype, **h, dim=32, lengths=[33, 2, 65, 17], max_targets=4, rel_bias=True),
+        _s(
+            "targets-bias",
+            dtype,
+            **h,
+            dim=32,
+            lengths=[33, 2, 65, 17],
+            max_targets=4,
+            rel_bias=True,
+            with_lse=True,
+        ),
         # With 8 buckets every distance from 12 on shares the last one.
         _s("bias-clamped", dtype, **h, dim=16, lengths=[48, 20], rel_bias=True, bias_buckets=8),
-        _s("non-causal-targets", dtype, **h, dim=32, lengths=[12, 30, 1, 7], causal=False, max_targets=3),
+        _s(
+            "non-causal-targets",
+            dtype,
+            **h,
+            dim=32,
+            lengths=[12, 30, 1, 7],
+            causal=False,
+            max_targets=3,
+            with_lse=True,
+        ),
         _s("explicit-scale", dtype, **h, dim=32, lengths=[20, 45], scale=0.3),
         # max_seq_len above the longest sequence: silu divides by the argument, not the longest.
         _s("silu", dtype, **h, dim=32, lengths=[5, 0, 37, 64, 1, 18], activation="silu", max_seq_len=80),
@@ -310,6 +331,7 @@ def _check_shapes(dtype: str) -> tuple[Shape, ...]:
             max_targets=5,
             random_targets=True,
             rel_bias=True,
+            with_lse=True,
         ),
         _s("silu-non-causal", dtype, **h, dim=32, lengths=[31, 6], activation="silu", causal=False),
         _s("d128", dtype, **h, dim=128, lengths=[37, 5, 64, 0, 130]),
@@ -393,7 +415,8 @@ PROBLEM = Problem(
         "offsets: int32|int64 Tensor[B + 1], *, max_seq_len: int, "
         "activation: 'softmax' | 'silu' = 'softmax', causal: bool = True, "
         "num_targets: int Tensor[B] | None = None, rel_bias: Tensor[H, num_buckets] | None = None, "
-        "scale: float | None = None) -> Tensor[T, H, Dv]"
+        "scale: float | None = None, return_lse: bool = False) -> Tensor[T, H, Dv], or with return_lse "
+        "(out, lse fp32 Tensor[H, T])"
     ),
     description=__doc__,
     check_shapes=CHECK_SHAPES,
@@ -414,6 +437,7 @@ PROBLEM = Problem(
     template="jagged_attention",
     forbidden_ops=FORBIDDEN_OPS,
     screen_extras=SCREEN_EXTRAS,
+    statistics=SOFTMAX_LSE,
 )
 
 TEMPLATE = tile_template("jagged_attention")

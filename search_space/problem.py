@@ -56,6 +56,24 @@ class Tolerance:
     row_atol: float | None = None
 
 
+# The passes a problem optimizes (Problem.optimizes): an op's forward, its backward (a gradient
+# problem: fn(grad_out, *forward inputs) -> gradients), or the training pair, forward then
+# backward with a given grad_out.
+PASSES = ("forward", "backward", "train")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Statistics:
+    """What a forward saves for its backward (softmax's log-sum-exp), part of the forward's
+    contract: a call that passes `flag=True` gets (output, statistics) back, checked against the
+    reference's under `tolerances`, so that a registered forward spares training a second,
+    default forward for them."""
+
+    flag: str  # the keyword that asks for them, e.g. "return_lse"
+    description: str  # layout and meaning, for the prompt and the docs
+    tolerances: Mapping[str, Tolerance]  # by the inputs' dtype
+
+
 @dataclass(frozen=True, kw_only=True)
 class Inputs:
     """Positional and keyword arguments of one call, as the entry function takes them."""
@@ -134,9 +152,40 @@ class Problem:
     # The magnitude a correct kernel's rounding errors come with, from the call's inputs, where
     # that exceeds the output's RMS (Tolerance's default); None: the output's RMS.
     error_scale: Callable[[Inputs], float | None] | None = None
+    # The pass this problem's candidates compute (one of PASSES).
+    optimizes: str = "forward"
+    # What its forward saves for the backward, returned on request; None: nothing.
+    statistics: Statistics | None = None
+
+    def __post_init__(self) -> None:
+        if self.optimizes not in PASSES:
+            raise ValueError(f"problem {self.name!r}: optimizes {self.optimizes!r}, not one of {PASSES}")
 
     def tolerance_scale(self, inputs: Inputs) -> float | None:
         return None if self.error_scale is None else self.error_scale(inputs)
+
+    def wants_statistics(self, inputs: Inputs) -> bool:
+        """Whether this call asks for the forward's statistics beside its output."""
+        return self.statistics is not None and bool(inputs.kwargs.get(self.statistics.flag))
+
+    def without_statistics(self, inputs: Inputs) -> Inputs:
+        """The call without its request for statistics: what baselines (which compute the output
+        alone, as serving does) are called with."""
+        if self.statistics is None or self.statistics.flag not in inputs.kwargs:
+            return inputs
+        kwargs = {k: v for k, v in inputs.kwargs.items() if k != self.statistics.flag}
+        return Inputs(args=inputs.args, kwargs=kwargs)
+
+    def closeness(self, dtype: str, inputs: Inputs) -> tuple[Tolerance | tuple, float | None | tuple]:
+        """(tolerance, error scale) to compare a call's output with: per output, (output,
+        statistics), where the call asks for the statistics."""
+        tol, scale = self.tolerance(dtype), self.tolerance_scale(inputs)
+        if not self.wants_statistics(inputs):
+            return tol, scale
+        assert self.statistics is not None
+        if dtype not in self.statistics.tolerances:
+            raise ValueError(f"problem {self.name!r} has no statistics tolerance for dtype {dtype!r}")
+        return (tol, self.statistics.tolerances[dtype]), (scale, None)
 
     def tolerance(self, dtype: str) -> Tolerance:
         if dtype not in self.tolerances:

@@ -28,6 +28,7 @@ from search_space.attention_common import (
     FORBIDDEN_OPS,
     REFERENCE_BUDGET,
     SCREEN_EXTRAS,
+    SOFTMAX_LSE,
     TOLERANCES,
     IndexCache,
     block_mask,
@@ -50,6 +51,7 @@ from search_space.attention_common import (
     softmax_error_scale,
     tile_template,
     token_positions,
+    with_statistics,
 )
 from search_space.problem import Inputs, Problem, Shape, ShapeBaseline
 
@@ -67,8 +69,9 @@ def reference(
     scale: float | None = None,
     max_candidates: int | None = None,
     max_history: int | None = None,
+    return_lse: bool = False,
     attend: Callable[..., torch.Tensor] = dense_attention,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """attention.py's reference, called on groups of candidates small enough that its fp32 score
     tensor stays under REFERENCE_BUDGET elements (2048 candidates x 32 seeds over a 16k history
     would be 17 GB at once). Candidates are independent, so the result is the same. `attend`: as
@@ -78,25 +81,20 @@ def reference(
     num_cand, seeds, heads, _ = q_cand.shape
     longest = int((kv_offsets[1:] - kv_offsets[:-1]).max()) if kv_offsets.numel() > 1 else 0
     step = max(1, REFERENCE_BUDGET // max(seeds * heads * longest, 1))
+    options = dict(activation=activation, scale=scale, return_lse=return_lse, attend=attend)
     if step >= num_cand:
-        return target_attention_reference(
-            q_cand, k, v, kv_offsets, cand_to_request, activation=activation, scale=scale, attend=attend
+        return target_attention_reference(q_cand, k, v, kv_offsets, cand_to_request, **options)
+    parts = [
+        target_attention_reference(
+            q_cand[c : c + step], k, v, kv_offsets, cand_to_request[c : c + step], **options
         )
-    return torch.cat(
-        [
-            target_attention_reference(
-                q_cand[c : c + step],
-                k,
-                v,
-                kv_offsets,
-                cand_to_request[c : c + step],
-                activation=activation,
-                scale=scale,
-                attend=attend,
-            )
-            for c in range(0, num_cand, step)
-        ]
-    )
+        for c in range(0, num_cand, step)
+    ]
+    if not return_lse:
+        return torch.cat(parts)
+    # Rows are candidate-major, so each group's statistics are a contiguous range of columns.
+    lse = [part[1] for part in parts]
+    return torch.cat([part[0] for part in parts]), torch.cat(lse, dim=1) if lse[0].numel() else lse[0]
 
 
 def _candidates_per_request(params, num_requests: int) -> list[int]:
@@ -109,7 +107,7 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     """Params: heads, dim, seeds; histories `lengths` or num_requests + dist + max_len
     (+ min_frac, sampled); candidates `cands` (per request) or cands_per_request; shuffle
     (candidates not grouped by request), activation, scale, index_dtype (of kv_offsets and
-    cand_to_request)."""
+    cand_to_request); with_lse (the call asks for the statistics, see SOFTMAX_LSE)."""
     p = shape.params
     gen = torch.Generator(device=device).manual_seed(seed)
     lengths = draw_lengths(p, gen, device, count_key="num_requests")
@@ -134,7 +132,7 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     kwargs = {"activation": p.get("activation", "softmax"), "scale": p.get("scale")}
     kwargs["max_candidates"] = launch_bound({}, cands, seed)
     kwargs["max_history"] = launch_bound(p, lengths, seed)
-    return Inputs(args=args, kwargs=kwargs)
+    return Inputs(args=args, kwargs=with_statistics(kwargs, p))
 
 
 # --- roofline counts ------------------------------------------------------------------------
@@ -341,7 +339,16 @@ def _s(name: str, dtype: str, **params) -> Shape:
 def _check_shapes(dtype: str) -> tuple[Shape, ...]:
     h = {"heads": 2}
     return (
-        _s("mixed-softmax", dtype, **h, dim=32, seeds=4, lengths=[30, 0, 7, 65], cands=[3, 2, 1, 4]),
+        _s(
+            "mixed-softmax",
+            dtype,
+            **h,
+            dim=32,
+            seeds=4,
+            lengths=[30, 0, 7, 65],
+            cands=[3, 2, 1, 4],
+            with_lse=True,
+        ),
         _s(
             "unsorted-silu",
             dtype,
@@ -352,8 +359,19 @@ def _check_shapes(dtype: str) -> tuple[Shape, ...]:
             cands=[4, 1, 3],
             shuffle=True,
             activation="silu",
+            with_lse=True,
         ),
-        _s("empty-histories", dtype, **h, dim=16, seeds=2, lengths=[0, 0, 9], cands=[2, 1, 2], shuffle=True),
+        _s(
+            "empty-histories",
+            dtype,
+            **h,
+            dim=16,
+            seeds=2,
+            lengths=[0, 0, 9],
+            cands=[2, 1, 2],
+            shuffle=True,
+            with_lse=True,
+        ),
         _s(
             "requests-without-candidates",
             dtype,
@@ -365,7 +383,7 @@ def _check_shapes(dtype: str) -> tuple[Shape, ...]:
             activation="silu",
         ),
         _s("no-candidates", dtype, **h, dim=16, seeds=4, lengths=[6, 2], cands=[0, 0]),
-        _s("no-requests", dtype, **h, dim=16, seeds=4, lengths=[], cands=[]),
+        _s("no-requests", dtype, **h, dim=16, seeds=4, lengths=[], cands=[], with_lse=True),
         _s("one-seed-one-key", dtype, **h, dim=32, seeds=1, lengths=[1, 1], cands=[1, 2]),
         _s(
             "int32-indices",
@@ -468,8 +486,9 @@ PROBLEM = Problem(
         "kv_offsets: int32|int64 Tensor[R + 1], cand_to_request: int32|int64 Tensor[C], *, "
         "activation: 'softmax' | 'silu' = 'softmax', scale: float | None = None, "
         "max_candidates: int | None = None (>= any request's candidates), max_history: int | None = "
-        "None (>= every history; launch from the bounds where given, with no host sync)) "
-        "-> Tensor[C, S, H, Dv]"
+        "None (>= every history; launch from the bounds where given, with no host sync), "
+        "return_lse: bool = False) -> Tensor[C, S, H, Dv], or with return_lse (out, lse fp32 "
+        "Tensor[H, C * S])"
     ),
     description=__doc__,
     check_shapes=CHECK_SHAPES,
@@ -490,6 +509,7 @@ PROBLEM = Problem(
     template="target_attention",
     forbidden_ops=FORBIDDEN_OPS,
     screen_extras=SCREEN_EXTRAS,
+    statistics=SOFTMAX_LSE,
 )
 
 TEMPLATE = tile_template("target_attention")

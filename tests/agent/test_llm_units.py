@@ -382,3 +382,19 @@ def test_an_edit_of_the_default_kernel_keeps_its_entry_point() -> None:
         baselines={}, kinds=["edit", "module"],
     )  # fmt: skip
     assert "an edit keeps, is `embedding_bag_forward`" in text
+
+
+def test_the_prompt_states_the_statistics_a_forward_returns() -> None:
+    """A softmax forward's contract includes the lse it saves for the backward; the prompt says
+    so (and what lse is), and says nothing of it for ops that save none."""
+    from agent.llm.prompting import propose_prompt
+
+    def prompt(problem: str) -> str:
+        return propose_prompt(
+            problem=problem, arch="interpreter", best=None, base=None, attempts=[], llm_rows={},
+            baselines={}, kinds=["module"],
+        )  # fmt: skip
+
+    text = prompt("jagged_attention")
+    assert "return_lse=True asks for (out, lse)" in text and "return_lse: bool = False" in text
+    assert "Statistics for the backward" not in prompt("gdpa")

@@ -31,6 +31,57 @@ def test_error_within_tolerance_passes() -> None:
     assert ok, details
 
 
+def test_an_infinite_reference_element_must_be_matched_exactly() -> None:
+    """A softmax row with no key has lse -inf: the output must be -inf there too, and the finite
+    elements are compared as usual (the infinity neither widens nor breaks their bound)."""
+    ref = torch.tensor([[1.0, float("-inf"), 3.0]])
+    ok, details = compare(ref.clone(), ref, TOL)
+    assert ok, details
+    for wrong in (0.0, float("inf"), float("nan")):
+        out = ref.clone()
+        out[0, 1] = wrong
+        ok, details = compare(out, ref, TOL)
+        assert not ok and "1 of 1 non-finite reference elements differ" in details["message"]
+    out = ref.clone()
+    out[0, 2] = 3.1
+    ok, details = compare(out, ref, TOL)
+    assert not ok and "1 of 3 elements outside tolerance" in details["message"]
+
+
+def test_tuple_outputs_take_a_tolerance_each() -> None:
+    """(output, statistics) are compared under the problem's closeness: each its own bound."""
+    loose, tight = (
+        Tolerance(atol=1e-1, rtol=1e-1, norm_rtol=1e-1),
+        Tolerance(atol=1e-6, rtol=1e-6, norm_rtol=1e-6),
+    )
+    ref = (REF, REF + 10)
+    off = (REF * 1.01, REF + 10)
+    assert compare(off, ref, (loose, tight), (None, None))[0]
+    ok, details = compare((REF, (REF + 10) * 1.01), ref, (loose, tight), (None, None))
+    assert not ok and details["message"].startswith("output 1:")
+    ok, details = compare(REF, ref, (loose, tight))
+    assert not ok and "expected a tuple of 2 tensors" in details["message"]
+    ok, details = compare(REF, REF, (loose, tight))
+    assert not ok and "expected a tuple of 2 tensors" in details["message"]
+
+
+def test_closeness_asks_for_the_statistics_bound_only_where_the_call_asks_for_them() -> None:
+    jagged = get_problem("jagged_attention")
+    shape = next(s for s in jagged.check_shapes if s.params.get("with_lse") and s.dtype == "bf16")
+    asking = jagged.make_inputs(shape, 0, CPU)
+    plain = jagged.without_statistics(asking)
+    assert asking.kwargs["return_lse"] is True and "return_lse" not in plain.kwargs
+    scale = jagged.tolerance_scale(plain)
+    assert scale is not None
+    assert jagged.closeness("bf16", plain) == (jagged.tolerance("bf16"), scale)
+    assert jagged.closeness("bf16", asking) == (
+        (jagged.tolerance("bf16"), jagged.statistics.tolerances["bf16"]),
+        (scale, None),
+    )
+    bags = PROBLEM.make_inputs(CHECK_SHAPES[0], 0, CPU)  # embedding bags save nothing
+    assert PROBLEM.closeness("fp32", bags) == (TOL, PROBLEM.tolerance_scale(bags))
+
+
 def test_error_outside_tolerance_names_the_element() -> None:
     out = REF.clone()
     out[1, 2] += 0.01

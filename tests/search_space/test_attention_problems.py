@@ -4,6 +4,7 @@ pairs, the PyTorch baselines against the reference, and the length distributions
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -71,8 +72,11 @@ def test_problems_are_registered() -> None:
         # Buckets separate length regimes: every family is timed in more than one.
         assert len({p.bucket(s) for s in p.timing_shapes}) >= 2, name
         # The sandbox's no-op proof uses the first check shape: it must have a non-zero output.
-        first = p.make_inputs(p.check_shapes[0], 0, CPU)
+        first = p.without_statistics(p.make_inputs(p.check_shapes[0], 0, CPU))
         assert p.reference(*first.args, **first.kwargs).abs().sum() > 0
+        # The softmax problems check the statistics their forwards save, on some check shapes.
+        asks = [p.wants_statistics(p.make_inputs(s, 0, CPU)) for s in p.check_shapes]
+        assert (any(asks) and not all(asks)) if name != "gdpa" else not any(asks), name
 
 
 def test_length_regimes() -> None:
@@ -205,8 +209,18 @@ def test_quantile_batches_keep_their_lengths_and_change_order() -> None:
 @pytest.mark.parametrize("case", CHECKS, ids=_id)
 def test_reference_runs_on_every_check_shape(case) -> None:
     name, shape = case
-    inputs = PROBLEMS[name].make_inputs(shape, 3, CPU)
-    out = PROBLEMS[name].reference(*inputs.args, **inputs.kwargs)
+    p = PROBLEMS[name]
+    inputs = p.make_inputs(shape, 3, CPU)
+    out = p.reference(*inputs.args, **inputs.kwargs)
+    if p.wants_statistics(inputs):
+        out, lse = out
+        alone = p.without_statistics(inputs)
+        torch.testing.assert_close(out, p.reference(*alone.args, **alone.kwargs), rtol=0, atol=0)
+        rows = math.prod(_expected_output_shape(name, inputs)[:-2])
+        softmax = inputs.kwargs["activation"] == "softmax"
+        assert lse.dtype == torch.float32
+        assert tuple(lse.shape) == ((inputs.args[0].shape[-2], rows) if softmax else (0,))
+        assert not bool(torch.isnan(lse).any()) and not bool((lse == float("inf")).any())
     assert tuple(out.shape) == _expected_output_shape(name, inputs)
     assert out.dtype == shape.torch_dtype and bool(torch.isfinite(out).all())
 
@@ -357,7 +371,7 @@ def test_baselines_agree_with_the_reference(case) -> None:
     name, shape, baseline = case
     p = PROBLEMS[name]
     fn = p.baselines.get(baseline) or p.shape_baselines[baseline].fn
-    inputs = p.make_inputs(shape, 21, CPU)
+    inputs = p.without_statistics(p.make_inputs(shape, 21, CPU))  # baselines compute the output
     ref = p.reference(*inputs.clone().args, **inputs.kwargs)
     ok, details = compare(fn(*inputs.args, **inputs.kwargs), ref, p.tolerance(shape.dtype))
     assert ok, details.get("message")
@@ -389,7 +403,7 @@ def test_shape_baselines_say_where_they_apply() -> None:
 def test_baselines_in_small_chunks_are_the_same(monkeypatch, name: str, shape_name: str) -> None:
     p = PROBLEMS[name]
     shape = next(s for s in p.check_shapes if s.name == shape_name and s.dtype == "fp32")
-    inputs = p.make_inputs(shape, 4, CPU)
+    inputs = p.without_statistics(p.make_inputs(shape, 4, CPU))
     whole = {b: fn(*inputs.args, **inputs.kwargs) for b, fn in p.baselines.items()}
     module = {"jagged_attention": jagged_attention, "gdpa": gdpa, "target_attention": target_attention}[name]
     # A budget of a few elements: one row of scores, one sequence of mask, one candidate's copy.
@@ -494,7 +508,7 @@ def test_baselines_agree_with_the_reference_on_the_gpu(case) -> None:
     p = PROBLEMS[name]
     fn = p.baselines.get(baseline) or p.shape_baselines[baseline].fn
     device = torch.device("cuda")
-    inputs = p.make_inputs(shape, 21, device)
+    inputs = p.without_statistics(p.make_inputs(shape, 21, device))
     ref = p.reference(*inputs.clone().args, **inputs.kwargs)
     ok, details = compare(fn(*inputs.args, **inputs.kwargs), ref, p.tolerance(shape.dtype))
     assert ok, details.get("message")

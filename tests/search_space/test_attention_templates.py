@@ -77,3 +77,38 @@ def test_campaigns_time_attention_against_the_padded_baseline_only() -> None:
         assert campaign_baselines(get_problem(op)) == ["torch.padded"]
     embedding = get_problem("embedding_bag")
     assert campaign_baselines(embedding) == all_baselines(embedding)
+
+
+# Appended to the rendered template: its output, with lse one part in a thousand high.
+SKEWED_LSE = """
+
+
+@triton.jit
+def _skew_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(x_ptr + i, x * 1.001, mask=i < n)
+
+
+def skewed(*args, return_lse=False, **kwargs):
+    got = target_attention(*args, return_lse=return_lse, **kwargs)
+    if return_lse and got[1].numel():
+        _skew_kernel[(triton.cdiv(got[1].numel(), 256),)](got[1], got[1].numel(), BLOCK=256)
+    return got
+"""
+
+
+@pytest.mark.slow
+def test_sandbox_checks_the_statistics_a_forward_returns(tmp_path) -> None:
+    """The training contract is checked like the output: an lse 0.1% off is a wrong kernel
+    though every output is right."""
+    template = get_template("target_attention")
+    candidate = Candidate(
+        problem="target_attention",
+        source=template.render(template.defaults()) + SKEWED_LSE,
+        entry="skewed",
+        origin="template",
+    )
+    result = LocalBackend(scratch_root=tmp_path).evaluate(candidate, timing=False, trials=1)
+    assert result.status == Status.WRONG, result.message
+    assert "output 1:" in result.message and "with_lse=True" in result.message
