@@ -279,6 +279,47 @@ def _winners(
     return winners
 
 
+def _training_buckets(
+    ctx: CampaignContext,
+    problem: str,
+    rows: list[EvaluationRow],
+    winner: EvaluationRow,
+    dtype: str,
+    won: list[str],
+) -> list[str] | None:
+    """Of the buckets `won` (which the winner serves in serving), those it serves in training
+    steps too; None: all of them. A forward that saves statistics for its backward (softmax's
+    lse) is called in another form in training: there it serves a bucket only if its training
+    form was timed in that bucket and is not slower than what dispatch runs today by more than
+    either's noise. Ops without statistics are called alike in both graphs; on the interpreter
+    timings decide nothing."""
+    from search_space import get_problem
+
+    if get_problem(problem).statistics is None or winner.result.interpreted:
+        return None
+    held = [r for r in rows if r.score_us is not None and r.candidate.origin == INCUMBENT]
+    train = []
+    for bucket in won:
+        where = (dtype, bucket, "train")
+        win_us = bucket_us(winner.result, *where)
+        if win_us is None:
+            ctx.events.message(
+                f"{problem} {dtype} {bucket}: {winner.candidate.id} has no training-form timing in this "
+                "bucket; it serves serving only there"
+            )
+            continue
+        scored = [(r, us) for r in held if (us := bucket_us(r.result, *where)) is not None]
+        inc, inc_us = min(scored, key=lambda rs: rs[1], default=(None, None))
+        if inc is not None and win_us > inc_us * (1 + margin(winner.result, inc.result, where)):
+            ctx.events.message(
+                f"{problem} {dtype} {bucket}: {winner.candidate.id}'s training form ({win_us:.1f} us) is "
+                f"slower than what dispatch runs today ({inc_us:.1f} us); it serves serving only there"
+            )
+            continue
+        train.append(bucket)
+    return train
+
+
 def _slower_on_recheck(evidence: EvalResult, recheck: EvalResult, served: dict[str, list[str]]) -> str | None:
     """Why the re-verification's timing does not bear out the evaluation's, or None: on a GPU,
     each served (dtype, bucket) must time no slower than it did by more than either's noise."""
@@ -330,6 +371,7 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                 if t.dtype == dtype and t.bucket in dtype_buckets
             ]
             per_bucket = {b: us for b in dtype_buckets if (us := bucket_us(evidence, dtype, b)) is not None}
+            train_buckets = _training_buckets(ctx, problem, rows, row, dtype, dtype_buckets)
             entry = ctx.library.add(
                 op=problem,
                 entry=candidate.entry,
@@ -339,6 +381,7 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                 buckets=dtype_buckets,
                 median_us=geometric_mean(times) if times else None,
                 bucket_us=per_bucket,
+                train_buckets=train_buckets,
                 interpreted=evidence.interpreted,
                 evidence={
                     "evaluation": evidence.model_dump(mode="json"),
@@ -354,8 +397,9 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                     "knobs": candidate.knobs,
                 },
             )
+            training = "" if train_buckets is None else f" (training: {', '.join(train_buckets) or 'none'})"
             ctx.events.message(
-                f"{problem} {dtype}: registered {entry.kernel_id} for {', '.join(entry.buckets)} "
+                f"{problem} {dtype}: registered {entry.kernel_id} for {', '.join(entry.buckets)}{training} "
                 f"in {ctx.library.root}"
             )
         ctx.store.add_accepted(ctx.campaign_id, problem, candidate.id, entry.kernel_id, str(ctx.library.root))

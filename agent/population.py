@@ -35,22 +35,32 @@ def buckets(rows: Iterable[EvaluationRow]) -> list[tuple[str, str]]:
     return sorted({(t.dtype, t.bucket) for r in rows if r.score_us is not None for t in r.result.timings})
 
 
-def bucket_us(result: EvalResult, dtype: str, bucket: str | None = None) -> float | None:
+def bucket_us(
+    result: EvalResult, dtype: str, bucket: str | None = None, graph: str | None = None
+) -> float | None:
     """Geometric mean of the candidate's median times over its timing shapes of `dtype` (and of
-    `bucket` if given); None for an incorrect result or one not timed there."""
+    `bucket`, and of calls of `graph`, if given); None for an incorrect result or one not timed
+    there."""
     if result.status != Status.OK:
         return None
-    times = [t.candidate.median_us for t in result.timings if t.dtype == dtype and bucket in (None, t.bucket)]
+    times = [
+        t.candidate.median_us
+        for t in result.timings
+        if t.dtype == dtype and bucket in (None, t.bucket) and graph in (None, t.graph)
+    ]
     return geometric_mean(times) if times else None
 
 
-def noise(result: EvalResult, dtype: str | None = None, bucket: str | None = None) -> float:
-    """The largest relative spread (p80 - p20) / median among the timings (of `dtype`, `bucket`)."""
+def noise(
+    result: EvalResult, dtype: str | None = None, bucket: str | None = None, graph: str | None = None
+) -> float:
+    """The largest relative spread (p80 - p20) / median among the timings (of `dtype`, `bucket`,
+    `graph`)."""
     return max(
         (
             t.candidate.spread
             for t in result.timings
-            if dtype in (None, t.dtype) and bucket in (None, t.bucket)
+            if dtype in (None, t.dtype) and bucket in (None, t.bucket) and graph in (None, t.graph)
         ),
         default=0.0,
     )

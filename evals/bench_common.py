@@ -62,11 +62,14 @@ class BenchRun:
         )
 
     def input_sets(self, problem: Problem, shape: Shape) -> list[tuple[tuple, dict]]:
-        """Fresh inputs to rotate over: three on a GPU (nothing stays cached), one interpreted."""
+        """Fresh inputs to rotate over: three on a GPU (nothing stays cached), one interpreted.
+        Without the problem's request for statistics: a public op saves them itself when a
+        gradient will be taken (the forward+backward rows), and providers take the op's
+        arguments."""
         return [
             (i.args, i.kwargs)
             for i in (
-                problem.make_inputs(shape, fresh_seed(), self.device)
+                problem.without_statistics(problem.make_inputs(shape, fresh_seed(), self.device))
                 for _ in range(1 if self.interpreted else 3)
             )
         ]

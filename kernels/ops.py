@@ -57,16 +57,17 @@ DISPATCHER.register_op(
 
 
 def _resolve_attention(
-    op: str, q: torch.Tensor, max_len: int | None, offsets: torch.Tensor
+    op: str, q: torch.Tensor, max_len: int | None, offsets: torch.Tensor, graph: str = "train"
 ) -> Implementation:
     """The implementation for the call's bucket (search_space.attention_common.bucket_of), by its
     longest sequence of keys: the bound where the caller gave one, else read from `offsets`
-    (a host sync, as the kernels make without bounds)."""
+    (a host sync, as the kernels make without bounds). `graph`: "train" for gradients and for a
+    forward that saves statistics for its backward, "serve" for a forward that does not."""
     if max_len is None:
         max_len = int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
     bucket = attention_bucket(q.shape[-1], max_len)
     return DISPATCHER.resolve(
-        op, device=q.device, dtype=_DTYPE_NAMES.get(q.dtype, str(q.dtype)), bucket=bucket
+        op, device=q.device, dtype=_DTYPE_NAMES.get(q.dtype, str(q.dtype)), bucket=bucket, graph=graph
     )
 
 
@@ -118,6 +119,13 @@ def _forward_with_lse(
     # An entry registered before the contract returned statistics computes the output alone;
     # they come from one default forward.
     return impl.fn(*args, **kwargs), default(*args, **kwargs, return_lse=True)[1]
+
+
+def _graph(lse_shape: tuple[int, int] | None) -> str:
+    """The graph a softmax forward's call belongs to for dispatch: "train" where it saves the
+    statistics for a backward (the form whose speed decides whether an entry serves training),
+    "serve" otherwise (silu saves none: its training call is its serving call)."""
+    return "serve" if lse_shape is None else "train"
 
 
 def _needs_lse(activation: str, *inputs: torch.Tensor | None) -> bool:
@@ -217,7 +225,7 @@ def _jagged_attention_impl(
         scale=scale,
     )
     lse_shape = (q.shape[1], q.shape[0]) if need_lse and activation == "softmax" else None
-    impl = _resolve_attention("jagged_attention", q, max_seq_len, offsets)
+    impl = _resolve_attention("jagged_attention", q, max_seq_len, offsets, _graph(lse_shape))
     return _forward_with_lse(impl, _attn.jagged_attention_forward, (q, k, v, offsets), kwargs, lse_shape, q)
 
 
@@ -357,7 +365,7 @@ def _gdpa_impl(
     max_q_len: int | None,
     max_kv_len: int | None,
 ) -> torch.Tensor:
-    impl = _resolve_attention("gdpa", q, max_kv_len, kv_offsets)
+    impl = _resolve_attention("gdpa", q, max_kv_len, kv_offsets, "serve")  # no statistics: one form
     bounds = _bounds_for(impl, max_q_len=max_q_len, max_kv_len=max_kv_len)
     return impl.fn(
         q, k, v, q_offsets, kv_offsets, activation=activation, scale=scale, broadcast_q=broadcast_q, **bounds
@@ -475,7 +483,7 @@ def _target_attention_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_cand, seeds, num_heads, _ = q_cand.shape
     lse_shape = (num_heads, num_cand * seeds) if need_lse and activation == "softmax" else None
-    impl = _resolve_attention("target_attention", q_cand, max_history, kv_offsets)
+    impl = _resolve_attention("target_attention", q_cand, max_history, kv_offsets, _graph(lse_shape))
     args = (q_cand, k, v, kv_offsets, cand_to_request)
     kwargs = dict(activation=activation, scale=scale)
     kwargs |= _bounds_for(impl, max_candidates=max_candidates, max_history=max_history)

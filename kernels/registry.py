@@ -57,6 +57,9 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or interpret_enabled()
 
 
+GRAPHS = ("serve", "train")  # serving (inference) calls; training steps (a backward will follow)
+
+
 @dataclass(kw_only=True)
 class LibraryEntry:
     """One accepted kernel. `median_us` (geometric mean over its timing shapes) orders entries
@@ -78,6 +81,22 @@ class LibraryEntry:
     provenance: dict[str, Any] = field(default_factory=dict)
     registered_at: str = ""
     bucket_us: dict[str, float] = field(default_factory=dict)  # bucket -> geometric mean there
+    # The buckets where it serves training steps too (a subset of `buckets`, which it serves in
+    # serving): a forward whose training form (the statistics its backward reads) was measured
+    # slower there than what dispatch ran, or not measured, serves serving only. None: every
+    # bucket (entries of ops without statistics, and of manifests that predate the split).
+    train_buckets: list[str] | None = None
+
+    @property
+    def graphs(self) -> list[str]:
+        """The graphs it serves somewhere: "serve", and "train" where it has training buckets."""
+        return ["serve", "train"] if self.train_buckets is None or self.train_buckets else ["serve"]
+
+    def serves(self, graph: str) -> list[str]:
+        """The buckets it serves in `graph` ("serve" or "train")."""
+        if graph not in GRAPHS:
+            raise ValueError(f"unknown graph {graph!r}; graphs: {', '.join(GRAPHS)}")
+        return self.buckets if graph == "serve" or self.train_buckets is None else self.train_buckets
 
 
 class KernelLibrary:
@@ -127,6 +146,7 @@ class KernelLibrary:
         evidence: dict,
         provenance: dict,
         bucket_us: dict[str, float] | None = None,
+        train_buckets: list[str] | None = None,
     ) -> LibraryEntry:
         digest = source_hash(source)
         kernel_id = f"{op}_{digest}"
@@ -145,7 +165,10 @@ class KernelLibrary:
             provenance=provenance,
             registered_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             bucket_us=dict(bucket_us or {}),
+            train_buckets=None if train_buckets is None else sorted(train_buckets),
         )
+        if new.train_buckets is not None and not set(new.train_buckets) <= set(new.buckets):
+            raise ValueError(f"train buckets {new.train_buckets} are not among the buckets {new.buckets}")
         with self._lock:
             self.root.mkdir(parents=True, exist_ok=True)
             _atomic_write(self.root / new.source_file, source)
@@ -159,13 +182,14 @@ class KernelLibrary:
             _atomic_write(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
         return new
 
-    def best(self, op: str, arch: str, dtype: str, bucket: str) -> LibraryEntry | None:
+    def best(self, op: str, arch: str, dtype: str, bucket: str, graph: str = "serve") -> LibraryEntry | None:
+        """The fastest entry for the key among those serving `bucket` in `graph`."""
         candidates = [e for e in self.entries() if e.op == op and e.arch == arch and e.dtype == dtype]
-        matches = [e for e in candidates if bucket in e.buckets]
+        matches = [e for e in candidates if bucket in e.serves(graph)]
         if not matches:
             # An entry registered before its op's buckets split into regimes ("d64" before
             # "d64-short" and "d64-long") serves every regime of its old bucket, as it did.
-            matches = [e for e in candidates if any(bucket.startswith(f"{b}-") for b in e.buckets)]
+            matches = [e for e in candidates if any(bucket.startswith(f"{b}-") for b in e.serves(graph))]
         if not matches:
             return None
         # Fastest first, on the bucket itself when every match was timed there (entries of older
@@ -250,11 +274,15 @@ class Dispatcher:
             raise ValueError(f"no default kernel for op {op!r}; ops: {sorted(self._defaults)}")
         return self._defaults[op]
 
-    def resolve(self, op: str, *, device: torch.device, dtype: str, bucket: str) -> Implementation:
+    def resolve(
+        self, op: str, *, device: torch.device, dtype: str, bucket: str, graph: str = "serve"
+    ) -> Implementation:
+        """`graph`: "train" for a training step's call (a gradient op's, or a forward that saves
+        statistics for its backward), which only entries serving training take."""
         if not triton_usable(device):
             impl = Implementation("reference", self._references[op])
         else:
-            entry = self._library.best(op, device_arch(device), dtype, bucket)
+            entry = self._library.best(op, device_arch(device), dtype, bucket, graph)
             if entry is not None:
                 impl = Implementation(f"library:{entry.kernel_id}", self._library.load(entry))
             else:

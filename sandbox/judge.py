@@ -711,6 +711,7 @@ class Evaluation:
             warm = self.session.place(shape, 2)
             self.note_output_bytes(shape, self.session.run(warm, where=f"warm-up {shape.describe()}"))
             self.session.drop(calls=warm)
+        training = self.problem.optimizes != "forward" or self.problem.wants_statistics(warm[0].inputs)
         # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
         # untimed one does, and before each batch the runner fills freed memory as it does
         # before checks: nothing tells a candidate whether a call is timed, checked or watched
@@ -765,7 +766,10 @@ class Evaluation:
             arg_sets = []
             with gpu_use(lock, exclusive=False):
                 for _ in range(self.request.input_sets if gpu else 1):
-                    inputs = self.problem.make_inputs(shape, fresh_seed(), self.device)
+                    # Baselines compute the output alone (see Problem.without_statistics).
+                    inputs = self.problem.without_statistics(
+                        self.problem.make_inputs(shape, fresh_seed(), self.device)
+                    )
                     arg_sets.append((inputs.args, inputs.kwargs))
             with gpu_use(lock, exclusive=True):
                 base = {name: benchmark(b, arg_sets, device=self.device) for name, b in baselines.items()}
@@ -786,6 +790,7 @@ class Evaluation:
             outside_us=outside_us / len(samples) if gpu else None,
             accounted=accounted_us / outside_us if gpu and outside_us > 0 else None,
             checked_calls=checked,
+            graph="train" if training else "serve",
         )
 
 

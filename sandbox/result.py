@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from statistics import geometric_mean
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -60,6 +61,10 @@ class ShapeTiming(BaseModel):
     outside_us: float | None = None
     accounted: float | None = None
     checked_calls: int = 0  # timed calls whose outputs were compared with the reference
+    # The call's form: "train" where it is a training step's (a gradient problem's, or a forward
+    # asked for the statistics its backward reads), "serve" otherwise. Registration decides the
+    # graphs an entry serves from them (agent.nodes._winners).
+    graph: Literal["serve", "train"] = "serve"
 
 
 class DeviceInfo(BaseModel):

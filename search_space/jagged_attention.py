@@ -360,8 +360,10 @@ _SHORT, _LONG = workload.HSTU_MAX_LEN
 TIMING_SHAPES = (
     _s("b512-n1024-uniform-softmax", "bf16", **_H, num_seqs=_LARGE_BATCH, dist="uniform", max_len=_SHORT),
     _s("b256-n4096-power-softmax", "bf16", **_H, num_seqs=_SMALL_BATCH, dist="power", max_len=_LONG),
+    # Training forms (the statistics asked for, as a training step's forward is called): a
+    # kernel serves training in a bucket only where these show it is not slower there.
     _s(
-        "b256-n1024-uniform-softmax-targets-bias",
+        "b256-n1024-uniform-softmax-targets-bias-train",
         "bf16",
         **_H,
         num_seqs=_SMALL_BATCH,
@@ -369,6 +371,16 @@ TIMING_SHAPES = (
         max_len=_SHORT,
         max_targets=workload.TRAINING_TARGETS,
         rel_bias=True,
+        with_lse=True,
+    ),
+    _s(
+        "b256-n4096-power-softmax-train",
+        "bf16",
+        **_H,
+        num_seqs=_SMALL_BATCH,
+        dist="power",
+        max_len=_LONG,
+        with_lse=True,
     ),
     _s(
         "b256-n4096-uniform-silu",

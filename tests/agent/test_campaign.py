@@ -113,7 +113,7 @@ def _kill_then_resume(tmp_path: Path) -> None:
 
 
 def _on_backend(tmp_path: Path, backend: str) -> dict[str, str]:
-    """The backend-agreement campaign on `backend`: its candidates' statuses by id. Its three
+    """The backend-agreement campaign on `backend`: its candidates' statuses by id. Its two
     candidates are proposed in one batch, before any timing could steer the search."""
     cfg = tmp_path / f"{backend}.toml"
     cfg.write_text(
@@ -124,10 +124,10 @@ def _on_backend(tmp_path: Path, backend: str) -> dict[str, str]:
         library = "{tmp_path / backend / "library"}"
         register_kernels = false
         [proposer]
-        batch_size = 3
+        batch_size = 2
         seed = 11
         [budget]
-        max_evaluations = 3
+        max_evaluations = 2
         max_wall_s = 600
         [sandbox]
         backend = "{backend}"
@@ -193,7 +193,7 @@ def test_killed_campaign_resumes_and_finishes(runs: dict[str, Future]) -> None:
 def local(runs: dict[str, Future]) -> dict[str, str]:
     """The campaign on the local backend, the one every other backend is compared with."""
     statuses = runs["local"].result()
-    assert len(statuses) == 3
+    assert len(statuses) == 2
     return statuses
 
 

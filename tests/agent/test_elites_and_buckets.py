@@ -333,3 +333,80 @@ def test_search_starts_from_the_elites_when_the_best_is_exhausted() -> None:
     assert len(proposed) == 2 and search.exhausted is None
     for c in proposed:  # tuned knobs of the elite's module, descending from it
         assert structure_key(c.source) == structure_key(GOOD) and c.parent_id == written.id
+
+
+# --- the graphs an entry serves: serving, and training steps ---------------------------------
+
+
+def _attention_row(seq: int, origin: str, times: dict[tuple[str, str], float], spread: float = 0.02):
+    """A GPU result of a jagged-attention forward: times by (bucket, graph)."""
+    source = f"# {origin} {seq}\n"
+    candidate = Candidate(problem="jagged_attention", source=source, entry="jagged_attention", origin=origin)
+    timings = [
+        ShapeTiming(
+            shape=f"{bucket}-{graph}",
+            dtype="bf16",
+            bucket=bucket,
+            graph=graph,
+            candidate=TimingStats(
+                median_us=us, p20_us=us * (1 - spread / 2), p80_us=us * (1 + spread / 2), reps=20
+            ),
+            flops=1.0,
+            bytes=1.0,
+            achieved_gbps=1.0,
+        )
+        for (bucket, graph), us in times.items()
+    ]
+    result = EvalResult(
+        status=Status.OK, problem="jagged_attention", candidate_id=candidate.id, timings=timings, device=GPU
+    )
+    return EvaluationRow(seq, candidate, result)
+
+
+def test_a_forward_serves_training_only_where_its_training_form_is_not_slower() -> None:
+    """Serving and training call a softmax forward in two forms (training asks for the lse its
+    backward reads): a winner serves training in a bucket only where its training form was
+    timed and is not slower than what dispatch runs today by more than the noise."""
+    held = _attention_row(0, "library", {("m", "serve"): 100.0, ("m", "train"): 110.0, ("l", "serve"): 100.0,
+                                         ("l", "train"): 120.0, ("x", "serve"): 100.0})  # fmt: skip
+    fast = _attention_row(1, "template", {("m", "serve"): 80.0, ("m", "train"): 111.0, ("l", "serve"): 80.0,
+                                          ("l", "train"): 140.0, ("x", "serve"): 80.0})  # fmt: skip
+    messages: list[str] = []
+    ctx = SimpleNamespace(events=SimpleNamespace(message=messages.append))
+    train = nodes._training_buckets(ctx, "jagged_attention", [held, fast], fast, "bf16", ["l", "m", "x"])
+    # m: 111 against 110 is within the 2% noise; l: 140 against 120 is slower; x: never timed so.
+    assert train == ["m"]
+    assert any("l: " in m and "slower than what dispatch runs today" in m for m in messages), messages
+    assert any("x: " in m and "no training-form timing" in m for m in messages), messages
+    # An op without statistics is called alike in both graphs; the interpreter decides nothing.
+    assert nodes._training_buckets(ctx, OP, [held, fast], fast, "bf16", ["m"]) is None
+    interpreted = dataclasses.replace(
+        fast, result=fast.result.model_copy(update={"device": GPU.model_copy(update={"interpreted": True})})
+    )
+    assert (
+        nodes._training_buckets(ctx, "jagged_attention", [held, interpreted], interpreted, "bf16", ["m"])
+        is None
+    )
+
+
+def test_dispatch_honours_the_graphs_an_entry_serves(tmp_path: Path) -> None:
+    library = KernelLibrary(tmp_path)
+    common = {"op": OP, "entry": TEMPLATE.entry, "arch": "sm_90", "dtype": "fp32", "interpreted": False,
+              "evidence": {}, "provenance": {}}  # fmt: skip
+    everywhere = library.add(source=TEMPLATE.render({"BLOCK_L": 4}), buckets=["d16", "d64"], median_us=90.0,
+                             **common)  # fmt: skip
+    serving = library.add(source=TEMPLATE.render({"BLOCK_L": 8}), buckets=["d16", "d64"], median_us=50.0,
+                          train_buckets=["d64"], **common)  # fmt: skip
+    assert everywhere.graphs == ["serve", "train"] and everywhere.train_buckets is None
+    assert serving.graphs == ["serve", "train"] and serving.serves("train") == ["d64"]
+    assert library.best(OP, "sm_90", "fp32", "d16") == serving  # serving: the faster
+    assert library.best(OP, "sm_90", "fp32", "d16", "train") == everywhere
+    assert library.best(OP, "sm_90", "fp32", "d64", "train") == serving
+    assert KernelLibrary(tmp_path).entries()[1].train_buckets == ["d64"]  # the manifest keeps it
+    only = library.add(source=TEMPLATE.render({"BLOCK_L": 16}), buckets=["d16"], median_us=10.0,
+                       train_buckets=[], **common)  # fmt: skip
+    assert only.graphs == ["serve"] and library.best(OP, "sm_90", "fp32", "d16", "train") == everywhere
+    with pytest.raises(ValueError, match="not among the buckets"):
+        library.add(source="x = 1\n", buckets=["d16"], median_us=1.0, train_buckets=["d64"], **common)
+    with pytest.raises(ValueError, match="unknown graph 'infer'"):
+        library.best(OP, "sm_90", "fp32", "d16", "infer")

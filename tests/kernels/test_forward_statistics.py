@@ -62,13 +62,16 @@ def no_statistics(*args, return_lse=False, **kwargs):
 """
 
 
-def _register(library: KernelLibrary, op: str, shape: Shape, device: torch.device, extra: str, entry: str):
+def _register(
+    library: KernelLibrary, op: str, shape: Shape, device: torch.device, extra: str, entry: str, **more
+):
     problem, template = get_problem(op), get_template(op)
     source = template.render(template.defaults()) + extra.format(entry=template.entry)
     arch = device_arch(device)
     return library.add(
         op=op, entry=entry, source=source, arch=arch, dtype=shape.dtype, buckets=[problem.bucket(shape)],
         median_us=None, interpreted=arch == ARCH_INTERPRETER, evidence={}, provenance={"test": "statistics"},
+        **more,
     )  # fmt: skip
 
 
@@ -137,3 +140,21 @@ def test_an_entry_that_breaks_the_contract_is_named(
         RuntimeError, match=rf"library kernel 'library:{added.kernel_id}' given return_lse=True"
     ):
         _train(op, shape, device, monkeypatch)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_entry_for_serving_only_is_not_called_by_a_training_step(
+    case: str, device: torch.device, empty_library: KernelLibrary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry whose training form was slower is registered for serving only: a training step
+    runs the default forward (with its statistics), an inference call the entry."""
+    op, params = CASES[case]
+    shape = Shape(name=case, dtype="fp32", params=params)
+    added = _register(empty_library, op, shape, device, RECORDING, "recorded", train_buckets=[])
+    assert _train(op, shape, device, monkeypatch) == [True]
+    assert DISPATCHER.last[op] == "default"
+    inputs = get_problem(op).without_statistics(get_problem(op).make_inputs(shape, 2, device))
+    with torch.no_grad():
+        getattr(ops, op)(*inputs.args, **inputs.kwargs)
+    assert DISPATCHER.last[op] == f"library:{added.kernel_id}"
+    assert empty_library.load(added).__globals__["CALLS"] == [False]

@@ -361,6 +361,7 @@ def test_default_template_is_ok_checked_and_timed(outcomes) -> None:
     if result.device.interpreted:
         assert [t.shape for t in result.timings] == [s.name for s in INTERPRETED_TIMING_SHAPES]
     assert result.timings and all(t.candidate.median_us > 0 and t.candidate.reps > 0 for t in result.timings)
+    assert {t.graph for t in result.timings} == {"serve"}  # a forward without statistics
     assert result.timings[0].checked_calls >= 1
     assert any(c.trial == -2 for c in result.checks), "a timed call was checked"
     assert result.timing_window is not None
