@@ -29,10 +29,14 @@ campaign_app = typer.Typer(help="Run, resume and inspect optimization campaigns.
 sandbox_app = typer.Typer(help="Evaluate a candidate kernel in the sandbox.", no_args_is_help=True)
 library_app = typer.Typer(help="The library of accepted kernels.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+review_app = typer.Typer(
+    help="Kernel changes for review: each accepted kernel as a git branch.", no_args_is_help=True
+)
 app.add_typer(campaign_app, name="campaign")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(library_app, name="library")
 app.add_typer(bench_app, name="bench")
+app.add_typer(review_app, name="review")
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -369,6 +373,96 @@ def library_list(
     console.print(table)
     if not entries:
         console.print("no accepted kernels yet: dispatch uses the default kernels")
+
+
+# --- review ------------------------------------------------------------------------------------
+
+_REPO_OPTION = typer.Option(help="the git repository holding the changes (default: this checkout)")
+
+
+def _review_repo(repo: Path | None) -> Path:
+    from agent import review
+
+    try:
+        return review.repository(repo if repo is not None else Path(__file__).resolve().parents[1])
+    except review.ReviewError as exc:
+        raise fail(str(exc), 1) from None
+
+
+@review_app.command("list")
+def review_list(repo: Annotated[Path | None, _REPO_OPTION] = None) -> None:
+    """Kernel changes with their state and headline speedups."""
+    from agent import review
+
+    root = _review_repo(repo)
+    try:
+        changes = review.list_changes(root)
+    except review.ReviewError as exc:
+        raise fail(str(exc), 1) from None
+    table = Table("id", "op", "dtype", "buckets", "status", "headline", title=f"kernel changes in {root}")
+    for c in changes:
+        status = c.status if c.reason is None else f"{c.status}: {c.reason}"
+        table.add_row(c.id, c.op, c.dtype, ", ".join(c.buckets), status, c.headline)
+    console.print(table)
+    if not changes:
+        console.print("no kernel changes yet: a campaign opens one for each kernel it accepts")
+
+
+@review_app.command("show")
+def review_show(change: str, repo: Annotated[Path | None, _REPO_OPTION] = None) -> None:
+    """A change's description and diff, and its kernel's source."""
+    from rich.syntax import Syntax
+
+    from agent import review
+
+    root = _review_repo(repo)
+    try:
+        found, patch, source, _ = review.show(root, change)
+    except review.ReviewError as exc:
+        raise fail(str(exc), 1) from None
+    console.print(f"[bold]{found.id}[/] {found.status} on branch {found.branch}")
+    console.print(Syntax(patch, "diff", word_wrap=True))
+    console.print(Syntax(source, "python", line_numbers=True, word_wrap=True))
+
+
+@review_app.command("reject")
+def review_reject(
+    change: str,
+    reason: Annotated[str, typer.Option(help="why (the next proposals for the op are shown it)")],
+    repo: Annotated[Path | None, _REPO_OPTION] = None,
+) -> None:
+    """Reject a change, with the reason recorded in the repository."""
+    from agent import review
+
+    try:
+        done = review.reject(_review_repo(repo), change, reason)
+    except review.ReviewError as exc:
+        raise fail(str(exc), 1) from None
+    console.print(f"{done.id} rejected: {done.reason}")
+
+
+@review_app.command("approve")
+def review_approve(
+    change: str,
+    repo: Annotated[Path | None, _REPO_OPTION] = None,
+    timeout: Annotated[float, typer.Option(help="hard wall-clock limit of the re-verification")] = 600.0,
+) -> None:
+    """Re-verify a change's kernel on this machine's device, then merge it into the library branch."""
+    from agent import review
+    from sandbox.candidate import Candidate
+    from sandbox.local import LocalBackend
+
+    def verify(source, entry) -> str | None:
+        candidate = Candidate(problem=entry.op, source=source, entry=entry.entry, origin="human")
+        with tempfile.TemporaryDirectory(prefix="recforge-approve-") as scratch:
+            result = LocalBackend(timeout_s=timeout, scratch_root=Path(scratch)).evaluate(candidate)
+        return None if result.status.value == "ok" else f"{result.status.value}: {result.message}"
+
+    try:
+        done = review.approve(_review_repo(repo), change, verify)
+    except review.ReviewError as exc:
+        raise fail(str(exc), 1) from None
+    console.print(f"{done.id} approved: merged into {review.LIBRARY_BRANCH}")
 
 
 @bench_app.command("sandbox")

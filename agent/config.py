@@ -211,6 +211,16 @@ class SandboxConfig(_Strict):
     )
 
 
+class ReviewConfig(_Strict):
+    changes: bool | None = Field(
+        None,
+        description="open a kernel change (a git branch with the kernel, its test and evidence; see "
+        "`recforge review`) for each kernel the campaign registers; default: on a GPU, not on the "
+        "interpreter",
+    )
+    repo: Path | None = Field(None, description="the git repository of the changes; default: this checkout")
+
+
 class CampaignConfig(_Strict):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     problems: list[str] = Field(..., min_length=1)
@@ -221,6 +231,7 @@ class CampaignConfig(_Strict):
     output_dir: Path = Path("runs")
     library: Path | None = Field(None, description="kernel library folder; default: the package's")
     register_kernels: bool = Field(True, description="add each problem's re-verified best to the library")
+    review: ReviewConfig = Field(default_factory=ReviewConfig)
     start_from: Literal["library", "reference"] = Field(
         "library",
         description="library: the first batch measures what dispatch runs today, the bar every proposal "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from statistics import geometric_mean
 from typing import Literal
@@ -397,6 +398,7 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                     "knobs": candidate.knobs,
                 },
             )
+            _open_change(ctx, problem, rows, row, entry)
             training = "" if train_buckets is None else f" (training: {', '.join(train_buckets) or 'none'})"
             ctx.events.message(
                 f"{problem} {dtype}: registered {entry.kernel_id} for {', '.join(entry.buckets)}{training} "
@@ -405,6 +407,51 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
         ctx.store.add_accepted(ctx.campaign_id, problem, candidate.id, entry.kernel_id, str(ctx.library.root))
         kernel_ids.append(entry.kernel_id)
     return kernel_ids
+
+
+def _open_change(
+    ctx: CampaignContext, problem: str, rows: list[EvaluationRow], row: EvaluationRow, entry
+) -> None:
+    """A kernel change for review of what was just registered, where the campaign opens them
+    (agent.review); a change that cannot be opened is reported, the registration stands."""
+    import hashlib
+
+    from agent import review
+
+    repo = review.campaign_repo(ctx.config)
+    if repo is None:
+        return
+    held = [r for r in rows if r.score_us is not None and r.candidate.origin == INCUMBENT]
+    previous = min(held, key=lambda r: bucket_us(r.result, entry.dtype) or float("inf"), default=None)
+    by_id = {r.candidate.id: r.candidate for r in rows}
+    lineage, at = [], row.candidate
+    while at is not None and len(lineage) < 20:
+        lineage.append(at.id)
+        at = by_id.get(at.parent_id) if at.parent_id else None
+    llm = ctx.store.llm_proposals(ctx.campaign_id, problem).get(row.candidate.id)
+    prompt_hash = None
+    if llm is not None and llm.messages:
+        prompt_hash = hashlib.sha256(json.dumps(llm.messages[:2], sort_keys=True).encode()).hexdigest()[:16]
+    headline, message = review.describe(
+        entry=entry, result=row.result, previous=previous.result if previous else None,
+        campaign=ctx.campaign_id, lineage=lineage, prompt_hash=prompt_hash,
+    )  # fmt: skip
+    evidence = {
+        "headline": headline,
+        "evaluation": row.result.model_dump(mode="json"),
+        "previous_best": previous.result.model_dump(mode="json") if previous else None,
+        "lineage": lineage,
+        "proposer": row.candidate.origin,
+        "prompt_hash": prompt_hash,
+    }
+    try:
+        change = review.open_change(
+            repo, entry=entry, source=row.candidate.source, evidence=evidence, description=message
+        )
+    except review.ReviewError as exc:
+        ctx.events.message(f"{problem}: no kernel change opened for {entry.kernel_id}: {exc}")
+        return
+    ctx.events.message(f"{problem}: kernel change {change.id} on branch {change.branch} ({headline})")
 
 
 def _all_buckets(problem: str) -> list[str]:

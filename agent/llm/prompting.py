@@ -176,6 +176,7 @@ def propose_prompt(
     baselines: dict[str, dict[str, TimingStats]],
     kinds: list[str],
     parent: EvaluationRow | None = None,
+    rejected: list[str] | None = None,
 ) -> str:
     """The task of a fresh proposal: improve `parent` (an elite; the best if None), whose source
     is `base`, told the best's score when the parent is another lineage's."""
@@ -201,6 +202,7 @@ def propose_prompt(
         fusions=fusion_templates(problem) if "fusion" in kinds else {},
         attempts=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in attempts],
         kinds=kinds,
+        rejected=rejected or [],
     )
 
 

@@ -3,6 +3,7 @@ builds the ones its config asks for."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from agent.proposers.base import ProposalRequest, Proposer, allocate, propose_batch
@@ -43,6 +44,25 @@ def make_proposers(
                 from agent.proposers.llm import LLMProposer
 
                 assert endpoint is not None
-                proposers.append(LLMProposer(problem, endpoint, seed=config.proposer.seed))
+                proposers.append(
+                    LLMProposer(problem, endpoint, seed=config.proposer.seed, rejections=_rejections(config))
+                )
         out[problem] = proposers
     return out
+
+
+def _rejections(config: CampaignConfig) -> Callable[[str], list[str]] | None:
+    """Where the campaign opens kernel changes, the reviewers' reasons for rejecting an op's."""
+    from agent import review
+
+    repo = review.campaign_repo(config)
+    if repo is None:
+        return None
+
+    def reasons(op: str) -> list[str]:
+        try:
+            return review.rejections(repo, op)
+        except review.ReviewError:
+            return []
+
+    return reasons

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.config import BudgetConfig, LLMConfig
@@ -149,8 +150,18 @@ class _Conversation:
 class LLMProposer:
     kind = "llm"
 
-    def __init__(self, problem: str, endpoint: LLMEndpoint, *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        problem: str,
+        endpoint: LLMEndpoint,
+        *,
+        seed: int = 0,
+        rejections: Callable[[str], list[str]] | None = None,
+    ) -> None:
+        """`rejections(op)`: the reasons reviewers gave for rejecting the op's kernels (shown in
+        every fresh prompt)."""
         self.problem = problem
+        self.rejections = rejections
         self.endpoint = endpoint
         self.seed = seed
         self.config = endpoint.config
@@ -237,6 +248,7 @@ class LLMProposer:
             llm_rows=llm_rows,
             baselines=self.store.baselines(self.campaign_id, self.problem),
             kinds=kinds,
+            rejected=self.rejections(self.problem) if self.rejections else None,
         )
         conversation = _Conversation(
             id=secrets.token_hex(6),

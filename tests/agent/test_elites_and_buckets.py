@@ -410,3 +410,33 @@ def test_dispatch_honours_the_graphs_an_entry_serves(tmp_path: Path) -> None:
         library.add(source="x = 1\n", buckets=["d16"], median_us=1.0, train_buckets=["d64"], **common)
     with pytest.raises(ValueError, match="unknown graph 'infer'"):
         library.best(OP, "sm_90", "fp32", "d16", "infer")
+
+
+def test_each_registered_kernel_becomes_a_change_for_review(tmp_path: Path) -> None:
+    """With `[review] changes = true`, registration opens a kernel change per entry in the
+    configured repository, its description with the numbers against the previous best."""
+    import subprocess
+
+    from agent import review
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for args in (["init", "-q", "-b", "main"], ["commit", "-q", "--allow-empty", "-m", "start"]):
+        subprocess.run(["git", *review.IDENTITY, *args], cwd=repo, check=True, capture_output=True)
+    store = Store(tmp_path / "s.db")
+    held, fast = _candidate("library", BLOCK_L=4), _candidate(BLOCK_L=8)
+    _evaluated(store, (held, {"d16": 100.0, "d64": 100.0}, 0.0), (fast, {"d16": 50.0, "d64": 80.0}, 0.0))
+    ctx = _context(tmp_path, store)
+    ctx.config = ctx.config.model_copy(
+        update={"review": ctx.config.review.model_copy(update={"changes": True, "repo": repo})}
+    )
+    messages: list[str] = []
+    ctx.events = SimpleNamespace(message=messages.append)
+    nodes.register({"best": {}}, SimpleNamespace(context=ctx))
+    [change] = review.list_changes(repo)
+    assert change.id == fast.id and change.status == "open" and change.buckets == ["d16", "d64"]
+    assert change.headline.endswith("x over the previous best")
+    assert any(f"kernel change {fast.id}" in m for m in messages), messages
+    log = subprocess.run(["git", "log", "-1", "--format=%B", change.branch], cwd=repo, capture_output=True,
+                         text=True).stdout  # fmt: skip
+    assert "| shape-d16 | serve | 50 | 100 | 2.00x |" in log

@@ -398,3 +398,15 @@ def test_the_prompt_states_the_statistics_a_forward_returns() -> None:
     text = prompt("jagged_attention")
     assert "return_lse=True asks for (out, lse)" in text and "return_lse: bool = False" in text
     assert "Statistics for the backward" not in prompt("gdpa")
+
+
+def test_the_prompt_shows_why_reviewers_rejected_the_ops_kernels() -> None:
+    from agent.llm.prompting import propose_prompt
+
+    common = dict(problem="embedding_bag", arch="interpreter", best=None, base=None, attempts=[], llm_rows={},
+                  baselines={}, kinds=["module"])  # fmt: skip
+    text = propose_prompt(**common, rejected=["reads the weights twice per bag"])
+    assert (
+        "Kernels of this op that reviewers rejected" in text and "- reads the weights twice per bag" in text
+    )
+    assert "reviewers rejected" not in propose_prompt(**common)

@@ -1,0 +1,213 @@
+"""Kernel changes for review, in a real git repository: a change is a branch with one commit (the
+kernel, its manifest entry, a generated regression test that runs, its evidence), opened without
+touching the user's working tree or branch; list, show, reject (recorded, with the reason) and
+approve (re-verified, then merged into the library branch, two changes off one tip included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from agent import review
+from agent.cli import app
+from kernels.registry import LibraryEntry
+from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
+from search_space.embedding_bag import TEMPLATE
+
+REPO = Path(__file__).resolve().parents[2]
+GPU = DeviceInfo(name="H200", arch="sm_90", torch="t", triton="t", python="p", interpreted=False)
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *review.IDENTITY, *args], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A user's checkout: one commit on main, and an uncommitted edit in the working tree."""
+    root = tmp_path / "checkout"
+    root.mkdir()
+    _git(root, "init", "-q", "-b", "main")
+    (root / "README.md").write_text("project\n")
+    _git(root, "add", "README.md")
+    _git(root, "commit", "-q", "-m", "start")
+    (root / "README.md").write_text("project, being edited\n")
+    return root
+
+
+def _timing(us: float, shape: str = "b64k-d64") -> ShapeTiming:
+    stats = TimingStats(median_us=us, p20_us=us, p80_us=us, reps=20)
+    return ShapeTiming(
+        shape=shape,
+        dtype="fp32",
+        bucket="d64-long",
+        candidate=stats,
+        baselines={"torch.embedding_bag": TimingStats(median_us=200.0, p20_us=200.0, p80_us=200.0, reps=20)},
+        flops=1e6,
+        bytes=1e9,
+        achieved_gbps=1e9 / (us * 1e-6) / 1e9,
+        roofline_fraction=0.1,
+    )
+
+
+def _entry(block_l: int) -> tuple[LibraryEntry, str]:
+    source = TEMPLATE.render({"BLOCK_L": block_l})
+    entry = LibraryEntry(
+        kernel_id="",
+        op="embedding_bag",
+        entry=TEMPLATE.entry,
+        source_file="",
+        source_hash="",
+        arch="sm_90",
+        dtype="fp32",
+        buckets=["d64-long"],
+        median_us=50.0,
+        interpreted=False,
+        provenance={"candidate": f"cand{block_l}", "proposer": "template", "knobs": {"BLOCK_L": block_l}},
+    )
+    return entry, source
+
+
+def _open(repo: Path, block_l: int) -> review.Change:
+    entry, source = _entry(block_l)
+    result = EvalResult(
+        status=Status.OK,
+        problem="embedding_bag",
+        candidate_id=f"cand{block_l}",
+        timings=[_timing(50.0)],
+        device=GPU,
+    )
+    previous = EvalResult(
+        status=Status.OK, problem="embedding_bag", candidate_id="held", timings=[_timing(100.0)], device=GPU
+    )
+    headline, message = review.describe(
+        entry=entry, result=result, previous=previous, campaign="c1", lineage=[f"cand{block_l}", "held"]
+    )
+    return review.open_change(
+        repo,
+        entry=entry,
+        source=source,
+        description=message,
+        evidence={"headline": headline, "evaluation": result.model_dump(mode="json")},
+    )
+
+
+def test_a_change_is_one_commit_on_its_own_branch_and_the_checkout_is_untouched(repo: Path) -> None:
+    change = _open(repo, 8)
+    assert change.status == "open" and change.branch == "recforge/kernel/embedding_bag/fp32/cand8"
+    assert change.headline == "2.00x over the previous best"
+    # The user's branch and working tree are as they were.
+    assert _git(repo, "branch", "--show-current").strip() == "main"
+    assert (repo / "README.md").read_text() == "project, being edited\n"
+    assert _git(repo, "status", "--porcelain").strip() == "M README.md"
+    assert _git(repo, "worktree", "list").count("\n") == 1
+    files = _git(repo, "show", "--name-only", "--format=", change.branch).split()
+    assert sorted(files) == sorted(
+        [
+            f"kernels/library/{change.kernel_id}.py",
+            "kernels/library/manifest.json",
+            f"kernels/library/evidence/{change.kernel_id}-fp32.json",
+            f"tests/library/test_{change.kernel_id}_fp32.py",
+        ]
+    )
+    message = _git(repo, "log", "-1", "--format=%B", change.branch)
+    assert message.startswith("kernel: embedding_bag fp32 d64-long: 2.00x over the previous best")
+    assert "| b64k-d64 | serve | 50 | 100 | 2.00x | 200 |" in message and '{"BLOCK_L": 8}' in message
+    with pytest.raises(review.ReviewError, match="exists"):
+        _open(repo, 8)
+
+
+@pytest.mark.slow
+def test_the_generated_regression_test_runs_and_fails_on_a_tampered_kernel(
+    repo: Path, tmp_path: Path
+) -> None:
+    change = _open(repo, 8)
+    tree = tmp_path / "tree"
+    _git(repo, "worktree", "add", "-q", "--detach", str(tree), change.branch)
+    test = tree / "tests" / "library" / f"test_{change.kernel_id}_fp32.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-k",
+                "dim-48 or weighted",
+                str(test),
+            ],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    done = run()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "2 passed" in done.stdout
+    kernel = tree / "kernels" / "library" / f"{change.kernel_id}.py"
+    kernel.write_text(kernel.read_text().replace("return out\n", "return out * 1.01\n"))
+    done = run()
+    assert done.returncode != 0 and "failed" in done.stdout
+
+
+def test_list_show_reject_and_the_reason_is_kept(repo: Path) -> None:
+    change = _open(repo, 8)
+    [listed] = review.list_changes(repo)
+    assert listed == change
+    shown, patch, source, evidence = review.show(repo, change.id[:5])
+    assert shown == change and "manifest.json" in patch and source == TEMPLATE.render({"BLOCK_L": 8})
+    assert evidence["entry"]["kernel_id"] == change.kernel_id
+    with pytest.raises(review.ReviewError, match="needs a reason"):
+        review.reject(repo, change.id, " ")
+    rejected = review.reject(repo, change.id, "slower on the long-bag shapes we care about")
+    assert rejected.status == "rejected" and rejected.reason == "slower on the long-bag shapes we care about"
+    assert review.rejections(repo, "embedding_bag") == ["slower on the long-bag shapes we care about"]
+    with pytest.raises(review.ReviewError, match="is rejected, not open"):
+        review.approve(repo, change.id, lambda source, entry: None)
+    with pytest.raises(review.ReviewError, match="no change with id 'nope'"):
+        review.find(repo, "nope")
+
+
+def test_approve_reverifies_then_merges_two_changes_off_one_tip(repo: Path) -> None:
+    first, second = _open(repo, 8), _open(repo, 16)
+    seen = []
+
+    def verify(source: str, entry: LibraryEntry) -> str | None:
+        seen.append(entry.provenance["candidate"])
+        return "wrong on dim-48" if entry.provenance["candidate"] == "cand16" and len(seen) == 2 else None
+
+    assert review.approve(repo, first.id, verify).status == "approved"
+    with pytest.raises(review.ReviewError, match="failed re-verification: wrong on dim-48"):
+        review.approve(repo, second.id, verify)
+    assert review.find(repo, second.id).status == "open"
+    assert review.approve(repo, second.id, verify).status == "approved"  # verified again: fine now
+    manifest = _git(repo, "show", f"{review.LIBRARY_BRANCH}:kernels/library/manifest.json")
+    assert first.kernel_id in manifest and second.kernel_id in manifest
+    assert _git(repo, "branch", "--show-current").strip() == "main"
+
+
+def test_the_review_commands(repo: Path) -> None:
+    runner = CliRunner()
+    change = _open(repo, 8)
+    listed = runner.invoke(app, ["review", "list", "--repo", str(repo)], env={"COLUMNS": "80"})
+    assert listed.exit_code == 0, listed.output
+    assert change.id in listed.output and "2.00x" in listed.output
+    shown = runner.invoke(app, ["review", "show", change.id, "--repo", str(repo)])
+    assert shown.exit_code == 0 and "def embedding_bag_forward" in shown.output
+    done = runner.invoke(app, ["review", "reject", change.id, "--repo", str(repo), "--reason", "no"])
+    assert done.exit_code == 0 and "rejected" in done.output
+    missing = runner.invoke(app, ["review", "show", "zzz", "--repo", str(repo)])
+    assert missing.exit_code == 1 and "no change with id 'zzz'" in missing.output
