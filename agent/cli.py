@@ -353,6 +353,7 @@ def library_list(
         "median us",
         "campaign",
         "registered",
+        "status",
         title=f"kernel library {lib.root}",
     )
     for e in entries:
@@ -369,6 +370,7 @@ def library_list(
             median,
             str(e.provenance.get("campaign", "")),
             e.registered_at,
+            "dispatched" if (why := lib.refusal(e)) is None else f"refused: {why}",
         )
     console.print(table)
     if not entries:

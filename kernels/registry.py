@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -108,6 +109,7 @@ class KernelLibrary:
         self._modules: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._entries: tuple[tuple[int, int, int], list[LibraryEntry]] | None = None
+        self._refusals: dict[tuple[str, str], str | None] = {}
 
     @property
     def manifest_path(self) -> Path:
@@ -199,21 +201,57 @@ class KernelLibrary:
         def us(e: LibraryEntry) -> float | None:
             return e.bucket_us[bucket] if per_bucket else e.median_us
 
-        return min(matches, key=lambda e: (us(e) is None, us(e) or 0.0, e.registered_at))
+        # Down the chain: an entry whose source is not what was verified is passed over.
+        for e in sorted(matches, key=lambda e: (us(e) is None, us(e) or 0.0, e.registered_at)):
+            if self.refusal(e) is None:
+                return e
+        return None
+
+    def refusal(self, entry: LibraryEntry) -> str | None:
+        """Why dispatch refuses `entry`, or None: its source file must hash to the source_hash
+        recorded when it was verified. Checked once per process and entry (a module, once
+        loaded, runs the text that was checked), and reported once as a warning."""
+        key = (entry.kernel_id, entry.source_hash)
+        if key not in self._refusals:
+            try:
+                got = source_hash(self._source(entry))
+                why = None
+                if got != entry.source_hash:
+                    why = (
+                        f"its source {entry.source_file} hashes to {got}, not {entry.source_hash} as "
+                        "verified: edited since"
+                    )
+            except OSError as exc:
+                why = f"its source {entry.source_file} cannot be read ({exc.strerror or exc})"
+            self._refusals[key] = why
+            if why is not None:
+                warnings.warn(f"kernel library {self.root}: {entry.kernel_id} refused: {why}", stacklevel=2)
+        return self._refusals[key]
+
+    def _source(self, entry: LibraryEntry) -> str:
+        return (self.root / entry.source_file).read_text()
 
     def load(self, entry: LibraryEntry) -> Callable[..., torch.Tensor]:
-        """The entry function of an accepted kernel's module (imported once per process)."""
+        """The entry function of an accepted kernel's module (imported once per process), from
+        source that hashes to the recorded source_hash (ValueError otherwise)."""
         with self._lock:
             module = self._modules.get(entry.kernel_id)
             if module is None:
                 path = self.root / entry.source_file
+                text = self._source(entry)
+                if source_hash(text) != entry.source_hash:
+                    raise ValueError(
+                        f"kernel library {self.root}: {entry.kernel_id}'s source was edited since it "
+                        "was verified"
+                    )
                 name = f"recforge_library_{entry.kernel_id}"
-                spec = importlib.util.spec_from_file_location(name, path)
-                assert spec is not None and spec.loader is not None
+                spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+                assert spec is not None
                 module = importlib.util.module_from_spec(spec)
+                module.__file__ = str(path)
                 # Triton reads a kernel's source through inspect, which needs the module listed.
                 sys.modules[name] = module
-                spec.loader.exec_module(module)
+                exec(compile(text, str(path), "exec"), module.__dict__)  # the verified text itself
                 self._modules[entry.kernel_id] = module
         return getattr(module, entry.entry)
 

@@ -101,6 +101,36 @@ def test_op_runs_the_library_kernel(empty_library, device: torch.device) -> None
     torch.testing.assert_close(out, reference(weight.double(), indices, offsets).float())
 
 
+def test_an_edited_source_is_refused_and_dispatch_falls_back_down_the_chain(
+    empty_library, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An entry's source must be what was verified: one edited afterwards (here, to return the
+    output doubled) is passed over for the next entry, then the default, with a warning naming
+    it; `recforge library list` says why."""
+    from typer.testing import CliRunner
+
+    from agent.cli import app
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fast = _add(empty_library, TEMPLATE.render({"BLOCK_D": 32}), median_us=5.0)
+    slow = _add(empty_library, TEMPLATE.render({"BLOCK_D": 64}), median_us=9.0)
+    assert _resolve() == f"library:{fast.kernel_id}"
+    for entry in (fast, slow):
+        path = empty_library.root / entry.source_file
+        path.write_text(path.read_text().replace("    return out\n", "    return out * 2\n"))
+        assert path.read_text() != TEMPLATE.render({})
+    fresh = DISPATCHER.use_library(empty_library.root)  # a new process's view
+    with pytest.warns(UserWarning, match=f"{fast.kernel_id} refused: its source .* edited since"):
+        assert _resolve() == "default"
+    assert fresh.refusal(slow) is not None
+    with pytest.raises(ValueError, match="was edited since it was verified"):
+        fresh.load(fast)
+    listed = CliRunner().invoke(
+        app, ["library", "list", "--library", str(empty_library.root)], env={"COLUMNS": "200"}
+    )
+    assert listed.exit_code == 0 and "refused: its source" in listed.output, listed.output
+
+
 # --- the library itself ---------------------------------------------------------------------
 
 
