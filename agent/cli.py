@@ -467,6 +467,22 @@ def review_approve(
     console.print(f"{done.id} approved: merged into {review.LIBRARY_BRANCH}")
 
 
+@bench_app.command("dispatch")
+def bench_dispatch(
+    calls: Annotated[int, typer.Option(min=100, help="resolves per measurement")] = 20_000,
+) -> None:
+    """Host microseconds dispatch takes to choose the kernel for one call."""
+    from evals.bench_dispatch import run_dispatch_benchmark
+
+    result = run_dispatch_benchmark(calls=calls)
+    table = Table(
+        "choice", "us per call", "spread us", title=f"dispatch on {result['device']} ({result['arch']})"
+    )
+    for name, row in result["rows"].items():
+        table.add_row(name, f"{row['us_per_call']:.2f}", f"{row['spread']:.2f}")
+    console.print(table)
+
+
 @bench_app.command("sandbox")
 def bench_sandbox(
     candidates: Annotated[int, typer.Option(min=2, help="candidates in the realistic mix")] = 30,

@@ -110,6 +110,8 @@ class KernelLibrary:
         self._lock = threading.Lock()
         self._entries: tuple[tuple[int, int, int], list[LibraryEntry]] | None = None
         self._refusals: dict[tuple[str, str], str | None] = {}
+        # best()'s choices, for the manifest version they were made on (the _entries tuple).
+        self._chosen: tuple[object, dict[tuple[str, ...], LibraryEntry | None]] = (None, {})
 
     @property
     def manifest_path(self) -> Path:
@@ -122,6 +124,7 @@ class KernelLibrary:
         try:
             stat = os.stat(self._manifest_file)
         except FileNotFoundError:
+            self._entries = None
             return []
         version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         cached = self._entries
@@ -185,8 +188,21 @@ class KernelLibrary:
         return new
 
     def best(self, op: str, arch: str, dtype: str, bucket: str, graph: str = "serve") -> LibraryEntry | None:
-        """The fastest entry for the key among those serving `bucket` in `graph`."""
-        candidates = [e for e in self.entries() if e.op == op and e.arch == arch and e.dtype == dtype]
+        """The fastest entry for the key among those serving `bucket` in `graph`, chosen once per
+        key and manifest version (dispatch asks on every op call)."""
+        entries = self.entries()
+        key = (op, arch, dtype, bucket, graph)
+        if self._chosen[0] is not self._entries:
+            self._chosen = (self._entries, {})
+        chosen = self._chosen[1]
+        if key not in chosen:
+            chosen[key] = self._choose(entries, *key)
+        return chosen[key]
+
+    def _choose(
+        self, entries: list[LibraryEntry], op: str, arch: str, dtype: str, bucket: str, graph: str
+    ) -> LibraryEntry | None:
+        candidates = [e for e in entries if e.op == op and e.arch == arch and e.dtype == dtype]
         matches = [e for e in candidates if bucket in e.serves(graph)]
         if not matches:
             # An entry registered before its op's buckets split into regimes ("d64" before
@@ -266,6 +282,7 @@ def _atomic_write(path: Path, text: str) -> None:
 class Implementation:
     name: str  # "library:<kernel_id>", "default" or "reference"
     fn: Callable[..., torch.Tensor]
+    library: KernelLibrary | None = None  # where a library entry was loaded from
 
 
 class Dispatcher:
@@ -277,6 +294,7 @@ class Dispatcher:
         self._defaults: dict[str, Callable[..., torch.Tensor]] = {}
         self._references: dict[str, Callable[..., torch.Tensor]] = {}
         self._gradient_of: dict[str, str] = {}
+        self._loaded: dict[str, Implementation] = {}  # kernel id -> its loaded implementation
         self.calls: Counter[tuple[str, str]] = Counter()
         self.last: dict[str, str] = {}
 
@@ -322,7 +340,12 @@ class Dispatcher:
         else:
             entry = self._library.best(op, device_arch(device), dtype, bucket, graph)
             if entry is not None:
-                impl = Implementation(f"library:{entry.kernel_id}", self._library.load(entry))
+                impl = self._loaded.get(entry.kernel_id)
+                if impl is None or impl.library is not self._library:
+                    fn = self._library.load(entry)
+                    impl = self._loaded[entry.kernel_id] = Implementation(
+                        f"library:{entry.kernel_id}", fn, self._library
+                    )
             else:
                 impl = Implementation("default", self._defaults[op])
         self.calls[(op, impl.name)] += 1

@@ -215,3 +215,13 @@ def test_gpu_dispatch_uses_entries_of_its_own_arch_only(empty_library) -> None:
     assert _resolve(device=cuda) == "default"  # interpreted timings say nothing about a GPU
     added = _add(empty_library, TEMPLATE.render({}), arch=device_arch(cuda), median_us=50.0)
     assert _resolve(device=cuda) == f"library:{added.kernel_id}"
+
+
+def test_the_dispatch_benchmark_measures_both_choices_and_restores_the_library() -> None:
+    from evals.bench_dispatch import run_dispatch_benchmark
+
+    before = DISPATCHER.library
+    result = run_dispatch_benchmark(calls=200, repeats=1)
+    assert DISPATCHER.library is before
+    assert set(result["rows"]) == {"library entry", "default kernel"}
+    assert all(row["us_per_call"] > 0 for row in result["rows"].values())

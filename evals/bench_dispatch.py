@@ -1,0 +1,58 @@
+"""Dispatch overhead: the host time `kernels.registry.DISPATCHER.resolve` takes to choose the
+kernel for one call, with a library holding several entries per op (so the choice is real), on
+this machine's device: a GPU's architecture where there is one, else the interpreter's.
+
+A choice is made once per (op, arch, dtype, bucket, graph) and manifest version; what every call
+pays is the manifest's stat, the cache lookup and the bookkeeping. The kernel's launch is not
+part of it (`recforge bench ops` times the ops whole)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from kernels.registry import ARCH_INTERPRETER, DISPATCHER, device_arch
+from search_space.embedding_bag import TEMPLATE
+
+ENTRIES = (4, 8, 16, 32)  # BLOCK_L of the entries registered for the measured key
+
+
+def run_dispatch_benchmark(calls: int = 20_000, repeats: int = 7) -> dict:
+    """Median (over `repeats`) of the mean host microseconds per resolve, with entries of the
+    key, and without (the default kernel)."""
+    import kernels.ops  # noqa: F401  (registers the ops)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # where the library's kernels run on a CPU
+    arch = device_arch(device)
+    original = DISPATCHER.library
+    rows = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="recforge-dispatch-") as root:
+            library = DISPATCHER.use_library(root)
+            for block in ENTRIES:
+                library.add(
+                    op="embedding_bag", entry=TEMPLATE.entry, source=TEMPLATE.render({"BLOCK_L": block}),
+                    arch=arch, dtype="fp32", buckets=["d64-long"], median_us=float(block),
+                    interpreted=arch == ARCH_INTERPRETER, evidence={}, provenance={},
+                )  # fmt: skip
+            for name, bucket in (("library entry", "d64-long"), ("default kernel", "d128-long")):
+                key = dict(device=device, dtype="fp32", bucket=bucket)
+                chosen = DISPATCHER.resolve("embedding_bag", **key).name  # the choice, the import
+                if chosen.startswith("library:") != (name == "library entry"):
+                    raise RuntimeError(f"dispatch chose {chosen} for the {name} case")
+                means = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        DISPATCHER.resolve("embedding_bag", **key)
+                    means.append((time.perf_counter() - start) / calls * 1e6)
+                rows[name] = {"us_per_call": statistics.median(means), "spread": max(means) - min(means)}
+    finally:
+        DISPATCHER._library = original
+    return {"device": str(device), "arch": arch, "entries": len(ENTRIES), "calls": calls, "rows": rows}
