@@ -370,7 +370,9 @@ def library_list(
             median,
             str(e.provenance.get("campaign", "")),
             e.registered_at,
-            "dispatched" if (why := lib.refusal(e)) is None else f"refused: {why}",
+            f"demoted: {e.demoted}"
+            if e.demoted
+            else ("dispatched" if (why := lib.refusal(e)) is None else f"refused: {why}"),
         )
     console.print(table)
     if not entries:
@@ -465,6 +467,36 @@ def review_approve(
     except review.ReviewError as exc:
         raise fail(str(exc), 1) from None
     console.print(f"{done.id} approved: merged into {review.LIBRARY_BRANCH}")
+
+
+@library_app.command("verify")
+def library_verify(
+    library: Annotated[Path | None, typer.Option(help="library folder (default: the package's)")] = None,
+    timeout: Annotated[float, typer.Option(help="hard wall-clock limit per evaluation")] = 600.0,
+) -> None:
+    """Check and time every entry of this machine's architecture again; demote what fails or is
+    no longer faster than the default kernel."""
+    from agent.incumbents import campaign_arch
+    from agent.library_verify import verify_library
+    from kernels.registry import DISPATCHER, KernelLibrary
+    from sandbox.local import LocalBackend
+
+    lib = KernelLibrary(library) if library else DISPATCHER.library
+    with tempfile.TemporaryDirectory(prefix="recforge-verify-") as scratch:
+        try:
+            rows = verify_library(
+                lib, LocalBackend(timeout_s=timeout, scratch_root=Path(scratch)), campaign_arch()
+            )
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+    table = Table(
+        "kernel", "op", "dtype", "outcome", "detail", title=f"verified {lib.root} on {campaign_arch()}"
+    )
+    for row in rows:
+        table.add_row(row.entry.kernel_id, row.entry.op, row.entry.dtype, row.outcome, row.detail)
+    console.print(table)
+    demoted = sum(row.outcome == "demoted" and not row.detail.startswith("already") for row in rows)
+    console.print(f"{len(rows)} entries, {demoted} demoted now" if rows else "the library is empty")
 
 
 @bench_app.command("dispatch")

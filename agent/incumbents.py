@@ -24,21 +24,29 @@ def campaign_arch() -> str:
     return device_arch(torch.device("cuda")) if torch.cuda.is_available() else "interpreter"
 
 
-def incumbents(problem: str, library: KernelLibrary, arch: str) -> list[Candidate]:
-    """The default kernel of `problem` and every kernel the library holds for `arch`. An op's
-    gradients (dispatched inside its backward, whose default reads the statistics the forward
-    saved, so it is not a candidate going from inputs to gradients) have their template at the
-    default knobs instead: the library's kernels as they launch today."""
+def default_candidate(problem: str) -> Candidate:
+    """The default kernel of `problem` as a candidate. An op's gradients (dispatched inside its
+    backward, whose default reads the statistics the forward saved, so it is not a candidate
+    going from inputs to gradients) are their template at the default knobs instead: the
+    library's kernels as they launch today."""
     if problem in DISPATCHER.ops() and DISPATCHER.gradient_of(problem) is None:
         default = DISPATCHER.default(problem)
-        sources = [(Path(inspect.getsourcefile(default)).read_text(), default.__name__)]
+        source, entry = Path(inspect.getsourcefile(default)).read_text(), default.__name__
     else:
         template = get_template(problem)
-        sources = [(template.render(template.defaults()), template.entry)]
+        source, entry = template.render(template.defaults()), template.entry
+    return Candidate(problem=problem, source=source, entry=entry, origin=ORIGIN)
+
+
+def incumbents(problem: str, library: KernelLibrary, arch: str) -> list[Candidate]:
+    """The default kernel of `problem` (default_candidate) and every kernel the library
+    dispatches for `arch`."""
+    default = default_candidate(problem)
+    sources = [(default.source, default.entry)]
     sources += [
         ((library.root / e.source_file).read_text(), e.entry)
         for e in library.entries()
-        if e.op == problem and e.arch == arch
+        if e.op == problem and e.arch == arch and e.demoted is None and library.refusal(e) is None
     ]
     out: dict[str, Candidate] = {}
     for source, entry in sources:

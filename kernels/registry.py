@@ -12,6 +12,7 @@ in training as soon as it is in the library.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import functools
 import importlib.util
@@ -87,6 +88,9 @@ class LibraryEntry:
     # slower there than what dispatch ran, or not measured, serves serving only. None: every
     # bucket (entries of ops without statistics, and of manifests that predate the split).
     train_buckets: list[str] | None = None
+    # Why `recforge library verify` took it out of dispatch (wrong, or no longer faster than
+    # the default kernel on this architecture), or None. Kept in the manifest, with its source.
+    demoted: str | None = None
 
     @property
     def graphs(self) -> list[str]:
@@ -218,10 +222,28 @@ class KernelLibrary:
             return e.bucket_us[bucket] if per_bucket else e.median_us
 
         # Down the chain: an entry whose source is not what was verified is passed over.
+        matches = [e for e in matches if e.demoted is None]
         for e in sorted(matches, key=lambda e: (us(e) is None, us(e) or 0.0, e.registered_at)):
             if self.refusal(e) is None:
                 return e
         return None
+
+    def demote(self, entry: LibraryEntry, reason: str) -> LibraryEntry:
+        """Take `entry` out of dispatch, saying why (its record and source stay)."""
+        with self._lock:
+            entries = self.entries()
+            key = (entry.kernel_id, entry.arch, entry.dtype)
+            if not any((e.kernel_id, e.arch, e.dtype) == key for e in entries):
+                raise ValueError(
+                    f"kernel library {self.root} holds no {entry.kernel_id} for {entry.arch} {entry.dtype}"
+                )
+            kept = [
+                dataclasses.replace(e, demoted=reason) if (e.kernel_id, e.arch, e.dtype) == key else e
+                for e in entries
+            ]
+            manifest = {"version": 1, "kernels": [asdict(e) for e in kept]}
+            _atomic_write(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
+        return dataclasses.replace(entry, demoted=reason)
 
     def refusal(self, entry: LibraryEntry) -> str | None:
         """Why dispatch refuses `entry`, or None: its source file must hash to the source_hash

@@ -1,0 +1,104 @@
+"""`recforge library verify`: entries checked (and, on a GPU, timed) again beside the default
+kernel; a wrong one, or one the default now beats, is demoted: kept with its reason, out of
+dispatch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quick_backend import QuickBackend
+from typer.testing import CliRunner
+
+from agent.cli import app
+from agent.library_verify import verify_library
+from kernels.registry import KernelLibrary
+from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
+from search_space.embedding_bag import TEMPLATE
+
+OP = "embedding_bag"
+GPU = DeviceInfo(name="gpu", arch="sm_90", torch="t", triton="t", python="p", interpreted=False)
+
+
+def _add(library: KernelLibrary, source: str, arch: str = "interpreter", median_us: float = 10.0):
+    return library.add(
+        op=OP,
+        entry=TEMPLATE.entry,
+        source=source,
+        arch=arch,
+        dtype="fp32",
+        buckets=["d64-long"],
+        median_us=median_us,
+        interpreted=arch == "interpreter",
+        evidence={},
+        provenance={},
+    )
+
+
+def test_a_wrong_entry_is_demoted_and_no_longer_dispatched(tmp_path: Path) -> None:
+    library = KernelLibrary(tmp_path / "lib")
+    good = _add(library, TEMPLATE.render({"BLOCK_L": 8}), median_us=20.0)
+    wrong = _add(
+        library, TEMPLATE.render({"BLOCK_L": 16}).replace("    return out\n", "    return out * 2\n")
+    )
+    other = _add(library, TEMPLATE.render({"BLOCK_L": 32}), arch="sm_90")
+    assert library.best(OP, "interpreter", "fp32", "d64-long") == wrong  # the faster, until verified
+    rows = {r.entry.kernel_id: r for r in verify_library(library, QuickBackend(), "interpreter")}
+    assert rows[good.kernel_id].outcome == "kept"
+    assert (
+        rows[wrong.kernel_id].outcome == "demoted" and "re-verification wrong" in rows[wrong.kernel_id].detail
+    )
+    assert rows[other.kernel_id].outcome == "other arch"
+    fresh = KernelLibrary(library.root)
+    assert fresh.best(OP, "interpreter", "fp32", "d64-long") == good
+    [demoted] = [e for e in fresh.entries() if e.demoted]
+    assert demoted.kernel_id == wrong.kernel_id and (library.root / demoted.source_file).exists()
+    again = {r.entry.kernel_id: r.outcome for r in verify_library(fresh, QuickBackend(), "interpreter")}
+    assert again[wrong.kernel_id] == "demoted"
+    listed = CliRunner().invoke(
+        app, ["library", "list", "--library", str(library.root)], env={"COLUMNS": "250"}
+    )
+    assert "demoted: re-verification wrong" in listed.output, listed.output
+
+
+class _GpuTimes:
+    """A backend reporting GPU timings: `times` by candidate entry source marker."""
+
+    def __init__(self, times: dict[str, float]) -> None:
+        self.times = times
+
+    def evaluate(self, candidate, *, timing=True, trials=2, **_) -> EvalResult:
+        us = next(t for marker, t in self.times.items() if marker in candidate.source)
+        stats = TimingStats(median_us=us, p20_us=us * 0.99, p80_us=us * 1.01, reps=20)
+        timing_row = ShapeTiming(
+            shape="s",
+            dtype="fp32",
+            bucket="d64-long",
+            candidate=stats,
+            flops=1.0,
+            bytes=1.0,
+            achieved_gbps=1.0,
+        )
+        return EvalResult(
+            status=Status.OK,
+            problem=candidate.problem,
+            candidate_id=candidate.id,
+            timings=[timing_row],
+            device=GPU,
+        )
+
+
+def test_an_entry_the_default_now_beats_is_demoted(tmp_path: Path) -> None:
+    library = KernelLibrary(tmp_path / "lib")
+    slow = _add(library, TEMPLATE.render({"BLOCK_L": 8}) + "# slow\n", arch="sm_90")
+    fast = _add(library, TEMPLATE.render({"BLOCK_L": 16}) + "# fast\n", arch="sm_90")
+    backend = _GpuTimes({"# slow": 120.0, "# fast": 60.0, "def embedding_bag_forward": 100.0})
+    rows = {r.entry.kernel_id: r for r in verify_library(library, backend, "sm_90")}
+    assert rows[slow.kernel_id].outcome == "demoted"
+    assert (
+        "the default kernel is faster on its buckets (100.0 us against 120.0 us)"
+        in rows[slow.kernel_id].detail
+    )
+    assert (
+        rows[fast.kernel_id].outcome == "kept"
+        and "60.0 us against the default's 100.0" in rows[fast.kernel_id].detail
+    )
