@@ -90,7 +90,16 @@ class Campaigns:
         self.store = Store(self.home / "store.db")
         self.checkpoints = self.home / "checkpoints.db"
 
-    def start(self, config: CampaignConfig, events: Events | None = None) -> CampaignOutcome:
+    @staticmethod
+    def new_id(config: CampaignConfig) -> str:
+        """A fresh campaign id: the config's name, the time and a random suffix."""
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return f"{config.name}-{stamp}-{secrets.token_hex(2)}"
+
+    def start(
+        self, config: CampaignConfig, events: Events | None = None, campaign_id: str | None = None
+    ) -> CampaignOutcome:
+        """Run a new campaign (under `campaign_id`, default a new_id) to its end."""
         if config.llm is not None and "llm" in config.proposer.kinds:
             from agent.llm.client import api_key
 
@@ -98,8 +107,7 @@ class Campaigns:
                 api_key(config.llm)  # before anything is recorded: a campaign that cannot start
             except LLMConfigError as exc:
                 raise CampaignError(str(exc)) from None
-        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        campaign_id = f"{config.name}-{stamp}-{secrets.token_hex(2)}"
+        campaign_id = campaign_id or self.new_id(config)
         self.store.create_campaign(campaign_id, config.name, config.model_dump_json())
         return self._run(campaign_id, config, events, fresh=True)
 

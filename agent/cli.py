@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -173,11 +174,34 @@ def campaign_run(
     except ConfigError as exc:
         raise fail(str(exc)) from None
     campaigns = Campaigns(home)
-    try:
-        outcome = _run_with_progress(lambda ev: campaigns.start(cfg, ev), cfg)
-    except CampaignError as exc:
-        raise fail(str(exc)) from None
+    campaign_id = campaigns.new_id(cfg)
+    console.print(f"campaign [bold]{campaign_id}[/] starting (home {campaigns.home})")
+    with _resumable(campaign_id, campaigns):
+        try:
+            outcome = _run_with_progress(lambda ev: campaigns.start(cfg, ev, campaign_id), cfg)
+        except CampaignError as exc:
+            raise fail(str(exc)) from None
     _print_outcome(outcome)
+
+
+@contextlib.contextmanager
+def _resumable(campaign_id: str, campaigns):
+    """On Ctrl-C or any failure of a running campaign, the exact command that continues it."""
+    resume = f"recforge campaign resume {campaign_id}"
+    if campaigns.home != Path(".recforge"):
+        resume += f" --home {campaigns.home}"
+    try:
+        yield
+    except KeyboardInterrupt:
+        err.print(f"stopped; continue it with: {resume}")
+        raise typer.Exit(130) from None
+    except typer.Exit:
+        if campaigns.store.campaign(campaign_id) is not None:
+            err.print(f"stopped; continue it with: {resume}")
+        raise
+    except Exception:
+        err.print(f"stopped by an error; once fixed, continue it with: {resume}")
+        raise
 
 
 def _campaign_row(campaigns, campaign_id: str):
@@ -190,17 +214,34 @@ def _campaign_row(campaigns, campaign_id: str):
 @campaign_app.command("resume")
 def campaign_resume(campaign_id: str, home: HomeOption = None) -> None:
     """Continue a stopped or killed campaign from its last checkpoint."""
-    from agent.campaign import CampaignError, Campaigns
+    from agent.campaign import CampaignError
     from agent.config import CampaignConfig
 
-    campaigns = Campaigns(home)
+    campaigns = _existing_campaigns(home)
     row = _campaign_row(campaigns, campaign_id)
+    if row.status == "finished":
+        raise fail(
+            f"campaign {campaign_id} already finished ({row.stop_reason or 'finished'}); "
+            f"see `recforge campaign status {campaign_id}`"
+        )
     config = CampaignConfig.model_validate_json(row.config_json)
-    try:
-        outcome = _run_with_progress(lambda ev: campaigns.resume(campaign_id, ev), config)
-    except CampaignError as exc:
-        raise fail(str(exc)) from None
+    with _resumable(campaign_id, campaigns):
+        try:
+            outcome = _run_with_progress(lambda ev: campaigns.resume(campaign_id, ev), config)
+        except CampaignError as exc:
+            raise fail(str(exc)) from None
     _print_outcome(outcome)
+
+
+def _existing_campaigns(home: Path | None):
+    """The campaigns of `home`, whose store must exist: commands that read campaigns never
+    create a state folder."""
+    from agent.campaign import Campaigns, default_home
+
+    root = Path(home) if home else default_home()
+    if not (root / "store.db").exists():
+        raise fail(f"no campaigns in {root} (no store.db); `recforge campaign run CONFIG` starts one", 1)
+    return Campaigns(root)
 
 
 @campaign_app.command("report")
@@ -212,9 +253,9 @@ def campaign_report(
     ] = None,
 ) -> None:
     """Write a campaign's report: Markdown and a self-contained HTML page with its plots."""
-    from agent.campaign import CampaignError, Campaigns
+    from agent.campaign import CampaignError
 
-    campaigns = Campaigns(home)
+    campaigns = _existing_campaigns(home)
     _campaign_row(campaigns, campaign_id)
     try:
         files = campaigns.report(campaign_id, output)
@@ -227,9 +268,13 @@ def campaign_report(
 @campaign_app.command("list")
 def campaign_list(home: HomeOption = None) -> None:
     """Campaigns in this home, newest first."""
-    from agent.campaign import Campaigns
+    from agent.campaign import default_home
 
-    campaigns = Campaigns(home)
+    root = Path(home) if home else default_home()
+    if not (root / "store.db").exists():
+        console.print(f"no campaigns in {root}")
+        return
+    campaigns = _existing_campaigns(root)
     table = Table("id", "status", "evaluations", "wall s", "stop reason", "created")
     for c in campaigns.store.campaigns():
         table.add_row(
@@ -248,9 +293,7 @@ def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
     """Evaluations, statuses and best candidates of one campaign."""
     from collections import Counter
 
-    from agent.campaign import Campaigns
-
-    campaigns = Campaigns(home)
+    campaigns = _existing_campaigns(home)
     row = _campaign_row(campaigns, campaign_id)
     rows = campaigns.store.evaluations(campaign_id)
     gpu_s = campaigns.store.device_seconds(campaign_id)

@@ -63,8 +63,55 @@ def test_campaign_run_bad_config_names_the_field(tmp_path) -> None:
 
 
 def test_campaign_resume_unknown_id(tmp_path) -> None:
-    result = runner.invoke(app, ["campaign", "resume", "nope", "--home", str(tmp_path)])
+    from agent.store import Store
+
+    result = runner.invoke(app, ["campaign", "resume", "nope", "--home", str(tmp_path / "none")])
+    assert result.exit_code == 1 and "no campaigns in" in result.output
+    Store(tmp_path / "home" / "store.db")
+    result = runner.invoke(app, ["campaign", "resume", "nope", "--home", str(tmp_path / "home")])
     assert result.exit_code == 2 and "no campaign 'nope'" in result.output
+
+
+def test_read_only_commands_create_no_state(tmp_path) -> None:
+    home = tmp_path / "home"
+    for args in (["campaign", "list"], ["campaign", "status", "x"], ["campaign", "report", "x"]):
+        result = runner.invoke(app, [*args, "--home", str(home)])
+        assert "no campaigns in" in result.output, (args, result.output)
+    assert not home.exists()
+
+
+def test_resuming_a_finished_campaign_fails_before_any_progress(tmp_path) -> None:
+    from agent.config import parse_config
+    from agent.store import Store
+
+    store = Store(tmp_path / "store.db")
+    cfg = parse_config(
+        {"name": "x", "problems": ["embedding_bag"], "budget": {"max_evaluations": 1, "max_wall_s": 5}}
+    )
+    store.create_campaign("x-1", "x", cfg.model_dump_json())
+    store.set_status("x-1", "finished")
+    result = runner.invoke(app, ["campaign", "resume", "x-1", "--home", str(tmp_path)])
+    assert result.exit_code == 2 and "already finished" in result.output
+    assert "evaluations" not in result.output  # no progress bars were drawn
+
+
+def test_a_campaign_says_its_id_and_how_to_resume_it_when_stopped(tmp_path, monkeypatch) -> None:
+    from agent.campaign import Campaigns
+
+    def interrupted(self, config, events=None, campaign_id=None):
+        self.store.create_campaign(campaign_id, config.name, config.model_dump_json())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Campaigns, "start", interrupted)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        'name = "x"\nproblems = ["embedding_bag"]\n[budget]\nmax_evaluations = 1\nmax_wall_s = 5\n'
+    )
+    result = runner.invoke(app, ["campaign", "run", str(cfg), "--home", str(tmp_path / "h")])
+    assert result.exit_code == 130
+    [row] = Campaigns(tmp_path / "h").store.campaigns()
+    assert f"campaign {row.id} starting" in result.output
+    assert f"continue it with: recforge campaign resume {row.id} --home {tmp_path / 'h'}" in result.output
 
 
 def test_library_list_empty_and_corrupt(tmp_path) -> None:
