@@ -183,8 +183,10 @@ class Campaigns:
         return self._finished(campaign_id, ctx, final)
 
     def _finished(self, campaign_id: str, ctx: CampaignContext, final: dict) -> CampaignOutcome:
-        self.store.set_wall(campaign_id, ctx.wall_s())
-        self.store.set_status(campaign_id, "finished", final.get("stop_reason"))
+        row = self.store.campaign(campaign_id)
+        if row is None or row.status != "finished":  # the register step records both itself
+            self.store.set_wall(campaign_id, ctx.wall_s())
+            self.store.set_status(campaign_id, "finished", final.get("stop_reason"))
         return CampaignOutcome(
             campaign_id=campaign_id,
             status="finished",

@@ -230,6 +230,9 @@ def register(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
             if any(a[0] == problem for a in ctx.store.accepted(ctx.campaign_id)):
                 continue  # done before a kill; the library write is idempotent anyway
             registered += _register_problem(ctx, problem)
+    # The campaign's last step: the report says so, with its wall time as the CLI shows it.
+    ctx.store.set_wall(ctx.campaign_id, ctx.wall_s())
+    ctx.store.set_status(ctx.campaign_id, "finished", state.get("stop_reason"))
     report = write_report(ctx, state.get("best", {}), state.get("stop_reason"), state.get("bucket_best"))
     ctx.events.message(f"report: {report}")
     return {"registered": registered}

@@ -36,6 +36,16 @@ _MARKDOWN = jinja2.Environment(loader=_LOADER, undefined=jinja2.StrictUndefined,
 _HTML = jinja2.Environment(
     loader=_LOADER, undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=True
 )
+
+
+def ratio(value: float) -> str:
+    """A speedup as `1.23x`, or with three significant digits where two decimals would show
+    nothing (`0.00412x`, an interpreted kernel against a compiled baseline)."""
+    return f"{value:.2f}x" if abs(value) >= 0.1 or value == 0 else f"{value:.3g}x"
+
+
+for _env in (_MARKDOWN, _HTML):
+    _env.filters["ratio"] = ratio
 PLOTS = {"evaluations": "speedup_over_evaluations.png", "time": "speedup_over_time.png"}
 # Longest parent chain followed for a kernel's lineage (chains are acyclic: ids hash the source).
 MAX_LINEAGE = 50

@@ -67,6 +67,19 @@ def test_campaign_end_writes_both_reports(reported) -> None:
     outcome = reported["outcome"]
     assert outcome.report.is_file() and outcome.report.with_suffix(".html").is_file()
     assert (outcome.report.parent / "speedup_over_time.png").read_bytes()[:4] == b"\x89PNG"
+    # Written at the end, it says so, with the wall time the store (and the CLI) has.
+    text = outcome.report.read_text()
+    row = reported["store"].campaign(outcome.campaign_id)
+    assert "- status: finished;" in text
+    assert f"wall time: {row.wall_s:.0f} s" in text
+
+
+def test_speedups_too_small_for_two_decimals_keep_their_digits() -> None:
+    from agent.report import ratio
+
+    assert [ratio(v) for v in (2.0, 0.5, 0.1, 0.0412, 0.00123, 0.0)] == [
+        "2.00x", "0.50x", "0.10x", "0.0412x", "0.00123x", "0.00x",
+    ]  # fmt: skip
 
 
 def test_report_command_tables(reported) -> None:
@@ -126,6 +139,9 @@ def test_report_command_tables(reported) -> None:
 
 
 def test_report_unknown_campaign_is_one_clear_error(tmp_path: Path) -> None:
+    from agent.store import Store
+
+    Store(tmp_path / "store.db")
     result = CliRunner().invoke(app, ["campaign", "report", "nope", "--home", str(tmp_path)])
     assert result.exit_code == 2 and "no campaign 'nope'" in result.output
     assert "Traceback" not in result.output
