@@ -21,6 +21,7 @@ import agent.campaign
 from agent.campaign import Campaigns
 from agent.cli import app
 from agent.store import device_seconds
+from kernels.registry import KernelLibrary
 
 PHASES = {"load": 0.5, "check": 0.25, "timing": 0.5}
 CHROMIUM = next((p for name in ("chromium", "chromium-browser") if (p := shutil.which(name))), None)
@@ -136,6 +137,10 @@ def test_report_command_tables(reported) -> None:
     assert (tmp / "rep" / link).is_file()
     lineage = f"`{candidate_id}` ({store.candidate(cid, candidate_id).origin})"
     assert lineage in md
+    # The buckets it serves (on the interpreter: every one, training included: no statistics).
+    [entry] = [e for e in KernelLibrary(library).entries() if e.kernel_id == kernel_id]
+    row_of = next(line for line in md.splitlines() if f"`{kernel_id}`" in line)
+    assert f"| {', '.join(entry.buckets)} |" in row_of
 
 
 def test_report_unknown_campaign_is_one_clear_error(tmp_path: Path) -> None:
