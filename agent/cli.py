@@ -386,38 +386,30 @@ def library_list(
         entries = lib.entries()
     except ValueError as exc:
         raise fail(str(exc)) from None
-    table = Table(
-        "kernel",
-        "op",
-        "arch",
-        "dtype",
-        "buckets",
-        "training",
-        "median us",
-        "campaign",
-        "registered",
-        "status",
-        title=f"kernel library {lib.root}",
-    )
+    # Every column folds rather than cutting: ids stay whole at 80 columns. Reasons (refused,
+    # demoted) follow the table as whole lines.
+    table = Table(title=f"kernel library {lib.root}", title_justify="left")
+    for name in ("kernel", "key", "buckets (training)", "median us", "from", "state"):
+        table.add_column(name, overflow="fold")
+    notes = []
     for e in entries:
         median = (
-            "n/a" if e.median_us is None else f"{e.median_us:.1f}" + (" (interp.)" if e.interpreted else "")
+            "n/a" if e.median_us is None else f"{e.median_us:.1f}" + (" interp." if e.interpreted else "")
         )
+        training = "" if e.train_buckets is None else f" ({','.join(e.train_buckets) or 'none'})"
+        why = e.demoted or lib.refusal(e)
+        state = "demoted" if e.demoted else ("dispatched" if why is None else "refused")
+        if why is not None:
+            notes.append(f"{state}: {e.kernel_id} ({e.dtype}, {e.arch}): {why}")
         table.add_row(
-            e.kernel_id,
-            e.op,
-            e.arch,
-            e.dtype,
-            ",".join(e.buckets),
-            "all" if e.train_buckets is None else (",".join(e.train_buckets) or "none"),
-            median,
-            str(e.provenance.get("campaign", "")),
-            e.registered_at,
-            f"demoted: {e.demoted}"
-            if e.demoted
-            else ("dispatched" if (why := lib.refusal(e)) is None else f"refused: {why}"),
-        )
+            e.kernel_id, f"{e.op} {e.dtype} {e.arch}", ",".join(e.buckets) + training, median,
+            f"{e.provenance.get('campaign', '')} {e.registered_at}".strip(), state,
+        )  # fmt: skip
     console.print(table)
+    for note in notes:
+        console.print(note, soft_wrap=True)
+    if library is None:
+        console.print("[dim]another library: recforge library list --library PATH[/]")
     if not entries:
         console.print("no accepted kernels yet: dispatch uses the default kernels")
 
