@@ -15,6 +15,7 @@ tagged `recforge/rejected/<id>` with the reason as the tag's message (rejected),
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import shutil
@@ -139,8 +140,7 @@ def open_change(
     with _worktree(root, LIBRARY_BRANCH) as tree:
         _git(tree, "checkout", "-q", "-b", branch)
         library = KernelLibrary(tree / LIBRARY_DIR)
-        fields = {k: v for k, v in asdict(entry).items() if k not in _ADD_DERIVED}
-        added = library.add(source=source, **fields)
+        added = library.add(source=source, **_add_arguments(entry))
         test = tree / TESTS_DIR / f"test_{added.kernel_id}_{added.dtype}.py"
         test.parent.mkdir(parents=True, exist_ok=True)
         test.write_text(regression_test(added))
@@ -152,8 +152,11 @@ def open_change(
     return next(c for c in list_changes(root) if c.branch == branch)
 
 
-# LibraryEntry fields that KernelLibrary.add derives itself.
-_ADD_DERIVED = {"kernel_id", "source_file", "source_hash", "registered_at"}
+def _add_arguments(entry: LibraryEntry) -> dict[str, Any]:
+    """The entry's fields that KernelLibrary.add takes (it derives the others: id, file, hash,
+    time), to record the same entry in the repository's library."""
+    taken = inspect.signature(KernelLibrary.add).parameters
+    return {k: v for k, v in asdict(entry).items() if k in taken and k != "source"}
 
 
 def _commit(tree: Path, message: str) -> None:
@@ -316,8 +319,7 @@ def approve(
             # Two changes off the same library tip both add to the manifest: keep both entries.
             _git(tree, "checkout", "--ours", "--", f"{LIBRARY_DIR}/manifest.json", check=False)
             library = KernelLibrary(tree / LIBRARY_DIR)
-            fields = {k: v for k, v in asdict(entry).items() if k not in _ADD_DERIVED}
-            library.add(source=source, **fields)
+            library.add(source=source, **_add_arguments(entry))
             unresolved = _git(tree, "diff", "--name-only", "--diff-filter=U").stdout.split()
             if [f for f in unresolved if f != f"{LIBRARY_DIR}/manifest.json"]:
                 raise ReviewError(f"change {change.id} does not merge into {LIBRARY_BRANCH}: {unresolved}")

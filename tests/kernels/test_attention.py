@@ -1149,3 +1149,72 @@ def test_tma_forward_equals_pointer_loads_on_gpu(activation: str) -> None:
     g = _gdpa_inputs(torch.device("cuda"), "bf16", **REALISTIC)
     gdpa_args = (g["q"], g["k"], g["v"], g["q_offsets"], g["kv_offsets"])
     assert torch.equal(attn.gdpa_forward(*gdpa_args, tma=True), attn.gdpa_forward(*gdpa_args, tma=False))
+
+
+def _register_templates(library, op: str, dtype: str, bucket: str) -> list[str]:
+    """The forward and gradient problems' templates at their default knobs, registered for this
+    GPU and the call's bucket, as a campaign would: the kernel ids."""
+    from kernels.registry import device_arch
+    from search_space.template import get_template
+
+    ids = []
+    for problem in (op, f"{op}_grad"):
+        template = get_template(problem)
+        entry = library.add(
+            op=problem, entry=template.entry, source=template.render(template.defaults()),
+            arch=device_arch(torch.device("cuda")), dtype=dtype, buckets=[bucket], median_us=1.0,
+            interpreted=False, evidence={}, provenance={"test": "graph capture"},
+        )  # fmt: skip
+        ids.append(entry.kernel_id)
+    return ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["target_attention", "gdpa"])
+def test_registered_kernels_keep_the_op_sync_free_and_capturable(op: str, empty_library) -> None:
+    """A campaign's kernels receive the op's bounds (the problems pass them to every candidate),
+    so with registered forward and gradient kernels the op, forward and backward, still syncs
+    never and replays from a CUDA graph; dispatch ran the library's kernels."""
+    from search_space.attention_common import bucket_of
+
+    gen = torch.Generator().manual_seed(11)
+    if op == "target_attention":
+        kv_lengths = _realistic_lengths(gen, 8, 1024)
+        requests = torch.randint(0, 8, (64,), generator=gen).tolist()
+        t = _target_inputs(
+            torch.device("cuda"),
+            "bf16",
+            cand_to_request=requests,
+            kv_lengths=kv_lengths,
+            seeds=4,
+            **REALISTIC,
+        )
+        bounds = {"max_candidates": max(requests.count(r) for r in range(8)), "max_history": max(kv_lengths)}
+        leaf = t["q_cand"].requires_grad_()
+        args = (leaf, t["k"], t["v"], t["kv_offsets"], t["cand_to_request"])
+        call, grad_out = ops.target_attention, torch.randn_like(leaf)
+        bucket = bucket_of(REALISTIC["dim"], bounds["max_history"])
+    else:
+        q_lengths, kv_lengths = _realistic_lengths(gen, 8, 512), _realistic_lengths(gen, 8, 256)
+        g = _gdpa_inputs(
+            torch.device("cuda"), "bf16", broadcast_q=False, q_lengths=q_lengths, kv_lengths=kv_lengths,
+            num_seeds=64, **REALISTIC,
+        )  # fmt: skip
+        bounds = {"max_kv_len": max(kv_lengths), "max_q_len": max(q_lengths)}
+        leaf = g["q"].requires_grad_()
+        args = (leaf, g["k"], g["v"], g["q_offsets"], g["kv_offsets"])
+        call, grad_out = (
+            ops.gdpa,
+            torch.randn((sum(q_lengths), *leaf.shape[1:]), device="cuda", dtype=leaf.dtype),
+        )
+        bucket = bucket_of(REALISTIC["dim"], bounds["max_kv_len"])
+    forward_id, grad_id = _register_templates(empty_library, op, "bf16", bucket)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        out = call(*args, **bounds)
+        (dq,) = torch.autograd.grad(out, leaf, grad_out)
+        return out.detach(), dq
+
+    _assert_sync_free_and_graphable(step)
+    assert DISPATCHER.last[op] == f"library:{forward_id}"
+    assert DISPATCHER.last[f"{op}_grad"] == f"library:{grad_id}"
