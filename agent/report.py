@@ -231,11 +231,19 @@ def _series(
     order = {seq: i + 1 for i, seq in enumerate(sorted(when))}
     out = []
     for p in problems:
-        one = SpeedupSeries(problem=p.name, baseline=p.primary)
+        # Over the previous best (what dispatch ran at the start, timed in the campaign) where
+        # there is one: the improvement the campaign made, on a GPU and interpreted alike (an
+        # interpreted kernel against a compiled baseline is a flat line near zero). Else over
+        # the problem's primary baseline.
+        previous = p.previous.score_us if p.previous is not None else None
+        one = SpeedupSeries(problem=p.name, baseline="previous best" if previous else p.primary)
         for r in p.rows:
             if r.score_us is None:
                 continue
-            speedup = r.result.speedups(p.baselines).get(p.primary)
+            if previous:
+                speedup = previous / r.score_us
+            else:
+                speedup = r.result.speedups(p.baselines).get(p.primary)
             if speedup is None:
                 continue
             one.evaluation.append(order[r.seq])

@@ -188,3 +188,19 @@ def test_html_report_renders_with_its_plots_in_a_browser(reported, tmp_path: Pat
     # The plots' lines are matplotlib's first colour (tab:blue, #1f77b4); nothing else on the page is.
     blue = (abs(pixels - (0x1F / 255, 0x77 / 255, 0xB4 / 255)).max(axis=-1) < 0.08).sum()
     assert blue > 500, f"only {blue} plot-line pixels in the screenshot"
+
+
+def test_the_plots_show_the_speedup_over_the_previous_best(reported) -> None:
+    """What dispatch ran at the start is 1.0x; each correct candidate is plotted at the previous
+    best's time over its own (on the interpreter too, where a compiled baseline would flatten
+    every line near zero)."""
+    from agent.report import _problem, _series
+
+    store, outcome = reported["store"], reported["outcome"]
+    cid = outcome.campaign_id
+    [problem] = [_problem(store, cid, p, outcome.best.get(p), []) for p in outcome.best]
+    [series] = _series(store, cid, store.campaign(cid).created_at, [problem])
+    assert series.baseline == "previous best" and problem.previous is not None
+    correct = [r for r in problem.rows if r.score_us is not None]
+    assert series.speedup == pytest.approx([problem.previous.score_us / r.score_us for r in correct])
+    assert 1.0 in series.speedup  # the incumbent itself
