@@ -240,10 +240,7 @@ def _series(
         for r in p.rows:
             if r.score_us is None:
                 continue
-            if previous:
-                speedup = previous / r.score_us
-            else:
-                speedup = r.result.speedups(p.baselines).get(p.primary)
+            speedup = previous / r.score_us if previous else r.result.speedups(p.baselines).get(p.primary)
             if speedup is None:
                 continue
             one.evaluation.append(order[r.seq])

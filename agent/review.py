@@ -144,7 +144,7 @@ def open_change(
         test = tree / TESTS_DIR / f"test_{added.kernel_id}_{added.dtype}.py"
         test.parent.mkdir(parents=True, exist_ok=True)
         test.write_text(regression_test(added))
-        record = tree / EVIDENCE_DIR / f"{added.kernel_id}-{added.dtype}.json"
+        record = tree / _evidence_path(entry.op, entry.dtype, candidate)
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps({"entry": asdict(added), **evidence}, indent=2, default=str) + "\n")
         _git(tree, "add", "--", LIBRARY_DIR, TESTS_DIR)
@@ -216,11 +216,17 @@ def _branches(repo: Path) -> list[str]:
     return [line for line in out.splitlines() if line]
 
 
+def _evidence_path(op: str, dtype: str, candidate: str) -> str:
+    return f"{EVIDENCE_DIR}/{op}-{dtype}-{candidate}.json"
+
+
 def _evidence_of(repo: Path, branch: str) -> dict[str, Any]:
-    files = _git(repo, "diff", "--name-only", f"{branch}~1", branch, "--", EVIDENCE_DIR).stdout.split()
-    if len(files) != 1:
-        raise ReviewError(f"branch {branch} does not hold one evidence file ({len(files)})")
-    return json.loads(_git(repo, "show", f"{branch}:{files[0]}").stdout)
+    """The evidence a change's branch holds (found by the branch's name: op, dtype, candidate)."""
+    op, dtype, candidate = branch.removeprefix(BRANCH_PREFIX).split("/")
+    shown = _git(repo, "show", f"{branch}:{_evidence_path(op, dtype, candidate)}", check=False)
+    if shown.returncode != 0:
+        raise ReviewError(f"branch {branch} holds no evidence file {_evidence_path(op, dtype, candidate)}")
+    return json.loads(shown.stdout)
 
 
 def list_changes(repo: str | os.PathLike) -> list[Change]:

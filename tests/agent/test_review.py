@@ -113,7 +113,7 @@ def test_a_change_is_one_commit_on_its_own_branch_and_the_checkout_is_untouched(
         [
             f"kernels/library/{change.kernel_id}.py",
             "kernels/library/manifest.json",
-            f"kernels/library/evidence/{change.kernel_id}-fp32.json",
+            "kernels/library/evidence/embedding_bag-fp32-cand8.json",
             f"tests/library/test_{change.kernel_id}_fp32.py",
         ]
     )
@@ -211,3 +211,24 @@ def test_the_review_commands(repo: Path) -> None:
     assert done.exit_code == 0 and "rejected" in done.output
     missing = runner.invoke(app, ["review", "show", "zzz", "--repo", str(repo)])
     assert missing.exit_code == 1 and "no change with id 'zzz'" in missing.output
+
+
+@pytest.mark.slow
+def test_approve_through_the_cli_re_verifies_in_the_sandbox(repo: Path) -> None:
+    """The command's re-verification is a real sandbox evaluation on this machine's device: a
+    correct kernel merges, one edited on its branch to double its output is refused."""
+    runner = CliRunner()
+    good, bad = _open(repo, 8), _open(repo, 16)
+    tree = repo.parent / "edit"
+    _git(repo, "worktree", "add", "-q", str(tree), bad.branch)
+    kernel = tree / "kernels" / "library" / f"{bad.kernel_id}.py"
+    kernel.write_text(kernel.read_text().replace("    return out\n", "    return out * 2\n"))
+    _git(tree, "commit", "-q", "-am", "tamper")
+    _git(repo, "worktree", "remove", "--force", str(tree))
+    done = runner.invoke(app, ["review", "approve", good.id, "--repo", str(repo)])
+    assert done.exit_code == 0, done.output
+    assert review.find(repo, good.id).status == "approved"
+    done = runner.invoke(app, ["review", "approve", bad.id, "--repo", str(repo)])
+    # Doubled on the host: the sandbox's host-compute watch calls that suspicious.
+    assert done.exit_code == 1 and "failed re-verification: suspicious" in done.output, done.output
+    assert review.find(repo, bad.id).status == "open"
