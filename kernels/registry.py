@@ -206,7 +206,9 @@ class KernelLibrary:
     def _choose(
         self, entries: list[LibraryEntry], op: str, arch: str, dtype: str, bucket: str, graph: str
     ) -> LibraryEntry | None:
-        candidates = [e for e in entries if e.op == op and e.arch == arch and e.dtype == dtype]
+        candidates = [
+            e for e in entries if e.op == op and e.arch == arch and e.dtype == dtype and e.demoted is None
+        ]
         matches = [e for e in candidates if bucket in e.serves(graph)]
         if not matches:
             # An entry registered before its op's buckets split into regimes ("d64" before
@@ -222,7 +224,6 @@ class KernelLibrary:
             return e.bucket_us[bucket] if per_bucket else e.median_us
 
         # Down the chain: an entry whose source is not what was verified is passed over.
-        matches = [e for e in matches if e.demoted is None]
         for e in sorted(matches, key=lambda e: (us(e) is None, us(e) or 0.0, e.registered_at)):
             if self.refusal(e) is None:
                 return e
