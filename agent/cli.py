@@ -438,7 +438,9 @@ def review_list(repo: Annotated[Path | None, _REPO_OPTION] = None) -> None:
         changes = review.list_changes(root)
     except review.ReviewError as exc:
         raise fail(str(exc), 1) from None
-    table = Table("id", "op", "dtype", "buckets", "status", "headline", title=f"kernel changes in {root}")
+    table = Table(title=f"kernel changes in {root}", title_justify="left")
+    for name in ("id", "op", "dtype", "buckets", "status", "headline"):
+        table.add_column(name, overflow="fold")  # ids stay whole at 80 columns
     for c in changes:
         status = c.status if c.reason is None else f"{c.status}: {c.reason}"
         table.add_row(c.id, c.op, c.dtype, ", ".join(c.buckets), status, c.headline)
