@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.incumbents import default_candidate
-from agent.population import beats, bucket_us
+from agent.population import beats, serving_us
 from kernels.registry import KernelLibrary, LibraryEntry
 from sandbox.backend import Backend
 from sandbox.candidate import Candidate
@@ -27,7 +27,7 @@ class Verified:
 
 
 def _served_us(result: EvalResult, entry: LibraryEntry) -> float | None:
-    times = [bucket_us(result, entry.dtype, b) for b in entry.buckets]
+    times = [serving_us(result, entry.dtype, b) for b in entry.buckets]
     times = [t for t in times if t is not None]
     if not times:
         return None

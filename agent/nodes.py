@@ -22,6 +22,7 @@ from agent.population import (
     pick_best,
     pick_bucket_bests,
     primary_baseline,
+    serving_us,
 )
 from agent.proposers import ProposalRequest, propose_batch
 from agent.report import write_report
@@ -255,7 +256,7 @@ def _winners(
     held = [r for r in rows if r.score_us is not None and r.candidate.origin == INCUMBENT]
 
     def fastest(among: list[EvaluationRow], dtype: str, bucket: str | None = None):
-        scored = [(r, s) for r in among if (s := bucket_us(r.result, dtype, bucket)) is not None]
+        scored = [(r, s) for r in among if (s := serving_us(r.result, dtype, bucket)) is not None]
         return min(scored, key=lambda rs: rs[1], default=(None, None))
 
     for dtype in sorted({t.dtype for r in rows for t in r.result.timings}):
@@ -331,7 +332,7 @@ def _slower_on_recheck(evidence: EvalResult, recheck: EvalResult, served: dict[s
         return None
     for dtype, dtype_buckets in served.items():
         for bucket in dtype_buckets:
-            first, again = bucket_us(evidence, dtype, bucket), bucket_us(recheck, dtype, bucket)
+            first, again = serving_us(evidence, dtype, bucket), serving_us(recheck, dtype, bucket)
             if first is None or again is None:
                 continue
             if again > first * (1 + margin(recheck, evidence, (dtype, bucket))):
@@ -374,7 +375,7 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                 for t in evidence.timings
                 if t.dtype == dtype and t.bucket in dtype_buckets
             ]
-            per_bucket = {b: us for b in dtype_buckets if (us := bucket_us(evidence, dtype, b)) is not None}
+            per_bucket = {b: us for b in dtype_buckets if (us := serving_us(evidence, dtype, b)) is not None}
             train_buckets = _training_buckets(ctx, problem, rows, row, dtype, dtype_buckets)
             entry = ctx.library.add(
                 op=problem,

@@ -51,6 +51,14 @@ def bucket_us(
     return geometric_mean(times) if times else None
 
 
+def serving_us(result: EvalResult, dtype: str, bucket: str | None = None) -> float | None:
+    """bucket_us over the serving-form timings where there are any (a softmax forward's training
+    form, which also returns its statistics, is decided on apart: agent.nodes._training_buckets),
+    else over all of them (gradient problems are timed in their training form alone)."""
+    us = bucket_us(result, dtype, bucket, "serve")
+    return us if us is not None else bucket_us(result, dtype, bucket)
+
+
 def noise(
     result: EvalResult, dtype: str | None = None, bucket: str | None = None, graph: str | None = None
 ) -> float:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels.registry import KernelLibrary, LibraryEntry
+from search_space.template import source_hash
 
 LIBRARY_BRANCH = "recforge/library"
 BRANCH_PREFIX = "recforge/kernel/"
@@ -44,7 +45,7 @@ class ReviewError(RuntimeError):
 
 @dataclass(frozen=True)
 class Change:
-    id: str  # the candidate id: a change holds one accepted kernel
+    id: str  # <op>/<dtype>/<candidate>: a change holds one accepted kernel for one dtype
     branch: str
     op: str
     dtype: str
@@ -235,13 +236,13 @@ def list_changes(repo: str | os.PathLike) -> list[Change]:
     for branch in _branches(root):
         record = _evidence_of(root, branch)
         entry = record["entry"]
-        candidate = branch.rsplit("/", 1)[1]
+        change_id = branch.removeprefix(BRANCH_PREFIX)
         status, reason = "open", None
-        tag = f"refs/tags/{REJECTED_PREFIX}{candidate}"
+        tag = f"refs/tags/{REJECTED_PREFIX}{change_id}"
         if _has_ref(root, tag):
             status = "rejected"
             reason = _git(
-                root, "tag", "-l", "--format=%(contents)", f"{REJECTED_PREFIX}{candidate}"
+                root, "tag", "-l", "--format=%(contents)", f"{REJECTED_PREFIX}{change_id}"
             ).stdout.strip()
         elif _has_ref(root, f"refs/heads/{LIBRARY_BRANCH}") and (
             _git(root, "merge-base", "--is-ancestor", branch, LIBRARY_BRANCH, check=False).returncode == 0
@@ -249,7 +250,7 @@ def list_changes(repo: str | os.PathLike) -> list[Change]:
             status = "approved"
         changes.append(
             Change(
-                id=candidate,
+                id=change_id,
                 branch=branch,
                 op=entry["op"],
                 dtype=entry["dtype"],
@@ -265,7 +266,9 @@ def list_changes(repo: str | os.PathLike) -> list[Change]:
 
 def find(repo: str | os.PathLike, change_id: str) -> Change:
     changes = list_changes(repo)
-    matches = [c for c in changes if c.id == change_id or c.id.startswith(change_id)]
+    # By its whole id, or by a prefix of its candidate id where that names one change.
+    exact = [c for c in changes if c.id == change_id]
+    matches = exact or [c for c in changes if c.id.rsplit("/", 1)[1].startswith(change_id)]
     if len(matches) != 1:
         known = ", ".join(c.id for c in changes) or "none"
         what = "no change" if not matches else f"{len(matches)} changes"
@@ -310,8 +313,17 @@ def approve(
     change = find(root, change_id)
     if change.status != "open":
         raise ReviewError(f"change {change.id} is {change.status}, not open")
-    _, _, source, record = show(root, change.id)
+    # The commit verified is the commit merged, whatever the branch does meanwhile.
+    tip = _git(root, "rev-parse", change.branch).stdout.strip()
+    record = json.loads(
+        _git(
+            root, "show", f"{tip}:{_evidence_path(change.op, change.dtype, change.id.rsplit('/', 1)[1])}"
+        ).stdout
+    )
     entry = LibraryEntry(**record["entry"])
+    source = _git(root, "show", f"{tip}:{LIBRARY_DIR}/{entry.source_file}").stdout
+    if source_hash(source) != entry.source_hash:
+        raise ReviewError(f"change {change.id}: its kernel's source does not hash to its entry's source_hash")
     why = verify(source, entry)
     if why is not None:
         raise ReviewError(f"change {change.id} failed re-verification: {why}")
@@ -320,7 +332,7 @@ def approve(
     if f"branch refs/heads/{LIBRARY_BRANCH}\n" in listing + "\n":
         raise ReviewError(f"{LIBRARY_BRANCH} is checked out in a worktree; switch it to another branch first")
     with _worktree(root, LIBRARY_BRANCH) as tree:
-        merged = _git(tree, "merge", "--no-ff", "--no-commit", change.branch, check=False)
+        merged = _git(tree, "merge", "--no-ff", "--no-commit", tip, check=False)
         if merged.returncode != 0:
             # Two changes off the same library tip both add to the manifest: keep both entries.
             _git(tree, "checkout", "--ours", "--", f"{LIBRARY_DIR}/manifest.json", check=False)
@@ -335,7 +347,8 @@ def approve(
             f"Approve kernel change {change.id}: {change.op} {change.dtype} {','.join(change.buckets)}\n",
         )
         head = _git(tree, "rev-parse", "HEAD").stdout.strip()
-    _git(root, "update-ref", f"refs/heads/{LIBRARY_BRANCH}", head)
+        base = _git(tree, "rev-parse", "HEAD^1").stdout.strip()
+    _git(root, "update-ref", f"refs/heads/{LIBRARY_BRANCH}", head, base)  # fails if it moved meanwhile
     return find(root, change.id)
 
 

@@ -106,7 +106,7 @@ def _forward_with_lse(
     if _takes(impl.fn, ("return_lse",)):
         # The forward problems' contract: the sandbox checked these statistics with the output.
         got = impl.fn(*args, **kwargs, return_lse=True)
-        lse = got[1] if isinstance(got, tuple) and len(got) == 2 else None
+        lse = got[1] if isinstance(got, tuple | list) and len(got) == 2 else None
         if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != lse_shape or lse.dtype != torch.float32:
             what = (
                 f"lse {tuple(lse.shape)} {lse.dtype}" if isinstance(lse, torch.Tensor) else type(got).__name__

@@ -17,6 +17,7 @@ import datetime as dt
 import functools
 import importlib.util
 import json
+import linecache
 import os
 import sys
 import threading
@@ -260,8 +261,10 @@ class KernelLibrary:
                         f"its source {entry.source_file} hashes to {got}, not {entry.source_hash} as "
                         "verified: edited since"
                     )
-            except OSError as exc:
-                why = f"its source {entry.source_file} cannot be read ({exc.strerror or exc})"
+            except (OSError, ValueError) as exc:  # missing, unreadable, not text
+                why = (
+                    f"its source {entry.source_file} cannot be read ({getattr(exc, 'strerror', None) or exc})"
+                )
             self._refusals[key] = why
             if why is not None:
                 warnings.warn(f"kernel library {self.root}: {entry.kernel_id} refused: {why}", stacklevel=2)
@@ -288,8 +291,11 @@ class KernelLibrary:
                 assert spec is not None
                 module = importlib.util.module_from_spec(spec)
                 module.__file__ = str(path)
-                # Triton reads a kernel's source through inspect, which needs the module listed.
+                # Triton reads a kernel's source through inspect, which needs the module listed,
+                # and through linecache, primed with the verified text (never read again from
+                # disk, where it could have changed since).
                 sys.modules[name] = module
+                linecache.cache[str(path)] = (len(text), None, text.splitlines(True), str(path))
                 exec(compile(text, str(path), "exec"), module.__dict__)  # the verified text itself
                 self._modules[entry.kernel_id] = module
         return getattr(module, entry.entry)

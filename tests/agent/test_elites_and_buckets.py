@@ -434,9 +434,11 @@ def test_each_registered_kernel_becomes_a_change_for_review(tmp_path: Path) -> N
     ctx.events = SimpleNamespace(message=messages.append)
     nodes.register({"best": {}}, SimpleNamespace(context=ctx))
     [change] = review.list_changes(repo)
-    assert change.id == fast.id and change.status == "open" and change.buckets == ["d16", "d64"]
+    assert (
+        change.id == f"{OP}/fp32/{fast.id}" and change.status == "open" and change.buckets == ["d16", "d64"]
+    )
     assert change.headline.endswith("x over the previous best")
-    assert any(f"kernel change {fast.id}" in m for m in messages), messages
+    assert any(f"kernel change {OP}/fp32/{fast.id}" in m for m in messages), messages
     log = subprocess.run(["git", "log", "-1", "--format=%B", change.branch], cwd=repo, capture_output=True,
                          text=True).stdout  # fmt: skip
     assert "| shape-d16 | serve | 50 | 100 | 2.00x |" in log

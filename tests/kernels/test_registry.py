@@ -224,3 +224,18 @@ def test_the_dispatch_benchmark_measures_both_choices_and_restores_the_library()
     assert DISPATCHER.library is before
     assert set(result["rows"]) == {"library entry", "default kernel"}
     assert all(row["us_per_call"] > 0 for row in result["rows"].values())
+
+
+def test_triton_reads_the_verified_text_not_the_file(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module runs the text that was hashed, and source inspection (Triton's way to its
+    kernels) sees that same text, even where the file changes after the check."""
+    import inspect
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    added = _add(empty_library, TEMPLATE.render({"BLOCK_D": 32}))
+    path = empty_library.root / added.source_file
+    text = path.read_text()
+    fn = empty_library.load(added)
+    path.write_text(text.replace("return out", "return out * 2"))
+    assert "return out * 2" not in inspect.getsource(fn)
+    assert inspect.getsource(fn) in text
