@@ -270,6 +270,13 @@ class KernelLibrary:
                 warnings.warn(f"kernel library {self.root}: {entry.kernel_id} refused: {why}", stacklevel=2)
         return self._refusals[key]
 
+    def refuse(self, entry: LibraryEntry, why: str) -> None:
+        """Record that `entry` is not to be dispatched in this process (its load found its source
+        changed), and choose again."""
+        self._refusals[(entry.kernel_id, entry.source_hash)] = why
+        self._chosen = (None, {})
+        warnings.warn(f"kernel library {self.root}: {entry.kernel_id} refused: {why}", stacklevel=2)
+
     def _source(self, entry: LibraryEntry) -> str:
         return (self.root / entry.source_file).read_text()
 
@@ -371,7 +378,11 @@ class Dispatcher:
             if entry is not None:
                 impl = self._loaded.get(entry.kernel_id)
                 if impl is None or impl.library is not self._library:
-                    fn = self._library.load(entry)
+                    try:
+                        fn = self._library.load(entry)
+                    except ValueError as exc:  # edited after it was checked: down the chain
+                        self._library.refuse(entry, str(exc))
+                        return self.resolve(op, device=device, dtype=dtype, bucket=bucket, graph=graph)
                     impl = self._loaded[entry.kernel_id] = Implementation(
                         f"library:{entry.kernel_id}", fn, self._library
                     )

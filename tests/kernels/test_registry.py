@@ -239,3 +239,16 @@ def test_triton_reads_the_verified_text_not_the_file(empty_library, monkeypatch:
     path.write_text(text.replace("return out", "return out * 2"))
     assert "return out * 2" not in inspect.getsource(fn)
     assert inspect.getsource(fn) in text
+
+
+def test_a_source_edited_after_its_check_is_refused_at_load_and_dispatch_moves_on(
+    empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    added = _add(empty_library, TEMPLATE.render({"BLOCK_D": 32}))
+    assert empty_library.refusal(added) is None  # checked (by `library list`, say), not loaded
+    path = empty_library.root / added.source_file
+    path.write_text(path.read_text().replace("return out", "return out * 2"))
+    with pytest.warns(UserWarning, match="was edited since it was verified"):
+        assert _resolve() == "default"
+    assert _resolve() == "default"
