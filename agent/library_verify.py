@@ -10,6 +10,7 @@ checks count. Entries of other architectures are left alone (listed as such)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import geometric_mean
 
 from agent.incumbents import default_candidate
 from agent.population import beats, serving_us
@@ -29,12 +30,7 @@ class Verified:
 def _served_us(result: EvalResult, entry: LibraryEntry) -> float | None:
     times = [serving_us(result, entry.dtype, b) for b in entry.buckets]
     times = [t for t in times if t is not None]
-    if not times:
-        return None
-    product = 1.0
-    for t in times:
-        product *= t
-    return product ** (1 / len(times))
+    return geometric_mean(times) if times else None
 
 
 def verify_library(library: KernelLibrary, backend: Backend, arch: str, trials: int = 2) -> list[Verified]:

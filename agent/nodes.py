@@ -25,7 +25,7 @@ from agent.population import (
     serving_us,
 )
 from agent.proposers import ProposalRequest, propose_batch
-from agent.report import write_report
+from agent.report import lineage_of, write_report
 from agent.state import CampaignContext, CampaignProgress, CampaignState, ProblemProgress
 from agent.store import EvaluationRow, device_seconds
 from sandbox.protocol import campaign_baselines
@@ -427,11 +427,7 @@ def _open_change(
         return
     held = [r for r in rows if r.score_us is not None and r.candidate.origin == INCUMBENT]
     previous = min(held, key=lambda r: bucket_us(r.result, entry.dtype) or float("inf"), default=None)
-    by_id = {r.candidate.id: r.candidate for r in rows}
-    lineage, at = [], row.candidate
-    while at is not None and len(lineage) < 20:
-        lineage.append(at.id)
-        at = by_id.get(at.parent_id) if at.parent_id else None
+    lineage = [cid for cid, _ in lineage_of(ctx.store, ctx.campaign_id, row.candidate.id)]
     llm = ctx.store.llm_proposals(ctx.campaign_id, problem).get(row.candidate.id)
     prompt_hash = None
     if llm is not None and llm.messages:

@@ -250,7 +250,9 @@ def _series(
     return out
 
 
-def _lineage(store: Store, campaign_id: str, candidate_id: str) -> list[tuple[str, str]]:
+def lineage_of(store: Store, campaign_id: str, candidate_id: str) -> list[tuple[str, str]]:
+    """(candidate id, origin) from `candidate_id` back through its parents, as far as the campaign
+    knows them."""
     chain: list[tuple[str, str]] = []
     cid: str | None = candidate_id
     while cid is not None and len(chain) < MAX_LINEAGE:
@@ -290,7 +292,7 @@ def _accepted(store: Store, campaign_id: str, out_dir: Path, libraries: dict) ->
                 source=source,
                 link=Path(os.path.relpath(source, out_dir.resolve())).as_posix(),
                 entries=entries,
-                lineage=_lineage(store, campaign_id, candidate_id),
+                lineage=lineage_of(store, campaign_id, candidate_id),
                 reverification=recheck.get("status", "unknown"),
             )
         )

@@ -24,6 +24,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import geometric_mean
 from typing import Any
 
 from kernels.registry import KernelLibrary, LibraryEntry
@@ -379,10 +380,7 @@ def describe(
     if interpreted:
         headline = "interpreted: correct on every check shape (timings say nothing on a CPU)"
     elif ratios:
-        mean = 1.0
-        for r in ratios:
-            mean *= r
-        headline = f"{mean ** (1 / len(ratios)):.2f}x over the previous best"
+        headline = f"{geometric_mean(ratios):.2f}x over the previous best"
     else:
         headline = "no previous best timed"
     knobs = entry.provenance.get("knobs") or {}
