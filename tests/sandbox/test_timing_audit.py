@@ -1,0 +1,79 @@
+"""The judge's audit of a timed batch (sandbox.judge.Calibration.audit) and its retry
+(Evaluation.timed_batch): a batch whose events leave most of the judge's clock unexplained is
+timed again on fresh inputs, and only a candidate that leaves the gap every time is suspicious;
+times the judge's clock cannot hold are suspicious at once. The runner is a stand-in that
+answers with given clocks (what a GPU runner reports is all the judge sees)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sandbox.judge import AUDIT_ATTEMPTS, Calibration, Evaluation, Verdict
+from sandbox.result import Status
+from search_space.problem import Shape
+
+SHAPE = Shape(name="s", dtype="fp32", params={})
+CALIBRATION = Calibration(rtt_us=50.0, flush_us=40.0)
+HONEST = (8 * (100.0 + 40.0) + 50.0 + 100.0, [100.0] * 8)  # judge's clock us, runner's times
+UNEXPLAINED = (20_000.0, [100.0] * 8)  # 800 us of events in 20 ms of the judge's clock
+
+
+class _Session:
+    """Answers each timed batch with the next (wall, times) of `batches`."""
+
+    def __init__(self, batches: list[tuple[float, list[float]]]) -> None:
+        self.batches, self.placed, self.dropped = list(batches), 0, 0
+
+    def place(self, shape, n, write=True):
+        self.placed += 1
+        return [SimpleNamespace(id=self.placed * 100 + i) for i in range(n)]
+
+    def run_timed(self, calls, *, lock, where, poison=0):
+        wall, times = self.batches.pop(0)
+        return wall, times, [{} for _ in calls]
+
+    def drop(self, calls):
+        self.dropped += 1
+
+
+def _timed_batch(batches):
+    session = _Session(batches)
+    judge = SimpleNamespace(session=session, request=SimpleNamespace(timing_lock=None))
+    judge.poison_bytes = lambda shape: 0
+    return session, Evaluation.timed_batch(judge, SHAPE, 8, CALIBRATION)
+
+
+def test_an_honest_batch_is_kept_as_measured() -> None:
+    session, (calls, wall, times, _) = _timed_batch([HONEST])
+    assert (wall, times) == HONEST and session.placed == 1 and session.dropped == 0
+    assert CALIBRATION.audit(SHAPE, wall, times) == times
+
+
+def test_a_gap_once_is_timed_again_on_fresh_inputs() -> None:
+    session, (calls, wall, times, _) = _timed_batch([UNEXPLAINED, HONEST])
+    assert (wall, times) == HONEST
+    assert session.placed == 2 and session.dropped == 1  # the unexplained batch's calls dropped
+    assert calls[0].id == 200  # the kept calls are the second batch's
+
+
+def test_a_gap_every_time_is_suspicious() -> None:
+    with pytest.raises(Verdict) as caught:
+        _timed_batch([UNEXPLAINED] * AUDIT_ATTEMPTS)
+    assert caught.value.status == Status.SUSPICIOUS
+    assert f"({AUDIT_ATTEMPTS} batches)" in caught.value.message
+    assert "work outside the timed calls' events" in caught.value.message
+
+
+def test_times_beyond_the_judges_clock_are_suspicious_at_once() -> None:
+    forged = (1_000.0, [500.0] * 8)  # 4 ms of calls reported in 1 ms
+    with pytest.raises(Verdict) as caught:
+        _timed_batch([forged, HONEST])
+    assert caught.value.status == Status.SUSPICIOUS and "reported" in caught.value.message
+
+
+def test_a_partly_unexplained_batch_is_raised_to_the_judges_clock() -> None:
+    wall, times = 8 * (200.0 + 40.0) + 50.0 + 1_200.0, [200.0] * 8  # 1.2 ms beyond the events
+    raised = CALIBRATION.audit(SHAPE, wall, times)
+    assert sum(raised) == pytest.approx(wall - CALIBRATION.rtt_us - 8 * CALIBRATION.flush_us)
