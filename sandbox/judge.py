@@ -360,10 +360,13 @@ class Session:
         self.input_region = (region, self.runner.share(region, fd, self.kind))
         return self.input_region
 
-    def place(self, shape: Shape, n: int, *, write: bool = True) -> list[Call]:
+    def place(self, shape: Shape, n: int, *, write: bool = True, other_form: bool = False) -> list[Call]:
         """Inputs of `n` calls, each drawn here from a fresh seed and placed in the shared input
-        region (each call's tensors at their own offsets); written there now, or by `write` later."""
+        region (each call's tensors at their own offsets); written there now, or by `write` later.
+        `other_form`: the calls in the forward's other form (Problem.in_other_form)."""
         sets = [self.problem.make_inputs(shape, fresh_seed(), self.device) for _ in range(n)]
+        if other_form:
+            sets = [self.problem.in_other_form(s) for s in sets]
         region, rid = self._input_region(sum(_layout(s) for s in sets))
         cursor = [0]
         calls = []
@@ -595,10 +598,13 @@ class Evaluation:
 
     def check_shape(self, shape: Shape, trial: int) -> None:
         """Trial 0 calls twice on the same inputs (the two outputs must agree within the
-        tolerance: results that depend on call history fail); later trials once, on new inputs."""
+        tolerance: results that depend on call history fail); later trials once, on new inputs.
+        Odd trials call the forward in its other form (with the statistics where the shape asks
+        for the output alone, and the reverse): every check shape is checked in both."""
         assert self.session is not None
-        where = shape.describe()
-        (call,) = self.session.place(shape, 1)
+        other_form = trial % 2 == 1 and self.problem.statistics is not None
+        where = shape.describe() + (", the other form" if other_form else "")
+        (call,) = self.session.place(shape, 1, other_form=other_form)
         calls = [call] if trial else [call, dataclasses.replace(call, id=call.id + 10**9)]
         outputs = self.session.run(calls, poison=self.poison_bytes(shape), where=where)
         got = self.check(calls[:1], outputs[:1], trial, where=where)

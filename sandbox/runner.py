@@ -45,6 +45,8 @@ TRACEBACK_CHARS = 4000
 # patched later cannot replace.
 _perf_counter = time.perf_counter
 _cuda_synchronize = getattr(torch._C, "_cuda_synchronize", None)
+_refcount = sys.getrefcount
+_storage_use_count = torch._C._storage_Use_Count  # owners of a storage (its tensors, wrappers)
 
 
 class RunnerError(Exception):
@@ -105,6 +107,7 @@ class Runner:
         # what it found, by call id; the torch ops the problem lets host code run on floats.
         self.watch = False
         self.host_compute: dict[int, str] = {}
+        self.held: dict[int, str] = {}  # call id -> why its output is not the caller's alone
         self.host_float_ops: frozenset[str] = frozenset()
 
     # -- requests ------------------------------------------------------------------------------
@@ -188,6 +191,7 @@ class Runner:
     def op_drop(self, message: dict, fds: list[int]) -> dict:
         for cid in message.get("calls", []):
             self.outputs.pop(int(cid), None)
+            self.held.pop(int(cid), None)
         if message.get("regions"):
             self._sync()
             for rid in message["regions"]:
@@ -295,11 +299,15 @@ class Runner:
         else:
             out = self.fn(*args, **kwargs)
         items = list(out) if isinstance(out, tuple | list) else [out]
-        for t in items:
-            if type(t) is not torch.Tensor:
-                # Only plain tensors: a subclass could compare equal to anything.
-                self.outputs[cid] = f"returned {type(t).__name__}, expected torch.Tensor"
-                return
+        del out  # from here on, `items` holds the outputs' only references the runner made
+        # Only plain tensors: a subclass could compare equal to anything.
+        other = next((type(t).__name__ for t in items if type(t) is not torch.Tensor), None)
+        if other is not None:
+            self.outputs[cid] = f"returned {other}, expected torch.Tensor"
+            return
+        held = _held_elsewhere(items)
+        if held:
+            self.held[cid] = held
         self.outputs[cid] = items
 
     def _describe(self, cid: int) -> dict:
@@ -309,7 +317,7 @@ class Runner:
         if isinstance(out, str):
             self.outputs.pop(cid)
             return {"problem": out, **found}
-        problem = self._aliasing(cid, out)
+        problem = self._aliasing(cid, out) or self.held.pop(cid, None)
         return {
             **found,
             "tuple": len(out) != 1 or None,
@@ -387,6 +395,30 @@ class Runner:
         # Device-wide: work on any stream is done before the judge's clock stops.
         _cuda_synchronize()
         return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
+
+
+def _held_elsewhere(items: list[torch.Tensor]) -> str | None:
+    """Outputs are the caller's alone: the candidate keeps no reference to one (a ring of
+    buffers it hands out again, overwriting what an earlier caller still holds, however many
+    outputs the runner holds at a time) and no other tensor on its memory (a view of a buffer it
+    keeps). Where an output's memory is shared with an earlier output or an input, _aliasing
+    says so by name."""
+    for t in items:
+        # References to t: `items`, this loop's `t` and getrefcount's own argument.
+        if _refcount(t) > 3:
+            return "the candidate keeps a reference to a tensor it returned; outputs must be fresh"
+        if not t.numel():
+            continue
+        # A view keeps its base (the tensor it was cut from) alive: one more owner of the memory,
+        # whose references are then this `base`, getrefcount's argument and the view's own.
+        base = t._base
+        if base is not None and _refcount(base) > 3:
+            return "the candidate keeps the tensor its output is a view of; outputs must be fresh"
+        owners = 2 if base is None else 3  # t (and its base), and the storage wrapper asked here
+        if _storage_use_count(t.untyped_storage()._cdata) > owners:
+            return "the output's memory is held by another tensor the candidate keeps; outputs must be fresh"
+        del base
+    return None
 
 
 def _inside(ptr: int, region: shared.Region) -> bool:

@@ -11,6 +11,7 @@ by chunking (a padded [B, H, N, N] score tensor at B = 512, N = 4096 would be 64
 from __future__ import annotations
 
 import math
+import random
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -81,6 +82,31 @@ SOFTMAX_LSE = Statistics(
         "fp16": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=5e-5),
     },
 )
+
+
+# A check shape that names no scale has it drawn from each call's seed (see drawn_scale), so
+# that `scale` is exercised with every activation, mode and layout the check shapes cover, not
+# on one hand-picked shape each. Timing shapes keep the default (torch.compile of a baseline
+# would compile once per distinct float).
+DRAWN = "drawn"
+
+
+def scale_drawn(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+    """Check shapes with their scale drawn per call, where they do not name one."""
+    return tuple(
+        s if "scale" in s.params else Shape(name=s.name, dtype=s.dtype, params={**s.params, "scale": DRAWN})
+        for s in shapes
+    )
+
+
+def drawn_scale(params: Mapping[str, Any], seed: int, dim: int) -> float | None:
+    """A call's `scale`: the shape's (None: the op's default, dim ** -0.5), or, for DRAWN, from
+    the call's seed: the default half the time, else between half and twice dim ** -0.5."""
+    scale = params.get("scale")
+    if scale != DRAWN:
+        return scale
+    rng = random.Random(seed * 1_000_003 + 17)
+    return None if rng.random() < 0.5 else round(rng.uniform(0.5, 2.0) * dim**-0.5, 6)
 
 
 def with_statistics(kwargs: dict, params: Mapping[str, Any]) -> dict:

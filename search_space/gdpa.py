@@ -22,6 +22,7 @@ from search_space.attention_common import (
     bucket,
     dense_pointwise,
     draw_lengths,
+    drawn_scale,
     element_bytes,
     from_quantiles,
     index_bytes,
@@ -32,6 +33,7 @@ from search_space.attention_common import (
     pad,
     permuted,
     randn,
+    scale_drawn,
     softmax_error_scale,
     tile_template,
     token_positions,
@@ -68,7 +70,8 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     q = randn((p["n_q"] if broadcast else sum(q_lengths), heads, dim), gen, device, dtype)
     k, v = (randn((sum(kv_lengths), heads, dim), gen, device, dtype) for _ in range(2))
     q_offsets = None if broadcast else offsets_of(q_lengths, idx, device)
-    kwargs = {"activation": p.get("activation", "gelu"), "scale": p.get("scale"), "broadcast_q": broadcast}
+    kwargs = {"activation": p.get("activation", "gelu"), "scale": drawn_scale(p, seed, dim)}
+    kwargs["broadcast_q"] = broadcast
     kwargs["max_q_len"] = (
         None if broadcast else launch_bound(p, q_lengths, seed, prefix="q_" if mode == "cross" else "")
     )
@@ -243,10 +246,12 @@ def _check_shapes(dtype: str) -> tuple[Shape, ...]:
     )
 
 
-CHECK_SHAPES = (
-    *_check_shapes("fp32"),
-    *_check_shapes("bf16"),
-    *(s for s in _check_shapes("fp16") if s.name in ("self-mixed-gelu", "broadcast-gelu")),
+CHECK_SHAPES = scale_drawn(
+    (
+        *_check_shapes("fp32"),
+        *_check_shapes("bf16"),
+        *(s for s in _check_shapes("fp16") if s.name in ("self-mixed-gelu", "broadcast-gelu")),
+    )
 )
 
 _H = {"heads": workload.ATTENTION_HEADS, "dim": workload.ATTENTION_HEAD_DIM, "num_seqs": workload.GDPA_BATCH}

@@ -29,6 +29,7 @@ from search_space.attention_common import (
     bucket,
     dense_pointwise,
     draw_lengths,
+    drawn_scale,
     element_bytes,
     flex,
     from_quantiles,
@@ -40,6 +41,7 @@ from search_space.attention_common import (
     padded_table,
     permuted,
     randn,
+    scale_drawn,
     sdpa,
     softmax_error_scale,
     tile_template,
@@ -83,7 +85,7 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
         "causal": p.get("causal", True),
         "num_targets": num_targets,
         "rel_bias": rel_bias,
-        "scale": p.get("scale"),
+        "scale": drawn_scale(p, seed, dim),
     }
     return Inputs(args=(q, k, v, offsets_of(lengths, idx, device)), kwargs=with_statistics(kwargs, p))
 
@@ -348,10 +350,12 @@ def _check_shapes(dtype: str) -> tuple[Shape, ...]:
     )
 
 
-CHECK_SHAPES = (
-    *_check_shapes("fp32"),
-    *_check_shapes("bf16"),
-    *(s for s in _check_shapes("fp16") if s.name in ("mixed-d32", "silu-targets-bias")),
+CHECK_SHAPES = scale_drawn(
+    (
+        *_check_shapes("fp32"),
+        *_check_shapes("bf16"),
+        *(s for s in _check_shapes("fp16") if s.name in ("mixed-d32", "silu-targets-bias")),
+    )
 )
 
 _H = {"heads": workload.ATTENTION_HEADS, "dim": workload.ATTENTION_HEAD_DIM}

@@ -176,6 +176,16 @@ class Problem:
         kwargs = {k: v for k, v in inputs.kwargs.items() if k != self.statistics.flag}
         return Inputs(args=inputs.args, kwargs=kwargs)
 
+    def in_other_form(self, inputs: Inputs) -> Inputs:
+        """The call in the forward's other form: asking for the statistics where it did not, and
+        the reverse (unchanged for a problem without statistics). The judge checks every check
+        shape in both forms, so that neither is checked on a few hand-picked shapes only."""
+        if self.statistics is None:
+            return inputs
+        if self.wants_statistics(inputs):
+            return self.without_statistics(inputs)
+        return Inputs(args=inputs.args, kwargs={**inputs.kwargs, self.statistics.flag: True})
+
     def closeness(self, dtype: str, inputs: Inputs) -> tuple[Tolerance | tuple, float | None | tuple]:
         """(tolerance, error scale) to compare a call's output with: per output, (output,
         statistics), where the call asks for the statistics."""

@@ -35,6 +35,7 @@ from search_space.attention_common import (
     bucket,
     dense_pointwise,
     draw_lengths,
+    drawn_scale,
     element_bytes,
     flex,
     from_quantiles,
@@ -47,6 +48,7 @@ from search_space.attention_common import (
     padded_table,
     permuted,
     randn,
+    scale_drawn,
     sdpa,
     softmax_error_scale,
     tile_template,
@@ -129,7 +131,7 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
         offsets_of(lengths, idx, device),
         torch.tensor(requests, dtype=idx, device=device),
     )
-    kwargs = {"activation": p.get("activation", "softmax"), "scale": p.get("scale")}
+    kwargs = {"activation": p.get("activation", "softmax"), "scale": drawn_scale(p, seed, dim)}
     kwargs["max_candidates"] = launch_bound({}, cands, seed)
     kwargs["max_history"] = launch_bound(p, lengths, seed)
     return Inputs(args=args, kwargs=with_statistics(kwargs, p))
@@ -427,10 +429,12 @@ def _check_shapes(dtype: str) -> tuple[Shape, ...]:
     )
 
 
-CHECK_SHAPES = (
-    *_check_shapes("fp32"),
-    *_check_shapes("bf16"),
-    *(s for s in _check_shapes("fp16") if s.name in ("mixed-softmax", "unsorted-silu")),
+CHECK_SHAPES = scale_drawn(
+    (
+        *_check_shapes("fp32"),
+        *_check_shapes("bf16"),
+        *(s for s in _check_shapes("fp16") if s.name in ("mixed-softmax", "unsorted-silu")),
+    )
 )
 
 _H = {"heads": workload.ATTENTION_HEADS, "dim": workload.ATTENTION_HEAD_DIM}

@@ -5,7 +5,8 @@ Each file in `adversarial/` says in its docstring what it tries and, in a header
 `# base: yes` are appended to `adversarial/base.py`, a correct kernel, so that the only thing
 wrong with them is the exploit (`control_correct.py` proves the base passes). Files marked
 `# timing: yes` are timed as well (the rest are checked only); `# expect-gpu:`, where present,
-replaces `# expect:` on a GPU.
+replaces `# expect:` on a GPU. A case is an embedding-bag kernel unless `# problem:` names
+another problem (and `# entry:` its entry function, the problem's name by default).
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def outcomes(
             (canary / "keep").write_text("unchanged")
             # Cases that must time out get a short limit; the rest a generous one for slow CI machines.
             backend = LocalBackend(timeout_s=8 if expected == Status.TIMEOUT else 120, scratch_root=scratch)
-            candidate = Candidate(problem="embedding_bag", source=source, entry="embedding_bag")
-            timing = _header(path.read_text(), "timing", "no") == "yes"
+            text = path.read_text()
+            problem = _header(text, "problem", "embedding_bag")
+            candidate = Candidate(problem=problem, source=source, entry=_header(text, "entry", problem))
+            timing = _header(text, "timing", "no") == "yes"
             runs[path.stem] = (
                 pool.submit(backend.evaluate, candidate, trials=2, timing=timing),
                 scratch,

@@ -22,6 +22,7 @@ from search_space import (
 )
 from search_space import workload as wl
 from search_space.attention import allowed_mask
+from search_space.attention_common import DRAWN, drawn_scale
 from search_space.problem import Shape
 
 NAMES = ("jagged_attention", "gdpa", "target_attention")
@@ -139,7 +140,7 @@ def test_check_shape_inputs_are_valid(case) -> None:
             assert lengths == params["lengths"]
         assert max(lengths, default=0) <= kw["max_seq_len"]
         assert kw["activation"] == params.get("activation", "softmax")
-        assert kw["causal"] == params.get("causal", True) and kw["scale"] == params.get("scale")
+        assert kw["causal"] == params.get("causal", True) and kw["scale"] == drawn_scale(params, 7, dim)
         if params.get("max_targets") is None:
             assert kw["num_targets"] is None
         else:
@@ -512,3 +513,31 @@ def test_baselines_agree_with_the_reference_on_the_gpu(case) -> None:
     ref = p.reference(*inputs.clone().args, **inputs.kwargs)
     ok, details = compare(fn(*inputs.args, **inputs.kwargs), ref, p.tolerance(shape.dtype))
     assert ok, details.get("message")
+
+
+@pytest.mark.parametrize("name", ["jagged_attention", "gdpa", "target_attention"])
+def test_scale_is_drawn_on_every_check_shape_that_names_none(name: str) -> None:
+    """Every activation and mode meets an explicit scale: a check shape that names no scale has it
+    drawn per call (the default half the time, else between half and twice D ** -0.5), while
+    timing shapes keep the default."""
+    problem = PROBLEMS[name]
+    drawn = [s for s in problem.check_shapes if s.params.get("scale") == DRAWN]
+    assert drawn and all("scale" in s.params for s in problem.check_shapes)
+    assert all(s.params.get("scale") != DRAWN for s in problem.timing_shapes)
+    for shape in drawn[:3]:
+        dim = shape.params["dim"]
+        scales = [problem.make_inputs(shape, seed, CPU).kwargs["scale"] for seed in range(16)]
+        explicit = [x for x in scales if x is not None]
+        assert None in scales and explicit, scales
+        assert all(0.5 * dim**-0.5 <= x <= 2.0 * dim**-0.5 for x in explicit)
+
+
+@pytest.mark.parametrize("name", ["jagged_attention", "target_attention"])
+def test_the_other_form_asks_for_the_statistics_where_the_shape_does_not(name: str) -> None:
+    problem = PROBLEMS[name]
+    for shape in problem.check_shapes[:6]:
+        inputs = problem.make_inputs(shape, 3, CPU)
+        other = problem.in_other_form(inputs)
+        assert problem.wants_statistics(other) != problem.wants_statistics(inputs)
+        assert problem.wants_statistics(problem.in_other_form(other)) == problem.wants_statistics(inputs)
+        assert other.args is inputs.args  # the same tensors, only the request differs

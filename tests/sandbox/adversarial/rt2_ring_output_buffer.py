@@ -1,0 +1,23 @@
+"""Hands out its outputs from a ring of nine long-lived buffers per shape: the tenth call
+overwrites what the first call returned. The freshness rule is checked only against outputs the
+runner still holds, at most eight at a time (two in a check's trial 0, one timed batch), so a
+ring one larger is never seen; a caller that keeps more outputs alive (a training step saving
+every layer's activations for the backward) finds earlier ones overwritten. Must fail."""
+# expect: wrong | outputs must be fresh
+# base: yes
+# timing: yes
+
+_RING = 9
+_BUFFERS = {}
+_NEXT = {}
+
+
+def embedding_bag(weight, indices, offsets, *, mode="sum", per_sample_weights=None):
+    shape = (offsets.numel() - 1, weight.shape[1])
+    key = (shape, weight.dtype)
+    if key not in _BUFFERS:
+        _BUFFERS[key] = [torch.empty(shape, dtype=weight.dtype, device=weight.device) for _ in range(_RING)]
+        _NEXT[key] = 0
+    out = _BUFFERS[key][_NEXT[key]]
+    _NEXT[key] = (_NEXT[key] + 1) % _RING
+    return _launch(weight, indices, offsets, out, mode, per_sample_weights)
