@@ -1,8 +1,8 @@
-"""The softmax statistics are checked on a few shapes only: the output is right everywhere, but
-the log2-sum-exp (which the registered forward hands to training's backward) is computed with
-the default scale 1/sqrt(D), ignoring `scale`. No check shape (and no GPU timing shape) asks for
-return_lse together with an explicit scale, so every gradient of a model that passes a scale
-would be scaled by the wrong softmax normalizer. Must fail; the sandbox says ok.
+"""The output is right everywhere, but the log2-sum-exp (which the registered forward hands to
+training's backward) is computed with the default scale 1/sqrt(D), ignoring `scale`: every
+gradient of a model that passes a scale would be scaled by the wrong softmax normalizer. It was
+accepted while the statistics were checked on a few hand-picked shapes, none with a scale; now
+every check shape is checked in both forms, with scales drawn per call. Must fail.
 
 Same kernel as rt2_control_jagged.py but for the lse_scale argument."""
 # problem: jagged_attention

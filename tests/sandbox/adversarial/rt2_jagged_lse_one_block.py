@@ -1,8 +1,8 @@
 """A classic online-softmax bug in the statistic alone: the log2-sum-exp's running sum is not
 rescaled when a later key block raises the row maximum, so the lse is right only for rows that
-fit in one key block (128 keys here). The rows of the shapes that ask for return_lse are at most
-100 keys long (the 250-key row is checked in the serving form only), so on a CPU nothing sees
-it; on a GPU the training timing shapes (thousands of keys) do. Must fail.
+fit in one key block (128 keys here). It was accepted on a CPU while only shapes of rows up to
+100 keys asked for return_lse (the 250-key row was checked in the serving form only); every
+check shape is now checked in both forms. Must fail.
 
 Same kernel as rt2_control_jagged.py but for that rescale and a 128-key block."""
 # problem: jagged_attention

@@ -1,6 +1,7 @@
-"""Keyword coverage: the only check shape with an explicit `scale` is a softmax one, so a silu
-(HSTU pointwise) path that ignores `scale` and always uses 1/sqrt(D) is never caught: the output
-of every silu call with a scale is wrong. Must fail; the sandbox says ok.
+"""Keyword coverage: a silu (HSTU pointwise) path that ignores `scale` and always uses 1/sqrt(D)
+gets the output of every silu call with a scale wrong. It was accepted while the only check
+shape with an explicit scale was a softmax one; scales are now drawn per call on every check
+shape that names none. Must fail.
 
 Same kernel as rt2_control_jagged.py but for the silu path's score scale."""
 # problem: jagged_attention

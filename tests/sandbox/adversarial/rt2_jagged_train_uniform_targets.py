@@ -1,8 +1,8 @@
-"""The training form (return_lse=True) is checked on three non-empty shapes, all with one
-target count for every sequence (and the GPU's training timing shape too): a softmax training
-forward that reads num_targets[0] for every sequence, as if the count were uniform, gets both
-its output and its log2-sum-exp wrong wherever users have different numbers of candidates (the
-serving form, checked with random counts, is right). Must fail; the sandbox says ok.
+"""A softmax training forward (return_lse=True) that reads num_targets[0] for every sequence, as
+if the count were uniform, gets both its output and its log2-sum-exp wrong wherever users have
+different numbers of candidates (its serving form is right). It was accepted while the training
+form was checked on three shapes, all with one target count for every sequence; every check
+shape is now checked in both forms. Must fail.
 
 Same kernel as rt2_control_jagged.py but for the targets' stride in the training form."""
 # problem: jagged_attention

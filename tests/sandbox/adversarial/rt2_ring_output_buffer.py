@@ -1,8 +1,8 @@
 """Hands out its outputs from a ring of nine long-lived buffers per shape: the tenth call
-overwrites what the first call returned. The freshness rule is checked only against outputs the
-runner still holds, at most eight at a time (two in a check's trial 0, one timed batch), so a
-ring one larger is never seen; a caller that keeps more outputs alive (a training step saving
-every layer's activations for the backward) finds earlier ones overwritten. Must fail."""
+overwrites what the first call returned, and a caller that keeps more outputs alive (a training
+step saving every layer's activations for the backward) finds earlier ones overwritten. It was
+accepted while freshness was checked only against the outputs the runner still held (at most
+eight); the runner now refuses any output the candidate still holds. Must fail."""
 # expect: wrong | outputs must be fresh
 # base: yes
 # timing: yes

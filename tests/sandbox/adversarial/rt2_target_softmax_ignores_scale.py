@@ -1,7 +1,7 @@
-"""Keyword coverage: the only target_attention check shape with an explicit `scale` is a silu
-one, so a softmax path that ignores `scale` (always 1/sqrt(D)) is never caught, in its output
-or in its log2-sum-exp: every softmax call with a scale (a temperature) is wrong. Must fail;
-the sandbox says ok.
+"""Keyword coverage: a softmax path that ignores `scale` (always 1/sqrt(D)) gets every softmax
+call with a scale (a temperature) wrong, in its output and its log2-sum-exp. It was accepted
+while the only target_attention check shape with an explicit scale was a silu one; scales are
+now drawn per call on every check shape that names none. Must fail.
 
 Same kernel as rt2_control_target.py but for the softmax path's score scale."""
 # problem: target_attention
