@@ -101,10 +101,11 @@ class Campaigns:
     ) -> CampaignOutcome:
         """Run a new campaign (under `campaign_id`, default a new_id) to its end."""
         if config.llm is not None and "llm" in config.proposer.kinds:
-            from agent.llm.client import api_key
+            from agent.llm.preflight import preflight
 
             try:
-                api_key(config.llm)  # before anything is recorded: a campaign that cannot start
+                # Before anything is recorded or spent: the key, the model, the context.
+                preflight(config.llm)
             except LLMConfigError as exc:
                 raise CampaignError(str(exc)) from None
         campaign_id = campaign_id or self.new_id(config)

@@ -30,6 +30,7 @@ campaign_app = typer.Typer(help="Run, resume and inspect optimization campaigns.
 sandbox_app = typer.Typer(help="Evaluate a candidate kernel in the sandbox.", no_args_is_help=True)
 library_app = typer.Typer(help="The library of accepted kernels.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+llm_app = typer.Typer(help="The LLM endpoint a campaign proposes with.", no_args_is_help=True)
 review_app = typer.Typer(
     help="Kernel changes for review: each accepted kernel as a git branch.", no_args_is_help=True
 )
@@ -38,6 +39,7 @@ app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(library_app, name="library")
 app.add_typer(bench_app, name="bench")
 app.add_typer(review_app, name="review")
+app.add_typer(llm_app, name="llm")
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
@@ -310,6 +312,9 @@ def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
             f"({spent.prompt_tokens} prompt, {spent.completion_tokens} completion), cost {spent.cost:.4f}"
             + (f"; paused {len(pauses)} time(s), last: {pauses[-1][2]}" if pauses else "")
         )
+        # Per request, what came of it: replied, context_overflow, structured_output_refused, auth, ...
+        outcomes = Counter(e["outcome"] for e in campaigns.store.llm_exchanges(campaign_id))
+        console.print("LLM requests by outcome: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
     scored = sorted((r for r in rows if r.score_us is not None), key=lambda r: r.score_us)
     for r in scored[:5]:
         tag = " (interpreted)" if r.result.interpreted else ""
@@ -653,3 +658,28 @@ def main() -> None:  # pragma: no cover - console script entry
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())
+
+
+@llm_app.command("check")
+def llm_check(config: Annotated[Path, typer.Argument(help="campaign TOML file")]) -> None:
+    """The campaign's pre-flight check of its LLM endpoint, alone: the server answers, the key
+    works, the model is served and its context holds a prompt beside llm.max_tokens."""
+    from agent.config import ConfigError, load_config
+    from agent.llm.preflight import preflight
+
+    try:
+        cfg = load_config(config)
+        if cfg.llm is None:
+            raise fail(f"{config} has no [llm] section: nothing to check")
+        found = preflight(cfg.llm)
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    context = f"context {found.context_tokens} tokens" if found.context_tokens else "context not stated"
+    how = (
+        f"listed among {len(found.models)} models"
+        if found.checked_by == "models"
+        else "answered a chat request"
+    )
+    console.print(
+        f"ok: {found.base_url} serves {found.model} ({how}; {context}; max_tokens {cfg.llm.max_tokens})"
+    )

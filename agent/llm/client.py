@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import email.utils
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,12 +29,52 @@ CHARS_PER_TOKEN = 4
 ERROR_CHARS = 400
 
 
+# Outcomes that no later request to the same server, model and key will change: the LLM
+# proposer stops for good with the reason instead of pausing and trying again.
+PERMANENT = ("auth", "unknown_model")
+# The smallest completion worth asking for when a prompt leaves less of the context.
+MIN_COMPLETION_TOKENS = 512
+_CONTEXT = re.compile(
+    r"maximum context length|context length|context window|max_model_len|prompt is too long|"
+    r"too many tokens|exceeds the model|input is too long|longer than the model",
+    re.IGNORECASE,
+)
+_STRUCTURED = re.compile(r"response_format|json_schema|guided|structured|grammar|schema", re.IGNORECASE)
+_LIMITS = re.compile(
+    r"maximum context length is (\d+) tokens.*?(\d+) (?:tokens )?in the messages", re.IGNORECASE | re.DOTALL
+)
+
+
 class LLMUnavailable(RuntimeError):
-    """No usable reply for one request: retries exhausted, or an error retrying cannot fix."""
+    """No usable reply for one request: retries exhausted, or an error retrying cannot fix
+    (`permanent`: nor will any later request, see PERMANENT)."""
 
     def __init__(self, message: str, outcome: str) -> None:
         super().__init__(message)
         self.outcome = outcome
+        self.permanent = outcome in PERMANENT
+
+
+def classify_http_error(code: int, message: str, request: dict) -> str:
+    """The outcome of an HTTP error, by what servers say: a 400 may be a prompt plus max_tokens
+    over the model's context (vLLM, SGLang, hosted APIs), a refused response_format, or another
+    bad request; 401 and 403 a key that does not work; 404 a model the server does not serve."""
+    if code == 400 and _CONTEXT.search(message):
+        return "context_overflow"
+    if code in (400, 422) and "response_format" in request and _STRUCTURED.search(message):
+        return "structured_output_refused"
+    if code in (401, 403):
+        return "auth"
+    if code == 404:
+        return "unknown_model"
+    return f"http_{code}"
+
+
+def completion_room(message: str) -> int | None:
+    """Tokens a completion may take, from a context-overflow message that gives the model's
+    limit and the prompt's length (vLLM's form), less a margin; None where it does not."""
+    m = _LIMITS.search(message)
+    return None if m is None else int(m.group(1)) - int(m.group(2)) - 16
 
 
 def api_key(config: LLMConfig) -> str:
@@ -99,6 +140,7 @@ class ChatClient:
         self.config = config
         self._client = client or make_client(config)
         self.response_format = config.structured_output
+        self.max_tokens = config.max_tokens  # lowered where the server's context is too small
         self._backoff = wait_exponential(multiplier=config.backoff_initial_s, max=config.backoff_max_s)
 
     def _wait(self, retry_state) -> float:
@@ -120,8 +162,8 @@ class ChatClient:
             attempt = self._once(messages, schema, number)
             number += 1
             on_attempt(attempt)
-            if attempt.outcome == "http_400" and attempt.transient:
-                # The server refused response_format: ask again at once, without it.
+            if attempt.outcome in ("structured_output_refused", "context_overflow") and attempt.transient:
+                # Without response_format, or with a completion that fits: ask again at once.
                 attempt = self._once(messages, schema, number)
                 number += 1
                 on_attempt(attempt)
@@ -148,7 +190,7 @@ class ChatClient:
             "model": self.config.model,
             "messages": messages,
             "temperature": self.config.temperature,
-            "max_tokens": self.config.max_tokens,
+            "max_tokens": self.max_tokens,
         }
         if self.response_format == "json_schema":
             request["response_format"] = {
@@ -181,13 +223,20 @@ class ChatClient:
             return failed("connection", f"{exc}: {exc.__cause__ or ''}", transient=True)
         except openai.APIStatusError as exc:
             code = exc.status_code
-            if code == 400 and "response_format" in request:
-                self.response_format = "none"
-                return failed(
-                    "http_400", f"{exc.message}; asking again without response_format", transient=True
-                )
+            outcome = classify_http_error(code, exc.message, request)
+            if outcome == "structured_output_refused":
+                self.response_format = "none"  # for the rest of the campaign: recorded per attempt
+                return failed(outcome, f"{exc.message}; asking again without response_format", transient=True)
+            if outcome == "context_overflow":
+                room = completion_room(exc.message)
+                if room is not None and MIN_COMPLETION_TOKENS <= room < self.max_tokens:
+                    self.max_tokens = room
+                    return failed(
+                        outcome, f"{exc.message}; asking again with max_tokens {room}", transient=True
+                    )
+                return failed(outcome, f"{exc.message} (the prompt leaves no room for a completion)")
             return failed(
-                f"http_{code}",
+                outcome,
                 exc.message,
                 retry_after_s=_retry_after(exc.response.headers),
                 transient=code in (408, 409, 429) or code >= 500,

@@ -79,29 +79,76 @@ def proposal_schema() -> dict:
     return PROPOSAL.json_schema()
 
 
-_FENCE = re.compile(r"```(?:json)?\s*\n(.*?)\n?```", re.DOTALL)
+# Reasoning models think aloud before they answer, in a <think> block (DeepSeek-R1, Qwen3 and
+# their servers) that may hold code fences and braces of its own; an unclosed one (a reply cut
+# at max_tokens, or a server that strips the opening tag) runs to the end of the text.
+_THINKING = re.compile(r"<(think|thinking|reasoning)>.*?(</\1>|\Z)", re.DOTALL | re.IGNORECASE)
+_CLOSING_ONLY = re.compile(r"^.*?</(think|thinking|reasoning)>", re.DOTALL | re.IGNORECASE)
+_PYTHON_FENCE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)\n?```", re.DOTALL)
+_DECODER = json.JSONDecoder()
+
+
+def _answer(text: str) -> str:
+    """The reply without its reasoning: <think> blocks removed, and, where a server sent only
+    the closing tag, everything before it."""
+    text = _THINKING.sub("", text)
+    return _CLOSING_ONLY.sub("", text, count=1) if _CLOSING_ONLY.match(text) else text
+
+
+def _json_objects(text: str) -> list[tuple[int, object]]:
+    """Every top-level JSON object in `text` (prose, fences and all around it), with where it
+    starts: decoded at each "{" not inside an object already found."""
+    found, i = [], text.find("{")
+    while i >= 0:
+        try:
+            value, end = _DECODER.raw_decode(text, i)
+        except json.JSONDecodeError:
+            i = text.find("{", i + 1)
+            continue
+        if isinstance(value, dict):
+            found.append((i, value))
+        i = text.find("{", end)
+    return found
+
+
+def _with_fenced_source(data: dict, answer: str, at: int) -> dict:
+    """A module proposal whose source came as a ```python block beside its JSON header (the
+    form models fall into when escaping a whole module in a JSON string goes wrong)."""
+    if data.get("kind") != "module" or (isinstance(data.get("source"), str) and data["source"].strip()):
+        return data
+    blocks = [m for m in _PYTHON_FENCE.finditer(answer) if not m.start() <= at < m.end()]
+    return {**data, "source": blocks[-1].group(1) + "\n"} if blocks else data
 
 
 def parse_proposal(text: str) -> Proposal:
-    """The proposal in a reply: one JSON object, bare or in a ```json fence, possibly with
-    prose around it."""
-    fenced = _FENCE.search(text)
-    body = fenced.group(1) if fenced else text
-    start, end = body.find("{"), body.rfind("}")
-    if start < 0:
+    """The proposal in a reply: the last JSON object in it that validates against the proposal
+    schema, bare or fenced, with prose, reasoning blocks and other JSON around it; a module's
+    source may come as a ```python block beside the JSON. Where none validates, the error of the
+    last candidate object (or why no JSON was found) says what to fix."""
+    answer = _answer(text)
+    objects = _json_objects(answer)
+    if not objects:
+        start = answer.find("{")
+        if start < 0:
+            raise ProposalError("the reply holds no JSON object; reply with exactly one JSON object")
+        try:
+            json.loads(answer[start:])
+        except json.JSONDecodeError as exc:
+            raise ProposalError(
+                f"the reply is not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); "
+                "reply with exactly one JSON object, with newlines in strings escaped as \\n"
+            ) from None
         raise ProposalError("the reply holds no JSON object; reply with exactly one JSON object")
-    try:
-        data = json.loads(body[start : end + 1] if end > start else body[start:])
-    except json.JSONDecodeError as exc:
-        raise ProposalError(
-            f"the reply is not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); "
-            "reply with exactly one JSON object, with newlines in strings escaped as \\n"
-        ) from None
-    try:
-        return PROPOSAL.validate_python(data)
-    except ValidationError as exc:
-        problems = "; ".join(f"{_where(e)}: {e['msg']}" for e in exc.errors())
-        raise ProposalError(f"the JSON does not match the proposal schema: {problems}") from None
+    errors = []  # last object first
+    for at, data in reversed(objects):
+        try:
+            return PROPOSAL.validate_python(_with_fenced_source(data, answer, at))
+        except ValidationError as exc:
+            errors.append((isinstance(data, dict) and "kind" in data, exc))
+    # What the proposal itself got wrong: the last object that names a kind, else the last one.
+    last_error = next((exc for has_kind, exc in errors if has_kind), errors[0][1])
+    problems = "; ".join(f"{_where(e)}: {e['msg']}" for e in last_error.errors())
+    raise ProposalError(f"the JSON does not match the proposal schema: {problems}")
 
 
 def _where(error: dict) -> str:

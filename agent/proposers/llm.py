@@ -20,6 +20,7 @@ pause. One `LLMProposer` per problem holds the conversation logic:
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -87,8 +88,11 @@ class LLMEndpoint:
         self.failures_in_a_row = 0
 
     def paused_until(self) -> float | None:
+        """When the current pause ends (None: no pause, or stopped for good, see stopped)."""
         pauses = self.store.llm_pauses(self.campaign_id)
-        until = max((u for _, u, _ in pauses), default=None)
+        until = max((u for _, u, _ in pauses if u != math.inf), default=None)
+        if self.stopped() is not None:
+            return None
         return until if until is not None and until > time.time() else None
 
     def budget_reached(self) -> str | None:
@@ -122,12 +126,26 @@ class LLMEndpoint:
         try:
             attempt = self.client.complete(messages, schema=self.schema, on_attempt=record)
         except LLMUnavailable as exc:
+            if exc.permanent:
+                self._stop(str(exc))
+                raise
             self.failures_in_a_row += 1
             if self.failures_in_a_row >= self.config.outage_failures:
                 self._pause(str(exc))
             raise
         self.failures_in_a_row = 0
         return attempt, rows[-1]
+
+    def stopped(self) -> str | None:
+        """Why the LLM proposer stopped for good (a key that does not work, a model the server
+        does not serve), or None."""
+        pauses = self.store.llm_pauses(self.campaign_id)
+        return next((reason for _, until, reason in pauses if until == math.inf), None)
+
+    def _stop(self, error: str) -> None:
+        reason = f"the LLM proposer stopped: {error}"
+        self.store.add_llm_pause(self.campaign_id, time.time(), math.inf, reason)
+        self.events.message(reason)
 
     def _pause(self, last_error: str) -> None:
         now = time.time()
@@ -174,6 +192,9 @@ class LLMProposer:
 
     @property
     def exhausted(self) -> str | None:
+        stopped = self.endpoint.stopped()
+        if stopped is not None:
+            return stopped
         if self.empty_rounds >= self.config.max_empty_rounds:
             return (
                 f"the LLM proposed nothing usable for {self.problem} in {self.empty_rounds} rounds in a row"

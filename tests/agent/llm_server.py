@@ -55,9 +55,20 @@ def proposal(kind: str, rationale: str = "scripted", **fields) -> str:
 
 
 class FakeLLMServer:
-    def __init__(self, script: Iterable[Step] = (), default: Step | None = None) -> None:
+    def __init__(
+        self,
+        script: Iterable[Step] = (),
+        default: Step | None = None,
+        *,
+        models: list[dict] | Fail | None = None,
+    ) -> None:
+        """`models`: what GET /v1/models answers, a list of model entries (vLLM's carry
+        max_model_len) or a Fail; default one model, "scripted"."""
         self.script: list[Step] = list(script)
         self.default = default
+        self.models = (
+            [{"id": "scripted", "object": "model", "owned_by": "test"}] if models is None else models
+        )
         self.requests: list[dict] = []  # bodies of the chat requests, in order
         self.headers: list[dict[str, str]] = []
         self._lock = threading.Lock()
@@ -114,11 +125,11 @@ class FakeLLMServer:
 
             def do_GET(self) -> None:
                 if self.path.rstrip("/") == "/v1/models":
-                    models = {
-                        "object": "list",
-                        "data": [{"id": "scripted", "object": "model", "owned_by": "test"}],
-                    }
-                    self._send(200, json.dumps(models), "application/json")
+                    if isinstance(server.models, Fail):
+                        error = {"error": {"message": server.models.message, "code": server.models.status}}
+                        self._send(server.models.status, json.dumps(error), "application/json")
+                        return
+                    self._send(200, json.dumps({"object": "list", "data": server.models}), "application/json")
                 else:
                     self._send(404, json.dumps({"error": {"message": "not found"}}), "application/json")
 

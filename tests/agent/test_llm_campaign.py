@@ -138,6 +138,8 @@ def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickB
 
     status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
     assert status.exit_code == 0 and "LLM: 7 requests (2 failed), 750 tokens" in status.output
+    said = " ".join(status.output.split())
+    assert "LLM requests by outcome: proposal 4, garbage 1, http_500 1, invalid 1" in said, said
 
 
 @pytest.mark.parametrize(
@@ -210,6 +212,28 @@ def test_llm_only_campaign_waits_out_an_outage(tmp_path: Path, quick) -> None:
     ]
 
 
+def test_a_key_revoked_mid_campaign_stops_the_llm_and_the_campaign_says_why(tmp_path: Path, quick) -> None:
+    """A 401 is not an outage: the LLM-only campaign ends at once with the reason, instead of
+    pausing for outage_cooldown_s again and again until its wall budget is spent."""
+    with FakeLLMServer([Fail(401, message="Incorrect API key provided")], default=knob_replies()) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"max_retries": 3, "outage_failures": 1, "outage_cooldown_s": 600},
+            budget={"max_evaluations": 5, "max_wall_s": 600},
+        )
+        start = time.monotonic()
+        outcome = campaigns.start(cfg)
+    assert time.monotonic() - start < 120 and len(server.requests) == 1  # neither retried nor waited
+    assert outcome.stop_reason.startswith("the LLM proposer stopped: auth: ")
+    assert "Incorrect API key provided" in outcome.stop_reason
+    [(_, until, reason)] = campaigns.store.llm_pauses(outcome.campaign_id)
+    assert until == float("inf") and reason == outcome.stop_reason
+    [exchange] = campaigns.store.llm_exchanges(outcome.campaign_id)
+    assert exchange["outcome"] == "auth"
+
+
 def test_search_tunes_the_kernel_the_llm_wrote(tmp_path: Path, monkeypatch) -> None:
     backend = QuickBackend(speed=lambda c: 10.0 if "LLM-written" in c.source else hashed_speed(c))
     monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: backend)
@@ -249,6 +273,36 @@ def test_missing_api_key_is_one_clear_error(tmp_path: Path, monkeypatch) -> None
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"environment variable {KEY_ENV} (llm.api_key_env) is not set" in result.output
     assert not path.exists() and not list((tmp_path / "h").glob("checkpoints.db"))
+
+
+def test_llm_check_and_campaign_start_fail_fast_on_a_model_the_server_does_not_serve(tmp_path: Path) -> None:
+    served = [{"id": "qwen-coder", "object": "model", "max_model_len": 65536}]
+    with FakeLLMServer(models=served) as server:
+        toml = tmp_path / "c.toml"
+
+        def write(model: str) -> None:
+            toml.write_text(
+                f'name = "x"\nproblems = ["embedding_bag"]\n[proposer]\nkinds = ["llm"]\n'
+                f'[llm]\nbase_url = "{server.url}"\nmodel = "{model}"\napi_key_env = "{KEY_ENV}"\n'
+                "[budget]\nmax_evaluations = 2\nmax_wall_s = 60\n"
+            )
+
+        runner = CliRunner()
+        write("qwen-coder")
+        ok = runner.invoke(app, ["llm", "check", str(toml)])
+        assert ok.exit_code == 0, ok.output
+        said = " ".join(ok.output.split())  # the console folds long lines
+        assert "serves qwen-coder" in said and "context 65536 tokens" in said
+        write("qwen-coderr")
+        for args in (
+            ["llm", "check", str(toml)],
+            ["campaign", "run", str(toml), "--home", str(tmp_path / "h")],
+        ):
+            result = runner.invoke(app, args)
+            assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+            assert "does not serve this model; it serves qwen-coder" in " ".join(result.output.split())
+        assert not server.requests  # no chat request was paid for
+        assert Campaigns(tmp_path / "h").store.campaigns() == []  # nor any campaign recorded
 
 
 @pytest.mark.slow

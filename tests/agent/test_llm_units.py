@@ -317,9 +317,9 @@ def test_client_gives_up_and_falls_back(monkeypatch) -> None:
     monkeypatch.setenv(KEY_ENV, KEY)
     attempts = []
     with FakeLLMServer([Fail(401, message="bad key"), Fail(500), Fail(502)]) as server:
-        with pytest.raises(LLMUnavailable, match="http_401: .*bad key") as info:
+        with pytest.raises(LLMUnavailable, match="auth: .*bad key") as info:
             _client(server.url, max_retries=3).complete(MESSAGES, schema={}, on_attempt=attempts.append)
-        assert info.value.outcome == "http_401" and len(attempts) == 1  # not retried
+        assert info.value.outcome == "auth" and info.value.permanent and len(attempts) == 1  # not retried
         with pytest.raises(LLMUnavailable, match="http_502 after 2 attempts"):
             _client(server.url, max_retries=1).complete(MESSAGES, schema={}, on_attempt=attempts.append)
     # A server that refuses response_format is asked again without it, and from then on.
@@ -410,3 +410,74 @@ def test_the_prompt_shows_why_reviewers_rejected_the_ops_kernels() -> None:
         "Kernels of this op that reviewers rejected" in text and "- reads the weights twice per bag" in text
     )
     assert "reviewers rejected" not in propose_prompt(**common)
+
+
+# What vLLM answers when a prompt plus max_tokens exceeds the model's context.
+VLLM_CONTEXT = (
+    "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens "
+    "(1000 in the messages, 8000 in the completion). Please reduce the length of the messages or completion."
+)
+
+
+def test_http_errors_are_told_apart(monkeypatch) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY)
+    attempts = []
+    # Context overflow: asked again at once with a completion that fits, and kept for later requests.
+    with FakeLLMServer([Fail(400, message=VLLM_CONTEXT), Reply("a"), Reply("b")]) as server:
+        client = _client(server.url, max_retries=0, max_tokens=8000)
+        assert client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "a"
+        assert client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "b"
+        assert [a.outcome for a in attempts] == ["context_overflow", "replied", "replied"]
+        assert [r["max_tokens"] for r in server.requests] == [8000, 4096 - 1000 - 16, 4096 - 1000 - 16]
+        assert all("response_format" in r for r in server.requests)  # structured output kept
+    # No room left for a completion: one clear failure, not retried, not a permanent stop.
+    tight = VLLM_CONTEXT.replace("1000 in the messages", "3900 in the messages")
+    with FakeLLMServer([Fail(400, message=tight), Reply("never")]) as server:
+        with pytest.raises(LLMUnavailable, match="context_overflow: .*no room") as info:
+            _client(server.url, max_retries=2).complete(MESSAGES, schema={}, on_attempt=attempts.append)
+        assert not info.value.permanent and len(server.requests) == 1
+    # Another 400 keeps response_format and is not retried; 404 is an unknown model, for good.
+    with FakeLLMServer(
+        [Fail(400, message="messages: field required"), Fail(404, message="model m")]
+    ) as server:
+        with pytest.raises(LLMUnavailable, match="http_400") as info:
+            _client(server.url, max_retries=2).complete(
+                MESSAGES, schema={"type": "object"}, on_attempt=attempts.append
+            )
+        with pytest.raises(LLMUnavailable, match="unknown_model") as unknown:
+            _client(server.url, max_retries=2).complete(MESSAGES, schema={}, on_attempt=attempts.append)
+        assert not info.value.permanent and unknown.value.permanent and len(server.requests) == 2
+        assert "response_format" in server.requests[0]
+
+
+def test_preflight_says_in_one_sentence_what_to_change(tmp_path, monkeypatch) -> None:
+    from agent.llm.preflight import preflight
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    llm = config(tmp_path, "http://127.0.0.1:9/v1").llm
+    with pytest.raises(LLMConfigError, match="no server answers"):
+        preflight(llm)
+    served = [
+        {"id": "scripted", "object": "model", "max_model_len": 32768},
+        {"id": "other", "object": "model"},
+    ]
+    with FakeLLMServer(models=served) as server:
+        found = preflight(llm.model_copy(update={"base_url": server.url}))
+        assert found.models == ("scripted", "other") and found.context_tokens == 32768
+        with pytest.raises(LLMConfigError, match="does not serve this model; it serves scripted, other"):
+            preflight(llm.model_copy(update={"base_url": server.url, "model": "scriptd"}))
+        with pytest.raises(
+            LLMConfigError, match=r"context of 32768 tokens .* set llm.max_tokens to 22768 or less"
+        ):
+            preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": 30000}))
+        assert not server.requests  # nothing spent on chat
+    with FakeLLMServer(models=Fail(401, message="invalid api key")) as server:
+        refused = f"refused the key in {KEY_ENV} \\(HTTP 401"
+        with pytest.raises(LLMConfigError, match=refused):
+            preflight(llm.model_copy(update={"base_url": server.url}))
+        assert not server.requests
+    # A server that lists no models is asked one tiny chat request instead.
+    with FakeLLMServer([Fail(404, message="The model `m` does not exist")], models=Fail(404)) as server:
+        with pytest.raises(LLMConfigError, match="does not serve this model"):
+            preflight(llm.model_copy(update={"base_url": server.url}))
+        assert server.requests[0]["max_tokens"] == 1
