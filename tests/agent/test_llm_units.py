@@ -481,3 +481,39 @@ def test_preflight_says_in_one_sentence_what_to_change(tmp_path, monkeypatch) ->
         with pytest.raises(LLMConfigError, match="does not serve this model"):
             preflight(llm.model_copy(update={"base_url": server.url}))
         assert server.requests[0]["max_tokens"] == 1
+
+
+def test_interpreted_timings_never_reach_the_prompt() -> None:
+    """On the interpreter the same kernel measured 17 ms and 34 ms in two runs: the prompt says
+    which kernels are correct and gives no microseconds, GB/s or speedups from such timings;
+    GPU timings are shown as measured."""
+    from agent.llm.prompting import propose_prompt
+    from sandbox.result import DeviceInfo, TimingStats
+
+    best = _row(
+        1, Candidate(problem="embedding_bag", source=GOOD, entry="embedding_bag", origin="llm"), 1234.5
+    )
+    attempt = _row(2, Candidate(problem="embedding_bag", source=GOOD + "\n", entry="embedding_bag"), 2345.6)
+    baselines = {
+        "s/fp32": {"torch.embedding_bag": TimingStats(median_us=99.0, p20_us=99.0, p80_us=99.0, reps=3)}
+    }
+
+    def prompt(interpreted: bool) -> str:
+        def as_run(row):
+            device = DeviceInfo(
+                name="x", arch="a", torch="t", triton="t", python="p", interpreted=interpreted
+            )
+            result = row.result.model_copy(update={"device": device})
+            return EvaluationRow(row.seq, row.candidate, result)
+
+        return propose_prompt(
+            problem="embedding_bag", arch="interpreter" if interpreted else "sm_90", best=as_run(best),
+            base=best.candidate, attempts=[as_run(attempt)], llm_rows={}, baselines=baselines,
+            kinds=["module"],
+        )  # fmt: skip
+
+    cpu, gpu = prompt(True), prompt(False)
+    for figure in ("1234.5", "2345.6", "GB/s", "x vs torch.embedding_bag", "us geometric mean"):
+        assert figure not in cpu, figure
+        assert figure in gpu, figure
+    assert "timed on the interpreter only" in cpu and "correct" in cpu
