@@ -6,11 +6,14 @@ Each file in `adversarial/` says in its docstring what it tries and, in a header
 wrong with them is the exploit (`control_correct.py` proves the base passes). Files marked
 `# timing: yes` are timed as well (the rest are checked only); `# expect-gpu:`, where present,
 replaces `# expect:` on a GPU. A case is an embedding-bag kernel unless `# problem:` names
-another problem (and `# entry:` its entry function, the problem's name by default).
+another problem (and `# entry:` its entry function, the problem's name by default). A case
+marked `# from: FILE` is that file (a control that passes) with the defect its `EDITS` make:
+(search, replace) pairs, each found exactly once.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import secrets
@@ -47,9 +50,25 @@ def _source(path: Path) -> tuple[str, Status, str]:
     if torch.cuda.is_available():  # a case may expect another outcome of compiled kernels
         expect = _header(text, "expect-gpu", expect)
     status, _, fragment = expect.partition("|")
-    if _header(text, "base") == "yes":
+    if _header(text, "from", "") != "":
+        text = _edited(HERE / _header(text, "from"), text)
+    elif _header(text, "base") == "yes":
         text = (HERE / "base.py").read_text() + "\n\n" + text
     return text, Status(status.strip()), fragment.strip()
+
+
+def _edited(control: Path, case: str) -> str:
+    """`control`'s source with the case's EDITS applied (a literal list of (search, replace))."""
+    [edits] = [
+        ast.literal_eval(node.value)
+        for node in ast.parse(case).body
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["EDITS"]
+    ]
+    source = control.read_text()
+    for search, replace in edits:
+        assert source.count(search) == 1, f"{control.name}: {search!r} is not there exactly once"
+        source = source.replace(search, replace)
+    return source
 
 
 def test_the_suite_covers_every_exploit_and_fault() -> None:
