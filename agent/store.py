@@ -389,7 +389,7 @@ class Store:
         self,
         campaign_id: str,
         *,
-        candidate_id: str,
+        candidate: Candidate,
         problem: str,
         conversation: str,
         kind: str,
@@ -398,21 +398,42 @@ class Store:
         repair_of: str | None,
         messages: list[dict],
     ) -> None:
-        self._db.execute(
-            "INSERT OR IGNORE INTO llm_proposals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-            (
-                campaign_id,
-                candidate_id,
-                problem,
-                conversation,
-                kind,
-                rationale,
-                depth,
-                repair_of,
-                json.dumps(messages),
-                _now(),
-            ),
-        )
+        # The proposal and its candidate in one transaction: a kill leaves both or neither, and
+        # a resume evaluates every stored proposal (unevaluated_llm_proposals).
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self.add_candidate(campaign_id, candidate)
+            self._db.execute(
+                "INSERT OR IGNORE INTO llm_proposals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                (
+                    campaign_id,
+                    candidate.id,
+                    problem,
+                    conversation,
+                    kind,
+                    rationale,
+                    depth,
+                    repair_of,
+                    json.dumps(messages),
+                    _now(),
+                ),
+            )
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def unevaluated_llm_proposals(self, campaign_id: str, problem: str) -> list[Candidate]:
+        """The LLM's stored proposals for `problem` that no evaluation has seen yet, oldest first:
+        paid for before a kill, and evaluated first after the resume."""
+        rows = self._db.execute(
+            f"SELECT {_CANDIDATE_COLUMNS} FROM candidates c JOIN llm_proposals p "
+            "ON p.campaign_id = c.campaign_id AND p.candidate_id = c.id "
+            "WHERE c.campaign_id = ? AND c.problem = ? AND NOT EXISTS (SELECT 1 FROM evaluations e "
+            "WHERE e.campaign_id = c.campaign_id AND e.candidate_id = c.id) ORDER BY p.created_at",
+            (campaign_id, problem),
+        ).fetchall()
+        return [_candidate(r) for r in rows]
 
     def llm_proposals(self, campaign_id: str, problem: str) -> dict[str, LLMProposalRow]:
         rows = self._db.execute(

@@ -215,7 +215,12 @@ class LLMProposer:
         self._stalled = False
         seen = set(request.seen)
         out: list[Candidate] = []
-        # Repairs first: a failure with its error in hand is the most informed next step.
+        # What was paid for and not evaluated (a kill between the reply and its evaluation) first.
+        for stored in self.store.unevaluated_llm_proposals(self.campaign_id, self.problem):
+            if len(out) < n and stored.id not in seen:
+                out.append(stored)
+                seen.add(stored.id)
+        # Repairs next: a failure with its error in hand is the most informed next step.
         for failed in self.store.llm_repairables(
             self.campaign_id, self.problem, tuple(s.value for s in REPAIRABLE), self.config.repair_depth
         ):
@@ -364,7 +369,7 @@ class LLMProposer:
             self.store.set_llm_outcome(seq, "proposal", None, candidate.id)
             self.store.add_llm_proposal(
                 self.campaign_id,
-                candidate_id=candidate.id,
+                candidate=candidate,
                 problem=self.problem,
                 conversation=conversation.id,
                 kind=proposal.kind,

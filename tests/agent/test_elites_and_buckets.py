@@ -292,8 +292,10 @@ def test_llm_proposals_improve_the_elites_in_turn(tmp_path: Path) -> None:
     assert "## Current best kernel" in client.prompts[0]
     assert "## Kernel to improve" in client.prompts[1] and other.candidate.source in client.prompts[1]
     assert f"The current best is `{best.candidate.id}`" in client.prompts[1]
-    # The rotation continues from the store: a new proposer (a resumed campaign) goes on with it.
-    [again] = LLMProposer(OP, endpoint, seed=0).propose(1, request)
+    # The rotation continues from the store: a new proposer (a resumed campaign) goes on with it,
+    # once the proposals of before are evaluated (until then it hands those out first).
+    later = dataclasses.replace(request, seen=request.seen | {c.id for c in proposed})
+    [again] = LLMProposer(OP, endpoint, seed=0).propose(1, later)
     assert again.parent_id == other.candidate.id
 
 
@@ -442,3 +444,34 @@ def test_each_registered_kernel_becomes_a_change_for_review(tmp_path: Path) -> N
     log = subprocess.run(["git", "log", "-1", "--format=%B", change.branch], cwd=repo, capture_output=True,
                          text=True).stdout  # fmt: skip
     assert "| shape-d16 | serve | 50 | 100 | 2.00x |" in log
+
+
+def test_a_proposal_paid_for_before_a_kill_is_evaluated_first_after_it(tmp_path: Path) -> None:
+    """A reply turned into a proposal is stored with its candidate in one transaction; a new
+    proposer on the same store (a resumed campaign) hands that candidate out before it asks the
+    model anything, and only once it has been evaluated does it ask again."""
+    cfg = config(tmp_path, "http://127.0.0.1:9/v1")
+    store = Store(tmp_path / "s.db")
+    client = _ScriptedClient()
+    best = _row(1, _candidate(BLOCK_L=4), 10.0)
+    request = ProposalRequest(
+        campaign_id="c",
+        problem=OP,
+        rows=[best],
+        best=best,
+        seen=frozenset({best.candidate.id}),
+        elites=[best],
+    )
+    first = LLMProposer(OP, LLMEndpoint(cfg.llm, cfg.budget, store, "c", client=client), seed=0)
+    [paid] = first.propose(1, request)
+    assert len(client.prompts) == 1 and store.candidate("c", paid.id) == paid
+    # The process dies here, before the candidate is evaluated. After the resume:
+    resumed = LLMProposer(OP, LLMEndpoint(cfg.llm, cfg.budget, store, "c", client=client), seed=0)
+    assert resumed.propose(1, request) == [paid] and len(client.prompts) == 1  # nothing asked
+    store.add_evaluation("c", best.result.model_copy(update={"candidate_id": paid.id}))
+    evaluated = ProposalRequest(
+        campaign_id="c", problem=OP, rows=[best], best=best, seen=frozenset({best.candidate.id, paid.id}),
+        elites=[best],
+    )  # fmt: skip
+    [fresh] = resumed.propose(1, evaluated)
+    assert fresh.id != paid.id and len(client.prompts) == 2
