@@ -75,8 +75,39 @@ KINDS = ("knobs", "fusion", "module", "edit")
 
 
 def proposal_schema() -> dict:
-    """JSON schema of a reply (sent as response_format where the server takes one)."""
-    return PROPOSAL.json_schema()
+    """JSON schema of a reply, sent as response_format where the server takes one: one flat
+    object (a `kind` and the fields of every kind, all but `kind` optional), with no top-level
+    oneOf, no $ref and no discriminator, the form the structured-output backends of vLLM and
+    SGLang (xgrammar, outlines) accept. Which fields a kind needs is checked after the reply, by
+    the proposal models themselves (parse_proposal)."""
+    value = {"type": ["boolean", "integer", "number", "string"]}
+    knobs = {
+        "type": "object",
+        "additionalProperties": value,
+        "description": KnobsProposal.model_fields["knobs"].description,
+    }
+    edit = {
+        "type": "object",
+        "properties": {
+            name: {"type": "string", "description": f.description}
+            for name, f in SearchReplace.model_fields.items()
+        },
+        "required": ["search", "replace"],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "properties": {
+            "kind": {"type": "string", "enum": list(KINDS)},
+            "rationale": {"type": "string", "description": _Proposal.model_fields["rationale"].description},
+            "knobs": knobs,
+            "fusion": {"type": "string", "description": FusionProposal.model_fields["fusion"].description},
+            "source": {"type": "string", "description": ModuleProposal.model_fields["source"].description},
+            "edits": {"type": "array", "items": edit, "minItems": 1},
+        },
+        "required": ["kind"],
+        "additionalProperties": False,
+    }
 
 
 # Reasoning models think aloud before they answer, in a <think> block (DeepSeek-R1, Qwen3 and

@@ -71,3 +71,31 @@ def test_the_error_names_what_the_proposal_got_wrong_not_an_illustration() -> No
     text = 'Format: {"speedup": 2}. Answer: {"kind": "edit", "edits": []}'
     with pytest.raises(ProposalError, match=r"edit\.edits: List should have at least 1 item"):
         parse_proposal(text)
+
+
+def test_the_response_schema_is_one_flat_object_structured_output_backends_accept() -> None:
+    """vLLM's and SGLang's structured-output backends refuse a top-level oneOf without a type,
+    $ref and discriminators: the schema is one object whose `kind` is an enum of every proposal
+    kind, and every kind's example reply fits it."""
+    import json
+
+    import jsonschema
+
+    from agent.llm.proposals import KINDS, proposal_schema
+
+    schema = proposal_schema()
+    text = json.dumps(schema)
+    assert schema["type"] == "object" and schema["required"] == ["kind"]
+    assert all(word not in text for word in ('"oneOf"', '"anyOf"', '"$ref"', '"discriminator"', '"$defs"'))
+    assert schema["properties"]["kind"]["enum"] == list(KINDS)
+    examples = {
+        "knobs": {"kind": "knobs", "knobs": {"BLOCK_B": 8, "ACC_3D": True}},
+        "fusion": {"kind": "fusion", "fusion": "bag+scale", "knobs": {}},
+        "module": {"kind": "module", "source": SOURCE},
+        "edit": {"kind": "edit", "edits": [{"search": "a", "replace": "b"}], "rationale": "r"},
+    }
+    for kind, reply in examples.items():
+        jsonschema.validate(reply, schema)  # what a constrained decoder may produce
+        assert parse_proposal(json.dumps(reply)).kind == kind
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"kind": "rewrite"}, schema)
