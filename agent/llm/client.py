@@ -39,7 +39,11 @@ _CONTEXT = re.compile(
     r"too many tokens|exceeds the model|input is too long|longer than the model",
     re.IGNORECASE,
 )
-_STRUCTURED = re.compile(r"response_format|json_schema|guided|structured|grammar|schema", re.IGNORECASE)
+_STRUCTURED = re.compile(
+    r"response_format|json_schema|guided|structured|grammar|schema|tool[ _-]?(choice|call)|tools|function",
+    re.IGNORECASE,
+)
+TOOL = "propose_kernel"  # the tool a reply calls where structured_output is "tools"
 _LIMITS = re.compile(
     r"maximum context length is (\d+) tokens.*?(\d+) (?:tokens )?in the messages", re.IGNORECASE | re.DOTALL
 )
@@ -61,7 +65,8 @@ def classify_http_error(code: int, message: str, request: dict) -> str:
     bad request; 401 and 403 a key that does not work; 404 a model the server does not serve."""
     if code == 400 and _CONTEXT.search(message):
         return "context_overflow"
-    if code in (400, 422) and "response_format" in request and _STRUCTURED.search(message):
+    constrained = "response_format" in request or "tools" in request
+    if code in (400, 422) and constrained and _STRUCTURED.search(message):
         return "structured_output_refused"
     if code in (401, 403):
         return "auth"
@@ -199,6 +204,18 @@ class ChatClient:
             }
         elif self.response_format == "json_object":
             request["response_format"] = {"type": "json_object"}
+        elif self.response_format == "tools":
+            request["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": TOOL,
+                        "description": "Propose one kernel change: its arguments are the proposal.",
+                        "parameters": schema,
+                    },
+                }
+            ]
+            request["tool_choice"] = {"type": "function", "function": {"name": TOOL}}
         return request
 
     def _once(self, messages: list[dict], schema: dict, number: int) -> Attempt:
@@ -226,7 +243,7 @@ class ChatClient:
             outcome = classify_http_error(code, exc.message, request)
             if outcome == "structured_output_refused":
                 self.response_format = "none"  # for the rest of the campaign: recorded per attempt
-                return failed(outcome, f"{exc.message}; asking again without response_format", transient=True)
+                return failed(outcome, f"{exc.message}; asking again unconstrained", transient=True)
             if outcome == "context_overflow":
                 room = completion_room(exc.message)
                 if room is not None and MIN_COMPLETION_TOKENS <= room < self.max_tokens:
@@ -244,10 +261,10 @@ class ChatClient:
         except (openai.APIResponseValidationError, ValueError, TypeError) as exc:
             return failed("garbage", f"the reply is not a chat completion: {exc}", transient=True)
         choices = getattr(completion, "choices", None)
-        if not choices or not isinstance(getattr(choices[0].message, "content", None), str):
+        text = _reply_text(choices[0].message) if choices else None
+        if text is None:
             body = completion if isinstance(completion, str) else repr(completion)
             return failed("garbage", f"the reply is not a chat completion: {body[:200]}", transient=True)
-        text = choices[0].message.content
         usage = getattr(completion, "usage", None)
         if usage is not None and usage.prompt_tokens is not None:
             prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens or 0
@@ -264,3 +281,14 @@ class ChatClient:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
         )
+
+
+def _reply_text(message) -> str | None:
+    """What the model said: the arguments of its propose_kernel call where it made one, else its
+    content (None: neither, not a chat completion's message)."""
+    for call in getattr(message, "tool_calls", None) or []:
+        function = getattr(call, "function", None)
+        if getattr(function, "name", None) == TOOL and isinstance(getattr(function, "arguments", None), str):
+            return function.arguments
+    content = getattr(message, "content", None)
+    return content if isinstance(content, str) else None

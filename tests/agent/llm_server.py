@@ -26,6 +26,9 @@ class Reply:
     delay_s: float = 0.0  # beyond the client's timeout, this is a timeout
     finish_reason: str = "stop"
     usage: bool = True
+    # As the arguments of a call of the tool the request forces (tool_choice), as servers with
+    # tool calling answer; None: so where the request forces one, False: as content regardless.
+    as_tool: bool | None = None
 
 
 @dataclass
@@ -173,6 +176,15 @@ def _completion(request: dict, reply: Reply) -> dict:
             }
         ],
     }
+    forced = (
+        (request.get("tool_choice") or {}).get("function", {}).get("name")
+        if isinstance(request.get("tool_choice"), dict)
+        else None
+    )
+    if forced and reply.as_tool is not False:
+        call = {"id": "call_0", "type": "function", "function": {"name": forced, "arguments": reply.content}}
+        out["choices"][0]["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        out["choices"][0]["finish_reason"] = "tool_calls"
     if reply.usage:
         out["usage"] = {
             "prompt_tokens": prompt,

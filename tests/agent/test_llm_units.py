@@ -517,3 +517,41 @@ def test_interpreted_timings_never_reach_the_prompt() -> None:
         assert figure not in cpu, figure
         assert figure in gpu, figure
     assert "timed on the interpreter only" in cpu and "correct" in cpu
+
+
+def test_tool_calling_carries_the_proposal_in_the_call_of_propose_kernel(monkeypatch) -> None:
+    """structured_output = "tools": each request offers one propose_kernel tool, whose parameters
+    are the proposal schema, and forces its call; the reply's proposal is the call's arguments. A
+    server that refuses tools is asked again without them, and from then on."""
+    from agent.llm.client import TOOL
+    from agent.llm.proposals import parse_proposal, proposal_schema
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    knobs = proposal("knobs", knobs={"BLOCK_B": 8})
+    with FakeLLMServer([Reply(knobs)]) as server:
+        reply = _client(server.url, structured_output="tools").complete(
+            MESSAGES, schema=proposal_schema(), on_attempt=lambda a: None
+        )
+        [sent] = server.requests
+    assert (
+        sent["tools"][0]["function"]["name"] == TOOL
+        and sent["tools"][0]["function"]["parameters"]["type"] == "object"
+    )
+    assert (
+        sent["tool_choice"] == {"type": "function", "function": {"name": TOOL}}
+        and "response_format" not in sent
+    )
+    assert reply.finish_reason == "tool_calls" and parse_proposal(reply.text).knobs == {"BLOCK_B": 8}
+    refused = Fail(
+        400, message='"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'
+    )
+    with FakeLLMServer([refused, Reply(knobs), Reply(knobs)]) as server:
+        client = _client(server.url, structured_output="tools", max_retries=0)
+        attempts = []
+        for _ in range(2):
+            assert (
+                parse_proposal(client.complete(MESSAGES, schema={}, on_attempt=attempts.append).text).kind
+                == "knobs"
+            )
+        assert [a.outcome for a in attempts] == ["structured_output_refused", "replied", "replied"]
+        assert "tools" in server.requests[0] and all("tools" not in r for r in server.requests[1:])
