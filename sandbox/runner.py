@@ -404,11 +404,11 @@ def _held_elsewhere(items: list[torch.Tensor]) -> str | None:
     keeps). Where an output's memory is shared with an earlier output or an input, _aliasing
     says so by name."""
     for t in items:
+        if not t.numel():  # no memory to overwrite (an empty lse, a call without tokens)
+            continue
         # References to t: `items`, this loop's `t` and getrefcount's own argument.
         if _refcount(t) > 3:
             return "the candidate keeps a reference to a tensor it returned; outputs must be fresh"
-        if not t.numel():
-            continue
         # A view keeps its base (the tensor it was cut from) alive: one more owner of the memory,
         # whose references are then this `base`, getrefcount's argument and the view's own.
         base = t._base

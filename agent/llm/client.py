@@ -44,8 +44,11 @@ _STRUCTURED = re.compile(
     re.IGNORECASE,
 )
 TOOL = "propose_kernel"  # the tool a reply calls where structured_output is "tools"
-_LIMITS = re.compile(
-    r"maximum context length is (\d+) tokens.*?(\d+) (?:tokens )?in the messages", re.IGNORECASE | re.DOTALL
+_LIMIT = re.compile(r"maximum context length is (\d+)", re.IGNORECASE)
+# The prompt's tokens, as vLLM (older and newer wording) and OpenAI-style APIs give them.
+_PROMPT = re.compile(
+    r"(\d+) (?:tokens )?in the messages|prompt contains (\d+) input tokens|messages resulted in (\d+) tokens",
+    re.IGNORECASE,
 )
 
 
@@ -75,11 +78,14 @@ def classify_http_error(code: int, message: str, request: dict) -> str:
     return f"http_{code}"
 
 
-def completion_room(message: str) -> int | None:
-    """Tokens a completion may take, from a context-overflow message that gives the model's
-    limit and the prompt's length (vLLM's form), less a margin; None where it does not."""
-    m = _LIMITS.search(message)
-    return None if m is None else int(m.group(1)) - int(m.group(2)) - 16
+def context_limits(message: str) -> tuple[int | None, int | None]:
+    """(the model's context, the prompt's tokens) from a context-overflow message, each None
+    where the message does not say it."""
+    limit, prompt = _LIMIT.search(message), _PROMPT.search(message)
+    return (
+        int(limit.group(1)) if limit else None,
+        int(next(g for g in prompt.groups() if g)) if prompt else None,
+    )
 
 
 def api_key(config: LLMConfig) -> str:
@@ -145,7 +151,10 @@ class ChatClient:
         self.config = config
         self._client = client or make_client(config)
         self.response_format = config.structured_output
-        self.max_tokens = config.max_tokens  # lowered where the server's context is too small
+        # The model's context, once a context overflow has told it: each request's completion
+        # then fits beside its own prompt (never more than llm.max_tokens).
+        self.context_tokens: int | None = None
+        self._room: int | None = None  # the completion tokens of the next try of this request
         self._backoff = wait_exponential(multiplier=config.backoff_initial_s, max=config.backoff_max_s)
 
     def _wait(self, retry_state) -> float:
@@ -195,7 +204,7 @@ class ChatClient:
             "model": self.config.model,
             "messages": messages,
             "temperature": self.config.temperature,
-            "max_tokens": self.max_tokens,
+            "max_tokens": self._max_tokens(messages),
         }
         if self.response_format == "json_schema":
             request["response_format"] = {
@@ -217,6 +226,17 @@ class ChatClient:
             ]
             request["tool_choice"] = {"type": "function", "function": {"name": TOOL}}
         return request
+
+    def _max_tokens(self, messages: list[dict]) -> int:
+        """llm.max_tokens, or less where the model's context is known to be too small for it
+        beside this prompt (estimated at 3 characters a token, on the safe side)."""
+        if self._room is not None:
+            room, self._room = self._room, None
+            return room
+        if self.context_tokens is None:
+            return self.config.max_tokens
+        prompt = sum(len(str(m.get("content", ""))) for m in messages) // 3
+        return max(MIN_COMPLETION_TOKENS, min(self.config.max_tokens, self.context_tokens - prompt - 64))
 
     def _once(self, messages: list[dict], schema: dict, number: int) -> Attempt:
         request = self._request(messages, schema)
@@ -245,9 +265,13 @@ class ChatClient:
                 self.response_format = "none"  # for the rest of the campaign: recorded per attempt
                 return failed(outcome, f"{exc.message}; asking again unconstrained", transient=True)
             if outcome == "context_overflow":
-                room = completion_room(exc.message)
-                if room is not None and MIN_COMPLETION_TOKENS <= room < self.max_tokens:
-                    self.max_tokens = room
+                limit, prompt = context_limits(exc.message)
+                self.context_tokens = limit or self.context_tokens
+                asked = request["max_tokens"]
+                # The room the server states, else half of what was asked (the message says no more).
+                room = limit - prompt - 16 if limit and prompt else asked // 2
+                if MIN_COMPLETION_TOKENS <= room < asked:
+                    self._room = room
                     return failed(
                         outcome, f"{exc.message}; asking again with max_tokens {room}", transient=True
                     )

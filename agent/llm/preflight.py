@@ -69,7 +69,10 @@ def preflight(config: LLMConfig, client: openai.OpenAI | None = None) -> Preflig
         if exc.status_code in (401, 403):
             raise _status_error(config, exc) from None
         listed = None  # a server without /models: a tiny request says what it must
-    if listed is None or not listed:
+    names = tuple(m.id for m in listed or ())
+    if not listed or config.model not in names:
+        # A server without /models, or one that serves the model under a name it does not list
+        # (Ollama lists llama3:latest and serves llama3): one tiny request says what it must.
         try:
             client.chat.completions.create(
                 model=config.model, messages=[{"role": "user", "content": "ping"}], max_tokens=1
@@ -77,13 +80,14 @@ def preflight(config: LLMConfig, client: openai.OpenAI | None = None) -> Preflig
         except openai.APIConnectionError as exc:
             raise _fail(config, f"no server answers ({exc.__cause__ or exc})") from None
         except openai.APIStatusError as exc:
+            if exc.status_code == 404 and names:
+                shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+                raise _fail(
+                    config, f"the server does not serve this model; it serves {shown}: set llm.model to one"
+                ) from None
             raise _status_error(config, exc) from None
-        return Preflight(config.base_url, config.model, (), None, "chat")
-    names = tuple(m.id for m in listed)
-    entry = next((m for m in listed if m.id == config.model), None)
-    if entry is None:
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        raise _fail(config, f"the server does not serve this model; it serves {shown}: set llm.model to one")
+        return Preflight(config.base_url, config.model, names, None, "chat")
+    entry = next(m for m in listed if m.id == config.model)
     context = _context_of(entry)
     if context is not None and config.max_tokens + PROMPT_TOKENS > context:
         most = context - PROMPT_TOKENS

@@ -210,16 +210,19 @@ class LLMProposer:
         return not self._stalled
 
     def propose(self, n: int, request: ProposalRequest) -> list[Candidate]:
-        if n <= 0 or self.exhausted:
+        if n <= 0:
             return []
-        self._stalled = False
         seen = set(request.seen)
         out: list[Candidate] = []
-        # What was paid for and not evaluated (a kill between the reply and its evaluation) first.
+        # What was paid for and not evaluated (a kill between the reply and its evaluation) first,
+        # even where the LLM has stopped since.
         for stored in self.store.unevaluated_llm_proposals(self.campaign_id, self.problem):
             if len(out) < n and stored.id not in seen:
                 out.append(stored)
                 seen.add(stored.id)
+        if self.exhausted:
+            return out
+        self._stalled = False
         # Repairs next: a failure with its error in hand is the most informed next step.
         for failed in self.store.llm_repairables(
             self.campaign_id, self.problem, tuple(s.value for s in REPAIRABLE), self.config.repair_depth
@@ -348,8 +351,8 @@ class LLMProposer:
             try:
                 if reply.finish_reason == "length":
                     raise ProposalError(
-                        f"the reply was cut off at {self.config.max_tokens} tokens; send a shorter reply "
-                        "(an edit instead of a whole module)"
+                        f"the reply was cut off at {reply.request.get('max_tokens')} tokens; send a shorter "
+                        "reply (an edit instead of a whole module)"
                     )
                 proposal = parse_proposal(reply.text or "")
                 candidate = to_candidate(

@@ -277,7 +277,9 @@ def test_missing_api_key_is_one_clear_error(tmp_path: Path, monkeypatch) -> None
 
 def test_llm_check_and_campaign_start_fail_fast_on_a_model_the_server_does_not_serve(tmp_path: Path) -> None:
     served = [{"id": "qwen-coder", "object": "model", "max_model_len": 65536}]
-    with FakeLLMServer(models=served) as server:
+    # The model is not listed, so each check asks for it once, and the server (as vLLM does) says 404.
+    unknown = Fail(404, message="The model `qwen-coderr` does not exist.")
+    with FakeLLMServer([unknown, unknown], models=served) as server:
         toml = tmp_path / "c.toml"
 
         def write(model: str) -> None:
@@ -301,7 +303,7 @@ def test_llm_check_and_campaign_start_fail_fast_on_a_model_the_server_does_not_s
             result = runner.invoke(app, args)
             assert result.exit_code == 2 and "Traceback" not in result.output, result.output
             assert "does not serve this model; it serves qwen-coder" in " ".join(result.output.split())
-        assert not server.requests  # no chat request was paid for
+        assert [r["max_tokens"] for r in server.requests] == [1, 1]  # one-token probes, nothing more
         assert Campaigns(tmp_path / "h").store.campaigns() == []  # nor any campaign recorded
 
 

@@ -428,8 +428,31 @@ def test_http_errors_are_told_apart(monkeypatch) -> None:
         assert client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "a"
         assert client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "b"
         assert [a.outcome for a in attempts] == ["context_overflow", "replied", "replied"]
-        assert [r["max_tokens"] for r in server.requests] == [8000, 4096 - 1000 - 16, 4096 - 1000 - 16]
+        # The retry gets the room the server stated; later requests what fits beside their own
+        # prompt (400 characters, estimated at 3 a token), at most llm.max_tokens.
+        assert [r["max_tokens"] for r in server.requests] == [8000, 4096 - 1000 - 16, 4096 - 400 // 3 - 64]
         assert all("response_format" in r for r in server.requests)  # structured output kept
+    # vLLM's newer wording is read too; a message that states no numbers halves max_tokens.
+    newer = (
+        "This model's maximum context length is 4096 tokens. However, you requested 8000 output tokens "
+        "and your prompt contains 1500 input tokens, for a total of 9500 tokens."
+    )
+    with FakeLLMServer(
+        [Fail(400, message=newer), Reply("a"), Fail(400, message="prompt is too long"), Reply("b")]
+    ) as server:
+        assert (
+            _client(server.url, max_retries=0, max_tokens=8000)
+            .complete(MESSAGES, schema={}, on_attempt=attempts.append)
+            .text
+            == "a"
+        )
+        assert (
+            _client(server.url, max_retries=0, max_tokens=8000)
+            .complete(MESSAGES, schema={}, on_attempt=attempts.append)
+            .text
+            == "b"
+        )
+        assert [r["max_tokens"] for r in server.requests] == [8000, 4096 - 1500 - 16, 8000, 4000]
     # No room left for a completion: one clear failure, not retried, not a permanent stop.
     tight = VLLM_CONTEXT.replace("1000 in the messages", "3900 in the messages")
     with FakeLLMServer([Fail(400, message=tight), Reply("never")]) as server:
@@ -464,13 +487,18 @@ def test_preflight_says_in_one_sentence_what_to_change(tmp_path, monkeypatch) ->
     with FakeLLMServer(models=served) as server:
         found = preflight(llm.model_copy(update={"base_url": server.url}))
         assert found.models == ("scripted", "other") and found.context_tokens == 32768
-        with pytest.raises(LLMConfigError, match="does not serve this model; it serves scripted, other"):
-            preflight(llm.model_copy(update={"base_url": server.url, "model": "scriptd"}))
         with pytest.raises(
             LLMConfigError, match=r"context of 32768 tokens .* set llm.max_tokens to 22768 or less"
         ):
             preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": 30000}))
         assert not server.requests  # nothing spent on chat
+        # A model it does not list is asked for once: served under another name, it is fine...
+        server.add(Reply("pong"), Fail(404, message="The model `scriptd` does not exist"))
+        aliased = preflight(llm.model_copy(update={"base_url": server.url, "model": "scripted-alias"}))
+        assert aliased.checked_by == "chat" and server.requests[-1]["max_tokens"] == 1
+        # ...and not served at all, the sentence lists what is.
+        with pytest.raises(LLMConfigError, match="does not serve this model; it serves scripted, other"):
+            preflight(llm.model_copy(update={"base_url": server.url, "model": "scriptd"}))
     with FakeLLMServer(models=Fail(401, message="invalid api key")) as server:
         refused = f"refused the key in {KEY_ENV} \\(HTTP 401"
         with pytest.raises(LLMConfigError, match=refused):
