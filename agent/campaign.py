@@ -100,14 +100,7 @@ class Campaigns:
         self, config: CampaignConfig, events: Events | None = None, campaign_id: str | None = None
     ) -> CampaignOutcome:
         """Run a new campaign (under `campaign_id`, default a new_id) to its end."""
-        if config.llm is not None and "llm" in config.proposer.kinds:
-            from agent.llm.preflight import preflight
-
-            try:
-                # Before anything is recorded or spent: the key, the model, the context.
-                preflight(config.llm)
-            except LLMConfigError as exc:
-                raise CampaignError(str(exc)) from None
+        self._preflight(config)  # before anything is recorded or spent
         campaign_id = campaign_id or self.new_id(config)
         self.store.create_campaign(campaign_id, config.name, config.model_dump_json())
         return self._run(campaign_id, config, events, fresh=True)
@@ -118,7 +111,24 @@ class Campaigns:
             known = ", ".join(c.id for c in self.store.campaigns()[:5]) or "none"
             raise CampaignError(f"no campaign {campaign_id!r} in {self.home}; recent: {known}")
         config = CampaignConfig.model_validate_json(row.config_json)
+        if self._preflight(config):
+            # The endpoint works again (a key fixed, a model served): an earlier stop is lifted.
+            self.store.clear_llm_stops(campaign_id)
         return self._run(campaign_id, config, events, fresh=False)
+
+    @staticmethod
+    def _preflight(config: CampaignConfig) -> bool:
+        """The LLM endpoint's pre-flight check (the key, the model, the context) where the
+        campaign proposes with an LLM: True if it passed, False with no LLM; CampaignError if not."""
+        if config.llm is None or "llm" not in config.proposer.kinds:
+            return False
+        from agent.llm.preflight import preflight
+
+        try:
+            preflight(config.llm)
+        except LLMConfigError as exc:
+            raise CampaignError(str(exc)) from None
+        return True
 
     def library_for(self, config: CampaignConfig) -> KernelLibrary:
         return KernelLibrary(config.library) if config.library else DISPATCHER.library

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -467,6 +468,12 @@ class Store:
 
     def add_llm_pause(self, campaign_id: str, started: float, until: float, reason: str) -> None:
         self._db.execute("INSERT INTO llm_pauses VALUES (?, ?, ?, ?)", (campaign_id, started, until, reason))
+
+    def clear_llm_stops(self, campaign_id: str) -> None:
+        """Lift the LLM proposer's stops for good (pauses until infinity), keeping the rest."""
+        self._db.execute(
+            "DELETE FROM llm_pauses WHERE campaign_id = ? AND until = ?", (campaign_id, math.inf)
+        )
 
     def llm_pauses(self, campaign_id: str) -> list[tuple[float, float, str]]:
         return self._db.execute(

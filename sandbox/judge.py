@@ -360,11 +360,18 @@ class Session:
         self.input_region = (region, self.runner.share(region, fd, self.kind))
         return self.input_region
 
-    def place(self, shape: Shape, n: int, *, write: bool = True, other_form: bool = False) -> list[Call]:
+    def place(
+        self, shape: Shape, n: int, *, write: bool = True, other_form: bool = False, parity: int | None = None
+    ) -> list[Call]:
         """Inputs of `n` calls, each drawn here from a fresh seed and placed in the shared input
         region (each call's tensors at their own offsets); written there now, or by `write` later.
-        `other_form`: the calls in the forward's other form (Problem.in_other_form)."""
-        sets = [self.problem.make_inputs(shape, fresh_seed(), self.device) for _ in range(n)]
+        `other_form`: the calls in the forward's other form (Problem.in_other_form); `parity`:
+        seeds of that parity, whose settings a shape draws per call take their other value on the
+        other parity (search_space.attention_common.drawn_scale)."""
+        seeds = [fresh_seed() for _ in range(n)]
+        if parity is not None:
+            seeds = [(seed & ~1) | parity for seed in seeds]
+        sets = [self.problem.make_inputs(shape, seed, self.device) for seed in seeds]
         if other_form:
             sets = [self.problem.in_other_form(s) for s in sets]
         region, rid = self._input_region(sum(_layout(s) for s in sets))
@@ -603,8 +610,12 @@ class Evaluation:
         for the output alone, and the reverse): every check shape is checked in both."""
         assert self.session is not None
         other_form = trial % 2 == 1 and self.problem.statistics is not None
-        where = shape.describe() + (", the other form" if other_form else "")
-        (call,) = self.session.place(shape, 1, other_form=other_form)
+        (call,) = self.session.place(shape, 1, other_form=other_form, parity=trial % 2)
+        # What the call drew (a scale, say), so that a failure can be reproduced.
+        drawn = [f"{k}={call.inputs.kwargs.get(k)}" for k, v in shape.params.items() if v == "drawn"]
+        where = (
+            shape.describe() + "".join(f", {d}" for d in drawn) + (", the other form" if other_form else "")
+        )
         calls = [call] if trial else [call, dataclasses.replace(call, id=call.id + 10**9)]
         outputs = self.session.run(calls, poison=self.poison_bytes(shape), where=where)
         got = self.check(calls[:1], outputs[:1], trial, where=where)

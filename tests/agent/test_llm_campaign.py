@@ -232,6 +232,10 @@ def test_a_key_revoked_mid_campaign_stops_the_llm_and_the_campaign_says_why(tmp_
     assert until == float("inf") and reason == outcome.stop_reason
     [exchange] = campaigns.store.llm_exchanges(outcome.campaign_id)
     assert exchange["outcome"] == "auth"
+    # A resume whose pre-flight passes (the key fixed) lifts the stop, and only the stop.
+    campaigns.store.add_llm_pause(outcome.campaign_id, 1.0, 2.0, "an outage")
+    campaigns.store.clear_llm_stops(outcome.campaign_id)
+    assert campaigns.store.llm_pauses(outcome.campaign_id) == [(1.0, 2.0, "an outage")]
 
 
 def test_search_tunes_the_kernel_the_llm_wrote(tmp_path: Path, monkeypatch) -> None:
