@@ -117,6 +117,7 @@ _THINKING = re.compile(r"<(think|thinking|reasoning)>.*?(</\1>|\Z)", re.DOTALL |
 _CLOSING_ONLY = re.compile(r"^.*?</(think|thinking|reasoning)>", re.DOTALL | re.IGNORECASE)
 _PYTHON_FENCE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)\n?```", re.DOTALL)
 _DECODER = json.JSONDecoder()
+_OPENING = re.compile(r'\{\s*"kind"\s*:')
 
 
 def _answer(text: str) -> str:
@@ -151,6 +152,14 @@ def _with_fenced_source(data: dict, answer: str, at: int) -> dict:
     return {**data, "source": blocks[-1].group(1) + "\n"} if blocks else data
 
 
+def _valid(data: dict, answer: str, at: int) -> bool:
+    try:
+        PROPOSAL.validate_python(_with_fenced_source(data, answer, at))
+    except ValidationError:
+        return False
+    return True
+
+
 def parse_proposal(text: str) -> Proposal:
     """The proposal in a reply: the last JSON object in it that validates against the proposal
     schema, bare or fenced, with prose, reasoning blocks and other JSON around it; a module's
@@ -158,17 +167,23 @@ def parse_proposal(text: str) -> Proposal:
     last candidate object (or why no JSON was found) says what to fix."""
     answer = _answer(text)
     objects = _json_objects(answer)
-    if not objects:
-        start = answer.find("{")
-        if start < 0:
-            raise ProposalError("the reply holds no JSON object; reply with exactly one JSON object")
+    # Where the proposal itself starts ({"kind": ...}, else the first brace): if it does not
+    # decode, that is what to fix, whatever braces inside its broken text decode as.
+    opening = _OPENING.search(answer)
+    start = opening.start() if opening else answer.find("{")
+    if (
+        start >= 0
+        and all(at != start for at, _ in objects)
+        and not any(_valid(d, answer, a) for a, d in objects)
+    ):
         try:
-            json.loads(answer[start:])
+            _DECODER.raw_decode(answer, start)
         except json.JSONDecodeError as exc:
             raise ProposalError(
                 f"the reply is not valid JSON ({exc.msg}: line {exc.lineno}, column {exc.colno}); "
                 "reply with exactly one JSON object, with newlines in strings escaped as \\n"
             ) from None
+    if not objects:
         raise ProposalError("the reply holds no JSON object; reply with exactly one JSON object")
     errors = []  # last object first
     for at, data in reversed(objects):

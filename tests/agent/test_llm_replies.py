@@ -99,3 +99,10 @@ def test_the_response_schema_is_one_flat_object_structured_output_backends_accep
         assert parse_proposal(json.dumps(reply)).kind == kind
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"kind": "rewrite"}, schema)
+
+
+def test_a_broken_proposal_is_told_its_json_error_not_what_braces_inside_it_decode_as() -> None:
+    # A raw quote inside the source ends the string early; the kernel's own dict literal decodes.
+    text = '{"kind": "module", "source": "x = "a"\\nKNOBS = {"BLOCK": 4}\\n"}'
+    with pytest.raises(ProposalError, match="not valid JSON"):
+        parse_proposal(text)
