@@ -3,7 +3,8 @@ answers, the key works, the configured model is served, and, where the server st
 model's context (vLLM's `max_model_len`, others' `context_length` or `context_window` in
 /v1/models), the completion budget leaves room for a prompt.
 
-Servers that list no models (some proxies) get one tiny chat request instead. Every failure is
+Servers that list no models (some proxies), or do not list the configured one (an alias such as
+Ollama's llama3 for llama3:latest), get one tiny chat request instead. Every failure is
 one sentence naming what to change (LLMConfigError); what was learned is returned for
 `recforge llm check` to show.
 """
