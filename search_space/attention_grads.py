@@ -31,8 +31,9 @@ BACKWARD_FLOP_FACTOR = 2.5
 # whole row; dK of target attention sums such errors over thousands of queries): correct bf16
 # kernels stay within these on the check shapes (two dK elements of a 2000-key history reached
 # 0.2 of the RMS), and a dropped key or a wrong mask is far outside the norm bound. A gradient
-# that is exactly zero (dq of a one-key softmax row) is compared against a hundredth of
-# grad_out's RMS instead of its own zero RMS (`grad_error_scale`).
+# that is exactly zero (dq of a one-key softmax row) is compared against a twentieth of
+# grad_out's RMS instead of its own zero RMS (`grad_error_scale`): at a scale that is not a
+# power of two, a correct fp32 kernel leaves 1.2e-6 there where the reference has 0.
 # Per row (a token's gradient over all heads), as the forward's: three times the norm bound's
 # fraction of the error scale, plus two units of rounding of the row's own norm.
 GRAD_TOLERANCES = {
@@ -83,9 +84,9 @@ def _recomputed_dense_attention(*args, **kwargs) -> torch.Tensor:
 
 
 def grad_error_scale(inputs: Inputs) -> float:
-    """A floor under each gradient's RMS: a hundredth of the upstream gradient's."""
+    """A floor under each gradient's RMS: a twentieth of the upstream gradient's."""
     grad_out = inputs.args[0]
-    return 0.01 * grad_out.double().pow(2).mean().sqrt().item() if grad_out.numel() else 0.0
+    return 0.05 * grad_out.double().pow(2).mean().sqrt().item() if grad_out.numel() else 0.0
 
 
 def grad_problem(

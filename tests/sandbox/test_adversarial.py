@@ -122,7 +122,8 @@ def test_adversarial_candidate_gets_its_status(path: Path, outcomes) -> None:
     assert result.status == expected, (
         f"{path.name}: {result.status.value}: {result.message}\n{result.log_tail}"
     )
-    assert fragment in result.message, result.message
+    # A fragment may name alternatives ("a || b"): a case refused by whichever check trips first.
+    assert any(f.strip() in result.message for f in fragment.split("||")), result.message
     # Nothing left behind: the scratch directory is gone and nothing beside it was touched.
     assert [p.name for p in canary.iterdir()] == ["keep"] and (canary / "keep").read_text() == "unchanged"
     assert not scratch.exists() or not any(scratch.iterdir())

@@ -3,7 +3,7 @@ storage format would: each element sits inside its own bound and the whole outpu
 (about 0.0045 of its norm) inside the norm bound, but every bag under about half the typical norm
 is outside its row bound, which must catch it. The grid follows the RMS so that no draw of inputs
 lets the norm bound fire first."""
-# expect: wrong | outside
+# expect: wrong | outside || error norm
 # base: yes
 
 
