@@ -62,7 +62,7 @@ from sandbox.protocol import (
 )
 from sandbox.result import DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
 from sandbox.timing import L2_FLUSH_BYTES, benchmark, sample_stats
-from search_space.problem import Inputs, Problem, Shape, get_problem
+from search_space.problem import DRAWN, Inputs, Problem, Shape, get_problem
 
 LOG_TAIL_CHARS = 4000
 NO_OP_PROOFS = 2  # at least this many among the checks, and one more per timing shape
@@ -612,7 +612,7 @@ class Evaluation:
         other_form = trial % 2 == 1 and self.problem.statistics is not None
         (call,) = self.session.place(shape, 1, other_form=other_form, parity=trial % 2)
         # What the call drew (a scale, say), so that a failure can be reproduced.
-        drawn = [f"{k}={call.inputs.kwargs.get(k)}" for k, v in shape.params.items() if v == "drawn"]
+        drawn = [f"{k}={call.inputs.kwargs.get(k)}" for k, v in shape.params.items() if v == DRAWN]
         where = (
             shape.describe() + "".join(f", {d}" for d in drawn) + (", the other form" if other_form else "")
         )
@@ -718,10 +718,11 @@ class Evaluation:
 
     def timed_batch(
         self, shape: Shape, n: int, calibration: Calibration | None
-    ) -> tuple[list[Call], float, list, list[dict]]:
+    ) -> tuple[list[Call], float, list, list, list[dict]]:
         """`n` calls on fresh inputs, timed: (calls, the judge's clock in us, the runner's times,
-        what each call returned). A batch the audit finds unexplained (_Unexplained) is dropped
-        and timed again on fresh inputs, up to AUDIT_ATTEMPTS batches in all."""
+        those times as the audit accounts them (Calibration.audit; the runner's own on the
+        interpreter), what each call returned). A batch the audit finds unexplained
+        (_Unexplained) is dropped and timed again on fresh inputs, up to AUDIT_ATTEMPTS batches."""
         assert self.session is not None
         lock, where = self.request.timing_lock, f"timing {shape.describe()}"
         for attempt in range(AUDIT_ATTEMPTS):
@@ -736,16 +737,16 @@ class Evaluation:
             if not all(_a_time(t) for t in times):
                 raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner reported no times")
             if calibration is None:
-                return calls, wall_us, times, described
+                return calls, wall_us, times, times, described
             try:
-                calibration.audit(shape, wall_us, times)
+                audited = calibration.audit(shape, wall_us, times)
             except _Unexplained as finding:
                 if attempt + 1 == AUDIT_ATTEMPTS:
                     raise Verdict(finding.status, f"{finding.message} ({AUDIT_ATTEMPTS} batches)") from None
                 with gpu_use(lock, exclusive=False):
                     self.session.drop(calls=calls)
                 continue
-            return calls, wall_us, times, described
+            return calls, wall_us, times, audited, described
         raise AssertionError("unreachable")
 
     def time_shape(
@@ -784,11 +785,10 @@ class Evaluation:
             if enough:
                 break
             n = min(per_batch, target - len(samples))
-            calls, wall_us, times, described = self.timed_batch(shape, n, calibration)
+            calls, wall_us, reported, times, described = self.timed_batch(shape, n, calibration)
             if gpu:
                 outside_us += wall_us - calibration.rtt_us
-                accounted_us += sum(times) + n * calibration.flush_us
-                times = calibration.audit(shape, wall_us, times)
+                accounted_us += sum(reported) + n * calibration.flush_us
                 per_call = (wall_us - calibration.rtt_us) / n - calibration.flush_us
             else:
                 per_call = wall_us / n  # the interpreter: the judge's clock alone

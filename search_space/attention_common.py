@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from search_space import workload
-from search_space.problem import Inputs, Shape, Statistics, Tolerance
+from search_space.problem import DRAWN, Inputs, Shape, Statistics, Tolerance
 from search_space.template import Knob, KnobTemplate
 
 # Closeness of attention outputs (RMS-relative, see Tolerance). A correct kernel accumulating in
@@ -84,11 +84,10 @@ SOFTMAX_LSE = Statistics(
 )
 
 
-# A check shape that names no scale has it drawn from each call's seed (see drawn_scale), so
+# A check shape that names no scale has it DRAWN from each call's seed (see drawn_scale), so
 # that `scale` is exercised with every activation, mode and layout the check shapes cover, not
 # on one hand-picked shape each. Timing shapes keep the default (torch.compile of a baseline
 # would compile once per distinct float).
-DRAWN = "drawn"
 
 
 def scale_drawn(shapes: Sequence[Shape]) -> tuple[Shape, ...]:

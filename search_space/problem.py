@@ -62,6 +62,12 @@ class Tolerance:
 PASSES = ("forward", "backward", "train")
 
 
+# A shape parameter whose value is DRAWN is drawn per call from the call's seed by the problem's
+# make_inputs (search_space.attention_common.drawn_scale); the judge names the drawn value in a
+# failure's message, so that it can be reproduced.
+DRAWN = "drawn"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Statistics:
     """What a forward saves for its backward (softmax's log-sum-exp), part of the forward's

@@ -152,14 +152,6 @@ def _with_fenced_source(data: dict, answer: str, at: int) -> dict:
     return {**data, "source": blocks[-1].group(1) + "\n"} if blocks else data
 
 
-def _valid(data: dict, answer: str, at: int) -> bool:
-    try:
-        PROPOSAL.validate_python(_with_fenced_source(data, answer, at))
-    except ValidationError:
-        return False
-    return True
-
-
 def parse_proposal(text: str) -> Proposal:
     """The proposal in a reply: the last JSON object in it that validates against the proposal
     schema, bare or fenced, with prose, reasoning blocks and other JSON around it; a module's
@@ -167,15 +159,17 @@ def parse_proposal(text: str) -> Proposal:
     last candidate object (or why no JSON was found) says what to fix."""
     answer = _answer(text)
     objects = _json_objects(answer)
-    # Where the proposal itself starts ({"kind": ...}, else the first brace): if it does not
-    # decode, that is what to fix, whatever braces inside its broken text decode as.
+    errors = []  # last object first
+    for at, data in reversed(objects):
+        try:
+            return PROPOSAL.validate_python(_with_fenced_source(data, answer, at))
+        except ValidationError as exc:
+            errors.append((isinstance(data, dict) and "kind" in data, exc))
+    # None validates. Where the proposal itself starts ({"kind": ...}, else the first brace) and
+    # does not decode, that is what to fix, whatever braces inside its broken text decode as.
     opening = _OPENING.search(answer)
     start = opening.start() if opening else answer.find("{")
-    if (
-        start >= 0
-        and all(at != start for at, _ in objects)
-        and not any(_valid(d, answer, a) for a, d in objects)
-    ):
+    if start >= 0 and all(at != start for at, _ in objects):
         try:
             _DECODER.raw_decode(answer, start)
         except json.JSONDecodeError as exc:
@@ -185,12 +179,6 @@ def parse_proposal(text: str) -> Proposal:
             ) from None
     if not objects:
         raise ProposalError("the reply holds no JSON object; reply with exactly one JSON object")
-    errors = []  # last object first
-    for at, data in reversed(objects):
-        try:
-            return PROPOSAL.validate_python(_with_fenced_source(data, answer, at))
-        except ValidationError as exc:
-            errors.append((isinstance(data, dict) and "kind" in data, exc))
     # What the proposal itself got wrong: the last object that names a kind, else the last one.
     last_error = next((exc for has_kind, exc in errors if has_kind), errors[0][1])
     problems = "; ".join(f"{_where(e)}: {e['msg']}" for e in last_error.errors())

@@ -46,13 +46,13 @@ def _timed_batch(batches):
 
 
 def test_an_honest_batch_is_kept_as_measured() -> None:
-    session, (calls, wall, times, _) = _timed_batch([HONEST])
+    session, (calls, wall, times, _, _) = _timed_batch([HONEST])
     assert (wall, times) == HONEST and session.placed == 1 and session.dropped == 0
     assert CALIBRATION.audit(SHAPE, wall, times) == times
 
 
 def test_a_gap_once_is_timed_again_on_fresh_inputs() -> None:
-    session, (calls, wall, times, _) = _timed_batch([UNEXPLAINED, HONEST])
+    session, (calls, wall, times, _, _) = _timed_batch([UNEXPLAINED, HONEST])
     assert (wall, times) == HONEST
     assert session.placed == 2 and session.dropped == 1  # the unexplained batch's calls dropped
     assert calls[0].id == 200  # the kept calls are the second batch's
