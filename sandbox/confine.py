@@ -78,6 +78,9 @@ def limit_tasks(max_tasks: int | None) -> None:
     host without free PIDs. Set once the runner is that user and in its own user namespace:
     root ignores the bound."""
     if max_tasks is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+        if hard != resource.RLIM_INFINITY:
+            max_tasks = min(max_tasks, hard)  # the judge's user is held to fewer already
         resource.setrlimit(resource.RLIMIT_NPROC, (max_tasks, max_tasks))
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -180,6 +181,19 @@ def task_limit(*, own_user_namespace: bool) -> int:
     return tasks_of(NOBODY if drops_privileges() else os.getuid()) + TASK_BUDGET
 
 
+def lift_host_task_bound() -> None:
+    """Rule resources, under a root judge: as high a limit on tasks as it may give what it
+    starts. The runner's user namespace records the limit its maker held as the most tasks its
+    user may run on the whole host, so a low inherited `ulimit -u` would make the runner's
+    budget hang on every other process of `nobody` there (other runners, containers). Root's
+    own tasks are never counted against the limit, so the judge loses nothing by it."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    try:
+        resource.setrlimit(resource.RLIMIT_NPROC, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    except (ValueError, OSError):  # without CAP_SYS_RESOURCE: up to the hard limit
+        resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
+
+
 def runner_env(*, gpu: bool) -> dict[str, str]:
     """The runner's whole environment: nothing of the judge's (tokens, keys, proxies) but what a
     GPU or the interpreter needs."""
@@ -245,6 +259,7 @@ def start_runner(
     elif isolation == "bwrap":
         prepare_scratch(scratch)
         if drops_privileges():
+            lift_host_task_bound()
             argv = [*argv, "--become", str(NOBODY)]
         cmd, cwd = bwrap_command(scratch, argv, gpu=gpu), "/"
     else:

@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -113,6 +114,7 @@ def outcomes(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first case waits for the whole corpus (3 minutes on 2 idle cores)
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
 def test_adversarial_candidate_gets_its_status(path: Path, outcomes) -> None:
     _, expected, fragment = _source(path)
@@ -297,10 +299,15 @@ def _fork_all():
     except OSError as exc:
         return children, errno.errorcode.get(exc.errno, str(exc))
 
+def _status(name):
+    with open(f"/proc/self/{name}") as f:
+        return [line.strip() for line in f if line.startswith(("Max processes", "Threads", "Uid"))]
+
 def embedding_bag(weight, indices, offsets, **kwargs):
     with open("/proc/self/mounts") as f:
         mounts = {line.split()[1]: line.split()[3] for line in f}
     report = {
+        "before": _status("limits") + _status("status"),
         "tmp": _fill("/tmp"),
         "shm": _fill("/dev/shm"),
         "forks": _fork_all(),
@@ -338,14 +345,23 @@ def _probe_request(runner_dir: Path, source: str, **overrides) -> EvalRequest:
     return EvalRequest(**fields)
 
 
+def _exhaust_report(runner_dir: Path) -> dict:
+    result = evaluate(_probe_request(runner_dir, EXHAUST))
+    assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
+    return json.loads(result.message.split("EXHAUST ", 1)[1])
+
+
+def _forks_end_at_the_budget(report: dict) -> None:
+    forks, error = report["forks"]
+    assert error == "EAGAIN" and 0 < forks <= isolation.TASK_BUDGET, report
+
+
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
 def test_the_runner_cannot_exhaust_the_hosts_memory_or_pids(tmp_path: Path) -> None:
     """Its /tmp and /dev/shm (in the host's memory) are sized, and end there (under a root judge
     they are root's, so closed to the runner's user altogether); forking ends at the task
     budget; each with the error a full system gives, not with a host out of memory or PIDs."""
-    result = evaluate(_probe_request(tmp_path / "runner", EXHAUST))
-    assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
-    report = json.loads(result.message.split("EXHAUST ", 1)[1])
+    report = _exhaust_report(tmp_path / "runner")
     for place in ("tmp", "shm"):
         written, error = report[place]
         full = error == "ENOSPC" and written <= isolation.TMPFS_BYTES
@@ -353,8 +369,32 @@ def test_the_runner_cannot_exhaust_the_hosts_memory_or_pids(tmp_path: Path) -> N
         assert full or closed, (place, report[place])
     for place, options in report["options"].items():
         assert f"size={isolation.TMPFS_BYTES // 1024}k" in options.split(","), (place, options)
-    forks, error = report["forks"]
-    assert error == "EAGAIN" and 0 < forks <= isolation.TASK_BUDGET, report["forks"]
+    _forks_end_at_the_budget(report)
+
+
+@pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+def test_a_judge_held_to_few_tasks_still_starts_its_runner(tmp_path: Path) -> None:
+    """A judge held to fewer tasks than the budget (a small `ulimit -u`): its runner starts,
+    and forks until the judge's limit."""
+    limit = isolation.TASK_BUDGET // 4
+    code = (
+        "import json, resource, sys\n"
+        f"resource.setrlimit(resource.RLIMIT_NPROC, ({limit}, {limit}))\n"
+        "sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+        "import test_adversarial\n"
+        "from pathlib import Path\n"
+        "print(json.dumps(test_adversarial._exhaust_report(Path(sys.argv[3]))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(REPO_ROOT), str(Path(__file__).parent), str(tmp_path / "runner")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    _forks_end_at_the_budget(report)
+    assert report["forks"][0] < limit, report
 
 
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
