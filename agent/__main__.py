@@ -1,5 +1,5 @@
 """`python -m agent` is the `recforge` command (for hosts where the package is not installed)."""
 
-from agent.cli import app
+from agent.entry import main
 
-app(prog_name="recforge")
+main()

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import jinja2
 
-from agent.llm.proposals import fusion_templates
 from agent.store import EvaluationRow, LLMProposalRow
 from sandbox import screen
 from sandbox.candidate import Candidate
@@ -207,7 +206,6 @@ def propose_prompt(
         parent_timings=_timing_lines((parent or best).result, baselines) if parent or best else [],
         base=base,
         knobs=template.knobs if template else [],
-        fusions=fusion_templates(problem) if "fusion" in kinds else {},
         attempts=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in attempts],
         kinds=kinds,
         rejected=rejected or [],

@@ -5,17 +5,17 @@ message goes back to the model as it is, so it says what was wrong and what to d
 The kinds:
 - `knobs`: values for the problem's knob template (checked by the template's choices and
   constraint), rendered by the template;
-- `fusion`: one of the fused variants a problem module offers in `FUSIONS` (name -> knob
-  template), with its knobs;
 - `module`: a complete new kernel module;
 - `edit`: search/replace blocks over the current kernel (the best one, or in a repair turn the
   one that failed); each search block must occur exactly once.
+
+A fused variant is an op of its own (its problem declares what it fuses, as the embedding
+backward fused with its optimizer does), searched with these same kinds.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import re
 from collections.abc import Callable
@@ -45,12 +45,6 @@ class KnobsProposal(_Proposal):
     knobs: dict[str, KnobValue] = Field(..., description="knob name -> value, among its choices")
 
 
-class FusionProposal(_Proposal):
-    kind: Literal["fusion"]
-    fusion: str = Field(..., description="name of one of the fused variants offered")
-    knobs: dict[str, KnobValue] = Field(default_factory=dict)
-
-
 class ModuleProposal(_Proposal):
     kind: Literal["module"]
     source: str = Field(..., min_length=1, description="the complete Python source of the kernel module")
@@ -68,10 +62,10 @@ class EditProposal(_Proposal):
 
 
 Proposal = Annotated[
-    KnobsProposal | FusionProposal | ModuleProposal | EditProposal, Field(discriminator="kind")
+    KnobsProposal | ModuleProposal | EditProposal, Field(discriminator="kind")
 ]
 PROPOSAL = TypeAdapter(Proposal)
-KINDS = ("knobs", "fusion", "module", "edit")
+KINDS = ("knobs", "module", "edit")
 
 
 def proposal_schema() -> dict:
@@ -101,7 +95,6 @@ def proposal_schema() -> dict:
             "kind": {"type": "string", "enum": list(KINDS)},
             "rationale": {"type": "string", "description": _Proposal.model_fields["rationale"].description},
             "knobs": knobs,
-            "fusion": {"type": "string", "description": FusionProposal.model_fields["fusion"].description},
             "source": {"type": "string", "description": ModuleProposal.model_fields["source"].description},
             "edits": {"type": "array", "items": edit, "minItems": 1},
         },
@@ -192,25 +185,12 @@ def _where(error: dict) -> str:
     return "kind" if error["type"].startswith("union_tag") else "(top level)"
 
 
-def fusion_templates(problem: str) -> dict[str, KnobTemplate]:
-    """Fused variants a problem offers: `FUSIONS` (name -> knob template) in its module."""
-    get_problem(problem)
-    try:
-        module = importlib.import_module(f"search_space.{problem}")
-    except ModuleNotFoundError:  # a problem defined in a module of another name offers none
-        return {}
-    return dict(getattr(module, "FUSIONS", {}) or {})
-
-
 def allowed_kinds(problem: str, has_base: bool) -> list[str]:
-    """The kinds that make sense for `problem` now: knobs need a template, fusions a fused
-    variant, edits a kernel to edit."""
+    """The kinds that make sense for `problem` now: knobs need a template, edits a kernel to edit."""
     p = get_problem(problem)
     kinds = []
     if p.template is not None:
         kinds.append("knobs")
-    if fusion_templates(problem):
-        kinds.append("fusion")
     kinds.append("module")
     if has_base:
         kinds.append("edit")
@@ -292,14 +272,6 @@ def to_candidate(
 
         template = get_template(problem)
         source, knobs = _render(template, proposal.knobs, "knobs")
-        entry = template.entry
-    elif isinstance(proposal, FusionProposal):
-        fusions = fusion_templates(problem)
-        if proposal.fusion not in fusions:
-            raise ProposalError(f"unknown fusion {proposal.fusion!r}; offered: {sorted(fusions)}")
-        template = fusions[proposal.fusion]
-        source, knobs = _render(template, proposal.knobs, f"fusion {proposal.fusion}")
-        knobs = {"fusion": proposal.fusion, **knobs}
         entry = template.entry
     else:
         if isinstance(proposal, ModuleProposal):

@@ -90,7 +90,6 @@ def test_the_response_schema_is_one_flat_object_structured_output_backends_accep
     assert schema["properties"]["kind"]["enum"] == list(KINDS)
     examples = {
         "knobs": {"kind": "knobs", "knobs": {"BLOCK_B": 8, "ACC_3D": True}},
-        "fusion": {"kind": "fusion", "fusion": "bag+scale", "knobs": {}},
         "module": {"kind": "module", "source": SOURCE},
         "edit": {"kind": "edit", "edits": [{"search": "a", "replace": "b"}], "rationale": "r"},
     }

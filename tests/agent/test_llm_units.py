@@ -121,36 +121,14 @@ def test_proposals_become_candidates_or_errors_for_the_model() -> None:
     )
     with pytest.raises(ProposalError, match=r"kind 'edit' is not available.*\['knobs', 'module'\]"):
         to_candidate(edit, problem="embedding_bag", base=None, parent_id=None)
-    with pytest.raises(ProposalError, match="kind 'fusion' is not available"):
-        to_candidate(
-            parse_proposal(proposal("fusion", fusion="x")), problem="embedding_bag", base=base, parent_id=None
-        )
+    # A fused variant is an op of its own, not a kind of reply.
+    with pytest.raises(ProposalError, match="expected tags: 'knobs', 'module', 'edit'"):
+        parse_proposal(proposal("fusion", fusion="x"))
     same = EditProposal(kind="edit", edits=[SearchReplace(search=warps, replace=warps)])
     with pytest.raises(ProposalError, match="unchanged"):
         to_candidate(same, problem="embedding_bag", base=base, parent_id=None)
     # A problem without a template offers no knobs.
     assert allowed_kinds("embedding_bag_backward", has_base=False) == ["module"]
-
-
-def test_fusion_choices_come_from_the_problem_module(monkeypatch) -> None:
-    import search_space.embedding_bag
-
-    monkeypatch.setattr(search_space.embedding_bag, "FUSIONS", {"bag+scale": TEMPLATE}, raising=False)
-    assert allowed_kinds("embedding_bag", has_base=True) == ["knobs", "fusion", "module", "edit"]
-    fused = to_candidate(
-        parse_proposal(proposal("fusion", fusion="bag+scale", knobs={"num_warps": 4})),
-        problem="embedding_bag",
-        base=None,
-        parent_id=None,
-    )
-    assert fused.knobs["fusion"] == "bag+scale" and fused.source == TEMPLATE.render({"num_warps": 4})
-    with pytest.raises(ProposalError, match=r"unknown fusion 'bag\+norm'; offered: \['bag\+scale'\]"):
-        to_candidate(
-            parse_proposal(proposal("fusion", fusion="bag+norm")),
-            problem="embedding_bag",
-            base=None,
-            parent_id=None,
-        )
 
 
 def test_knobs_kept_in_a_module_are_tuned_in_place() -> None:
@@ -343,11 +321,9 @@ def test_fake_server_lists_models(tmp_path) -> None:
         assert [m.id for m in client.models.list()] == ["scripted"]
 
 
-def test_the_prompt_offers_the_fused_variants(monkeypatch) -> None:
-    import search_space.embedding_bag
+def test_the_prompt_names_the_hardware_and_where_it_runs() -> None:
     from agent.llm.prompting import propose_prompt
 
-    monkeypatch.setattr(search_space.embedding_bag, "FUSIONS", {"bag+scale": TEMPLATE}, raising=False)
     kinds = allowed_kinds("embedding_bag", has_base=False)
     text = propose_prompt(
         problem="embedding_bag",
@@ -359,7 +335,7 @@ def test_the_prompt_offers_the_fused_variants(monkeypatch) -> None:
         baselines={},
         kinds=kinds,
     )
-    assert '- "bag+scale" (entry `embedding_bag_forward`), knobs: BLOCK_B [null, 1, 2, 4, 8, 16];' in text
+    assert "fusion" not in text
     assert "written for sm_90 (NVIDIA H200)" in text and "Triton interpreter on a CPU" in text
 
 
