@@ -61,9 +61,7 @@ class EditProposal(_Proposal):
     edits: list[SearchReplace] = Field(..., min_length=1)
 
 
-Proposal = Annotated[
-    KnobsProposal | ModuleProposal | EditProposal, Field(discriminator="kind")
-]
+Proposal = Annotated[KnobsProposal | ModuleProposal | EditProposal, Field(discriminator="kind")]
 PROPOSAL = TypeAdapter(Proposal)
 KINDS = ("knobs", "module", "edit")
 
