@@ -34,6 +34,17 @@ def op(name: str) -> Callable:
     return define(get_op(name))
 
 
+def __getattr__(name: str) -> Callable:
+    """`kernels.ops.<name>` for every op declared in search_space/<name>.py (its OP), defined on
+    first use: a new op is its own files, with no line here."""
+    if name.startswith("_"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        return op(name)
+    except ValueError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r} (no op of that name)") from None
+
+
 # --- attention family ---------------------------------------------------------------------------
 #
 # Each op is a forward custom op and a backward custom op, both dispatched (library kernel,

@@ -1,0 +1,51 @@
+"""The default kernel of jagged_to_padded_dense (search_space/jagged_to_padded_dense.py): one
+program per (sequence, BLOCK_L padded positions, BLOCK_D columns) copies the rows it covers and
+writes the padding value over the rest, so every element of the output is written once and
+nothing is read twice. Self-contained, like any candidate: it is also the op's knob template
+(its KNOBS dict)."""
+
+import torch
+import triton
+import triton.language as tl
+
+KNOBS = {"BLOCK_L": 32, "BLOCK_D": 128, "num_warps": 4}
+
+
+@triton.jit
+def _jagged_to_padded_dense_kernel(
+    values_ptr, offsets_ptr, out_ptr, padded_len, dim, position_blocks, row_stride, padding_value,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0) // position_blocks
+    positions = (tl.program_id(0) % position_blocks) * BLOCK_L + tl.arange(0, BLOCK_L)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    start = tl.load(offsets_ptr + seq).to(tl.int64)
+    length = tl.load(offsets_ptr + seq + 1).to(tl.int64) - start
+    in_cols = cols[None, :] < dim
+    rows = start + positions
+    tile = tl.load(
+        values_ptr + rows[:, None] * row_stride + cols[None, :],
+        mask=(positions < length)[:, None] & in_cols,
+        other=padding_value,
+    )
+    out_rows = seq.to(tl.int64) * padded_len + positions
+    in_positions = (positions < padded_len)[:, None]
+    tl.store(out_ptr + out_rows[:, None] * dim + cols[None, :], tile, mask=in_positions & in_cols)
+
+
+def jagged_to_padded_dense(values, offsets, *, max_len, padding_value=0.0):
+    """values [T, D], offsets [B + 1] (int32 or int64, from 0 to T) -> [B, max_len, D]: row p of
+    sequence b at [b, p] for p < max_len (rows past max_len are dropped), padding_value elsewhere."""
+    if values.stride(1) != 1:
+        values = values.contiguous()
+    num_seqs, dim = offsets.numel() - 1, values.shape[1]
+    out = torch.empty((num_seqs, max_len, dim), dtype=values.dtype, device=values.device)
+    if num_seqs == 0 or max_len == 0 or dim == 0:
+        return out
+    position_blocks = triton.cdiv(max_len, KNOBS["BLOCK_L"])
+    grid = (num_seqs * position_blocks, triton.cdiv(dim, KNOBS["BLOCK_D"]))
+    _jagged_to_padded_dense_kernel[grid](
+        values, offsets, out, max_len, dim, position_blocks, values.stride(0), float(padding_value),
+        BLOCK_L=KNOBS["BLOCK_L"], BLOCK_D=KNOBS["BLOCK_D"], num_warps=KNOBS["num_warps"],
+    )  # fmt: skip
+    return out

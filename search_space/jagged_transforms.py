@@ -1,0 +1,155 @@
+"""What the jagged <-> padded-dense problems share (search_space.jagged_to_padded_dense and
+search_space.dense_to_jagged, each the other's gradient): their sequences, shapes and buckets.
+
+A jagged tensor is values [T, D] with offsets [B + 1] (sequence b is values[offsets[b]:
+offsets[b + 1]]); its padded-dense form is [B, N, D], row p of sequence b at [b, p], the rest
+padding. Timing shapes follow ../shared/WORKLOAD.md: user histories of power-law length (median
+max/8, a few empty), batches of 256 to 512 sequences, the model dim of 512 and embedding dims of
+64 and 128, and training batches where each history is followed by its 32 candidates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from search_space.problem import Shape, Tolerance
+from search_space.workload import HSTU_BATCH, HSTU_MAX_LEN, TRAINING_TARGETS, length_at, quantile_lengths
+
+# A copy: a correct kernel is exact, whatever the dtype.
+EXACT = {dtype: Tolerance(atol=0.0, rtol=0.0, norm_rtol=0.0) for dtype in ("fp32", "bf16", "fp16")}
+# What computes these transforms in torch (its port of FBGEMM's jagged kernels, and the padding
+# and nested-tensor paths to them): a candidate may not call them.
+FORBIDDEN = (
+    "_jagged_to_padded_dense_forward",
+    "_padded_dense_to_jagged_forward",
+    "to_padded_tensor",
+    "pad_sequence",
+    "nested_tensor",
+    "as_nested_tensor",
+    "nested",
+    "index_put",
+    "index_put_",
+    "masked_scatter",
+    "masked_scatter_",
+    "masked_select",
+)
+
+
+def lengths_of(shape: Shape, seed: int) -> list[int]:
+    """The shape's sequence lengths: given, or drawn from its distribution (timing shapes: the
+    fixed quantiles, shuffled by the seed), each plus `targets` candidates."""
+    p = shape.params
+    if "lengths" in p:
+        lengths = list(p["lengths"])
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        if p.get("quantiles", False):
+            lengths = quantile_lengths(p["num_seqs"], p["dist"], p["max_len"])
+            lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=gen).tolist()]
+        else:
+            draws = torch.rand(p["num_seqs"], generator=gen, dtype=torch.float64).tolist()
+            lengths = [length_at(u, p["dist"], p["max_len"]) for u in draws]
+    return [n + p.get("targets", 0) for n in lengths]
+
+
+def offsets_of(lengths: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    offsets = torch.zeros(len(lengths) + 1, dtype=dtype)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])
+    return offsets
+
+
+def mean_total(shape: Shape) -> float:
+    """The expected number of rows T (exact for given lengths and timing quantiles)."""
+    p = shape.params
+    if "lengths" in p:
+        return float(sum(p["lengths"]))
+    if p.get("quantiles", False):
+        return float(
+            sum(quantile_lengths(p["num_seqs"], p["dist"], p["max_len"]))
+            + p["num_seqs"] * p.get("targets", 0)
+        )
+    mean = {"fixed": 1.0, "uniform": 0.95, "power": 0.25}[p["dist"]] * p["max_len"]
+    return p["num_seqs"] * (mean + p.get("targets", 0))
+
+
+def num_seqs(shape: Shape) -> int:
+    return len(shape.params["lengths"]) if "lengths" in shape.params else shape.params["num_seqs"]
+
+
+def padded_len(shape: Shape) -> int:
+    """N, the padded form's length: the shape's `padded_len`, else its longest possible sequence."""
+    p = shape.params
+    if "padded_len" in p:
+        return p["padded_len"]
+    if "lengths" in p:
+        return max(p["lengths"], default=0)
+    return p["max_len"] + p.get("targets", 0)
+
+
+def kept_rows(shape: Shape) -> float:
+    """Rows that land in the padded form (a sequence's rows past N are not)."""
+    p = shape.params
+    n = padded_len(shape)
+    if "lengths" in p:
+        return float(sum(min(length, n) for length in p["lengths"]))
+    return min(mean_total(shape), num_seqs(shape) * n)
+
+
+def bucket_of(dim: int, num_seqs: int, padded_len: int, total: int) -> str:
+    """Regimes that want different kernels: the row width (narrow rows want many rows per
+    program) and how full the padded form is (mostly padding: its writes dominate)."""
+    width = "d<=64" if dim <= 64 else "d<=256" if dim <= 256 else "d>256"
+    cells = max(1, num_seqs * padded_len)
+    return f"{width}-{'dense' if total >= cells / 2 else 'sparse'}"
+
+
+def shape_bucket(shape: Shape) -> str:
+    return bucket_of(shape.params["dim"], num_seqs(shape), padded_len(shape), round(mean_total(shape)))
+
+
+def _s(name: str, dtype: str, **params) -> Shape:
+    return Shape(name=name, dtype=dtype, params=params)
+
+
+# Break kernels: empty sequences (first and last), one row, lengths on no block's multiple, a
+# sequence 100x the median, truncation (sequences longer than N), widths that are no power of
+# two, a single sequence, and a padding value that is not zero.
+CHECK_SHAPES = tuple(
+    _s(name, dtype, **params)
+    for dtype in ("fp32", "bf16")
+    for name, params in (
+        ("edges", {"dim": 48, "lengths": [0, 1, 17, 0, 33, 5, 0], "padding_value": -1.5}),
+        ("one-long", {"dim": 16, "lengths": [3, 300, 2, 3, 1], "padded_len": 64}),
+        ("truncated", {"dim": 100, "num_seqs": 11, "dist": "power", "max_len": 90, "padded_len": 40}),
+        ("single", {"dim": 4, "lengths": [37]}),
+        ("wide", {"dim": 520, "num_seqs": 5, "dist": "uniform", "max_len": 12, "padding_value": 2.0}),
+    )
+)
+
+
+def _batch(name: str, dtype: str, dim: int, num_seqs: int, dist: str, max_len: int, **extra) -> Shape:
+    """A timing batch: its lengths are the distribution's quantiles (the same multiset each call)."""
+    return _s(name, dtype, dim=dim, num_seqs=num_seqs, dist=dist, max_len=max_len, quantiles=True, **extra)
+
+
+TIMING_SHAPES = (
+    _batch("hist-b512-d128", "bf16", 128, HSTU_BATCH[1], "power", HSTU_MAX_LEN[1]),
+    _batch("hist-b256-d512", "bf16", 512, HSTU_BATCH[0], "power", HSTU_MAX_LEN[0]),
+    _batch("train-b512-d64", "fp32", 64, HSTU_BATCH[1], "power", HSTU_MAX_LEN[0], targets=TRAINING_TARGETS),
+    _batch("full-b256-d128", "fp32", 128, HSTU_BATCH[0], "uniform", HSTU_MAX_LEN[0]),
+)
+INTERPRETED_TIMING_SHAPES = (
+    _s("interp-b8-d32", "fp32", dim=32, num_seqs=8, dist="power", max_len=32, quantiles=True),
+)
+
+
+def check_offsets(offsets: torch.Tensor, num_seqs: int | None, device: torch.device) -> None:
+    """ValueError naming what is wrong with a jagged tensor's offsets (shapes only: no sync)."""
+    if offsets.dim() != 1 or offsets.numel() < 1 or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"offsets must be an int32 or int64 [B + 1] tensor, got {offsets.dtype} {tuple(offsets.shape)}"
+        )
+    if num_seqs is not None and offsets.numel() != num_seqs + 1:
+        raise ValueError(f"offsets must have B + 1 = {num_seqs + 1} entries, got {offsets.numel()}")
+    if offsets.device != device:
+        raise ValueError(f"offsets are on {offsets.device}, the data on {device}")

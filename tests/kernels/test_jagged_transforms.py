@@ -1,0 +1,115 @@
+"""jagged_to_padded_dense and dense_to_jagged (search_space/<op>.py, kernels/<op>.py), each the
+other's gradient: the public ops against their references on every check shape (both offset
+dtypes, truncation, empty sequences, widths that are no power of two), torch's own kernels as
+baselines, gradients, the custom ops' registration, argument errors, and the sandbox's verdict
+on the default kernels and on a kernel that pads with the wrong value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import ops
+from sandbox import Candidate, LocalBackend, Status, isolation
+from search_space import get_problem
+from search_space.jagged_transforms import lengths_of, padded_len
+from search_space.template import get_template
+
+OPS = ("jagged_to_padded_dense", "dense_to_jagged")
+CPU = torch.device("cpu")
+
+
+def _cases(name: str):
+    problem = get_problem(name)
+    for shape in (*problem.check_shapes, *problem.interpreted_timing_shapes):
+        for seed in (0, 1):  # int64 offsets on even seeds, int32 on odd
+            yield pytest.param(name, shape, seed, id=f"{name}-{shape.name}-{shape.dtype}-{seed}")
+
+
+@pytest.mark.parametrize(("name", "shape", "seed"), [c for n in OPS for c in _cases(n)])
+def test_the_op_is_its_reference_exactly(name, shape, seed) -> None:
+    problem = get_problem(name)
+    inputs = problem.make_inputs(shape, seed, CPU)
+    expected = problem.reference(*inputs.args, **inputs.kwargs)
+    got = ops.op(name)(*inputs.args, **inputs.kwargs)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+    if max(lengths_of(shape, seed), default=0) <= padded_len(shape):  # what torch's kernels take
+        (baseline,) = problem.baselines.values()
+        assert torch.equal(baseline(*inputs.args, **inputs.kwargs), expected)
+
+
+def test_padding_truncation_and_the_round_trip() -> None:
+    values = torch.arange(10.0).repeat_interleave(2).view(10, 2)
+    offsets = torch.tensor([0, 3, 3, 10])
+    dense = ops.jagged_to_padded_dense(values, offsets, max_len=4, padding_value=-1.0)
+    assert dense.shape == (3, 4, 2)
+    assert dense[0, :, 0].tolist() == [0.0, 1.0, 2.0, -1.0]
+    assert dense[1, :, 0].tolist() == [-1.0] * 4
+    assert dense[2, :, 0].tolist() == [3.0, 4.0, 5.0, 6.0]  # rows 7, 8, 9 are past max_len
+    back = ops.dense_to_jagged(dense, offsets, total=10)
+    assert back[:7].equal(values[:7]) and back[7:].eq(0).all()  # dropped rows come back as zeros
+    full = ops.jagged_to_padded_dense(values, offsets, max_len=7)
+    assert ops.dense_to_jagged(full, offsets.int(), total=10).equal(values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_each_others_op(dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    offsets = torch.tensor([0, 5, 5, 6, 19])
+    values = torch.randn(19, 24, generator=gen).to(dtype).requires_grad_()
+    grad_out = torch.randn(4, 8, 24, generator=gen).to(dtype)
+    j2pd, d2j = get_problem(OPS[0]).reference, get_problem(OPS[1]).reference
+    (expected,) = torch.autograd.grad(j2pd(values, offsets, max_len=8), values, grad_out)
+    (got,) = torch.autograd.grad(ops.jagged_to_padded_dense(values, offsets, max_len=8), values, grad_out)
+    assert got.equal(expected) and got[14:].eq(0).all()  # sequence 3 past its 8th row gets none
+    dense = torch.randn(4, 8, 24, generator=gen).to(dtype).requires_grad_()
+    grad_rows = torch.randn(19, 24, generator=gen).to(dtype)
+    (expected,) = torch.autograd.grad(d2j(dense, offsets, total=19), dense, grad_rows)
+    (got,) = torch.autograd.grad(ops.dense_to_jagged(dense, offsets, total=19), dense, grad_rows)
+    assert got.equal(expected)
+    # An expanded gradient (of a sum: stride 0 everywhere) and a strided input.
+    wide = torch.randn(19, 48, generator=gen).to(dtype)
+    strided = wide[:, ::2].detach().requires_grad_()  # row stride 48, column stride 2
+    ops.jagged_to_padded_dense(strided, offsets, max_len=8).sum().backward()
+    assert strided.grad.equal(torch.cat([torch.ones(14, 24), torch.zeros(5, 24)]).to(dtype))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_the_custom_op_checks_out(name) -> None:
+    problem = get_problem(name)
+    inputs = problem.make_inputs(problem.check_shapes[0], 0, CPU)
+    fn = ops.op(name)
+    args = tuple(inputs.args) + tuple(inputs.kwargs.values())
+    args = (args[0].clone().requires_grad_(), *args[1:])
+    torch.library.opcheck(fn.custom_op, args)
+
+
+def test_bad_arguments_are_named() -> None:
+    values, offsets = torch.randn(6, 4), torch.tensor([0, 2, 6])
+    with pytest.raises(ValueError, match=r"values must be \[T, D\]"):
+        ops.jagged_to_padded_dense(values.view(6, 2, 2), offsets, max_len=3)
+    with pytest.raises(ValueError, match="offsets must be an int32 or int64"):
+        ops.jagged_to_padded_dense(values, offsets.float(), max_len=3)
+    with pytest.raises(ValueError, match="max_len must be >= 0"):
+        ops.jagged_to_padded_dense(values, offsets, max_len=-1)
+    dense = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match=r"offsets must have B \+ 1 = 3 entries, got 4"):
+        ops.dense_to_jagged(dense, torch.tensor([0, 1, 2, 6]), total=6)
+    with pytest.raises(ValueError, match=r"dense must be \[B, N, D\]"):
+        ops.dense_to_jagged(values, offsets, total=6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+def test_the_sandbox_accepts_the_defaults_and_refuses_the_wrong_padding(tmp_path) -> None:
+    backend = LocalBackend(timeout_s=240, scratch_root=tmp_path)
+    for name in OPS:
+        template = get_template(name)
+        result = backend.evaluate(Candidate(problem=name, source=template.render({}), entry=template.entry))
+        assert result.status == Status.OK, f"{name}: {result.message}\n{result.log_tail}"
+        assert result.timings and all(t.candidate.median_us > 0 for t in result.timings)
+    template = get_template(OPS[0])
+    source = template.render({}).replace("other=padding_value", "other=0.0")
+    assert source != template.render({})
+    result = backend.evaluate(Candidate(problem=OPS[0], source=source, entry=template.entry), timing=False)
+    assert result.status == Status.WRONG and "edges" in result.message, result.message
