@@ -89,13 +89,14 @@ class _EagerOp:
                     output = impl(*args)
                     setup_context(ctx, args, output)
                     ctx.num_args = len(args)
-                    # Statistics returned beside the output (lse) get None, not a zero tensor.
+                    # An output nothing differentiates (statistics returned beside the output,
+                    # one part of a split) gets None, not a zero tensor: the formula sees None.
                     ctx.set_materialize_grads(False)
                     return output
 
                 @staticmethod
                 def backward(ctx, *grads):
-                    if grads[0] is None:  # only outputs that are not differentiated were used
+                    if all(g is None for g in grads):  # no output's gradient is wanted
                         return (None,) * ctx.num_args
                     return backward(ctx, *grads)
 

@@ -153,3 +153,67 @@ def check_offsets(offsets: torch.Tensor, num_seqs: int | None, device: torch.dev
         raise ValueError(f"offsets must have B + 1 = {num_seqs + 1} entries, got {offsets.numel()}")
     if offsets.device != device:
         raise ValueError(f"offsets are on {offsets.device}, the data on {device}")
+
+
+# --- per-sample concat and split of two jagged tensors (history, then candidates) ------------
+#
+# Shapes name the first part's lengths as above and the second's as `second` (a list), or
+# `second_max` (uniform draws in [0, second_max]), or `targets` of each (a training batch).
+
+
+def second_lengths(shape: Shape, seed: int) -> list[int]:
+    p = shape.params
+    if "second" in p:
+        return list(p["second"])
+    count = num_seqs(shape)
+    if "second_max" in p:
+        gen = torch.Generator().manual_seed(seed + 7)
+        return torch.randint(0, p["second_max"] + 1, (count,), generator=gen).tolist()
+    return [p["targets"]] * count
+
+
+def first_lengths(shape: Shape, seed: int) -> list[int]:
+    return lengths_of(Shape(name=shape.name, dtype=shape.dtype, params={**shape.params, "targets": 0}), seed)
+
+
+def concat_rows(shape: Shape) -> float:
+    """Rows of both parts together (expected)."""
+    p = shape.params
+    second = (
+        sum(p["second"])
+        if "second" in p
+        else num_seqs(shape) * (p["second_max"] / 2 if "second_max" in p else p["targets"])
+    )
+    return mean_total(Shape(name=shape.name, dtype=shape.dtype, params={**p, "targets": 0})) + second
+
+
+def concat_bucket_of(dim: int, num_seqs: int, total: int) -> str:
+    """Row width, and short or long sequences (rows per sequence: a program's rows span
+    sequences when they are short)."""
+    width = "d<=64" if dim <= 64 else "d<=256" if dim <= 256 else "d>256"
+    return f"{width}-{'short' if total < 64 * max(1, num_seqs) else 'long'}"
+
+
+def concat_shape_bucket(shape: Shape) -> str:
+    return concat_bucket_of(shape.params["dim"], num_seqs(shape), round(concat_rows(shape)))
+
+
+CONCAT_CHECK_SHAPES = tuple(
+    _s(name, dtype, **params)
+    for dtype in ("fp32", "bf16")
+    for name, params in (
+        ("edges", {"dim": 48, "lengths": [0, 1, 17, 0, 33, 5, 0], "second": [2, 0, 0, 5, 1, 0, 3]}),
+        ("one-long", {"dim": 16, "lengths": [3, 300, 2, 3, 1], "second": [4, 4, 4, 4, 4]}),
+        ("drawn", {"dim": 100, "num_seqs": 11, "dist": "power", "max_len": 90, "second_max": 9}),
+        ("single", {"dim": 4, "lengths": [37], "second": [70]}),
+        ("wide", {"dim": 520, "num_seqs": 5, "dist": "uniform", "max_len": 12, "targets": 3}),
+    )
+)
+CONCAT_TIMING_SHAPES = (
+    _batch("train-b512-d128", "bf16", 128, HSTU_BATCH[1], "power", HSTU_MAX_LEN[1], targets=TRAINING_TARGETS),
+    _batch("train-b256-d512", "bf16", 512, HSTU_BATCH[0], "power", HSTU_MAX_LEN[0], targets=TRAINING_TARGETS),
+    _batch("train-b512-d64", "fp32", 64, HSTU_BATCH[1], "power", HSTU_MAX_LEN[0], targets=TRAINING_TARGETS),
+)
+CONCAT_INTERPRETED_TIMING_SHAPES = (
+    _s("interp-b8-d32", "fp32", dim=32, num_seqs=8, dist="power", max_len=32, quantiles=True, targets=4),
+)

@@ -26,7 +26,8 @@ class Backward:
 
     `save(ctx, inputs, output)`: keep what the backward needs (inputs maps every argument's name
     to its value). `grads(ctx, *grad_outputs) -> {argument name: gradient}`: the gradients of
-    the differentiable arguments (missing ones are None); `ctx.needs_grad` maps each argument's
+    the differentiable arguments (missing ones are None), from one gradient per output (None,
+    or zeros, for an output that nothing differentiates); `ctx.needs_grad` maps each argument's
     name to whether its gradient is wanted. Gradients are computed with public ops (through
     `kernels.opdef.public`), so their kernels are dispatched too."""
 

@@ -1,8 +1,9 @@
-"""jagged_to_padded_dense and dense_to_jagged (search_space/<op>.py, kernels/<op>.py), each the
-other's gradient: the public ops against their references on every check shape (both offset
-dtypes, truncation, empty sequences, widths that are no power of two), torch's own kernels as
-baselines, gradients, the custom ops' registration, argument errors, and the sandbox's verdict
-on the default kernels and on a kernel that pads with the wrong value."""
+"""The jagged transforms (search_space/<op>.py, kernels/<op>.py), in pairs that are each
+other's gradient: jagged_to_padded_dense and dense_to_jagged, jagged_concat and jagged_split.
+The public ops against their references on every check shape (both offset dtypes, truncation,
+empty sequences, widths that are no power of two), their baselines, gradients, the custom ops'
+registration, argument errors, and the sandbox's verdict on the default kernels and on a kernel
+that pads with the wrong value."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from search_space.jagged_transforms import lengths_of, padded_len
 from search_space.template import get_template
 
 OPS = ("jagged_to_padded_dense", "dense_to_jagged")
+ALL = (*OPS, "jagged_concat", "jagged_split")
+
+
+def _equal(got, expected) -> bool:
+    if isinstance(expected, tuple):
+        return isinstance(got, tuple) and len(got) == len(expected) and all(map(_equal, got, expected))
+    return got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+
+
 CPU = torch.device("cpu")
 
 
@@ -26,16 +36,16 @@ def _cases(name: str):
             yield pytest.param(name, shape, seed, id=f"{name}-{shape.name}-{shape.dtype}-{seed}")
 
 
-@pytest.mark.parametrize(("name", "shape", "seed"), [c for n in OPS for c in _cases(n)])
+@pytest.mark.parametrize(("name", "shape", "seed"), [c for n in ALL for c in _cases(n)])
 def test_the_op_is_its_reference_exactly(name, shape, seed) -> None:
     problem = get_problem(name)
     inputs = problem.make_inputs(shape, seed, CPU)
     expected = problem.reference(*inputs.args, **inputs.kwargs)
-    got = ops.op(name)(*inputs.args, **inputs.kwargs)
-    assert got.dtype == expected.dtype and torch.equal(got, expected)
-    if max(lengths_of(shape, seed), default=0) <= padded_len(shape):  # what torch's kernels take
+    assert _equal(ops.op(name)(*inputs.args, **inputs.kwargs), expected)
+    # torch's dense_to_jagged refuses sequences longer than N (no timing shape has one).
+    if name != "dense_to_jagged" or max(lengths_of(shape, seed), default=0) <= padded_len(shape):
         (baseline,) = problem.baselines.values()
-        assert torch.equal(baseline(*inputs.args, **inputs.kwargs), expected)
+        assert _equal(baseline(*inputs.args, **inputs.kwargs), expected)
 
 
 def test_padding_truncation_and_the_round_trip() -> None:
@@ -74,7 +84,41 @@ def test_gradients_are_each_others_op(dtype) -> None:
     assert strided.grad.equal(torch.cat([torch.ones(14, 24), torch.zeros(5, 24)]).to(dtype))
 
 
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_concat_and_split_are_each_others_gradient(dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    first_offsets, second_offsets = torch.tensor([0, 4, 4, 9]), torch.tensor([0, 2, 5, 5])
+    first = torch.randn(9, 12, generator=gen).to(dtype).requires_grad_()
+    second = torch.randn(5, 12, generator=gen).to(dtype).requires_grad_()
+    grad_out = torch.randn(14, 12, generator=gen).to(dtype)
+    concat, split = get_problem("jagged_concat").reference, get_problem("jagged_split").reference
+    expected = torch.autograd.grad(
+        concat(first, first_offsets, second, second_offsets), (first, second), grad_out
+    )
+    got = torch.autograd.grad(
+        ops.jagged_concat(first, first_offsets, second, second_offsets), (first, second), grad_out
+    )
+    assert _equal(tuple(got), tuple(expected))
+    values = ops.jagged_concat(first, first_offsets, second, second_offsets).detach().requires_grad_()
+    offsets = first_offsets + second_offsets
+    head, tail = ops.jagged_split(values, offsets, first_offsets, first_total=9)
+    assert _equal((head, tail), (first.detach(), second.detach()))
+    grads = torch.randn(9, 12, generator=gen).to(dtype), torch.randn(5, 12, generator=gen).to(dtype)
+    (expected,) = torch.autograd.grad(split(values, offsets, first_offsets, first_total=9), values, grads)
+    (got,) = torch.autograd.grad((head, tail), values, grads)
+    assert _equal(got, expected)
+    # Only one part differentiated: the other's rows get zeros, in both paths.
+    (only_tail,) = torch.autograd.grad(
+        ops.jagged_split(values, offsets, first_offsets, first_total=9)[1], values, grads[1]
+    )
+    from_first = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1], dtype=torch.bool)
+    assert only_tail[from_first].eq(0).all() and only_tail[~from_first].equal(grads[1])
+    custom = ops.jagged_split.custom_op
+    (via_custom,) = torch.autograd.grad(custom(values, offsets, first_offsets, 9)[1], values, grads[1])
+    assert via_custom.equal(only_tail)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_the_custom_op_checks_out(name) -> None:
     problem = get_problem(name)
     inputs = problem.make_inputs(problem.check_shapes[0], 0, CPU)
@@ -97,13 +141,19 @@ def test_bad_arguments_are_named() -> None:
         ops.dense_to_jagged(dense, torch.tensor([0, 1, 2, 6]), total=6)
     with pytest.raises(ValueError, match=r"dense must be \[B, N, D\]"):
         ops.dense_to_jagged(values, offsets, total=6)
+    with pytest.raises(ValueError, match="first and second must share D and dtype"):
+        ops.jagged_concat(values, offsets, torch.randn(6, 3), offsets)
+    with pytest.raises(ValueError, match=r"offsets must have B \+ 1 = 3 entries, got 2"):
+        ops.jagged_concat(values, offsets, values, offsets[:2])
+    with pytest.raises(ValueError, match=r"first_total must be in \[0, T = 6\], got 7"):
+        ops.jagged_split(values, offsets, offsets, first_total=7)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
 def test_the_sandbox_accepts_the_defaults_and_refuses_the_wrong_padding(tmp_path) -> None:
     backend = LocalBackend(timeout_s=240, scratch_root=tmp_path)
-    for name in OPS:
+    for name in ALL:
         template = get_template(name)
         result = backend.evaluate(Candidate(problem=name, source=template.render({}), entry=template.entry))
         assert result.status == Status.OK, f"{name}: {result.message}\n{result.log_tail}"

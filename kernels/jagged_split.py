@@ -1,0 +1,59 @@
+"""The default kernel of jagged_split (search_space/jagged_split.py): one program per
+(BLOCK_T input rows, BLOCK_D columns) finds each row's sequence by a binary search over the
+offsets, then writes the row to the first part (a sequence's first rows) or to the second.
+Self-contained, like any candidate: it is also the op's knob template (its KNOBS dict)."""
+
+import torch
+import triton
+import triton.language as tl
+
+KNOBS = {"BLOCK_T": 32, "BLOCK_D": 128, "num_warps": 4}
+
+
+@triton.jit
+def _jagged_split_kernel(
+    values_ptr, offsets_ptr, first_offsets_ptr, first_ptr, second_ptr, total, num_seqs, dim,
+    row_stride, search_steps, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    lo = tl.zeros([BLOCK_T], dtype=tl.int64)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int64) + num_seqs
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go_right = tl.load(offsets_ptr + mid).to(tl.int64) <= rows
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    start = tl.load(offsets_ptr + lo).to(tl.int64)
+    first_start = tl.load(first_offsets_ptr + lo).to(tl.int64)
+    first_len = tl.load(first_offsets_ptr + lo + 1).to(tl.int64) - first_start
+    position = rows - start
+    in_rows = rows < total
+    in_cols = cols[None, :] < dim
+    tile = tl.load(values_ptr + rows[:, None] * row_stride + cols[None, :], mask=in_rows[:, None] & in_cols)
+    to_first = (in_rows & (position < first_len))[:, None] & in_cols
+    to_second = (in_rows & (position >= first_len))[:, None] & in_cols
+    tl.store(first_ptr + (first_start + position)[:, None] * dim + cols[None, :], tile, mask=to_first)
+    # The second part's sequence b starts at offsets[b] - first_offsets[b].
+    second_rows = start - first_start + position - first_len
+    tl.store(second_ptr + second_rows[:, None] * dim + cols[None, :], tile, mask=to_second)
+
+
+def jagged_split(values, offsets, first_offsets, *, first_total):
+    """values [T, D] with offsets [B + 1], first_offsets [B + 1] (each sequence's first part,
+    first_offsets[-1] = first_total) -> (first [first_total, D], second [T - first_total, D]):
+    sequence b's first rows, and the rest (offsets - first_offsets)."""
+    if values.stride(1) != 1:
+        values = values.contiguous()
+    num_seqs, (total, dim) = offsets.numel() - 1, values.shape
+    first = torch.empty((first_total, dim), dtype=values.dtype, device=values.device)
+    second = torch.empty((total - first_total, dim), dtype=values.dtype, device=values.device)
+    if total == 0 or dim == 0:
+        return first, second
+    grid = (triton.cdiv(total, KNOBS["BLOCK_T"]), triton.cdiv(dim, KNOBS["BLOCK_D"]))
+    _jagged_split_kernel[grid](
+        values, offsets, first_offsets, first, second, total, num_seqs, dim, values.stride(0),
+        max(1, (num_seqs - 1).bit_length()),
+        BLOCK_T=KNOBS["BLOCK_T"], BLOCK_D=KNOBS["BLOCK_D"], num_warps=KNOBS["num_warps"],
+    )  # fmt: skip
+    return first, second
