@@ -16,12 +16,11 @@ import torch
 
 from search_space.jagged_transforms import (
     CHECK_SHAPES,
-    EXACT,
-    FORBIDDEN,
     INTERPRETED_TIMING_SHAPES,
     TIMING_SHAPES,
     bucket_of,
     check_offsets,
+    copy_problem,
     kept_rows,
     lengths_of,
     mean_total,
@@ -29,12 +28,12 @@ from search_space.jagged_transforms import (
     offsets_of,
     padded_len,
     shape_bucket,
+    tile_template,
 )
 from search_space.op import Backward, Op
-from search_space.problem import Inputs, Problem, Shape
-from search_space.template import Knob, KnobTemplate
+from search_space.problem import Inputs, Shape
 
-NAME = ENTRY = "dense_to_jagged"
+NAME = "dense_to_jagged"
 
 
 def reference(dense: torch.Tensor, offsets: torch.Tensor, *, total: int) -> torch.Tensor:
@@ -73,10 +72,8 @@ def bytes_moved(shape: Shape) -> float:
     )
 
 
-PROBLEM = Problem(
-    name=NAME,
-    op_family="jagged",
-    entry=ENTRY,
+PROBLEM = copy_problem(
+    NAME,
     signature=(
         "dense_to_jagged(dense: Tensor[B, N, D], offsets: int32|int64 Tensor[B + 1], *, total: int) "
         "-> Tensor[total, D]"
@@ -85,30 +82,14 @@ PROBLEM = Problem(
     check_shapes=CHECK_SHAPES,
     timing_shapes=TIMING_SHAPES,
     interpreted_timing_shapes=INTERPRETED_TIMING_SHAPES,
-    tolerances=EXACT,
     make_inputs=make_inputs,
     reference=reference,
     baselines={"torch.dense_to_jagged": torch_dense_to_jagged},
-    flops=lambda shape: 0.0,
     bytes=bytes_moved,
     bucket=shape_bucket,
-    template=NAME,
-    forbidden_ops=FORBIDDEN,
 )
 
-TEMPLATE = KnobTemplate(
-    problem=NAME,
-    source_module="kernels.dense_to_jagged",
-    entry=ENTRY,
-    knobs=(
-        Knob("BLOCK_T", (8, 16, 32, 64, 128), default=32, help="jagged rows per program"),
-        Knob("BLOCK_D", (32, 64, 128, 256), default=128, help="columns per program"),
-        Knob("num_warps", (1, 2, 4, 8), default=4),
-    ),
-    constraint=lambda knobs: (
-        "a tile of more than 16384 elements" if knobs["BLOCK_T"] * knobs["BLOCK_D"] > 16384 else None
-    ),
-)
+TEMPLATE = tile_template(NAME, "BLOCK_T", "jagged rows per program")
 
 
 def _check(dense, offsets, *, total) -> None:

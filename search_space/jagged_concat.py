@@ -17,22 +17,21 @@ from search_space.jagged_transforms import (
     CONCAT_CHECK_SHAPES,
     CONCAT_INTERPRETED_TIMING_SHAPES,
     CONCAT_TIMING_SHAPES,
-    EXACT,
-    FORBIDDEN,
     check_offsets,
     concat_bucket_of,
     concat_rows,
     concat_shape_bucket,
+    copy_problem,
     first_lengths,
     num_seqs,
     offsets_of,
     second_lengths,
+    tile_template,
 )
 from search_space.op import Backward, Op
-from search_space.problem import Inputs, Problem, Shape
-from search_space.template import Knob, KnobTemplate
+from search_space.problem import Inputs, Shape
 
-NAME = ENTRY = "jagged_concat"
+NAME = "jagged_concat"
 
 
 def concat_map(
@@ -94,10 +93,8 @@ def bytes_moved(shape: Shape) -> float:
     return 2 * concat_rows(shape) * shape.params["dim"] * shape.torch_dtype.itemsize + 16 * num_seqs(shape)
 
 
-PROBLEM = Problem(
-    name=NAME,
-    op_family="jagged",
-    entry=ENTRY,
+PROBLEM = copy_problem(
+    NAME,
     signature=(
         "jagged_concat(first: Tensor[T1, D], first_offsets: int32|int64 Tensor[B + 1], "
         "second: Tensor[T2, D], second_offsets: int32|int64 Tensor[B + 1]) -> Tensor[T1 + T2, D]"
@@ -106,30 +103,14 @@ PROBLEM = Problem(
     check_shapes=CONCAT_CHECK_SHAPES,
     timing_shapes=CONCAT_TIMING_SHAPES,
     interpreted_timing_shapes=CONCAT_INTERPRETED_TIMING_SHAPES,
-    tolerances=EXACT,
     make_inputs=make_inputs,
     reference=reference,
     baselines={"torch.cat": per_sample_cat},
-    flops=lambda shape: 0.0,
     bytes=bytes_moved,
     bucket=concat_shape_bucket,
-    template=NAME,
-    forbidden_ops=FORBIDDEN,
 )
 
-TEMPLATE = KnobTemplate(
-    problem=NAME,
-    source_module="kernels.jagged_concat",
-    entry=ENTRY,
-    knobs=(
-        Knob("BLOCK_T", (8, 16, 32, 64, 128), default=32, help="output rows per program"),
-        Knob("BLOCK_D", (32, 64, 128, 256), default=128, help="columns per program"),
-        Knob("num_warps", (1, 2, 4, 8), default=4),
-    ),
-    constraint=lambda knobs: (
-        "a tile of more than 16384 elements" if knobs["BLOCK_T"] * knobs["BLOCK_D"] > 16384 else None
-    ),
-)
+TEMPLATE = tile_template(NAME, "BLOCK_T", "output rows per program")
 
 
 def _check(first, first_offsets, second, second_offsets) -> None:

@@ -20,19 +20,18 @@ from search_space.jagged_transforms import (
     CONCAT_CHECK_SHAPES,
     CONCAT_INTERPRETED_TIMING_SHAPES,
     CONCAT_TIMING_SHAPES,
-    EXACT,
-    FORBIDDEN,
     check_offsets,
     concat_bucket_of,
     concat_rows,
     concat_shape_bucket,
+    copy_problem,
     num_seqs,
+    tile_template,
 )
 from search_space.op import Backward, Op
-from search_space.problem import Inputs, Problem, Shape
-from search_space.template import Knob, KnobTemplate
+from search_space.problem import Inputs, Shape
 
-NAME = ENTRY = "jagged_split"
+NAME = "jagged_split"
 
 
 def reference(
@@ -74,10 +73,8 @@ def bytes_moved(shape: Shape) -> float:
     return 2 * concat_rows(shape) * shape.params["dim"] * shape.torch_dtype.itemsize + 16 * num_seqs(shape)
 
 
-PROBLEM = Problem(
-    name=NAME,
-    op_family="jagged",
-    entry=ENTRY,
+PROBLEM = copy_problem(
+    NAME,
     signature=(
         "jagged_split(values: Tensor[T, D], offsets: int32|int64 Tensor[B + 1], first_offsets: "
         "int32|int64 Tensor[B + 1], *, first_total: int) -> (Tensor[first_total, D], "
@@ -87,30 +84,14 @@ PROBLEM = Problem(
     check_shapes=CONCAT_CHECK_SHAPES,
     timing_shapes=CONCAT_TIMING_SHAPES,
     interpreted_timing_shapes=CONCAT_INTERPRETED_TIMING_SHAPES,
-    tolerances=EXACT,
     make_inputs=make_inputs,
     reference=reference,
     baselines={"torch.cat": per_sample_split},
-    flops=lambda shape: 0.0,
     bytes=bytes_moved,
     bucket=concat_shape_bucket,
-    template=NAME,
-    forbidden_ops=FORBIDDEN,
 )
 
-TEMPLATE = KnobTemplate(
-    problem=NAME,
-    source_module="kernels.jagged_split",
-    entry=ENTRY,
-    knobs=(
-        Knob("BLOCK_T", (8, 16, 32, 64, 128), default=32, help="input rows per program"),
-        Knob("BLOCK_D", (32, 64, 128, 256), default=128, help="columns per program"),
-        Knob("num_warps", (1, 2, 4, 8), default=4),
-    ),
-    constraint=lambda knobs: (
-        "a tile of more than 16384 elements" if knobs["BLOCK_T"] * knobs["BLOCK_D"] > 16384 else None
-    ),
-)
+TEMPLATE = tile_template(NAME, "BLOCK_T", "input rows per program")
 
 
 def _check(values, offsets, first_offsets, *, first_total) -> None:

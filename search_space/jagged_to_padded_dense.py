@@ -15,24 +15,23 @@ import torch
 
 from search_space.jagged_transforms import (
     CHECK_SHAPES,
-    EXACT,
-    FORBIDDEN,
     INTERPRETED_TIMING_SHAPES,
     TIMING_SHAPES,
     bucket_of,
     check_offsets,
+    copy_problem,
     kept_rows,
     lengths_of,
     num_seqs,
     offsets_of,
     padded_len,
     shape_bucket,
+    tile_template,
 )
 from search_space.op import Backward, Op
-from search_space.problem import Inputs, Problem, Shape
-from search_space.template import Knob, KnobTemplate
+from search_space.problem import Inputs, Shape
 
-NAME = ENTRY = "jagged_to_padded_dense"
+NAME = "jagged_to_padded_dense"
 
 
 def reference(
@@ -71,10 +70,8 @@ def bytes_moved(shape: Shape) -> float:
     return (kept_rows(shape) + cells) * shape.params["dim"] * shape.torch_dtype.itemsize + 8 * num_seqs(shape)
 
 
-PROBLEM = Problem(
-    name=NAME,
-    op_family="jagged",
-    entry=ENTRY,
+PROBLEM = copy_problem(
+    NAME,
     signature=(
         "jagged_to_padded_dense(values: Tensor[T, D], offsets: int32|int64 Tensor[B + 1], *, "
         "max_len: int, padding_value: float = 0.0) -> Tensor[B, max_len, D]"
@@ -83,30 +80,14 @@ PROBLEM = Problem(
     check_shapes=CHECK_SHAPES,
     timing_shapes=TIMING_SHAPES,
     interpreted_timing_shapes=INTERPRETED_TIMING_SHAPES,
-    tolerances=EXACT,
     make_inputs=make_inputs,
     reference=reference,
     baselines={"torch.jagged_to_padded_dense": torch_jagged_to_padded_dense},
-    flops=lambda shape: 0.0,
     bytes=bytes_moved,
     bucket=shape_bucket,
-    template=NAME,
-    forbidden_ops=FORBIDDEN,
 )
 
-TEMPLATE = KnobTemplate(
-    problem=NAME,
-    source_module="kernels.jagged_to_padded_dense",
-    entry=ENTRY,
-    knobs=(
-        Knob("BLOCK_L", (8, 16, 32, 64, 128), default=32, help="padded positions per program"),
-        Knob("BLOCK_D", (32, 64, 128, 256), default=128, help="columns per program"),
-        Knob("num_warps", (1, 2, 4, 8), default=4),
-    ),
-    constraint=lambda knobs: (
-        "a tile of more than 16384 elements" if knobs["BLOCK_L"] * knobs["BLOCK_D"] > 16384 else None
-    ),
-)
+TEMPLATE = tile_template(NAME, "BLOCK_L", "padded positions per program")
 
 
 def _check(values, offsets, *, max_len, padding_value=0.0) -> None:

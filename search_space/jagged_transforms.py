@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from search_space.problem import Shape, Tolerance
+from search_space.problem import Problem, Shape, Tolerance
+from search_space.template import Knob, KnobTemplate
 from search_space.workload import HSTU_BATCH, HSTU_MAX_LEN, TRAINING_TARGETS, length_at, quantile_lengths
 
 # A copy: a correct kernel is exact, whatever the dtype.
@@ -33,6 +34,39 @@ FORBIDDEN = (
     "masked_scatter_",
     "masked_select",
 )
+
+
+def copy_problem(name: str, **fields) -> Problem:
+    """A jagged transform's problem: an exact copy (no FLOPs, zero tolerance), searched by its
+    default kernel's knobs (tile_template), never by falling back to torch's own transforms."""
+    return Problem(
+        name=name,
+        op_family="jagged",
+        entry=name,
+        tolerances=EXACT,
+        flops=lambda shape: 0.0,
+        template=name,
+        forbidden_ops=FORBIDDEN,
+        **fields,
+    )
+
+
+def tile_template(name: str, rows: str, rows_help: str) -> KnobTemplate:
+    """The knobs of a jagged transform's default kernel (kernels/<name>.py, its own template):
+    a tile of `rows` x BLOCK_D columns per program, and its warps."""
+    return KnobTemplate(
+        problem=name,
+        source_module=f"kernels.{name}",
+        entry=name,
+        knobs=(
+            Knob(rows, (8, 16, 32, 64, 128), default=32, help=rows_help),
+            Knob("BLOCK_D", (32, 64, 128, 256), default=128, help="columns per program"),
+            Knob("num_warps", (1, 2, 4, 8), default=4),
+        ),
+        constraint=lambda knobs: (
+            "a tile of more than 16384 elements" if knobs[rows] * knobs["BLOCK_D"] > 16384 else None
+        ),
+    )
 
 
 def lengths_of(shape: Shape, seed: int) -> list[int]:
