@@ -4,6 +4,8 @@ writes the padding value over the rest, so every element of the output is writte
 nothing is read twice. Self-contained, like any candidate: it is also the op's knob template
 (its KNOBS dict)."""
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,17 @@ def _jagged_to_padded_dense_kernel(
     tl.store(out_ptr + out_rows[:, None] * dim + cols[None, :], tile, mask=in_positions & in_cols)
 
 
+def _rounded(value, dtype):
+    """value rounded to nearest-even in a 16-bit dtype's significand, as torch.full rounds it,
+    so that the kernel's own cast (which the interpreter truncates) has nothing left to round
+    (the normal range; fp16's subnormals keep the kernel's cast)."""
+    bits = {torch.bfloat16: 8, torch.float16: 11}.get(dtype)
+    if bits is None or value == 0 or not math.isfinite(value):
+        return value
+    mantissa, exponent = math.frexp(value)
+    return math.ldexp(round(mantissa * 2**bits), exponent - bits)
+
+
 def jagged_to_padded_dense(values, offsets, *, max_len, padding_value=0.0):
     """values [T, D], offsets [B + 1] (int32 or int64, from 0 to T) -> [B, max_len, D]: row p of
     sequence b at [b, p] for p < max_len (rows past max_len are dropped), padding_value elsewhere."""
@@ -42,10 +55,11 @@ def jagged_to_padded_dense(values, offsets, *, max_len, padding_value=0.0):
     out = torch.empty((num_seqs, max_len, dim), dtype=values.dtype, device=values.device)
     if num_seqs == 0 or max_len == 0 or dim == 0:
         return out
+    padding = _rounded(float(padding_value), values.dtype)
     position_blocks = triton.cdiv(max_len, KNOBS["BLOCK_L"])
     grid = (num_seqs * position_blocks, triton.cdiv(dim, KNOBS["BLOCK_D"]))
     _jagged_to_padded_dense_kernel[grid](
-        values, offsets, out, max_len, dim, position_blocks, values.stride(0), float(padding_value),
+        values, offsets, out, max_len, dim, position_blocks, values.stride(0), padding,
         BLOCK_L=KNOBS["BLOCK_L"], BLOCK_D=KNOBS["BLOCK_D"], num_warps=KNOBS["num_warps"],
     )  # fmt: skip
     return out

@@ -38,6 +38,17 @@ BOOKKEEPING = frozenset(
 )  # fmt: skip
 
 
+# Of BOOKKEEPING, what moves or writes floating-point data. For a problem that is data movement
+# (a jagged transform: its whole op is copies), host code doing these on floating-point data is
+# doing the op itself, so they count as compute there (Problem.host_copies_compute).
+DATA_MOVEMENT = frozenset(
+    {
+        "copy_", "_to_copy", "clone", "contiguous", "lift_fresh_copy", "fill_", "zero_", "full",
+        "full_like", "new_full", "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones",
+    }
+)  # fmt: skip
+
+
 def _floating(value) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
@@ -46,9 +57,9 @@ class HostOps(TorchDispatchMode):
     """Records the first torch op outside BOOKKEEPING (and `allowed`, the problem's own) that
     touches floating-point data, or floating-point data viewed as integers."""
 
-    def __init__(self, allowed: frozenset[str] = frozenset()) -> None:
+    def __init__(self, allowed: frozenset[str] = frozenset(), *, copies_compute: bool = False) -> None:
         super().__init__()
-        self.allowed = BOOKKEEPING | allowed
+        self.allowed = (BOOKKEEPING - DATA_MOVEMENT if copies_compute else BOOKKEEPING) | allowed
         self.first: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -160,10 +171,12 @@ class HostReads(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def watching(enabled: bool, allowed: frozenset[str] = frozenset()) -> Iterator[HostOps | None]:
+def watching(
+    enabled: bool, allowed: frozenset[str] = frozenset(), *, copies_compute: bool = False
+) -> Iterator[HostOps | None]:
     if not enabled:
         yield None
         return
-    ops = HostOps(allowed)
+    ops = HostOps(allowed, copies_compute=copies_compute)
     with ops, HostReads(ops):
         yield ops

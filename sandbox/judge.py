@@ -956,6 +956,7 @@ def evaluate(request: EvalRequest) -> EvalResult:
         ev.clock.start("load")
         load = {"op": "load", "source_file": request.source_file, "entry": request.entry,
                 "host_float_ops": list(ev.problem.host_float_ops),
+                "host_copies_compute": ev.problem.host_copies_compute,
                 "gpu_memory_bytes": request.gpu_memory_bytes}  # fmt: skip
         runner.ask(load, where="import failed")
         if request.check:

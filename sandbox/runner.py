@@ -109,6 +109,7 @@ class Runner:
         self.host_compute: dict[int, str] = {}
         self.held: dict[int, str] = {}  # call id -> why its output is not the caller's alone
         self.host_float_ops: frozenset[str] = frozenset()
+        self.host_copies_compute = False
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -146,6 +147,7 @@ class Runner:
 
     def op_load(self, message: dict, fds: list[int]) -> dict:
         self.host_float_ops = frozenset(str(op) for op in message.get("host_float_ops", ()))
+        self.host_copies_compute = message.get("host_copies_compute") is True
         host_ops.prepare_triton(_kernel_classes())
         if self.device == "cpu":  # Triton interprets: its kernels' pointers are host addresses
             interpreter_memory.install()
@@ -292,7 +294,8 @@ class Runner:
         """Call the entry; its outputs (or what is wrong with them) kept as call `cid`'s. Unwatched,
         the call is the entry's alone (a timed call's events bracket nothing else)."""
         if self.watch:
-            with host_ops.watching(True, self.host_float_ops) as watch:
+            copies = self.host_copies_compute
+            with host_ops.watching(True, self.host_float_ops, copies_compute=copies) as watch:
                 out = self.fn(*args, **kwargs)
             if watch.first is not None:
                 self.host_compute[cid] = watch.first

@@ -73,10 +73,12 @@ def per_sample_cat(first, first_offsets, second, second_offsets):
 
 
 def make_parts(shape: Shape, seed: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(first, first_offsets, second, second_offsets) of a shape: int64 offsets on even seeds."""
+    """(first, first_offsets, second, second_offsets) of a shape: int64 first offsets on even
+    seeds, and second offsets of the other dtype on every second pair of seeds."""
     dtype = torch.int32 if seed % 2 else torch.int64
+    other = {torch.int32: torch.int64, torch.int64: torch.int32}[dtype] if seed % 4 >= 2 else dtype
     first_offsets = offsets_of(first_lengths(shape, seed), dtype)
-    second_offsets = offsets_of(second_lengths(shape, seed), dtype)
+    second_offsets = offsets_of(second_lengths(shape, seed), other)
     gen = torch.Generator().manual_seed(seed + 1)
     dim = shape.params["dim"]
     first = torch.randn(int(first_offsets[-1]), dim, generator=gen).to(shape.torch_dtype)

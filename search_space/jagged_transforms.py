@@ -38,7 +38,8 @@ FORBIDDEN = (
 
 def copy_problem(name: str, **fields) -> Problem:
     """A jagged transform's problem: an exact copy (no FLOPs, zero tolerance), searched by its
-    default kernel's knobs (tile_template), never by falling back to torch's own transforms."""
+    default kernel's knobs (tile_template), never by falling back to torch's own transforms,
+    and never by host code copying or filling the data (host_copies_compute)."""
     return Problem(
         name=name,
         op_family="jagged",
@@ -47,6 +48,7 @@ def copy_problem(name: str, **fields) -> Problem:
         flops=lambda shape: 0.0,
         template=name,
         forbidden_ops=FORBIDDEN,
+        host_copies_compute=True,
         **fields,
     )
 
@@ -147,18 +149,22 @@ def _s(name: str, dtype: str, **params) -> Shape:
 
 # Break kernels: empty sequences (first and last), one row, lengths on no block's multiple, a
 # sequence 100x the median, truncation (sequences longer than N), widths that are no power of
-# two, a single sequence, and a padding value that is not zero.
+# two, a single sequence, a batch with no rows, no padded positions at all, and padding values
+# that are not zero: one that bf16 must round (0.1), and -inf.
 CHECK_SHAPES = tuple(
     _s(name, dtype, **params)
     for dtype in ("fp32", "bf16")
     for name, params in (
         ("edges", {"dim": 48, "lengths": [0, 1, 17, 0, 33, 5, 0], "padding_value": -1.5}),
         ("one-long", {"dim": 16, "lengths": [3, 300, 2, 3, 1], "padded_len": 64}),
-        ("truncated", {"dim": 100, "num_seqs": 11, "dist": "power", "max_len": 90, "padded_len": 40}),
-        ("single", {"dim": 4, "lengths": [37]}),
+        ("truncated", {"dim": 100, "num_seqs": 11, "dist": "power", "max_len": 90, "padded_len": 40,
+                       "padding_value": 0.1}),
+        ("single", {"dim": 4, "lengths": [37], "padding_value": float("-inf")}),
         ("wide", {"dim": 520, "num_seqs": 5, "dist": "uniform", "max_len": 12, "padding_value": 2.0}),
+        ("no-rows", {"dim": 8, "lengths": [0, 0, 0]}),
+        ("no-positions", {"dim": 8, "lengths": [3, 0, 2], "padded_len": 0}),
     )
-)
+)  # fmt: skip
 
 
 def _batch(name: str, dtype: str, dim: int, num_seqs: int, dist: str, max_len: int, **extra) -> Shape:
@@ -232,6 +238,8 @@ def concat_shape_bucket(shape: Shape) -> str:
     return concat_bucket_of(shape.params["dim"], num_seqs(shape), round(concat_rows(shape)))
 
 
+# Besides the edges above: a part empty in every sequence (either part), and second parts whose
+# lengths differ though their total is a multiple of B (a kernel that assumed them equal).
 CONCAT_CHECK_SHAPES = tuple(
     _s(name, dtype, **params)
     for dtype in ("fp32", "bf16")
@@ -241,13 +249,19 @@ CONCAT_CHECK_SHAPES = tuple(
         ("drawn", {"dim": 100, "num_seqs": 11, "dist": "power", "max_len": 90, "second_max": 9}),
         ("single", {"dim": 4, "lengths": [37], "second": [70]}),
         ("wide", {"dim": 520, "num_seqs": 5, "dist": "uniform", "max_len": 12, "targets": 3}),
+        ("no-first", {"dim": 24, "lengths": [0, 0, 0, 0], "second": [10, 30, 0, 20]}),
+        ("no-second", {"dim": 24, "lengths": [9, 0, 14], "second": [0, 0, 0]}),
+        ("uneven-second", {"dim": 32, "lengths": [5, 7, 2, 6], "second": [12, 20, 8, 16]}),
     )
 )
+# Training batches (32 candidates per history), and a serving-like batch whose sequences have
+# from 0 to 64 candidates each, drawn per call.
 CONCAT_TIMING_SHAPES = (
     _batch("train-b512-d128", "bf16", 128, HSTU_BATCH[1], "power", HSTU_MAX_LEN[1], targets=TRAINING_TARGETS),
     _batch("train-b256-d512", "bf16", 512, HSTU_BATCH[0], "power", HSTU_MAX_LEN[0], targets=TRAINING_TARGETS),
     _batch("train-b512-d64", "fp32", 64, HSTU_BATCH[1], "power", HSTU_MAX_LEN[0], targets=TRAINING_TARGETS),
+    _batch("mixed-b512-d128", "bf16", 128, HSTU_BATCH[1], "power", HSTU_MAX_LEN[0], second_max=64),
 )
 CONCAT_INTERPRETED_TIMING_SHAPES = (
-    _s("interp-b8-d32", "fp32", dim=32, num_seqs=8, dist="power", max_len=32, quantiles=True, targets=4),
+    _s("interp-b8-d32", "fp32", dim=32, num_seqs=8, dist="power", max_len=32, quantiles=True, second_max=8),
 )

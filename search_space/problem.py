@@ -145,6 +145,9 @@ class Problem:
     # allocation, views, copies and casts (sandbox.host_ops): a final reduction of per-program
     # partial sums, say. Host code computing anything else on floating-point data is suspicious.
     host_float_ops: tuple[str, ...] = ()
+    # A problem whose op is data movement (a copy with a layout): host code that copies, clones
+    # or fills floating-point tensors is computing it (sandbox.host_ops.DATA_MOVEMENT).
+    host_copies_compute: bool = False
     # What the candidate screen's allowlist (sandbox.screen) lets through for this problem only:
     # dotted names ("torch.cumsum") and attribute names ("sum") its host code needs.
     screen_extras: tuple[str, ...] = ()

@@ -32,7 +32,8 @@ CPU = torch.device("cpu")
 def _cases(name: str):
     problem = get_problem(name)
     for shape in (*problem.check_shapes, *problem.interpreted_timing_shapes):
-        for seed in (0, 1):  # int64 offsets on even seeds, int32 on odd
+        # int64 offsets on even seeds, int32 on odd; concat and split mix them on seeds 2 and 3
+        for seed in (0, 1, 3) if name in ("jagged_concat", "jagged_split") else (0, 1):
             yield pytest.param(name, shape, seed, id=f"{name}-{shape.name}-{shape.dtype}-{seed}")
 
 
@@ -163,3 +164,22 @@ def test_the_sandbox_accepts_the_defaults_and_refuses_the_wrong_padding(tmp_path
     assert source != template.render({})
     result = backend.evaluate(Candidate(problem=OPS[0], source=source, entry=template.entry), timing=False)
     assert result.status == Status.WRONG and "edges" in result.message, result.message
+
+
+def test_host_copies_of_the_data_count_as_computing_a_jagged_transform() -> None:
+    """These ops are copies: host code that copies or fills floating-point data does the op
+    itself (and would pass the no-op proof beside a kernel doing a sliver of it), so the watch
+    reports it for them, and still lets host code allocate and compute on offsets."""
+    from sandbox import host_ops
+
+    assert all(get_problem(name).host_copies_compute for name in ALL)
+    values, out = torch.randn(6, 4), torch.empty(6, 4)
+    for copies_compute, expected in ((False, None), (True, "aten.copy_.default on float32")):
+        with host_ops.watching(True, copies_compute=copies_compute) as watch:
+            torch.empty(3, 4)
+            torch.tensor([0, 2, 6]).cumsum(0)
+            out.copy_(values)
+        assert watch.first == expected
+    with host_ops.watching(True, copies_compute=True) as watch:
+        values.new_full((2, 3), 0.5)
+    assert watch.first == "aten.new_full.default on float32"
