@@ -65,6 +65,15 @@ print(json.dumps({"status": result.status.value, "message": result.message,
 """
 
 
+def _without(tmp_path: Path, blocked: list[str]) -> dict[str, str]:
+    """The environment of a process in which every module of `blocked` is refused at import."""
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(blocked=blocked))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+
+
+AGENT = sorted({m for m in IMPORTS.values() if m} | {"agent", "evals", "model"})
+
+
 def _name(requirement: str) -> str:
     for stop in "<>=!~[; ":
         requirement = requirement.split(stop, 1)[0]
@@ -82,11 +91,9 @@ def test_the_base_install_is_the_workers_and_the_agent_is_an_extra() -> None:
 
 
 def test_a_worker_host_evaluates_and_runs_the_ops_without_the_agent(tmp_path: Path) -> None:
-    blocked = sorted({m for m in IMPORTS.values() if m} | {"agent", "evals", "model"})
-    (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(blocked=blocked))
+    env = _without(tmp_path, AGENT)
     # Where bubblewrap runs, the runner is sandboxed as on any host; elsewhere a plain process.
     iso = "bwrap" if isolation.bwrap_works() is None else "none"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     done = subprocess.run(
         [sys.executable, "-c", f"ISOLATION = {iso!r}\n" + WORKER],
         cwd=tmp_path,
@@ -101,8 +108,7 @@ def test_a_worker_host_evaluates_and_runs_the_ops_without_the_agent(tmp_path: Pa
 
 
 def test_without_the_agent_the_command_says_what_to_install(tmp_path: Path) -> None:
-    (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(blocked=["typer", "optuna"]))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env = _without(tmp_path, ["typer", "optuna"])
     done = subprocess.run(
         [sys.executable, "-m", "agent", "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
     )
@@ -112,9 +118,7 @@ def test_without_the_agent_the_command_says_what_to_install(tmp_path: Path) -> N
 
 @pytest.mark.parametrize("module", ["sandbox.judge", "sandbox.runner", "kernels.ops"])
 def test_worker_modules_import_nothing_of_the_agent(tmp_path: Path, module: str) -> None:
-    blocked = sorted({m for m in IMPORTS.values() if m} | {"agent", "evals", "model"})
-    (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(blocked=blocked))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env = _without(tmp_path, AGENT)
     done = subprocess.run(
         [sys.executable, "-c", f"import {module}"], cwd=tmp_path, env=env, capture_output=True, text=True
     )

@@ -39,7 +39,8 @@ def test_every_incumbent_runs_clean_under_the_watch(problem: str, tmp_path: Path
         fn = _load(candidate.source, candidate.entry, tmp_path, f"incumbent_{problem}_{i}")
         for shape in p.check_shapes[:1]:
             inputs = p.make_inputs(shape, fresh_seed(), device)
-            with host_ops.watching(True, frozenset(p.host_float_ops)) as watch:
+            copies = p.host_copies_compute  # as the runner watches this problem's calls
+            with host_ops.watching(True, frozenset(p.host_float_ops), copies_compute=copies) as watch:
                 fn(*inputs.args, **inputs.kwargs)
             assert watch.first is None, f"{candidate.entry} on {shape.describe()}: {watch.first}"
 
