@@ -191,10 +191,13 @@ class LocalBackend(WorkerBackend):
         self.parallel = parallel
         self.artifacts = ArtifactCache(artifact_root) if artifact_root else None
         # One lock per set of visible GPUs, shared by every backend on this host: two campaigns
-        # on one GPU take turns too.
-        devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-") or "none"
-        self.timing_lock = Path(tempfile.gettempdir()) / f"recforge-timing-{devices}.lock"
+        # on one GPU take turns too. Without a GPU there is none: interpreted timings decide
+        # nothing (agent.nodes), and holding every evaluation's checks still while one of them
+        # times on the CPU would leave the host's cores idle in a convoy behind each timing.
+        self.timing_lock: Path | None = None
         if cuda_present():
+            devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-") or "none"
+            self.timing_lock = Path(tempfile.gettempdir()) / f"recforge-timing-{devices}.lock"
             self.memory_lock = Path(tempfile.gettempdir()) / f"recforge-memory-{devices}.lock"
 
     def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
@@ -218,7 +221,7 @@ class LocalBackend(WorkerBackend):
         # GPU. The judge ends the evaluation at timeout_s; this process ends the judge after that.
         request = request.model_copy(
             update={
-                "timing_lock": str(self.timing_lock),
+                "timing_lock": None if self.timing_lock is None else str(self.timing_lock),
                 "cpu_seconds": int(self.timeout_s) + 30,
                 "address_space_bytes": None if cuda_present() else CPU_ADDRESS_SPACE,
                 "timeout_s": self.timeout_s,

@@ -177,9 +177,9 @@ def test_forbidden_import_is_rejected_without_a_judge(
 
 
 def test_parallel_evaluations_all_finish_in_order(tmp_path: Path) -> None:
-    """Judges run side by side, sharing the host's timing lock: each timed batch holds it alone
-    (the batches' windows, recorded in the judge's own process, are test_judge.py's); here, the
-    three evaluations of two at a time all finish, each with its timing, in the order asked."""
+    """Judges run side by side (on a GPU host sharing its timing lock, each timed batch holding
+    it alone: test_judge.py's); here, the three evaluations of two at a time all finish, each
+    with its timing, in the order asked."""
     backend = LocalBackend(timeout_s=120, scratch_root=tmp_path, parallel=2)
     sources = [TEMPLATE.render({"BLOCK_L": n}) for n in (4, 16, 32)]
     # Unchecked, so that both judges reach their timing phase at about the same moment.
