@@ -135,10 +135,17 @@ def _block_d(dim: int) -> int:
     return min(triton.next_power_of_2(max(dim, 16)), 128)
 
 
-def _forward_config(dim: int, element_size: int) -> dict:
+def _forward_config(dim: int, element_size: int, interpreted: bool = False) -> dict:
     """Launch parameters of the forward, from a sweep on an H200 (BENCHMARKS.md, 2026-11-30):
     2-byte rows of more than 64 columns gather best as whole 256-byte rows, 4 bags x 8 ids per
-    step; everything else as 64-column slices, 2 bags x 4 ids, with the 3D accumulator."""
+    step; everything else as 64-column slices, 2 bags x 4 ids, with the 3D accumulator.
+
+    Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
+    wide programs run fastest: 8 bags x 16 ids of whole rows (up to 1024 columns) per step, about
+    a fifth of the GPU configuration's time over the problem's check shapes."""
+    if interpreted:
+        block_d = min(triton.next_power_of_2(max(dim, 16)), 1024)
+        return {"BLOCK_B": 8, "BLOCK_L": 16, "BLOCK_D": block_d, "ACC_3D": False, "num_warps": 2}
     if element_size == 2 and dim > 64:
         return {"BLOCK_B": 4, "BLOCK_L": 8, "BLOCK_D": 128, "ACC_3D": False, "num_warps": 2}
     block_d = min(triton.next_power_of_2(max(dim, 16)), 64)
@@ -186,7 +193,7 @@ def embedding_bag_forward(
     out = torch.empty((num_bags, dim), dtype=weight.dtype, device=weight.device)
     if num_bags == 0 or dim == 0:
         return out
-    cfg = _forward_config(dim, weight.element_size())
+    cfg = _forward_config(dim, weight.element_size(), interpreted=weight.device.type == "cpu")
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
     has_psw = per_sample_weights is not None
     grid = (triton.cdiv(num_bags, cfg["BLOCK_B"]), triton.cdiv(dim, cfg["BLOCK_D"]))

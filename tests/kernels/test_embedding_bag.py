@@ -55,6 +55,20 @@ def test_forward_matches_fp64_reference(shape: Shape, device: torch.device) -> N
     assert_matches(out, ref64, shape.dtype, f"forward on {shape.describe()}")
 
 
+@pytest.mark.parametrize("shape", CHECK_SHAPES, ids=SHAPE_IDS)
+def test_the_gpu_launch_configuration_matches_too(shape: Shape, monkeypatch) -> None:
+    """Interpreted, the forward launches few wide programs (its own configuration); the tiles a
+    GPU launches (every branch of the heuristic, by dtype and dim) are checked here as well."""
+    import kernels.embedding_bag as module
+
+    gpu_config = module._forward_config
+    monkeypatch.setattr(module, "_forward_config", lambda dim, size, interpreted: gpu_config(dim, size))
+    inputs = _inputs(shape, torch.device("cpu"))
+    out = embedding_bag_forward(*inputs.args, **inputs.kwargs)
+    ref64 = reference(*_upcast(inputs).args, **_upcast(inputs).kwargs)
+    assert_matches(out, ref64, shape.dtype, f"forward with the GPU's tiles on {shape.describe()}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", TIMING_SHAPES, ids=[f"{s.name}-{s.dtype}" for s in TIMING_SHAPES])
 def test_forward_and_grads_on_production_sizes(shape: Shape, empty_library) -> None:

@@ -1,6 +1,9 @@
-"""The correct kernel the runtime exploits build on: one bag per program, fp32 accumulation.
+"""The correct kernel the runtime exploits build on: one bag per program, BLOCK_L ids gathered
+per step, fp32 accumulation.
 
-The adversarial test prepends this to each case marked `# base: yes`."""
+The adversarial test prepends this to each case marked `# base: yes`. Interpreted, every
+Triton op is a NumPy call whatever its tile, so the kernel gathers many ids per step: the
+corpus's dozens of evaluations cost a small CI machine minutes, not a quarter of an hour."""
 
 import torch
 import triton
@@ -18,18 +21,22 @@ def _bag_kernel(
     HAS_PSW: tl.constexpr,
     MEAN: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
 ):
     bag = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    start = tl.load(offsets_ptr + bag)
-    end = tl.load(offsets_ptr + bag + 1)
+    start = tl.load(offsets_ptr + bag).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(start, end):
-        row = tl.load(indices_ptr + i)
-        val = tl.load(weight_ptr + row * dim + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    for first in range(start, end, BLOCK_L):
+        pos = first + tl.arange(0, BLOCK_L)
+        live = pos < end
+        rows = tl.load(indices_ptr + pos, mask=live, other=0).to(tl.int64)
+        mask = live[:, None] & (cols[None, :] < dim)
+        val = tl.load(weight_ptr + rows[:, None] * dim + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_PSW:
-            val = val * tl.load(psw_ptr + i).to(tl.float32)
-        acc += val
+            val = val * tl.load(psw_ptr + pos, mask=live, other=0.0).to(tl.float32)[:, None]
+        acc += tl.sum(val, axis=0)
     if MEAN:
         acc = acc / tl.maximum(end - start, 1).to(tl.float32)
     tl.store(out_ptr + bag * dim + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < dim)
@@ -38,6 +45,7 @@ def _bag_kernel(
 def _launch(weight, indices, offsets, out, mode, per_sample_weights):
     if out.shape[0] > 0:
         psw = per_sample_weights if per_sample_weights is not None else weight
+        block_d = triton.next_power_of_2(max(weight.shape[1], 16))
         _bag_kernel[(out.shape[0],)](
             weight,
             indices,
@@ -47,6 +55,7 @@ def _launch(weight, indices, offsets, out, mode, per_sample_weights):
             weight.shape[1],
             HAS_PSW=per_sample_weights is not None,
             MEAN=mode == "mean",
-            BLOCK_D=triton.next_power_of_2(max(weight.shape[1], 16)),
+            BLOCK_D=block_d,
+            BLOCK_L=max(1, min(64, 8192 // block_d)),
         )
     return out
