@@ -9,11 +9,12 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from search_space import get_problem, problem_names
+from search_space.template import get_template
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,11 @@ class ProposerConfig(_Strict):
         "the LLM improves them in turn, the search starts from them when the best's knobs are exhausted",
     )
     seed: int = 0
+    space: dict[str, dict[str, list[Any]]] = Field(
+        default_factory=dict,
+        description="the knob values the search may choose, per problem, e.g. "
+        "space.embedding_bag.BLOCK_D = [64, 128]; a knob not named keeps all its choices",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -261,6 +267,18 @@ class CampaignConfig(_Strict):
                 f"problem(s) {untemplated} have no knob template for the search proposer; "
                 f'searchable: {searchable} (an LLM-only campaign, proposer.kinds = ["llm"], takes any)'
             )
+        for problem, allowed in self.proposer.space.items():
+            if problem not in self.problems:
+                raise ValueError(
+                    f"proposer.space names {problem!r}, which is not among problems {self.problems}"
+                )
+            template = get_problem(problem).template
+            if template is None:
+                raise ValueError(f"proposer.space names {problem!r}, which has no knob template")
+            try:
+                get_template(problem).restricted(allowed)
+            except ValueError as exc:
+                raise ValueError(f"proposer.space.{problem}: {exc}") from None
         if self.start_from == "reference" and self.register_kernels:
             raise ValueError(
                 'start_from = "reference" needs register_kernels = false: without the library\'s kernels '

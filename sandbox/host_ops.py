@@ -62,6 +62,14 @@ class HostOps(TorchDispatchMode):
         self.allowed = (BOOKKEEPING - DATA_MOVEMENT if copies_compute else BOOKKEEPING) | allowed
         self.first: str | None = None
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Read when the class is made (TorchDispatchMode.__init_subclass__): True would wrap
+        # __torch_dispatch__ in torch._disable_dynamo, whose first call imports torch._dynamo,
+        # two to three seconds of every runner's CPU time. Nothing compiles under the watch
+        # (the screen admits no torch.compile), so there is no Dynamo to keep out of it.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

@@ -8,6 +8,7 @@ LLM or a person go through exactly the same screen, sandbox and registry.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -88,6 +89,31 @@ class KnobTemplate:
         if reason is not None:
             raise ValueError(f"knobs violate a constraint: {reason}")
         return full
+
+    def restricted(self, allowed: dict[str, list[Any]]) -> KnobTemplate:
+        """This template with each knob named in `allowed` limited to those of its choices (in
+        the order given; the knob's default stays where allowed, else the first value);
+        ValueError naming an unknown knob or a value that is not one of its choices."""
+        by_name = {k.name: k for k in self.knobs}
+        unknown = sorted(set(allowed) - set(by_name))
+        if unknown:
+            raise ValueError(
+                f"unknown knob(s) {unknown} for template {self.problem!r}; knobs are {sorted(by_name)}"
+            )
+        knobs = []
+        for knob in self.knobs:
+            if knob.name not in allowed:
+                knobs.append(knob)
+                continue
+            values = allowed[knob.name]
+            if not values:
+                raise ValueError(f"knob {knob.name}: no values allowed")
+            for value in values:
+                if not any(type(value) is type(c) and value == c for c in knob.choices):
+                    raise ValueError(f"knob {knob.name}={value!r} is not one of {knob.choices}")
+            default = knob.default if knob.default in values else values[0]
+            knobs.append(dataclasses.replace(knob, choices=tuple(values), default=default))
+        return dataclasses.replace(self, knobs=tuple(knobs))
 
     def source_template(self) -> str:
         if self.source_module is not None:

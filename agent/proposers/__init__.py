@@ -35,10 +35,9 @@ def make_proposers(
         proposers: list[Proposer] = []
         for kind in config.proposer.kinds:
             if kind == "search":
+                template = get_template(problem).restricted(config.proposer.space.get(problem, {}))
                 proposers.append(
-                    SearchProposer(
-                        get_template(problem), sampler=config.proposer.sampler, seed=config.proposer.seed
-                    )
+                    SearchProposer(template, sampler=config.proposer.sampler, seed=config.proposer.seed)
                 )
             else:
                 from agent.proposers.llm import LLMProposer

@@ -43,6 +43,10 @@ def _config(tmp_path: Path, max_evaluations: int) -> Path:
         [proposer]
         batch_size = 2
         seed = 3
+        [proposer.space.embedding_bag]  # wide tiles: the interpreter runs them in seconds
+        BLOCK_B = [4, 8]
+        BLOCK_L = [8, 16]
+        BLOCK_D = [128, 256]
         [budget]
         max_evaluations = {max_evaluations}
         max_wall_s = 600
@@ -127,6 +131,10 @@ def _on_backend(tmp_path: Path, backend: str) -> dict[str, str]:
         [proposer]
         batch_size = 2
         seed = 11
+        [proposer.space.embedding_bag]  # wide tiles: the interpreter runs them in seconds
+        BLOCK_B = [4, 8]
+        BLOCK_L = [8, 16]
+        BLOCK_D = [128, 256]
         [budget]
         max_evaluations = 2
         max_wall_s = 600

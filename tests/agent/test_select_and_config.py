@@ -8,7 +8,7 @@ import pytest
 
 from agent import nodes
 from agent.config import ConfigError, load_config, parse_config
-from agent.proposers import SearchProposer
+from agent.proposers import SearchProposer, make_proposers
 from agent.state import CampaignContext
 from agent.store import Store
 from sandbox.candidate import Candidate
@@ -110,6 +110,29 @@ def test_search_proposer_is_valid_new_and_reproducible() -> None:
     assert proposer.suggest(0, [], set()) == []
     again = SearchProposer(TEMPLATE, seed=7).suggest(4, history, seen)
     assert [c.id for c in again] == [c.id for c in second]  # resume proposes the same
+
+
+def test_a_config_limits_the_knobs_the_search_chooses() -> None:
+    """proposer.space: the search proposes only the values named (others keep every choice), and
+    a space naming what is not there is refused with the field and the culprit."""
+    space = {"BLOCK_D": [128, 256], "BLOCK_B": [4, 8], "EVICT_ROWS": ["evict_first"]}
+    config = parse_config({**VALID, "proposer": {"space": {"embedding_bag": space}, "seed": 5}})
+    [proposer] = make_proposers(config, store=None, campaign_id="c")["embedding_bag"]
+    proposals = proposer.suggest(6, [], set())
+    assert len(proposals) == 6
+    for c in proposals:
+        assert all(c.knobs[name] in values for name, values in space.items()), c.knobs
+        assert TEMPLATE.validate(c.knobs) == c.knobs  # a render of the full template still
+    assert len({c.knobs["BLOCK_L"] for c in proposals}) > 1  # a knob not named keeps its choices
+    for bad, fragment in [
+        ({"gdpa": {"BLOCK_M": [64]}}, "names 'gdpa', which is not among problems"),
+        ({"embedding_bag": {"BLOCK_Q": [1]}}, r"space\.embedding_bag: unknown knob\(s\) \['BLOCK_Q'\]"),
+        ({"embedding_bag": {"BLOCK_D": [100]}}, "BLOCK_D=100 is not one of"),
+        ({"embedding_bag": {"BLOCK_D": [64.0]}}, "BLOCK_D=64.0 is not one of"),
+        ({"embedding_bag": {"BLOCK_D": []}}, "BLOCK_D: no values allowed"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            parse_config({**VALID, "proposer": {"space": bad}})
 
 
 class _ScriptedBackend:
