@@ -126,7 +126,9 @@ def _forward(q, k, v, offsets, max_seq_len, activation, causal, num_targets, rel
         return out, lse
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num_buckets = rel_bias.shape[1] if rel_bias is not None else 2
-    block_m = 64
+    # Compiled, tiles that fit a GPU's shared memory at D = 128; interpreted (every op of every
+    # program a NumPy call), wide ones.
+    block_m, block_n = (16, 32) if q.is_cuda else (64, 128)
     grid = (num_seqs, heads, triton.cdiv(max_seq_len, block_m))
     _jagged_fwd[grid](
         q, k, v, offsets,
@@ -138,7 +140,7 @@ def _forward(q, k, v, offsets, max_seq_len, activation, causal, num_targets, rel
         HAS_BIAS=rel_bias is not None, NUM_BUCKETS=num_buckets,
         LOG2_EXACT=(num_buckets // 2).bit_length() - 1,
         STORE_LSE=lse.numel() > 0, VIA_FP32=q.device.type != "cuda" or q.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=128, BLOCK_D=triton.next_power_of_2(max(dim, 16)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(max(dim, 16)),
         BLOCK_DV=triton.next_power_of_2(max(dim_v, 16)),
     )
     return out, lse

@@ -96,7 +96,7 @@ def _forward(q_cand, k, v, kv_offsets, cand_to_request, activation, scale, want_
         seeds, heads, dim, dim_v, num_cand * seeds, scale,
         SOFTMAX=softmax, STORE_LSE=lse.numel() > 0,
         VIA_FP32=q_cand.device.type != "cuda" or q_cand.dtype == torch.float32,
-        BLOCK_S=max(16, triton.next_power_of_2(seeds)), BLOCK_N=128,
+        BLOCK_S=max(16, triton.next_power_of_2(seeds)), BLOCK_N=32 if q_cand.is_cuda else 128,
         BLOCK_D=triton.next_power_of_2(max(dim, 16)), BLOCK_DV=triton.next_power_of_2(max(dim_v, 16)),
     )
     return out, lse

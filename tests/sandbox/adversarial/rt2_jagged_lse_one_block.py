@@ -1,10 +1,10 @@
 """A classic online-softmax bug in the statistic alone: the log2-sum-exp's running sum is not
 rescaled when a later key block raises the row maximum, so the lse is right only for rows that
-fit in one key block (128 keys here). It was accepted on a CPU while only shapes of rows up to
+fit in one key block. It was accepted on a CPU while only shapes of rows up to
 100 keys asked for return_lse (the 250-key row was checked in the serving form only); every
 check shape is now checked in both forms. Must fail.
 
-Same kernel as rt2_control_jagged.py (128-key blocks) but for that rescale."""
+Same kernel as rt2_control_jagged.py but for that rescale."""
 
 # problem: jagged_attention
 # entry: jagged_attention
