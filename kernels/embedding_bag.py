@@ -152,6 +152,14 @@ def _forward_config(dim: int, element_size: int, interpreted: bool = False) -> d
     return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
 
 
+def _backward_config(dim: int, interpreted: bool = False) -> tuple[int, int]:
+    """(ids per step, columns per program) of the backward: 16 ids of up to 128 columns on a
+    GPU; interpreted, 64 ids of whole rows (up to 1024 columns), few programs and few steps."""
+    if interpreted:
+        return 64, min(triton.next_power_of_2(max(dim, 16)), 1024)
+    return 16, _block_d(dim)
+
+
 def check_arguments(
     weight: torch.Tensor,
     indices: torch.Tensor,
@@ -231,7 +239,7 @@ def embedding_bag_backward(
     grad_weight = torch.zeros((num_rows, dim), dtype=torch.float32, device=grad_out.device)
     if num_bags > 0 and dim > 0 and indices.numel() > 0:
         grad_out = grad_out.contiguous()
-        block_d = _block_d(dim)
+        block_l, block_d = _backward_config(dim, interpreted=grad_out.device.type == "cpu")
         has_psw = per_sample_weights is not None
         _embedding_bag_bwd_kernel[(num_bags, triton.cdiv(dim, block_d))](
             grad_out,
@@ -244,7 +252,7 @@ def embedding_bag_backward(
             dim,
             HAS_PSW=has_psw,
             MODE_MEAN=mode == "mean",
-            BLOCK_L=16,
+            BLOCK_L=block_l,
             BLOCK_D=block_d,
             num_warps=4,
         )

@@ -56,17 +56,16 @@ def test_forward_matches_fp64_reference(shape: Shape, device: torch.device) -> N
 
 
 @pytest.mark.parametrize("shape", CHECK_SHAPES, ids=SHAPE_IDS)
-def test_the_gpu_launch_configuration_matches_too(shape: Shape, monkeypatch) -> None:
-    """Interpreted, the forward launches few wide programs (its own configuration); the tiles a
-    GPU launches (every branch of the heuristic, by dtype and dim) are checked here as well."""
+def test_the_gpu_launch_configuration_matches_too(shape: Shape, monkeypatch, empty_library) -> None:
+    """Interpreted, the kernels launch few wide programs (a configuration of their own); the
+    tiles a GPU launches (every branch of the heuristics, by dtype and dim) are checked here too,
+    forward and backward."""
     import kernels.embedding_bag as module
 
-    gpu_config = module._forward_config
-    monkeypatch.setattr(module, "_forward_config", lambda dim, size, interpreted: gpu_config(dim, size))
-    inputs = _inputs(shape, torch.device("cpu"))
-    out = embedding_bag_forward(*inputs.args, **inputs.kwargs)
-    ref64 = reference(*_upcast(inputs).args, **_upcast(inputs).kwargs)
-    assert_matches(out, ref64, shape.dtype, f"forward with the GPU's tiles on {shape.describe()}")
+    forward, backward = module._forward_config, module._backward_config
+    monkeypatch.setattr(module, "_forward_config", lambda dim, size, interpreted: forward(dim, size))
+    monkeypatch.setattr(module, "_backward_config", lambda dim, interpreted: backward(dim))
+    _check_op_and_grads(shape, torch.device("cpu"))
 
 
 @pytest.mark.gpu

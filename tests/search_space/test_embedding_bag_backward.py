@@ -41,7 +41,7 @@ def test_sandbox_checks_gradient_kernels() -> None:
     source = inspect.getsource(library_kernels)
     # Forgetting the 1/len of mode 'mean' is found on the mean check shape.
     broken = source.replace(
-        'MODE_MEAN=mode == "mean",\n            BLOCK_L=16', "MODE_MEAN=False,\n            BLOCK_L=16"
+        'MODE_MEAN=mode == "mean",\n            BLOCK_L=', "MODE_MEAN=False,\n            BLOCK_L="
     )
     assert broken != source
     # Two workers side by side: each keeps one core busy.
