@@ -278,7 +278,7 @@ def _request(runner_dir: Path, **overrides) -> EvalRequest:
         "runner_dir": str(runner_dir),
         "timing": False,
         "trials": 2,
-        "timeout_s": 60.0,
+        "timeout_s": 180.0,  # a busy 2-core machine runs two of these beside another test file
         **overrides,
     }
     return EvalRequest(**fields)
