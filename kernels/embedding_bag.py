@@ -130,6 +130,11 @@ def _embedding_bag_bwd_kernel(
         )
 
 
+def _whole_row(dim: int) -> int:
+    # Interpreted programs take whole rows (up to 1024 columns): one program per bag block.
+    return min(triton.next_power_of_2(max(dim, 16)), 1024)
+
+
 def _block_d(dim: int) -> int:
     # A whole row per program up to 128 columns: one index load serves the full row.
     return min(triton.next_power_of_2(max(dim, 16)), 128)
@@ -144,8 +149,7 @@ def _forward_config(dim: int, element_size: int, interpreted: bool = False) -> d
     wide programs run fastest: 8 bags x 16 ids of whole rows (up to 1024 columns) per step, about
     a fifth of the GPU configuration's time over the problem's check shapes."""
     if interpreted:
-        block_d = min(triton.next_power_of_2(max(dim, 16)), 1024)
-        return {"BLOCK_B": 8, "BLOCK_L": 16, "BLOCK_D": block_d, "ACC_3D": False, "num_warps": 2}
+        return {"BLOCK_B": 8, "BLOCK_L": 16, "BLOCK_D": _whole_row(dim), "ACC_3D": False, "num_warps": 2}
     if element_size == 2 and dim > 64:
         return {"BLOCK_B": 4, "BLOCK_L": 8, "BLOCK_D": 128, "ACC_3D": False, "num_warps": 2}
     block_d = min(triton.next_power_of_2(max(dim, 16)), 64)
@@ -156,7 +160,7 @@ def _backward_config(dim: int, interpreted: bool = False) -> tuple[int, int]:
     """(ids per step, columns per program) of the backward: 16 ids of up to 128 columns on a
     GPU; interpreted, 64 ids of whole rows (up to 1024 columns), few programs and few steps."""
     if interpreted:
-        return 64, min(triton.next_power_of_2(max(dim, 16)), 1024)
+        return 64, _whole_row(dim)
     return 16, _block_d(dim)
 
 

@@ -83,7 +83,7 @@ class KnobTemplate:
         # choice exactly, since 1.0 == 1 and 0 == False would render as different source.
         full = {k: getattr(v, "item", lambda v=v: v)() for k, v in (self.defaults() | dict(knobs)).items()}
         for name, value in full.items():
-            if not any(type(value) is type(c) and value == c for c in by_name[name].choices):
+            if not _is_choice(value, by_name[name].choices):
                 raise ValueError(f"knob {name}={value!r} is not one of {by_name[name].choices}")
         reason = self.constraint(full)
         if reason is not None:
@@ -109,7 +109,7 @@ class KnobTemplate:
             if not values:
                 raise ValueError(f"knob {knob.name}: no values allowed")
             for value in values:
-                if not any(type(value) is type(c) and value == c for c in knob.choices):
+                if not _is_choice(value, knob.choices):
                     raise ValueError(f"knob {knob.name}={value!r} is not one of {knob.choices}")
             default = knob.default if knob.default in values else values[0]
             knobs.append(dataclasses.replace(knob, choices=tuple(values), default=default))
@@ -130,6 +130,12 @@ class KnobTemplate:
             return with_knobs(self.source_template(), full)
         entry = string.Template(self.source_template()).substitute({k: repr(v) for k, v in full.items()})
         return self.base_source() + entry
+
+
+def _is_choice(value: Any, choices: tuple[Any, ...]) -> bool:
+    """Type and value match a choice exactly: 1.0 == 1 and 0 == False would render as different
+    source."""
+    return any(type(value) is type(c) and value == c for c in choices)
 
 
 @functools.cache
