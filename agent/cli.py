@@ -541,6 +541,47 @@ def library_verify(
     console.print(f"{len(rows)} entries, {demoted} demoted now" if rows else "the library is empty")
 
 
+@library_app.command("export")
+def library_export(
+    path: Annotated[Path, typer.Argument(help="the bundle to write (a .tar.gz)")],
+    library: Annotated[Path | None, typer.Option(help="library folder (default: the package's)")] = None,
+    include_demoted: Annotated[bool, typer.Option(help="carry demoted entries too")] = False,
+) -> None:
+    """Write the library's kernels (sources, manifest, evidence) as a versioned bundle that a
+    training job installs with `python -m kernels.bundle install PATH` (recforge[worker] only)."""
+    from kernels import bundle
+    from kernels.registry import DISPATCHER
+
+    root = library if library else DISPATCHER.library.root
+    try:
+        index = bundle.export(root, path, include_demoted=include_demoted)
+    except (bundle.BundleError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    console.print(bundle.describe(index), soft_wrap=True)
+    console.print(f"wrote {path} ({len(index['entries'])} kernels)")
+
+
+@library_app.command("import")
+def library_import(
+    path: Annotated[Path, typer.Argument(help="a bundle written by `recforge library export`")],
+    library: Annotated[Path | None, typer.Option(help="library folder (default: the package's)")] = None,
+) -> None:
+    """Check a bundle (format, checksums, source hashes) and merge its kernels into the library."""
+    from kernels import bundle
+    from kernels.registry import DISPATCHER
+
+    try:
+        done = bundle.install(path, library if library else DISPATCHER.library.root)
+    except bundle.BundleError as exc:
+        raise fail(str(exc)) from None
+    console.print(
+        f"installed {len(done.added)} kernels into {done.library} "
+        f"({len(done.replaced)} replaced, {done.kept} kept)"
+    )
+    for label in done.added:
+        console.print(f"  {label}", soft_wrap=True)
+
+
 @bench_app.command("dispatch")
 def bench_dispatch(
     calls: Annotated[int, typer.Option(min=100, help="resolves per measurement")] = 20_000,

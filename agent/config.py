@@ -227,6 +227,12 @@ class ReviewConfig(_Strict):
         "interpreter",
     )
     repo: Path | None = Field(None, description="the git repository of the changes; default: this checkout")
+    pull_requests: bool | None = Field(
+        None,
+        description="also push each change and open a pull request with its description through `gh`; "
+        "default: where changes are opened and `gh` is installed and authenticated",
+    )
+    remote: str = Field("origin", min_length=1, description="the git remote that pull requests push to")
 
 
 class CampaignConfig(_Strict):

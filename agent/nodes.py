@@ -455,6 +455,15 @@ def _open_change(
         ctx.events.message(f"{problem}: no kernel change opened for {entry.kernel_id}: {exc}")
         return
     ctx.events.message(f"{problem}: kernel change {change.id} on branch {change.branch} ({headline})")
+    wanted = ctx.config.review.pull_requests
+    if wanted is False or (wanted is None and review.gh_ready(repo) is not None):
+        return
+    try:
+        url = review.open_pull_request(repo, change, remote=ctx.config.review.remote)
+    except review.ReviewError as exc:
+        ctx.events.message(f"{problem}: {exc}")
+        return
+    ctx.events.message(f"{problem}: pull request for {change.id}: {url}")
 
 
 def _all_buckets(problem: str) -> list[str]:

@@ -154,6 +154,39 @@ def open_change(
     return next(c for c in list_changes(root) if c.branch == branch)
 
 
+def gh_ready(repo: str | os.PathLike) -> str | None:
+    """None when `gh` can open pull requests for `repo` (installed and authenticated), else why not."""
+    gh = shutil.which("gh")
+    if gh is None:
+        return "gh is not installed"
+    done = subprocess.run([gh, "auth", "status"], cwd=repo, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        return f"gh is not authenticated ({(done.stderr or done.stdout).strip().splitlines()[-1:] or '?'})"
+    return None
+
+
+def open_pull_request(repo: str | os.PathLike, change: Change, *, remote: str = "origin") -> str:
+    """Push the change's branch (and the library branch, its base) to `remote` and open a pull
+    request with the change's description through `gh`; returns what gh printed (its URL)."""
+    root = repository(repo)
+    why = gh_ready(root)
+    if why is not None:
+        raise ReviewError(f"no pull request for {change.id}: {why}")
+    if _git(root, "remote", "get-url", remote, check=False).returncode != 0:
+        raise ReviewError(f"no pull request for {change.id}: {root} has no remote {remote!r}")
+    _git(root, "push", "-q", remote, LIBRARY_BRANCH, change.branch)
+    message = _git(root, "log", "-1", "--format=%B", change.branch).stdout
+    title, _, body = message.partition("\n")
+    done = subprocess.run(
+        [shutil.which("gh") or "gh", "pr", "create", "--base", LIBRARY_BRANCH, "--head", change.branch,
+         "--title", title.strip(), "--body", body.strip() + "\n"],
+        cwd=root, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise ReviewError(f"gh pr create failed for {change.id}: {(done.stderr or done.stdout).strip()}")
+    return done.stdout.strip()
+
+
 def _add_arguments(entry: LibraryEntry) -> dict[str, Any]:
     """The entry's fields that KernelLibrary.add takes (it derives the others: id, file, hash,
     time), to record the same entry in the repository's library."""

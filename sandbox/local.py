@@ -19,12 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from sandbox import judge_server
 from sandbox.artifacts import ArtifactCache
 from sandbox.candidate import Candidate
 from sandbox.hardware import cuda_present
@@ -216,6 +218,47 @@ class LocalBackend(WorkerBackend):
             env["RECFORGE_BWRAP"] = os.environ["RECFORGE_BWRAP"]
         return env
 
+    def _judge(self, cmd: list[str], judge_dir: Path) -> tuple[bool, int]:
+        """Run the judge `cmd` (python -P -m sandbox.judge ...) in `judge_dir` until it ends or
+        its hard limit passes, then kill its process group (the judge and, through bubblewrap,
+        its runner's namespace): (timed out, exit code). Forked from the judge server where it
+        runs (sandbox.judge_server; the judge then dies with the server, which ends with this
+        process), else a process of its own."""
+        limit = self.timeout_s + JUDGE_GRACE_S
+        log = judge_dir / "judge.log"
+        if judge_server.enabled():
+            try:
+                judge = judge_server.server_for(self._env()).start(cmd[4:6], judge_dir, log)
+            except judge_server.ServerUnavailable as exc:
+                warnings.warn(f"{exc}; this judge starts on its own", stacklevel=2)
+            else:
+                timed_out = False
+                try:
+                    judge.wait(timeout=limit)
+                except TimeoutError:
+                    timed_out = True
+                finally:
+                    judge.kill()
+                    if timed_out:
+                        with contextlib.suppress(TimeoutError):
+                            judge.wait(timeout=30)
+                return timed_out, judge.returncode if judge.returncode is not None else -int(signal.SIGKILL)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                cmd, cwd=judge_dir, env=self._env(), stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+            timed_out = False
+            try:
+                proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return timed_out, proc.returncode
+
     def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
         # CPU time backs up the wall-clock timeout; the address-space cap only where there is no
         # GPU. The judge ends the evaluation at timeout_s; this process ends the judge after that.
@@ -243,26 +286,7 @@ class LocalBackend(WorkerBackend):
         cmd = [sys.executable, "-P", "-m", "sandbox.judge", str(judge_dir / "request.json"), str(result_path),
                str(os.getpid())]  # fmt: skip
         t0 = time.perf_counter()
-        with open(judge_dir / "judge.log", "wb") as log:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=judge_dir,
-                env=self._env(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            timed_out = False
-            try:
-                proc.wait(timeout=self.timeout_s + JUDGE_GRACE_S)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                # Kill the whole group: the judge and, through bubblewrap, its runner's namespace.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        timed_out, returncode = self._judge(cmd, judge_dir)
         wall = time.perf_counter() - t0
         log_tail = (judge_dir / "judge.log").read_text(errors="replace")[-4000:]
         base = {
@@ -274,7 +298,7 @@ class LocalBackend(WorkerBackend):
         if timed_out:
             return EvalResult(status=Status.TIMEOUT, message=f"killed after {self.timeout_s:.0f} s", **base)
         if not result_path.exists():
-            code = proc.returncode
+            code = returncode
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             return EvalResult(
                 status=Status.RUNTIME_ERROR, message=f"the judge died without a result ({how})", **base

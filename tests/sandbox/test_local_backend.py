@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sandbox import Candidate, EvalResult, LocalBackend, Status
+from sandbox import Candidate, EvalResult, LocalBackend, Status, judge_server
 from search_space.embedding_bag import CHECK_SHAPES, INTERPRETED_TIMING_SHAPES, TEMPLATE
 
 pytestmark = pytest.mark.slow
@@ -44,23 +44,31 @@ def backend(scratch: Path) -> LocalBackend:
 
 
 @pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen]:
-    """Judge processes the backend starts, recorded so a test can look at them afterwards (the
-    judge's own Popen of its runner happens in the judge's process, not here)."""
-    processes: list[subprocess.Popen] = []
+def started(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Judges the backend starts, forked by its judge server (or, with the server off, started
+    as processes of their own), recorded so a test can look at them afterwards (the judge's own
+    Popen of its runner happens in the judge's process, not here)."""
+    judges: list = []
+    start = judge_server.Server.start
+
+    def recording_start(self, *args, **kwargs):
+        judge = start(self, *args, **kwargs)
+        judges.append(judge)
+        return judge
 
     class RecordingPopen(subprocess.Popen):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            processes.append(self)
+            if "sandbox.judge" in self.args:  # not, say, the backend's probe of bubblewrap
+                judges.append(self)
 
+    monkeypatch.setattr(judge_server.Server, "start", recording_start)
     monkeypatch.setattr(subprocess, "Popen", RecordingPopen)
-    return processes
+    return judges
 
 
-def _judges(started: list[subprocess.Popen]) -> list[subprocess.Popen]:
-    """The judges among them (not, say, the backend's probe of bubblewrap)."""
-    return [p for p in started if "sandbox.judge" in p.args]
+def _judges(started: list) -> list:
+    return list(started)
 
 
 UNTIMED = {"timing": False, "trials": 1}
@@ -134,7 +142,7 @@ def test_raising_entry_is_a_runtime_error(outcomes) -> None:
 
 
 def test_hanging_entry_times_out_and_its_process_group_dies(
-    scratch: Path, started: list[subprocess.Popen]
+    scratch: Path, started: list
 ) -> None:
     source = _edit(ENTRY_BODY, "    while True:\n        pass\n" + ENTRY_BODY)
     result = LocalBackend(timeout_s=8, scratch_root=scratch).evaluate(
@@ -166,7 +174,7 @@ def test_import_failure_is_a_compile_error(outcomes, case: str, error: str) -> N
 
 
 def test_forbidden_import_is_rejected_without_a_judge(
-    backend: LocalBackend, started: list[subprocess.Popen]
+    backend: LocalBackend, started: list
 ) -> None:
     source = _edit("import torch\n", "import os\nimport torch\n")
     line = source.splitlines().index("import os") + 1
