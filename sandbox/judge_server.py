@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 START_TIMEOUT_S = 120.0  # the server's imports, on a loaded host
-MAX_IDLE = 2  # servers kept without a running judge, besides the one in use
+MAX_IDLE = 1  # servers kept without a running judge, besides the one in use
 ENV_SWITCH = "RECFORGE_JUDGE_SERVER"
 # The modules every judge imports: the server imports them once. Only this repository's own
 # problems: plug-in ops' modules (RECFORGE_OPS) may change between evaluations, so each judge
