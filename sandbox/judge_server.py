@@ -13,7 +13,8 @@ status once it has reaped it. The server exits when the process that started it 
 the judges it forked; servers are keyed by the judge environment, so a changed environment
 (another RECFORGE_OPS, GPUs or interpreter setting) gets a server of its own.
 
-Set RECFORGE_JUDGE_SERVER=0 to start each judge with `python -m sandbox.judge` instead.
+RECFORGE_JUDGE_SERVER=0 starts each judge with `python -m sandbox.judge` instead, =1 uses the
+server; unset, it is used where there is no GPU (see `enabled`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ class ServerUnavailable(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """RECFORGE_JUDGE_SERVER=1 or 0 decides; unset, the server is used on hosts without a GPU
+    (on a GPU host judges start on their own until forked judges are shown to use CUDA there)."""
+    setting = os.environ.get(ENV_SWITCH)
+    if setting is not None:
+        return setting != "0"
+    from sandbox.hardware import cuda_present
+
+    return not cuda_present()
 
 
 # --- the server -----------------------------------------------------------------------------------

@@ -89,6 +89,7 @@ def test_without_the_server_judges_start_on_their_own(tmp_path: Path, monkeypatc
     if how == "switched off":
         monkeypatch.setenv(judge_server.ENV_SWITCH, "0")
     else:
+        monkeypatch.setenv(judge_server.ENV_SWITCH, "1")
 
         def refuse(self, env):
             raise judge_server.ServerUnavailable("the judge server did not start: (test)")
@@ -108,3 +109,16 @@ def test_without_the_server_judges_start_on_their_own(tmp_path: Path, monkeypatc
         if how == "failing to start"
         else []
     )
+
+
+def test_the_server_is_used_by_default_only_without_a_gpu(monkeypatch) -> None:
+    from sandbox import hardware
+
+    monkeypatch.delenv(judge_server.ENV_SWITCH, raising=False)
+    for gpu in (False, True):
+        monkeypatch.setattr(hardware, "cuda_present", lambda gpu=gpu: gpu)
+        assert judge_server.enabled() is (not gpu)
+    monkeypatch.setenv(judge_server.ENV_SWITCH, "1")
+    assert judge_server.enabled()
+    monkeypatch.setenv(judge_server.ENV_SWITCH, "0")
+    assert not judge_server.enabled()
