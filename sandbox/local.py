@@ -226,6 +226,7 @@ class LocalBackend(WorkerBackend):
         process), else a process of its own."""
         limit = self.timeout_s + JUDGE_GRACE_S
         log = judge_dir / "judge.log"
+        log.touch()  # read afterwards, whether or not the judge got as far as writing to it
         if judge_server.enabled():
             try:
                 judge = judge_server.server_for(self._env()).start(cmd[4:6], judge_dir, log)

@@ -67,10 +67,6 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list:
     return judges
 
 
-def _judges(started: list) -> list:
-    return list(started)
-
-
 UNTIMED = {"timing": False, "trials": 1}
 CASES = {
     "correct": (DEFAULT_SOURCE, {"trials": 1}),
@@ -152,7 +148,7 @@ def test_hanging_entry_times_out_and_its_process_group_dies(
     # The judge's own verdict, at its deadline (the backend's hard limit comes later).
     assert result.message.startswith("killed after 8 s (") and "no answer" in result.message
     assert 8 <= result.wall_s < 20
-    (judge,) = _judges(started)
+    (judge,) = started
     assert judge.returncode == 0  # it wrote its result and exited
     # The judge led its own session, so its process group id is its pid.
     with pytest.raises(ProcessLookupError):
@@ -181,7 +177,7 @@ def test_forbidden_import_is_rejected_without_a_judge(
     result = backend.evaluate(_candidate(source))
     assert result.status == Status.STATIC_REJECTED
     assert f"line {line}: rule 'imports': import of 'os'" in result.message
-    assert _judges(started) == []
+    assert started == []
 
 
 def test_parallel_evaluations_all_finish_in_order(tmp_path: Path) -> None:
