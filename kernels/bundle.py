@@ -21,7 +21,6 @@ holding only `recforge[worker]`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import hashlib
 import io
@@ -245,24 +244,18 @@ def install(path: str | os.PathLike, into: str | os.PathLike | None = None) -> I
     lib.root.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         if name.startswith(f"{SOURCES}/"):
-            _atomic_write_bytes(lib.root / name.removeprefix(f"{SOURCES}/"), data)
+            _atomic_write(lib.root / name.removeprefix(f"{SOURCES}/"), data)
         elif name.startswith(f"{EVIDENCE}/"):
             target = lib.root / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write_bytes(target, data)
+            _atomic_write(target, data)
     # The manifest last: until it is replaced, dispatch sees the library as it was.
     manifest = {
         "version": 1,
-        "kernels": [asdict(e) for e in kept + [dataclasses.replace(e) for e in incoming]],
+        "kernels": [asdict(e) for e in kept + incoming],
     }
     _atomic_write(lib.manifest_path, json.dumps(manifest, indent=2) + "\n")
     return Installed(lib.root, [_label(e) for e in incoming], replaced, len(kept))
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def describe(index: dict[str, Any]) -> str:
