@@ -235,8 +235,11 @@ class Server:
         ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else b""
         if line.strip() != b"ready":
+            code = self.proc.poll()
+            said = self._log_tail()  # read before stop() removes the folder
             self.stop()
-            raise ServerUnavailable(f"the judge server did not start: {self._log_tail()}")
+            how = f"it exited with {code}" if code is not None else f"no answer in {START_TIMEOUT_S:.0f} s"
+            raise ServerUnavailable(f"the judge server did not start ({how}): {said}")
 
     def ended(self, judge: Judge) -> None:
         with _lock:

@@ -65,7 +65,7 @@ def test_the_server_ends_with_the_process_that_started_it(tmp_path: Path) -> Non
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     pid = int(done.stdout.split()[0])
@@ -122,3 +122,30 @@ def test_the_server_is_used_by_default_only_without_a_gpu(monkeypatch) -> None:
     assert judge_server.enabled()
     monkeypatch.setenv(judge_server.ENV_SWITCH, "0")
     assert not judge_server.enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_forked_judge_checks_and_times_on_the_gpu(tmp_path: Path, monkeypatch) -> None:
+    """The server never initialises CUDA, so a judge forked from it can: the default kernel is
+    checked and timed on the GPU by a forked judge (not by one started on its own)."""
+    monkeypatch.setenv(judge_server.ENV_SWITCH, "1")
+    forked: list[int] = []
+    start = judge_server.Server.start
+
+    def recording(self, argv, cwd, log):
+        judge = start(self, argv, cwd, log)
+        forked.append(judge.pid)
+        return judge
+
+    monkeypatch.setattr(judge_server.Server, "start", recording)
+    candidate = Candidate(problem="embedding_bag", source=TEMPLATE.render({}), entry=TEMPLATE.entry)
+    backend = LocalBackend(scratch_root=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = backend.evaluate(candidate, timing=True)
+    assert result.status == Status.OK, result.message
+    assert not [w for w in caught if "starts on its own" in str(w.message)]
+    assert len(forked) == 1
+    assert result.device is not None and not result.device.interpreted
+    assert result.timings and all(t.candidate.median_us > 0 for t in result.timings)
