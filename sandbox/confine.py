@@ -92,10 +92,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cpu-seconds", type=int)
     parser.add_argument("--address-space", type=int)
     parser.add_argument("--max-tasks", type=int, help="bound on the runner user's tasks (RLIMIT_NPROC)")
+    parser.add_argument("--parent", type=int, help="the judge's pid: the runner dies with it")
     return parser.parse_args(argv)
 
 
 def confine(args: argparse.Namespace) -> None:
+    if args.parent is not None:  # outside bubblewrap (whose --die-with-parent does this)
+        die_with_parent(args.parent)
     apply_limits(args.cpu_seconds, args.address_space)
     if args.become is not None:
         become_unprivileged(args.become)

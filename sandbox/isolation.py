@@ -254,6 +254,8 @@ def start_runner(
     env = runner_env(gpu=gpu)
     argv = [*argv, "--max-tasks", str(task_limit(own_user_namespace=isolation == "bwrap"))]
     if isolation == "none":
+        # Its own session, as under bubblewrap, so it must die with its judge by itself.
+        argv = [*argv, "--parent", str(os.getpid())]
         env.update(HOME=str(scratch), TMPDIR=str(scratch), TRITON_CACHE_DIR=str(scratch / "triton"))
         cmd, cwd = argv, scratch
     elif isolation == "bwrap":

@@ -229,7 +229,7 @@ class LocalBackend(WorkerBackend):
         log.touch()  # read afterwards, whether or not the judge got as far as writing to it
         if judge_server.enabled():
             try:
-                judge = judge_server.server_for(self._env()).start(cmd[4:6], judge_dir, log)
+                judge = judge_server.start_judge(self._env(), cmd[4:6], judge_dir, log)
             except judge_server.ServerUnavailable as exc:
                 warnings.warn(f"{exc}; this judge starts on its own", stacklevel=2)
             else:
@@ -255,8 +255,9 @@ class LocalBackend(WorkerBackend):
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                if proc.returncode is None:  # unreaped: its pid and group cannot name another process
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         return timed_out, proc.returncode
 
@@ -297,7 +298,11 @@ class LocalBackend(WorkerBackend):
             "log_tail": log_tail,
         }
         if timed_out:
-            return EvalResult(status=Status.TIMEOUT, message=f"killed after {self.timeout_s:.0f} s", **base)
+            return EvalResult(
+                status=Status.TIMEOUT,
+                message=f"killed after {wall:.0f} s (limit {self.timeout_s:.0f} s)",
+                **base,
+            )
         if not result_path.exists():
             code = returncode
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

@@ -266,14 +266,20 @@ def problem_module(name: str) -> ModuleType:
     raise ValueError(f"unknown problem {name!r}; known problems: {', '.join(problem_names())}")
 
 
-def problem_names() -> list[str]:
-    """Every problem: this package's modules that declare one, then the plug-ins'."""
+def builtin_problem_names() -> list[str]:
+    """The problems this package's own modules declare (no plug-in is imported)."""
     import search_space
 
-    names: set[str] = set()
-    for info in pkgutil.iter_modules(search_space.__path__):
-        if not info.ispkg and _builtin(info.name) is not None:
-            names.add(info.name)
+    return sorted(
+        info.name
+        for info in pkgutil.iter_modules(search_space.__path__)
+        if not info.ispkg and _builtin(info.name) is not None
+    )
+
+
+def problem_names() -> list[str]:
+    """Every problem: this package's modules that declare one, then the plug-ins'."""
+    names = set(builtin_problem_names())
     for plugin in plugin_modules():
         names.update(p.name for p in _problems_of(_plugin(plugin)))
     return sorted(names)

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from gh_helpers import PR_URL, gh_calls, install_gh
 from llm_helpers import GOOD, config, knob_settings
 from llm_server import proposal
 from quick_backend import QuickBackend
@@ -444,6 +445,50 @@ def test_each_registered_kernel_becomes_a_change_for_review(tmp_path: Path) -> N
     log = subprocess.run(["git", "log", "-1", "--format=%B", change.branch], cwd=repo, capture_output=True,
                          text=True).stdout  # fmt: skip
     assert "| shape-d16 | serve | 50 | 100 | 2.00x |" in log
+
+
+@pytest.mark.parametrize("logged_in", [True, False])
+def test_where_gh_is_logged_in_a_registered_kernel_becomes_a_pull_request(
+    tmp_path: Path, monkeypatch, logged_in: bool
+) -> None:
+    """`[review] pull_requests` unset: registration opens the change and, where `gh` is logged
+    in, pushes it with the library branch to the configured remote and opens a pull request;
+    where it is not, the change is opened all the same and nothing is pushed."""
+    import subprocess
+
+    from agent import review
+
+    log = install_gh(tmp_path, monkeypatch)
+    monkeypatch.setenv("GH_AUTH", "0" if logged_in else "1")
+    repo, remote = tmp_path / "repo", tmp_path / "models.git"
+    repo.mkdir()
+    git = ["git", *review.IDENTITY]
+    subprocess.run([*git, "init", "-q", "--bare", str(remote)], check=True, capture_output=True)
+    for args in (["init", "-q", "-b", "main"], ["commit", "-q", "--allow-empty", "-m", "start"],
+                 ["remote", "add", "upstream", str(remote)]):  # fmt: skip
+        subprocess.run([*git, *args], cwd=repo, check=True, capture_output=True)
+    store = Store(tmp_path / "s.db")
+    held, fast = _candidate("library", BLOCK_L=4), _candidate(BLOCK_L=8)
+    _evaluated(store, (held, {"d16": 100.0, "d64": 100.0}, 0.0), (fast, {"d16": 50.0, "d64": 80.0}, 0.0))
+    ctx = _context(tmp_path, store)
+    wanted = {"changes": True, "repo": repo, "remote": "upstream"}
+    ctx.config = ctx.config.model_copy(update={"review": ctx.config.review.model_copy(update=wanted)})
+    messages: list[str] = []
+    ctx.events = SimpleNamespace(message=messages.append)
+    nodes.register({"best": {}}, SimpleNamespace(context=ctx))
+    [change] = review.list_changes(repo)
+    assert change.id == f"{OP}/fp32/{fast.id}"
+    pushed = subprocess.run([*git, "branch", "--list"], cwd=remote, capture_output=True, text=True).stdout
+    pushed_branches = {b.strip("* ") for b in pushed.split()}
+    if logged_in:
+        assert any(PR_URL in m for m in messages), messages
+        create = gh_calls(log)[-1]
+        assert create[:6] == ["pr", "create", "--base", review.LIBRARY_BRANCH, "--head", change.branch]
+        assert {change.branch, review.LIBRARY_BRANCH} <= pushed_branches
+    else:
+        assert not any("pull request" in m for m in messages), messages
+        assert gh_calls(log) and all(call[:2] == ["auth", "status"] for call in gh_calls(log))
+        assert not pushed_branches
 
 
 def test_a_proposal_paid_for_before_a_kill_is_evaluated_first_after_it(tmp_path: Path) -> None:

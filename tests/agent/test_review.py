@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gh_helpers import PR_URL, gh_calls, install_gh
 from typer.testing import CliRunner
 
 from agent import review
@@ -124,34 +125,9 @@ def test_a_change_is_one_commit_on_its_own_branch_and_the_checkout_is_untouched(
         _open(repo, 8)
 
 
-# A recording `gh`: logs each call's arguments (NUL after each, RS after each call);
-# `auth status` answers GH_AUTH (0: logged in).
-GH = """#!/bin/sh
-for arg in "$@"; do printf '%s\\0' "$arg"; done >> "$GH_LOG"
-printf '\\036' >> "$GH_LOG"
-case "$1 $2" in
-  "auth status")
-    [ "${GH_AUTH:-0}" = 0 ] || echo "You are not logged into any GitHub hosts" >&2
-    exit "${GH_AUTH:-0}" ;;
-  "pr create") echo "https://github.example/acme/models/pull/7" ;;
-esac
-"""
-
-
 @pytest.fixture
 def gh(tmp_path: Path, monkeypatch) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "gh").write_text(GH)
-    (bin_dir / "gh").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("GH_LOG", str(tmp_path / "gh.log"))
-    return tmp_path / "gh.log"
-
-
-def _gh_calls(log: Path) -> list[list[str]]:
-    calls = log.read_text().split("\x1e")[:-1] if log.exists() else []
-    return [call.split("\0")[:-1] for call in calls]
+    return install_gh(tmp_path, monkeypatch)
 
 
 def test_a_change_becomes_a_pull_request_where_gh_is_logged_in(repo: Path, tmp_path: Path, gh: Path) -> None:
@@ -162,13 +138,13 @@ def test_a_change_becomes_a_pull_request_where_gh_is_logged_in(repo: Path, tmp_p
         review.open_pull_request(repo, change)
     _git(repo, "remote", "add", "origin", str(remote))
 
-    assert review.open_pull_request(repo, change) == "https://github.example/acme/models/pull/7"
+    assert review.open_pull_request(repo, change) == PR_URL
     # Both branches are on the remote, as committed; the pull request carries the description.
     for branch in (change.branch, review.LIBRARY_BRANCH):
         assert _git(remote, "rev-parse", branch) == _git(repo, "rev-parse", branch)
     message = _git(repo, "log", "-1", "--format=%B", change.branch)
     title, _, body = message.partition("\n")
-    create = _gh_calls(gh)[-1]
+    create = gh_calls(gh)[-1]
     assert create == [
         "pr", "create", "--base", review.LIBRARY_BRANCH, "--head", change.branch,
         "--title", title, "--body", body.strip() + "\n",
@@ -186,7 +162,7 @@ def test_without_a_logged_in_gh_there_is_no_pull_request(
     assert "not authenticated" in review.gh_ready(repo) and "not logged into" in review.gh_ready(repo)
     with pytest.raises(review.ReviewError, match="not authenticated"):
         review.open_pull_request(repo, change)
-    assert all(call[:2] == ["auth", "status"] for call in _gh_calls(gh))
+    assert all(call[:2] == ["auth", "status"] for call in gh_calls(gh))
     assert _git(tmp_path / "remote.git", "branch", "--list").strip() == ""  # nothing pushed
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert review.gh_ready(repo) == "gh is not installed"

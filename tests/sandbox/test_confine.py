@@ -1,5 +1,8 @@
 """sandbox.confine outside the sandbox: a judge started with its parent's pid dies with it."""
 
+import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -62,3 +65,42 @@ def test_a_process_whose_parent_is_gone_exits_at_once() -> None:
     argv = [sys.executable, "-c", code, str(gone.pid)]
     done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True)
     assert done.returncode == 1 and done.stdout == ""
+
+
+# A judge's stand-in: it starts a runner with `isolation="none"` (its own session, as under
+# bubblewrap, so a kill of the judge's process group misses it) on a channel whose other end the
+# test holds (so the runner waits for a request, as a runner busy with a candidate would, instead
+# of seeing its judge hang up), prints the runner's pid and waits to be killed.
+JUDGE = """
+import subprocess, sys, time
+from pathlib import Path
+from sandbox import isolation
+fd = int(sys.argv[2])
+argv = [sys.executable, "-P", "-m", "sandbox.runner", str(fd), "--cpu-seconds", "60"]
+runner = isolation.start_runner(argv, Path(sys.argv[1]), gpu=False, pass_fds=(fd,),
+                                stdout=subprocess.DEVNULL, isolation="none")
+print(runner.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_an_unisolated_runner_dies_with_its_judge(tmp_path: Path) -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    judge = subprocess.Popen(
+        [sys.executable, "-c", JUDGE, str(tmp_path), str(theirs.fileno())],
+        cwd=REPO_ROOT, text=True, stdout=subprocess.PIPE, pass_fds=(theirs.fileno(),),
+    )  # fmt: skip
+    theirs.close()
+    runner = int(judge.stdout.readline())
+    time.sleep(1.0)  # the runner is up and has asked to die with the judge
+    assert _alive(runner)
+    judge.kill()  # SIGKILL: nothing of the judge's own runs
+    judge.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(runner) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(runner)
+    if alive:
+        os.kill(runner, signal.SIGKILL)
+    ours.close()
+    assert not alive, "the runner outlived its judge"
