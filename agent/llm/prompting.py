@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import jinja2
 
+from agent.llm.proposals import current_knobs, knob_space
 from agent.store import EvaluationRow, LLMProposalRow
 from sandbox import screen
 from sandbox.candidate import Candidate
@@ -187,11 +188,10 @@ def propose_prompt(
 ) -> str:
     """The task of a fresh proposal: improve `parent` (an elite; the best if None), whose source
     is `base`, told the best's score when the parent is another lineage's."""
-    from search_space.template import get_template
-
     p = get_problem(problem)
     hw = ceilings(arch)
-    template = get_template(problem) if p.template is not None else None
+    space = knob_space(problem, base)
+    current = current_knobs(space, base) if space is not None else {}
     return _ENV.get_template("propose.j2").render(
         problem=p,
         reference=inspect.getsource(p.reference),
@@ -205,7 +205,10 @@ def propose_prompt(
         parent=parent or best,
         parent_timings=_timing_lines((parent or best).result, baselines) if parent or best else [],
         base=base,
-        knobs=template.knobs if template else [],
+        knobs=[
+            {"name": k.name, "choices": k.choices, "current": current[k.name], "help": k.help}
+            for k in (space.knobs if space is not None else ())
+        ],
         attempts=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in attempts],
         kinds=kinds,
         rejected=rejected or [],

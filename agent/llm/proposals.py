@@ -3,8 +3,9 @@ candidate. Everything here is validated before anything is evaluated; a `Proposa
 message goes back to the model as it is, so it says what was wrong and what to do instead.
 
 The kinds:
-- `knobs`: values for the problem's knob template (checked by the template's choices and
-  constraint), rendered by the template;
+- `knobs`: values for the knobs of the kernel shown (checked by the template's choices and
+  constraint): rendered by the template where that kernel is a rendering of it, else written
+  into the kernel's own `KNOBS` dict (an LLM-written module keeps the template's knobs there);
 - `module`: a complete new kernel module;
 - `edit`: search/replace blocks over the current kernel (the best one, or in a repair turn the
   one that failed); each search block must occur exactly once.
@@ -23,6 +24,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from agent.proposers.knob_source import SourceKnobs
 from sandbox.candidate import Candidate
 from sandbox.screen import parse_source
 from search_space import get_problem
@@ -183,14 +185,45 @@ def _where(error: dict) -> str:
     return "kind" if error["type"].startswith("union_tag") else "(top level)"
 
 
-def allowed_kinds(problem: str, has_base: bool) -> list[str]:
-    """The kinds that make sense for `problem` now: knobs need a template, edits a kernel to edit."""
-    p = get_problem(problem)
+def _renders_template(template: KnobTemplate, candidate: Candidate) -> bool:
+    try:
+        return template.render(candidate.knobs) == candidate.source
+    except (ValueError, KeyError):
+        return False
+
+
+def knob_space(problem: str, base: Candidate | None) -> KnobTemplate | SourceKnobs | None:
+    """What a knobs reply tunes: the kernel shown (`base`). The template where that kernel is a
+    rendering of it (the default kernel, a search's point) or there is none yet; else the
+    template's knobs the kernel keeps in its own KNOBS dict (an LLM-written module); None where
+    the problem has no template or the kernel keeps none of its knobs (no knobs reply then)."""
+    if get_problem(problem).template is None:
+        return None
+    from search_space.template import get_template
+
+    template = get_template(problem)
+    if base is None or _renders_template(template, base):
+        return template
+    own = SourceKnobs(template, base.source, base.entry)
+    return own if own.knobs else None
+
+
+def current_knobs(space: KnobTemplate | SourceKnobs, base: Candidate | None) -> dict:
+    """The values the kernel shown has for the knobs of `space`: what a knobs reply leaves as
+    they are for the knobs it does not name."""
+    if isinstance(space, SourceKnobs):
+        return space.defaults()
+    return space.validate(base.knobs) if base is not None else space.defaults()
+
+
+def allowed_kinds(problem: str, base: Candidate | None) -> list[str]:
+    """The kinds that make sense for `problem` now: knobs need knobs in the kernel shown (or
+    the template, before any), edits a kernel to edit."""
     kinds = []
-    if p.template is not None:
+    if knob_space(problem, base) is not None:
         kinds.append("knobs")
     kinds.append("module")
-    if has_base:
+    if base is not None:
         kinds.append("edit")
     return kinds
 
@@ -241,12 +274,11 @@ def _check_module(source: str, entry: str) -> None:
         raise ProposalError(f"the kernel module defines no top-level function {entry!r}, the entry point")
 
 
-def _render(template: KnobTemplate, knobs: dict, what: str) -> tuple[str, dict]:
+def _render(space: KnobTemplate | SourceKnobs, knobs: dict, what: str) -> str:
     try:
-        full = template.validate(knobs)
+        return space.render(knobs)
     except ValueError as exc:
         raise ProposalError(f"{what}: {exc}") from None
-    return template.render(full), full
 
 
 def to_candidate(
@@ -257,20 +289,26 @@ def to_candidate(
     parent_id: str | None,
     knobs_of: Callable[[str], dict] = lambda source: {},
 ) -> Candidate:
-    """The candidate a proposal describes. `base` is the kernel an edit applies to; `knobs_of`
-    reads the knob values a module keeps (recorded with the candidate for the search)."""
+    """The candidate a proposal describes. `base` is the kernel shown, which an edit applies to
+    and a knobs reply tunes (`knob_space`: knobs the reply does not name keep the kernel's
+    values); `knobs_of` reads the knob values a module keeps (recorded with the candidate for
+    the search)."""
     p = get_problem(problem)
-    kinds = allowed_kinds(problem, base is not None)
+    kinds = allowed_kinds(problem, base)
     if proposal.kind not in kinds:
         raise ProposalError(
             f"kind {proposal.kind!r} is not available for this problem now; use one of {kinds}"
         )
     if isinstance(proposal, KnobsProposal):
-        from search_space.template import get_template
-
-        template = get_template(problem)
-        source, knobs = _render(template, proposal.knobs, "knobs")
-        entry = template.entry
+        space = knob_space(problem, base)
+        assert space is not None
+        knobs = current_knobs(space, base) | proposal.knobs
+        source = _render(space, knobs, "knobs")
+        if isinstance(space, SourceKnobs):
+            # The kernel shown with other values in its KNOBS dict, at its own entry point.
+            entry, knobs = space.entry, knobs_of(source)
+        else:
+            entry, knobs = space.entry, space.validate(knobs)
     else:
         if isinstance(proposal, ModuleProposal):
             source, entry = proposal.source, p.entry

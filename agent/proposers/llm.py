@@ -266,7 +266,7 @@ class LLMProposer:
         elites = request.elites or ([request.best] if request.best is not None else [])
         parent = choose_parent(elites, seed=self.seed, turn=sum(r.depth == 0 for r in llm_rows.values()))
         base = self._base(parent)
-        kinds = allowed_kinds(self.problem, base is not None)
+        kinds = allowed_kinds(self.problem, base)
         prompt = prompting.propose_prompt(
             problem=self.problem,
             arch=campaign_arch(),
@@ -298,7 +298,7 @@ class LLMProposer:
             for r in self.store.evaluations(self.campaign_id, self.problem)
             if r.candidate.id == candidate.id
         ]
-        kinds = allowed_kinds(self.problem, has_base=True)
+        kinds = allowed_kinds(self.problem, candidate)
         conversation = _Conversation(
             id=failed.conversation,
             messages=[

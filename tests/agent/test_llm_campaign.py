@@ -367,3 +367,27 @@ def test_sigkill_then_resume_remembers_llm_spend(tmp_path: Path, quick) -> None:
     ids = [r.candidate.id for r in campaigns.store.evaluations(row.id)]
     assert len(ids) == len(set(ids)), "an evaluation was repeated"
     assert campaigns.store.campaign(row.id).status == "finished"
+
+
+def test_a_knobs_reply_tunes_the_kernel_the_llm_wrote(tmp_path: Path, monkeypatch) -> None:
+    """The LLM's module is the best; the next prompt shows it with the knobs it keeps, and a
+    knobs reply becomes that module at the new values, descended from it (not the template)."""
+    backend = QuickBackend(speed=lambda c: 10.0 if "LLM-written" in c.source else hashed_speed(c))
+    monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: backend)
+    with FakeLLMServer(
+        [Reply(proposal("module", source=GOOD)), Reply(proposal("knobs", knobs={"BLOCK_B": 2}))]
+    ) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path, server.url, proposer={"batch_size": 1}, budget={"max_evaluations": 3, "max_wall_s": 600}
+        )
+        outcome = campaigns.start(cfg)
+    _, written, tuned = campaigns.store.evaluations(outcome.campaign_id)
+    assert written.candidate.source == GOOD
+    assert tuned.candidate.parent_id == written.candidate.id
+    assert "LLM-written" in tuned.candidate.source and structure_key(tuned.candidate.source) == structure_key(
+        GOOD
+    )
+    assert tuned.candidate.knobs["BLOCK_B"] == 2
+    shown = _user(server.requests[1])
+    assert "## Knobs of the kernel above" in shown and "LLM-written" in shown

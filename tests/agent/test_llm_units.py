@@ -128,7 +128,7 @@ def test_proposals_become_candidates_or_errors_for_the_model() -> None:
     with pytest.raises(ProposalError, match="unchanged"):
         to_candidate(same, problem="embedding_bag", base=base, parent_id=None)
     # A problem without a template offers no knobs.
-    assert allowed_kinds("embedding_bag_backward", has_base=False) == ["module"]
+    assert allowed_kinds("embedding_bag_backward", None) == ["module"]
 
 
 def test_knobs_kept_in_a_module_are_tuned_in_place() -> None:
@@ -324,7 +324,7 @@ def test_fake_server_lists_models(tmp_path) -> None:
 def test_the_prompt_names_the_hardware_and_where_it_runs() -> None:
     from agent.llm.prompting import propose_prompt
 
-    kinds = allowed_kinds("embedding_bag", has_base=False)
+    kinds = allowed_kinds("embedding_bag", None)
     text = propose_prompt(
         problem="embedding_bag",
         arch="interpreter",
@@ -559,3 +559,69 @@ def test_tool_calling_carries_the_proposal_in_the_call_of_propose_kernel(monkeyp
             )
         assert [a.outcome for a in attempts] == ["structured_output_refused", "replied", "replied"]
         assert "tools" in server.requests[0] and all("tools" not in r for r in server.requests[1:])
+
+
+def test_a_knobs_reply_tunes_the_kernel_shown_and_the_prompt_lists_its_knobs() -> None:
+    """A knobs reply for an LLM-written module writes the values into that module's KNOBS (its
+    other knobs as they are), not into the template; the prompt lists the knobs the kernel shown
+    keeps, at its values. A module that keeps none offers no knobs reply."""
+    from agent.llm.prompting import propose_prompt
+
+    own = with_knobs(GOOD, {"BLOCK_L": 16}).replace('"BLOCK_D": None', '"BLOCK_D": 96')
+    base = Candidate(
+        problem="embedding_bag", source=own, entry="embedding_bag", knobs=knob_values(own), origin="llm"
+    )
+    tuned = to_candidate(
+        parse_proposal(proposal("knobs", knobs={"BLOCK_B": 2})),
+        problem="embedding_bag",
+        base=base,
+        parent_id=base.id,
+        knobs_of=knob_values,
+    )
+    assert tuned.source == with_knobs(own, {"BLOCK_B": 2}) and "LLM-written" in tuned.source
+    assert tuned.knobs["BLOCK_B"] == 2 and tuned.knobs["BLOCK_L"] == 16 and tuned.knobs["BLOCK_D"] == 96
+    assert tuned.entry == "embedding_bag" and tuned.parent_id == base.id
+    with pytest.raises(ProposalError, match=r"unknown knob\(s\) \['BLOCK_D'\]; this kernel's knobs are"):
+        to_candidate(
+            parse_proposal(proposal("knobs", knobs={"BLOCK_D": 64})),
+            problem="embedding_bag",
+            base=base,
+            parent_id=base.id,
+        )
+    # The template's point (the default kernel, a search's) is still rendered by the template,
+    # its other knobs kept.
+    point = Candidate(
+        problem="embedding_bag",
+        source=TEMPLATE.render({"BLOCK_L": 16}),
+        entry=TEMPLATE.entry,
+        knobs=TEMPLATE.validate({"BLOCK_L": 16}),
+        origin="template",
+    )
+    from_point = to_candidate(
+        parse_proposal(proposal("knobs", knobs={"BLOCK_B": 2})), problem="embedding_bag", base=point,
+        parent_id=point.id,
+    )  # fmt: skip
+    assert from_point.source == TEMPLATE.render({"BLOCK_L": 16, "BLOCK_B": 2})
+
+    def prompt(shown: Candidate) -> str:
+        return propose_prompt(
+            problem="embedding_bag", arch="interpreter", best=None, base=shown, attempts=[], llm_rows={},
+            baselines={}, kinds=allowed_kinds("embedding_bag", shown),
+        )  # fmt: skip
+
+    text = prompt(base)
+    section = text[text.index("## Knobs of the kernel above") :].split("\n## ")[0]
+    assert "- BLOCK_L: one of" in section and "(now 16)" in section
+    assert "BLOCK_D" not in section  # 96 is none of the template's choices: not a knob of this kernel
+    # Without a KNOBS dict: no knobs to list, and a knobs reply is refused with what to do instead.
+    bare = Candidate(
+        problem="embedding_bag", source=GOOD.split("\nKNOBS = {")[0] + "\n" + GOOD.split("\n}\n", 1)[1],
+        entry="embedding_bag", origin="llm",
+    )  # fmt: skip
+    assert knob_values(bare.source) == {} and allowed_kinds("embedding_bag", bare) == ["module", "edit"]
+    assert "## Knobs of" not in prompt(bare)
+    with pytest.raises(ProposalError, match=r"kind 'knobs' is not available.*\['module', 'edit'\]"):
+        to_candidate(
+            parse_proposal(proposal("knobs", knobs={"BLOCK_B": 2})), problem="embedding_bag", base=bare,
+            parent_id=bare.id,
+        )  # fmt: skip
