@@ -130,27 +130,38 @@ def attempt_summary(row: EvaluationRow, llm: LLMProposalRow | None) -> dict:
     }
 
 
-def lineage(rows: list[EvaluationRow], best: EvaluationRow | None, limit: int) -> list[EvaluationRow]:
-    """The last `limit` attempts, the best's lineage first: its ancestors and everything that
-    descends from them; the most recent other attempts fill the rest."""
-    if limit <= 0:
-        return []
+def _family(rows: list[EvaluationRow], parent: EvaluationRow | None) -> set[str]:
+    """The ids of `parent`'s lineage: its ancestors and everything that descends from them."""
     by_id = {r.candidate.id: r for r in rows}
     family: set[str] = set()
-    cid = best.candidate.id if best else None
+    cid = parent.candidate.id if parent else None
     while cid is not None and cid not in family:
         family.add(cid)
         cid = by_id[cid].candidate.parent_id if cid in by_id else None
     for r in rows:  # in evaluation order, so parents come before their children
         if r.candidate.parent_id in family:
             family.add(r.candidate.id)
-    picked = [r for r in rows if r.candidate.id in family][-limit:]
-    others = (
-        [r for r in rows if r.candidate.id not in family][-(limit - len(picked)) :]
-        if len(picked) < limit
-        else []
-    )
-    return sorted(picked + others, key=lambda r: r.seq)
+    return family
+
+
+def lineage(rows: list[EvaluationRow], parent: EvaluationRow | None, limit: int) -> list[EvaluationRow]:
+    """The last `limit` attempts of `parent`'s lineage (its ancestors and everything that
+    descends from them), oldest first; no other lineage's."""
+    if limit <= 0:
+        return []
+    family = _family(rows, parent)
+    return [r for r in rows if r.candidate.id in family][-limit:]
+
+
+def other_attempts(
+    rows: list[EvaluationRow], parent: EvaluationRow | None, limit: int
+) -> list[EvaluationRow]:
+    """The last `limit` attempts outside `parent`'s lineage, oldest first (shown apart from the
+    lineage's own, as other kernels' attempts)."""
+    if limit <= 0:
+        return []
+    family = _family(rows, parent)
+    return [r for r in rows if r.candidate.id not in family][-limit:]
 
 
 def screen_rules(problem: Problem) -> dict:
@@ -185,9 +196,12 @@ def propose_prompt(
     kinds: list[str],
     parent: EvaluationRow | None = None,
     rejected: list[str] | None = None,
+    others: list[EvaluationRow] = (),
 ) -> str:
     """The task of a fresh proposal: improve `parent` (an elite; the best if None), whose source
-    is `base`, told the best's score when the parent is another lineage's."""
+    is `base`, told the best's score when the parent is another lineage's. `attempts` are the
+    recent attempts of the parent's lineage (`lineage`), `others` those of other lineages
+    (`other_attempts`), each under a heading of its own."""
     p = get_problem(problem)
     hw = ceilings(arch)
     space = knob_space(problem, base)
@@ -210,6 +224,7 @@ def propose_prompt(
             for k in (space.knobs if space is not None else ())
         ],
         attempts=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in attempts],
+        others=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in others],
         kinds=kinds,
         rejected=rejected or [],
     )

@@ -6,9 +6,10 @@ pause. One `LLMProposer` per problem holds the conversation logic:
 
 - a fresh proposal: system prompt (reply format, screen rules) and a task prompt (problem,
   reference, shapes, hardware ceilings, the kernel to improve with its timings, roofline
-  fraction and bound, recent attempts of its lineage with their errors and mismatches); the
-  kernel to improve is one of the campaign's diverse elites (`choose_parent`), the best every
-  other time, so that other lineages keep being improved too;
+  fraction and bound, recent attempts of its lineage with their errors and mismatches, and
+  apart from them, to fill `history`, those of other lineages); the kernel to improve is one
+  of the campaign's diverse elites (`choose_parent`), the best every other time, so that other
+  lineages keep being improved too;
 - validation before anything runs (`agent.llm.proposals`); an unusable reply goes back to the
   model with the reason, at most `format_retries` times, then the conversation is recorded as
   given up;
@@ -267,13 +268,15 @@ class LLMProposer:
         parent = choose_parent(elites, seed=self.seed, turn=sum(r.depth == 0 for r in llm_rows.values()))
         base = self._base(parent)
         kinds = allowed_kinds(self.problem, base)
+        own = prompting.lineage(request.rows, parent, self.config.history)
         prompt = prompting.propose_prompt(
             problem=self.problem,
             arch=campaign_arch(),
             best=request.best,
             parent=parent,
             base=base,
-            attempts=prompting.lineage(request.rows, parent, self.config.history),
+            attempts=own,
+            others=prompting.other_attempts(request.rows, parent, self.config.history - len(own)),
             llm_rows=llm_rows,
             baselines=self.store.baselines(self.campaign_id, self.problem),
             kinds=kinds,

@@ -625,3 +625,39 @@ def test_a_knobs_reply_tunes_the_kernel_shown_and_the_prompt_lists_its_knobs() -
             parse_proposal(proposal("knobs", knobs={"BLOCK_B": 2})), problem="embedding_bag", base=bare,
             parent_id=bare.id,
         )  # fmt: skip
+
+
+def test_recent_attempts_of_the_lineage_are_its_own_and_others_are_apart() -> None:
+    from agent.llm.prompting import lineage, other_attempts, propose_prompt
+
+    def candidate(tag: str, parent: Candidate | None) -> Candidate:
+        return Candidate(
+            problem="embedding_bag", source=GOOD + f"# {tag}\n", entry="embedding_bag", origin="llm",
+            parent_id=parent.id if parent else None,
+        )  # fmt: skip
+
+    a = candidate("a", None)
+    a1 = candidate("a1", a)
+    b = candidate("b", None)
+    b1, b2 = candidate("b1", b), candidate("b2", b)
+    a2 = candidate("a2", a1)
+    rows = [_row(i, c, 10.0 + i) for i, c in enumerate([a, b, a1, b1, b2, a2], 1)]
+    parent = rows[2]  # a1
+    own = lineage(rows, parent, 6)
+    assert [r.candidate.id for r in own] == [a.id, a1.id, a2.id]
+    assert [r.candidate.id for r in lineage(rows, parent, 2)] == [a1.id, a2.id]
+    others = other_attempts(rows, parent, 6 - len(own))
+    assert [r.candidate.id for r in others] == [b.id, b1.id, b2.id]
+    text = propose_prompt(
+        problem="embedding_bag", arch="interpreter", best=parent, parent=parent, base=parent.candidate,
+        attempts=own, others=others, llm_rows={}, baselines={}, kinds=["module", "edit"],
+    )  # fmt: skip
+    mine = text[text.index("## Recent attempts in this lineage") :].split("\n## ")[0]
+    theirs = text[text.index("## Recent attempts of other lineages") :].split("\n## ")[0]
+    assert all(f"`{c.id}`" in mine for c in (a, a1, a2)) and not any(c.id in mine for c in (b, b1, b2))
+    assert all(f"`{c.id}`" in theirs for c in (b, b1, b2)) and not any(c.id in theirs for c in (a, a1, a2))
+    alone = propose_prompt(
+        problem="embedding_bag", arch="interpreter", best=parent, parent=parent, base=parent.candidate,
+        attempts=own, llm_rows={}, baselines={}, kinds=["module", "edit"],
+    )  # fmt: skip
+    assert "other lineages" not in alone
