@@ -42,6 +42,16 @@ app.add_typer(review_app, name="review")
 app.add_typer(llm_app, name="llm")
 
 console = Console()
+
+
+def _table(*columns: str, **kwargs) -> Table:
+    """A table whose every column folds rather than cutting: ids stay whole at 80 columns."""
+    table = Table(**kwargs)
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    return table
+
+
 err = Console(stderr=True, soft_wrap=True)
 
 HomeOption = Annotated[
@@ -277,7 +287,7 @@ def campaign_list(home: HomeOption = None) -> None:
         console.print(f"no campaigns in {root}")
         return
     campaigns = _existing_campaigns(root)
-    table = Table("id", "status", "evaluations", "wall s", "stop reason", "created")
+    table = _table("id", "status", "evaluations", "wall s", "stop reason", "created")
     for c in campaigns.store.campaigns():
         table.add_row(
             c.id,
@@ -391,11 +401,11 @@ def library_list(
         entries = lib.entries()
     except ValueError as exc:
         raise fail(str(exc)) from None
-    # Every column folds rather than cutting: ids stay whole at 80 columns. Reasons (refused,
-    # demoted) follow the table as whole lines.
-    table = Table(title=f"kernel library {lib.root}", title_justify="left")
-    for name in ("kernel", "key", "buckets (training)", "median us", "from", "state"):
-        table.add_column(name, overflow="fold")
+    # Reasons (refused, demoted) follow the table as whole lines.
+    table = _table(
+        "kernel", "key", "buckets (training)", "median us", "from", "state",
+        title=f"kernel library {lib.root}", title_justify="left",
+    )  # fmt: skip
     notes = []
     for e in entries:
         median = (
@@ -443,9 +453,16 @@ def review_list(repo: Annotated[Path | None, _REPO_OPTION] = None) -> None:
         changes = review.list_changes(root)
     except review.ReviewError as exc:
         raise fail(str(exc), 1) from None
-    table = Table(title=f"kernel changes in {root}", title_justify="left")
-    for name in ("id", "op", "dtype", "buckets", "status", "headline"):
-        table.add_column(name, overflow="fold")  # ids stay whole at 80 columns
+    table = _table(
+        "id",
+        "op",
+        "dtype",
+        "buckets",
+        "status",
+        "headline",
+        title=f"kernel changes in {root}",
+        title_justify="left",
+    )
     for c in changes:
         status = c.status if c.reason is None else f"{c.status}: {c.reason}"
         table.add_row(c.id, c.op, c.dtype, ", ".join(c.buckets), status, c.headline)
@@ -463,12 +480,35 @@ def review_show(change: str, repo: Annotated[Path | None, _REPO_OPTION] = None) 
 
     root = _review_repo(repo)
     try:
-        found, patch, source, _ = review.show(root, change)
+        found, patch, source, evidence = review.show(root, change)
     except review.ReviewError as exc:
         raise fail(str(exc), 1) from None
     console.print(f"[bold]{found.id}[/] {found.status} on branch {found.branch}")
+    _print_evidence(evidence)
     console.print(Syntax(patch, "diff", word_wrap=True))
     console.print(Syntax(source, "python", line_numbers=True, word_wrap=True))
+
+
+def _print_evidence(evidence: dict) -> None:
+    """A change's evidence in brief: who proposed it, its lineage, and its timings per shape
+    against each baseline the evaluation measured (the whole record is in the diff)."""
+    lineage = " <- ".join(evidence.get("lineage") or [])
+    console.print(
+        f"evidence: {evidence.get('headline') or 'no headline'}; proposer {evidence.get('proposer') or '?'}"
+        f"; prompt hash {evidence.get('prompt_hash') or '-'}; lineage {lineage or '-'}"
+    )
+    timings = (evidence.get("evaluation") or {}).get("timings") or []
+    if not timings:
+        return
+    names = sorted({name for t in timings for name in t.get("baselines", {})})
+    table = _table("shape", "dtype", "bucket", "us", *(f"{n} us" for n in names), title="timings")
+    for t in timings:
+        base = t.get("baselines", {})
+        table.add_row(
+            t["shape"], t["dtype"], t.get("bucket") or "", f"{t['candidate']['median_us']:.1f}",
+            *(f"{base[n]['median_us']:.1f}" if n in base else "" for n in names),
+        )  # fmt: skip
+    console.print(table)
 
 
 @review_app.command("reject")
@@ -531,7 +571,7 @@ def library_verify(
             )
         except ValueError as exc:
             raise fail(str(exc)) from None
-    table = Table(
+    table = _table(
         "kernel", "op", "dtype", "outcome", "detail", title=f"verified {lib.root} on {campaign_arch()}"
     )
     for row in rows:
@@ -590,7 +630,7 @@ def bench_dispatch(
     from evals.bench_dispatch import run_dispatch_benchmark
 
     result = run_dispatch_benchmark(calls=calls)
-    table = Table(
+    table = _table(
         "choice", "us per call", "spread us", title=f"dispatch on {result['device']} ({result['arch']})"
     )
     for name, row in result["rows"].items():

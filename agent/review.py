@@ -1,11 +1,12 @@
 """Kernel changes for review, in git.
 
-Each kernel a campaign accepts becomes a change: a branch `recforge/kernel/<op>/<dtype>/<candidate>`
-with one commit on the library branch (`recforge/library`, made from the current HEAD the first
-time). The commit adds the kernel's source and its manifest entry to the repository's library
-folder, a generated regression test (the problem's check shapes against the reference, on CPU
-or GPU) and an evidence file (the evaluation, the timings against eager, torch.compile and the
-previous best, lineage, proposer and prompt hash); its message is the change's description.
+Each kernel a campaign accepts becomes a change `<op>/<dtype>/<candidate>`: a branch
+`recforge/kernel/<op>/<dtype>/<buckets>/<candidate>` (the shape buckets it serves) with one commit
+on the library branch (`recforge/library`, made from the current HEAD the first time). The commit
+adds the kernel's source and its manifest entry to the repository's library folder, a generated
+regression test (the problem's check shapes against the reference, on CPU or GPU) and an evidence
+file (the evaluation, the timings against eager, torch.compile and the previous best, lineage,
+proposer and prompt hash); its message is the change's description.
 
 Everything happens in a temporary worktree: the user's working tree and current branch are never
 touched. The state of a change is in git as well: merged into the library branch (approved), or
@@ -18,6 +19,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -117,8 +119,22 @@ def campaign_repo(config: Any) -> Path | None:
     return config.review.repo if config.review.repo is not None else Path(__file__).resolve().parents[1]
 
 
-def branch_name(op: str, dtype: str, candidate: str) -> str:
-    return f"{BRANCH_PREFIX}{op}/{dtype}/{candidate}"
+def bucket_label(buckets: list[str]) -> str:
+    """The buckets a change serves, as one branch-name component (`d16+d64`, `d16+d64+3-more`)."""
+    shown = [re.sub(r"[^A-Za-z0-9._-]+", "-", b).strip(".-") or "bucket" for b in buckets[:3]]
+    more = f"+{len(buckets) - 3}-more" if len(buckets) > 3 else ""
+    return ("+".join(shown) or "all") + more
+
+
+def branch_name(op: str, dtype: str, buckets: list[str], candidate: str) -> str:
+    return f"{BRANCH_PREFIX}{op}/{dtype}/{bucket_label(buckets)}/{candidate}"
+
+
+def _change_id(branch: str) -> str:
+    """op/dtype/candidate, from a change's branch (with or without its buckets part: changes
+    opened before branches named their buckets have none)."""
+    parts = branch.removeprefix(BRANCH_PREFIX).split("/")
+    return "/".join(parts[:2] + parts[-1:])
 
 
 # --- opening a change ---------------------------------------------------------------------------
@@ -136,9 +152,10 @@ def open_change(
     root = repository(repo)
     _ensure_library_branch(root)
     candidate = str(entry.provenance.get("candidate") or entry.source_hash)
-    branch = branch_name(entry.op, entry.dtype, candidate)
-    if _has_ref(root, f"refs/heads/{branch}"):
-        raise ReviewError(f"a change for candidate {candidate} ({entry.op} {entry.dtype}) exists: {branch}")
+    branch = branch_name(entry.op, entry.dtype, entry.buckets, candidate)
+    same = [b for b in _branches(root) if _change_id(b) == f"{entry.op}/{entry.dtype}/{candidate}"]
+    if same:
+        raise ReviewError(f"a change for candidate {candidate} ({entry.op} {entry.dtype}) exists: {same[0]}")
     with _worktree(root, LIBRARY_BRANCH) as tree:
         _git(tree, "checkout", "-q", "-b", branch)
         library = KernelLibrary(tree / LIBRARY_DIR)
@@ -257,7 +274,7 @@ def _evidence_path(op: str, dtype: str, candidate: str) -> str:
 
 def _evidence_of(repo: Path, branch: str) -> dict[str, Any]:
     """The evidence a change's branch holds (found by the branch's name: op, dtype, candidate)."""
-    op, dtype, candidate = branch.removeprefix(BRANCH_PREFIX).split("/")
+    op, dtype, candidate = _change_id(branch).split("/")
     shown = _git(repo, "show", f"{branch}:{_evidence_path(op, dtype, candidate)}", check=False)
     if shown.returncode != 0:
         raise ReviewError(f"branch {branch} holds no evidence file {_evidence_path(op, dtype, candidate)}")
@@ -270,7 +287,7 @@ def list_changes(repo: str | os.PathLike) -> list[Change]:
     for branch in _branches(root):
         record = _evidence_of(root, branch)
         entry = record["entry"]
-        change_id = branch.removeprefix(BRANCH_PREFIX)
+        change_id = _change_id(branch)
         status, reason = "open", None
         tag = f"refs/tags/{REJECTED_PREFIX}{change_id}"
         if _has_ref(root, tag):

@@ -120,3 +120,23 @@ def test_library_list_empty_and_corrupt(tmp_path) -> None:
     (tmp_path / "manifest.json").write_text("{not json")
     result = runner.invoke(app, ["library", "list", "--library", str(tmp_path)])
     assert result.exit_code == 2 and "unreadable" in result.output
+
+
+def test_campaign_list_keeps_ids_whole_at_80_columns(tmp_path, monkeypatch) -> None:
+    from agent import cli
+    from agent.config import parse_config
+    from agent.store import Store
+
+    store = Store(tmp_path / "store.db")
+    cfg = parse_config(
+        {"name": "x", "problems": ["embedding_bag"], "budget": {"max_evaluations": 1, "max_wall_s": 5}}
+    )
+    long_id = "embedding-bag-demo-20261203-010203-ab12"
+    store.create_campaign(long_id, "embedding-bag-demo", cfg.model_dump_json())
+    store.set_status(long_id, "finished", "max_evaluations reached after a long night of search")
+    monkeypatch.setattr(cli.console, "width", 80)
+    result = runner.invoke(app, ["campaign", "list", "--home", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output and max(len(line) for line in result.output.splitlines()) <= 80
+    first_cells = [line.split("│")[1].strip() for line in result.output.splitlines() if line.count("│") > 2]
+    assert long_id in "".join(first_cells)  # the id, folded over lines, every character kept

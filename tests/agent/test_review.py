@@ -102,7 +102,10 @@ def _open(repo: Path, block_l: int) -> review.Change:
 
 def test_a_change_is_one_commit_on_its_own_branch_and_the_checkout_is_untouched(repo: Path) -> None:
     change = _open(repo, 8)
-    assert change.status == "open" and change.branch == "recforge/kernel/embedding_bag/fp32/cand8"
+    assert change.status == "open" and change.id == "embedding_bag/fp32/cand8"
+    assert (
+        change.branch == "recforge/kernel/embedding_bag/fp32/d64-long/cand8"
+    )  # op, dtype, buckets, candidate
     assert change.headline == "2.00x over the previous best"
     # The user's branch and working tree are as they were.
     assert _git(repo, "branch", "--show-current").strip() == "main"
@@ -123,6 +126,15 @@ def test_a_change_is_one_commit_on_its_own_branch_and_the_checkout_is_untouched(
     assert "| b64k-d64 | serve | 50 | 100 | 2.00x | 200 |" in message and '{"BLOCK_L": 8}' in message
     with pytest.raises(review.ReviewError, match="exists"):
         _open(repo, 8)
+
+
+def test_branch_names_carry_the_buckets_a_change_serves() -> None:
+    assert review.branch_name("op", "bf16", ["d16", "d64"], "c1") == "recforge/kernel/op/bf16/d16+d64/c1"
+    label = review.bucket_label(["a/b", "n<=64", "x", "y", "z"])
+    assert label == "a-b+n-64+x+2-more"
+    for bad in ("..", "/", "@{", " "):
+        assert bad not in label
+    assert review.bucket_label([]) == "all"
 
 
 @pytest.fixture
@@ -251,6 +263,9 @@ def test_the_review_commands(repo: Path) -> None:
     assert "cand8" in listed.output and "2.00x" in listed.output
     shown = runner.invoke(app, ["review", "show", change.id, "--repo", str(repo)])
     assert shown.exit_code == 0 and "def embedding_bag_forward" in shown.output
+    assert "evidence: 2.00x over the previous best" in shown.output
+    timing_row = next(line for line in shown.output.splitlines() if "b64k-d64" in line and "d64-long" in line)
+    assert "50.0" in timing_row and "200.0" in timing_row  # the kernel, and torch.embedding_bag
     done = runner.invoke(app, ["review", "reject", change.id, "--repo", str(repo), "--reason", "no"])
     assert done.exit_code == 0 and "rejected" in done.output
     missing = runner.invoke(app, ["review", "show", "zzz", "--repo", str(repo)])
