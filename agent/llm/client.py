@@ -12,6 +12,7 @@ or the server's Retry-After when it asks for longer.
 
 from __future__ import annotations
 
+import dataclasses
 import email.utils
 import os
 import re
@@ -50,6 +51,23 @@ _PROMPT = re.compile(
     r"(\d+) (?:tokens )?in the messages|prompt contains (\d+) input tokens|messages resulted in (\d+) tokens",
     re.IGNORECASE,
 )
+
+
+# Immediate re-asks of one try: without structured output, with each smaller prompt, with fewer
+# max_tokens; beyond these the try has failed.
+MAX_REASKS = 12
+# The next smaller form of a request's messages and what it leaves out, or None: there is none.
+Shrink = Callable[[], tuple[list[dict], str] | None]
+
+
+def _estimate(messages: list[dict]) -> int:
+    """A prompt's tokens on the safe side: 3 characters a token."""
+    return sum(len(str(m.get("content", ""))) for m in messages) // 3
+
+
+def _said(attempt: Attempt, then: str) -> str:
+    """The server's message and what comes of it, within ERROR_CHARS."""
+    return (attempt.error or "")[: max(0, ERROR_CHARS - len(then))] + then
 
 
 class LLMUnavailable(RuntimeError):
@@ -121,6 +139,8 @@ class Attempt:
     error: str | None = None
     retry_after_s: float | None = None
     transient: bool = False  # worth retrying: a timeout, 408, 409, 429, 5xx or garbage
+    # Of a context overflow: (the model's context, the prompt's tokens) where the server says them.
+    stated: tuple[int | None, int | None] = (None, None)
 
 
 class _Transient(Exception):
@@ -164,23 +184,38 @@ class ChatClient:
         return max(backoff, min(asked, self.config.retry_after_max_s)) if asked is not None else backoff
 
     def complete(
-        self, messages: list[dict], *, schema: dict, on_attempt: Callable[[Attempt], None]
+        self,
+        messages: list[dict],
+        *,
+        schema: dict,
+        on_attempt: Callable[[Attempt], None],
+        shrink: Shrink | None = None,
     ) -> Attempt:
-        """The attempt that got a reply. `on_attempt` sees every attempt, failed ones included.
-        LLMUnavailable after `max_retries` retries of transient failures, or at once on another
-        HTTP error (401, 404, ...)."""
+        """The attempt that got a reply (its request holds the messages sent). `on_attempt` sees
+        every attempt, failed ones included. LLMUnavailable after `max_retries` retries of
+        transient failures, or at once on another HTTP error (401, 404, ...).
+
+        A prompt plus max_tokens over the model's context is asked again at once: with a smaller
+        prompt from `shrink` while it gives one (the next smaller form of these messages and what
+        was left out, None when there is none), then with fewer max_tokens; where neither fits,
+        LLMUnavailable with outcome context_overflow. Once the context is known, a prompt is
+        shrunk before it is sent where it would leave less than llm.max_tokens."""
         number = 0
+        current = self._fit(list(messages), shrink)
 
         def once() -> Attempt:
-            nonlocal number
-            attempt = self._once(messages, schema, number)
-            number += 1
-            on_attempt(attempt)
-            if attempt.outcome in ("structured_output_refused", "context_overflow") and attempt.transient:
-                # Without response_format, or with a completion that fits: ask again at once.
-                attempt = self._once(messages, schema, number)
+            nonlocal number, current
+            for _ in range(MAX_REASKS + 1):
+                attempt = self._once(current, schema, number)
                 number += 1
+                if attempt.outcome == "context_overflow":
+                    attempt, current = self._overflowed(attempt, current, shrink)
                 on_attempt(attempt)
+                if attempt.outcome not in ("structured_output_refused", "context_overflow"):
+                    break
+                if not attempt.transient:
+                    raise LLMUnavailable(f"{attempt.outcome}: {attempt.error}", attempt.outcome)
+                # Without response_format, a smaller prompt or a completion that fits: ask again at once.
             if attempt.outcome == "replied":
                 return attempt
             if attempt.transient:
@@ -198,6 +233,52 @@ class ChatClient:
         except _Transient as exc:
             a = exc.attempt
             raise LLMUnavailable(f"{a.outcome} after {number} attempts: {a.error}", a.outcome) from None
+
+    def _fit(self, messages: list[dict], shrink: Shrink | None) -> list[dict]:
+        """`messages`, shrunk while the known context leaves too small a completion beside them
+        (see _wanted)."""
+
+        while (
+            shrink is not None
+            and self.context_tokens is not None
+            and _estimate(messages) + self._wanted(self.context_tokens) + 64 > self.context_tokens
+        ):
+            smaller = shrink()
+            if smaller is None:
+                break
+            messages = smaller[0]
+        return messages
+
+    def _wanted(self, context: int) -> int:
+        """The completion a prompt is shrunk to make room for: llm.max_tokens, or half the
+        context where that is less (a completion that does not fit the context with any
+        prompt is lowered instead)."""
+        return min(self.config.max_tokens, context // 2)
+
+    def _overflowed(
+        self, attempt: Attempt, messages: list[dict], shrink: Shrink | None
+    ) -> tuple[Attempt, list[dict]]:
+        """A context overflow, and the messages of the next try: a smaller prompt while the
+        prompt is what does not fit (it leaves less than `_wanted` for the completion, or the
+        server does not say) and `shrink` gives one; else the same with a completion that fits
+        (the room the server states, else half of what was asked); not transient when neither is
+        left."""
+        limit, prompt = attempt.stated
+        self.context_tokens = limit or self.context_tokens
+        context = self.context_tokens
+        too_long = context is None or (prompt or _estimate(messages)) + self._wanted(context) > context
+        smaller = shrink() if shrink is not None and too_long else None
+        if smaller is not None:
+            said = _said(attempt, f"; asking again with a smaller prompt ({smaller[1]})")
+            return dataclasses.replace(attempt, error=said, transient=True), smaller[0]
+        asked = attempt.request["max_tokens"]
+        room = limit - prompt - 16 if limit and prompt else asked // 2
+        if MIN_COMPLETION_TOKENS <= room < asked:
+            self._room = room
+            said = _said(attempt, f"; asking again with max_tokens {room}")
+            return dataclasses.replace(attempt, error=said, transient=True), messages
+        said = _said(attempt, " (the prompt leaves no room for a completion)")
+        return dataclasses.replace(attempt, error=said, transient=False), messages
 
     def _request(self, messages: list[dict], schema: dict) -> dict:
         request = {
@@ -235,8 +316,9 @@ class ChatClient:
             return room
         if self.context_tokens is None:
             return self.config.max_tokens
-        prompt = sum(len(str(m.get("content", ""))) for m in messages) // 3
-        return max(MIN_COMPLETION_TOKENS, min(self.config.max_tokens, self.context_tokens - prompt - 64))
+        return max(
+            MIN_COMPLETION_TOKENS, min(self.config.max_tokens, self.context_tokens - _estimate(messages) - 64)
+        )
 
     def _once(self, messages: list[dict], schema: dict, number: int) -> Attempt:
         request = self._request(messages, schema)
@@ -264,18 +346,8 @@ class ChatClient:
             if outcome == "structured_output_refused":
                 self.response_format = "none"  # for the rest of the campaign: recorded per attempt
                 return failed(outcome, f"{exc.message}; asking again unconstrained", transient=True)
-            if outcome == "context_overflow":
-                limit, prompt = context_limits(exc.message)
-                self.context_tokens = limit or self.context_tokens
-                asked = request["max_tokens"]
-                # The room the server states, else half of what was asked (the message says no more).
-                room = limit - prompt - 16 if limit and prompt else asked // 2
-                if MIN_COMPLETION_TOKENS <= room < asked:
-                    self._room = room
-                    return failed(
-                        outcome, f"{exc.message}; asking again with max_tokens {room}", transient=True
-                    )
-                return failed(outcome, f"{exc.message} (the prompt leaves no room for a completion)")
+            if outcome == "context_overflow":  # what to do next is complete's (_overflowed)
+                return failed(outcome, exc.message, stated=context_limits(exc.message))
             return failed(
                 outcome,
                 exc.message,

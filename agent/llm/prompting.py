@@ -197,11 +197,15 @@ def propose_prompt(
     parent: EvaluationRow | None = None,
     rejected: list[str] | None = None,
     others: list[EvaluationRow] = (),
+    left_out: int = 0,
+    source_lines: int | None = None,
 ) -> str:
     """The task of a fresh proposal: improve `parent` (an elite; the best if None), whose source
     is `base`, told the best's score when the parent is another lineage's. `attempts` are the
     recent attempts of the parent's lineage (`lineage`), `others` those of other lineages
-    (`other_attempts`), each under a heading of its own."""
+    (`other_attempts`), each under a heading of its own. Where the model's context is too small
+    for all of it: `left_out` says how many of the lineage's attempts are not shown, and
+    `source_lines` shows only the first lines of the kernel."""
     p = get_problem(problem)
     hw = ceilings(arch)
     space = knob_space(problem, base)
@@ -219,15 +223,28 @@ def propose_prompt(
         parent=parent or best,
         parent_timings=_timing_lines((parent or best).result, baselines) if parent or best else [],
         base=base,
+        shown_source=_first_lines(base.source, source_lines) if base else "",
         knobs=[
             {"name": k.name, "choices": k.choices, "current": current[k.name], "help": k.help}
             for k in (space.knobs if space is not None else ())
         ],
         attempts=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in attempts],
         others=[attempt_summary(r, llm_rows.get(r.candidate.id)) for r in others],
+        left_out=left_out,
         kinds=kinds,
         rejected=rejected or [],
     )
+
+
+def _first_lines(source: str, lines: int | None) -> str:
+    """The source as the prompt shows it: whole, or its first `lines` lines and how many more
+    there are."""
+    all_lines = source.strip().splitlines()
+    if lines is None or lines >= len(all_lines):
+        return source.strip()
+    rest = len(all_lines) - lines
+    note = f"# ... {rest} more lines, not shown: the model's context cannot hold the whole kernel"
+    return "\n".join([*all_lines[:lines], note])
 
 
 def repair_prompt(candidate: Candidate, result: EvalResult, kinds: list[str]) -> str:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from agent.config import BudgetConfig, LLMConfig
 from agent.incumbents import campaign_arch
 from agent.llm import prompting
-from agent.llm.client import Attempt, ChatClient, LLMUnavailable
+from agent.llm.client import Attempt, ChatClient, LLMUnavailable, Shrink
 from agent.llm.proposals import ProposalError, allowed_kinds, parse_proposal, proposal_schema, to_candidate
 from agent.proposers.base import ProposalRequest
 from agent.proposers.knob_source import knob_values
@@ -61,6 +61,31 @@ def choose_parent(elites: list[EvaluationRow], *, seed: int, turn: int) -> Evalu
     if len(elites) == 1 or i % 2 == 0:
         return elites[0]
     return elites[1 + (i // 2) % (len(elites) - 1)]
+
+
+def _smaller_prompts(
+    own: list[EvaluationRow], others: list[EvaluationRow], base: Candidate | None
+) -> list[tuple[str, dict]]:
+    """The smaller forms of a fresh prompt, each smaller than the one before, with what it
+    leaves out: other lineages' attempts, then the older half of the lineage's own, then all of
+    them, then the end of the kernel's source (showing half, then a quarter of its lines)."""
+    forms = []
+    if others:
+        forms.append(("no attempts of other lineages", {"others": []}))
+    if len(own) > 1:
+        kept = own[len(own) - len(own) // 2 :]
+        dropped = len(own) - len(kept)
+        fewer = {"others": [], "attempts": kept, "left_out": dropped}
+        forms.append((f"{dropped} of the lineage's attempts left out", fewer))
+    none = {"others": [], "attempts": [], "left_out": len(own)}
+    if own:
+        forms.append(("no recent attempts", none))
+    lines = len(base.source.strip().splitlines()) if base is not None else 0
+    for part in (2, 4):
+        if lines // part >= 20:
+            shown = lines // part
+            forms.append((f"the kernel's first {shown} of {lines} lines", none | {"source_lines": shown}))
+    return forms
 
 
 class _Events:
@@ -100,8 +125,19 @@ class LLMEndpoint:
         spent = self.store.llm_spent(self.campaign_id)
         return self.budget.llm_reached(spent.tokens, spent.cost)
 
-    def ask(self, messages: list[dict], *, problem: str, conversation: str, turn: int) -> tuple[Attempt, int]:
-        """The reply to `messages` and its exchange's row in the store; LLMUnavailable if none."""
+    def ask(
+        self,
+        messages: list[dict],
+        *,
+        problem: str,
+        conversation: str,
+        turn: int,
+        shrink: Shrink | None = None,
+    ) -> tuple[Attempt, int]:
+        """The reply to `messages` (or to a smaller form from `shrink`, where the model's context
+        needs one: the reply's request holds what was sent) and its exchange's row in the store;
+        LLMUnavailable if none. A prompt that fits the context in no form is no outage: it is
+        left to the caller (`stop`, or give up the conversation)."""
         rows: list[int] = []
 
         def record(a: Attempt) -> None:
@@ -125,8 +161,10 @@ class LLMEndpoint:
             )
 
         try:
-            attempt = self.client.complete(messages, schema=self.schema, on_attempt=record)
+            attempt = self.client.complete(messages, schema=self.schema, on_attempt=record, shrink=shrink)
         except LLMUnavailable as exc:
+            if exc.outcome == "context_overflow":
+                raise
             if exc.permanent:
                 self._stop(str(exc))
                 raise
@@ -142,6 +180,11 @@ class LLMEndpoint:
         does not serve), or None."""
         pauses = self.store.llm_pauses(self.campaign_id)
         return next((reason for _, until, reason in pauses if until == math.inf), None)
+
+    def stop(self, error: str) -> None:
+        """Stop the LLM proposer for good, with the reason (recorded; lifted by a resume whose
+        pre-flight passes)."""
+        self._stop(error)
 
     def _stop(self, error: str) -> None:
         reason = f"the LLM proposer stopped: {error}"
@@ -269,29 +312,36 @@ class LLMProposer:
         base = self._base(parent)
         kinds = allowed_kinds(self.problem, base)
         own = prompting.lineage(request.rows, parent, self.config.history)
-        prompt = prompting.propose_prompt(
-            problem=self.problem,
-            arch=campaign_arch(),
-            best=request.best,
-            parent=parent,
-            base=base,
-            attempts=own,
-            others=prompting.other_attempts(request.rows, parent, self.config.history - len(own)),
-            llm_rows=llm_rows,
-            baselines=self.store.baselines(self.campaign_id, self.problem),
-            kinds=kinds,
-            rejected=self.rejections(self.problem) if self.rejections else None,
-        )
-        conversation = _Conversation(
-            id=secrets.token_hex(6),
-            messages=[
-                {"role": "system", "content": prompting.system_prompt(self.problem, kinds)},
-                {"role": "user", "content": prompt},
-            ],
-            turn=0,
-        )
+        others = prompting.other_attempts(request.rows, parent, self.config.history - len(own))
+        system = {"role": "system", "content": prompting.system_prompt(self.problem, kinds)}
+
+        def messages(**smaller) -> list[dict]:
+            shown = {"attempts": own, "others": others} | smaller
+            prompt = prompting.propose_prompt(
+                problem=self.problem,
+                arch=campaign_arch(),
+                best=request.best,
+                parent=parent,
+                base=base,
+                llm_rows=llm_rows,
+                baselines=self.store.baselines(self.campaign_id, self.problem),
+                kinds=kinds,
+                rejected=self.rejections(self.problem) if self.rejections else None,
+                **shown,
+            )
+            return [system, {"role": "user", "content": prompt}]
+
+        forms = iter(_smaller_prompts(own, others, base))
+
+        def shrink() -> tuple[list[dict], str] | None:
+            form = next(forms, None)
+            return None if form is None else (messages(**form[1]), form[0])
+
+        conversation = _Conversation(id=secrets.token_hex(6), messages=messages(), turn=0)
         parent_id = parent.candidate.id if parent is not None else None
-        candidate, _ = self._converse(conversation, base=base, parent_id=parent_id, kinds=kinds, seen=seen)
+        candidate, _ = self._converse(
+            conversation, base=base, parent_id=parent_id, kinds=kinds, seen=seen, shrink=shrink
+        )
         return candidate
 
     def _repair(self, failed: LLMProposalRow, seen: set[str]) -> Candidate | None:
@@ -333,9 +383,16 @@ class LLMProposer:
         seen: set[str],
         depth: int = 0,
         repair_of: str | None = None,
+        shrink: Shrink | None = None,
     ) -> tuple[Candidate | None, bool]:
         """(candidate, concluded): the first usable proposal of up to 1 + format_retries
-        replies; concluded is False when the endpoint or a budget cut the conversation short."""
+        replies; concluded is False when the endpoint or a budget cut the conversation short.
+        `shrink` gives smaller forms of the first request (a fresh proposal's prompt).
+
+        A request that fits the model's context in no form ends the conversation: a fresh
+        proposal's (its smallest prompt does not fit) stops the LLM proposer for good, with the
+        reason, since every fresh prompt is about as long; a repair or re-ask (a longer
+        conversation) is given up."""
         for _ in range(1 + self.config.format_retries):
             if not self._usable():
                 return None, False
@@ -345,12 +402,23 @@ class LLMProposer:
                     problem=self.problem,
                     conversation=conversation.id,
                     turn=conversation.turn,
+                    shrink=shrink if conversation.turn == 0 else None,
                 )
-            except LLMUnavailable:
-                self._stalled = True
-                return None, False
+            except LLMUnavailable as exc:
+                if exc.outcome != "context_overflow":
+                    self._stalled = True
+                    return None, False
+                if conversation.turn == 0 and repair_of is None:
+                    self.endpoint.stop(f"{exc}: even the smallest prompt of a fresh proposal does not fit")
+                else:
+                    self.endpoint.events.message(
+                        f"{self.problem}: conversation {conversation.id} given up: it no longer fits "
+                        f"the model's context ({exc})"
+                    )
+                return None, True
             conversation.turn += 1
-            conversation.messages.append({"role": "assistant", "content": reply.text})
+            # What was sent (a smaller prompt where the context needed one), then the reply.
+            conversation.messages = [*reply.request["messages"], {"role": "assistant", "content": reply.text}]
             try:
                 if reply.finish_reason == "length":
                     raise ProposalError(

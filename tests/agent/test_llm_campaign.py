@@ -391,3 +391,38 @@ def test_a_knobs_reply_tunes_the_kernel_the_llm_wrote(tmp_path: Path, monkeypatc
     assert tuned.candidate.knobs["BLOCK_B"] == 2
     shown = _user(server.requests[1])
     assert "## Knobs of the kernel above" in shown and "LLM-written" in shown
+
+
+def test_a_prompt_that_fits_the_context_in_no_form_ends_an_llm_only_campaign(tmp_path: Path, quick) -> None:
+    """The model's context cannot hold even the smallest fresh prompt: the prompt is tried
+    smaller (the kernel's source trimmed), then the LLM proposer stops with the reason and the
+    LLM-only campaign ends with it, instead of pausing for an outage and waiting out its budget."""
+    tight = (
+        "This model's maximum context length is 2048 tokens. However, you requested 10000 tokens "
+        "(1900 in the messages, 8100 in the completion). Please reduce the length of the messages "
+        "or completion."
+    )
+    with FakeLLMServer(default=Fail(400, message=tight)) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"outage_failures": 1, "outage_cooldown_s": 900},
+            budget={"max_evaluations": 5, "max_wall_s": 30},
+        )
+        start = time.monotonic()
+        outcome = campaigns.start(cfg)
+    assert time.monotonic() - start < 25
+    assert outcome.stop_reason.startswith("the LLM proposer stopped: context_overflow: ")
+    assert "smallest prompt of a fresh proposal does not fit" in outcome.stop_reason
+    [(_, until, _)] = campaigns.store.llm_pauses(outcome.campaign_id)
+    assert until == float("inf")  # a stop with the reason, not an outage pause
+    exchanges = campaigns.store.llm_exchanges(outcome.campaign_id)
+    assert (
+        [e["outcome"] for e in exchanges]
+        == ["context_overflow"] * len(server.requests)
+        == ["context_overflow"] * 3
+    )
+    sizes = [len(_user(r)) for r in server.requests]
+    assert sizes[0] > sizes[1] > sizes[2]  # the kernel's source shown in half, then a quarter
+    assert "more lines, not shown" in _user(server.requests[2])

@@ -449,6 +449,58 @@ def test_http_errors_are_told_apart(monkeypatch) -> None:
         assert "response_format" in server.requests[0]
 
 
+def test_a_context_overflow_shrinks_the_prompt_first_then_max_tokens(monkeypatch) -> None:
+    """On a context overflow the prompt gets smaller first (each form `shrink` gives, in turn),
+    then the completion; where nothing fits, context_overflow with the reason. Each try is
+    recorded with its class, and the reply's request holds the messages that were sent."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    forms = [[{"role": "user", "content": "x" * n}] for n in (300, 200)]
+
+    def shrinker():
+        left = iter(forms)
+        return lambda: next(((m, f"{len(m[0]['content'])} characters") for m in left), None)
+
+    # A prompt of 3000 tokens leaves less than half the context of 4096 for the completion.
+    over = Fail(400, message=VLLM_CONTEXT.replace("1000 in the messages", "3000 in the messages"))
+    with FakeLLMServer([over, over, over, Reply("a")]) as server:
+        attempts = []
+        client = _client(server.url, max_retries=0, max_tokens=8000)
+        reply = client.complete(MESSAGES, schema={}, on_attempt=attempts.append, shrink=shrinker())
+        assert reply.text == "a" and reply.request["messages"] == forms[1]
+        assert [len(r["messages"][0]["content"]) for r in server.requests] == [400, 300, 200, 200]
+        # Smaller prompts get what fits beside them (estimated, 3 characters a token); the
+        # smallest, what the server says is left.
+        assert [r["max_tokens"] for r in server.requests] == [8000, 4096 - 100 - 64, 4096 - 66 - 64, 1080]
+        assert [a.outcome for a in attempts] == ["context_overflow"] * 3 + ["replied"]
+        assert "asking again with a smaller prompt (300 characters)" in attempts[0].error
+        assert attempts[2].error.endswith("asking again with max_tokens 1080")
+        # The context now known, a later prompt is shrunk before it is sent, with no 400 first.
+        server.add(Reply("b"))
+        later = client.complete(
+            [{"role": "user", "content": "x" * 12000}],
+            schema={},
+            on_attempt=attempts.append,
+            shrink=shrinker(),
+        )
+        assert later.text == "b" and len(server.requests[-1]["messages"][0]["content"]) == 300
+    # Where only max_tokens is too large (1000 prompt tokens of 4096), the prompt stays whole.
+    with FakeLLMServer([Fail(400, message=VLLM_CONTEXT), Reply("c")]) as server:
+        client = _client(server.url, max_retries=0, max_tokens=8000)
+        assert client.complete(MESSAGES, schema={}, on_attempt=attempts.append, shrink=shrinker()).text == "c"
+        assert [len(r["messages"][0]["content"]) for r in server.requests] == [400, 400]
+    tight = VLLM_CONTEXT.replace("1000 in the messages", "3900 in the messages")
+    with FakeLLMServer(default=Fail(400, message=tight)) as server:
+        attempts = []
+        with pytest.raises(LLMUnavailable, match="context_overflow: .*no room") as info:
+            _client(server.url, max_retries=3).complete(
+                MESSAGES, schema={}, on_attempt=attempts.append, shrink=shrinker()
+            )
+        assert (
+            info.value.outcome == "context_overflow" and len(server.requests) == 3
+        )  # 2 smaller, none retried
+        assert [a.outcome for a in attempts] == ["context_overflow"] * 3
+
+
 def test_preflight_says_in_one_sentence_what_to_change(tmp_path, monkeypatch) -> None:
     from agent.llm.preflight import preflight
 
