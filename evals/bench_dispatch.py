@@ -2,8 +2,9 @@
 kernel for one call, with a library holding several entries per op (so the choice is real), on
 this machine's device: a GPU's architecture where there is one, else the interpreter's.
 
-A choice is made once per (op, arch, dtype, bucket, graph) and manifest version; what every call
-pays is the manifest's stat, the cache lookup and the bookkeeping. The kernel's launch is not
+A choice is made once per (op, device, dtype, bucket, graph) and manifest version; what every
+call pays is one cache lookup and the bookkeeping (the manifest is looked at again every
+`kernels.registry.RECHECK_S` seconds, or after a write in this process). The kernel's launch is not
 part of it (`recforge bench ops` times the ops whole)."""
 
 from __future__ import annotations

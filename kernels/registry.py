@@ -21,6 +21,7 @@ import linecache
 import os
 import sys
 import threading
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -115,6 +116,8 @@ class KernelLibrary:
         self._lock = threading.Lock()
         self._entries: tuple[tuple[int, int, int], list[LibraryEntry]] | None = None
         self._refusals: dict[tuple[str, str], str | None] = {}
+        self._generation = 0  # bumped whenever best()'s answers may change
+        self._checked: tuple[float, int] | None = None  # (monotonic time, _writes) of the last look
         # best()'s choices, for the manifest version they were made on (the _entries tuple).
         self._chosen: tuple[object, dict[tuple[str, ...], LibraryEntry | None]] = (None, {})
 
@@ -129,11 +132,14 @@ class KernelLibrary:
         try:
             stat = os.stat(self._manifest_file)
         except FileNotFoundError:
+            if self._entries is not None:
+                self._generation += 1
             self._entries = None
             return []
         version = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
         cached = self._entries
         if cached is None or cached[0] != version:
+            self._generation += 1
             try:
                 raw = json.loads(self.manifest_path.read_text())
                 parsed = [LibraryEntry(**e) for e in raw["kernels"]]
@@ -191,6 +197,16 @@ class KernelLibrary:
             manifest = {"version": 1, "kernels": [asdict(e) for e in kept + [new]]}
             _atomic_write(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
         return new
+
+    def dispatch_version(self) -> int:
+        """A number that changes whenever best()'s answers may: the manifest is looked at again
+        after RECHECK_S seconds, or at once after a write through a library of this process."""
+        now = time.monotonic()
+        checked = self._checked
+        if checked is None or now - checked[0] > RECHECK_S or checked[1] != _writes[0]:
+            self.entries()
+            self._checked = (now, _writes[0])
+        return self._generation
 
     def best(self, op: str, arch: str, dtype: str, bucket: str, graph: str = "serve") -> LibraryEntry | None:
         """The fastest entry for the key among those serving `bucket` in `graph`, chosen once per
@@ -275,6 +291,7 @@ class KernelLibrary:
         changed), and choose again."""
         self._refusals[(entry.kernel_id, entry.source_hash)] = why
         self._chosen = (None, {})
+        self._generation += 1
         warnings.warn(f"kernel library {self.root}: {entry.kernel_id} refused: {why}", stacklevel=2)
 
     def _source(self, entry: LibraryEntry) -> str:
@@ -308,6 +325,13 @@ class KernelLibrary:
         return getattr(module, entry.entry)
 
 
+# Dispatch looks at a manifest on disk at most every RECHECK_S seconds (a stat costs a few
+# microseconds, more than the rest of a call's choice); a write through any KernelLibrary of this
+# process is seen at once, one by another process within RECHECK_S.
+RECHECK_S = 0.05
+_writes = [0]  # writes through _atomic_write in this process
+
+
 def _atomic_write(path: Path, data: str | bytes) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     if isinstance(data, bytes):
@@ -315,6 +339,7 @@ def _atomic_write(path: Path, data: str | bytes) -> None:
     else:
         tmp.write_text(data)
     os.replace(tmp, path)
+    _writes[0] += 1
 
 
 @dataclass(frozen=True)
@@ -334,6 +359,9 @@ class Dispatcher:
         self._references: dict[str, Callable[..., torch.Tensor]] = {}
         self._gradient_of: dict[str, str] = {}
         self._loaded: dict[str, Implementation] = {}  # kernel id -> its loaded implementation
+        # (op, device type, index, dtype, bucket, graph, interpreted) -> (library, its dispatch
+        # version, the choice): what every call pays is this lookup and the bookkeeping.
+        self._resolved: dict[tuple, tuple[KernelLibrary, int, Implementation]] = {}
         self.calls: Counter[tuple[str, str]] = Counter()
         self.last: dict[str, str] = {}
 
@@ -352,6 +380,7 @@ class Dispatcher:
         model code calls."""
         self._defaults[op] = default
         self._references[op] = reference
+        self._resolved.clear()
         if gradient_of is not None:
             self._gradient_of[op] = gradient_of
 
@@ -374,6 +403,24 @@ class Dispatcher:
     ) -> Implementation:
         """`graph`: "train" for a training step's call (a gradient op's, or a forward that saves
         statistics for its backward), which only entries serving training take."""
+        index = device.index
+        if device.type == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        key = (op, device.type, index, dtype, bucket, graph, interpret_enabled())
+        library = self._library
+        hit = self._resolved.get(key)
+        if hit is not None and hit[0] is library and hit[1] == library.dispatch_version():
+            impl = hit[2]
+        else:
+            impl = self._choose(op, device=device, dtype=dtype, bucket=bucket, graph=graph)
+            self._resolved[key] = (library, library.dispatch_version(), impl)
+        self.calls[(op, impl.name)] += 1
+        self.last[op] = impl.name
+        return impl
+
+    def _choose(
+        self, op: str, *, device: torch.device, dtype: str, bucket: str, graph: str
+    ) -> Implementation:
         if not triton_usable(device):
             impl = Implementation("reference", self._references[op])
         else:
@@ -385,14 +432,12 @@ class Dispatcher:
                         fn = self._library.load(entry)
                     except ValueError as exc:  # edited after it was checked: down the chain
                         self._library.refuse(entry, str(exc))
-                        return self.resolve(op, device=device, dtype=dtype, bucket=bucket, graph=graph)
+                        return self._choose(op, device=device, dtype=dtype, bucket=bucket, graph=graph)
                     impl = self._loaded[entry.kernel_id] = Implementation(
                         f"library:{entry.kernel_id}", fn, self._library
                     )
             else:
                 impl = Implementation("default", self._defaults[op])
-        self.calls[(op, impl.name)] += 1
-        self.last[op] = impl.name
         return impl
 
 

@@ -252,3 +252,33 @@ def test_a_source_edited_after_its_check_is_refused_at_load_and_dispatch_moves_o
     with pytest.warns(UserWarning, match="was edited since it was verified"):
         assert _resolve() == "default"
     assert _resolve() == "default"
+
+
+def test_dispatch_sees_a_write_of_this_process_at_once_and_another_processes_soon(
+    empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dispatch caches its choice per key and looks at the manifest at most every RECHECK_S
+    seconds; a write through any library object of this process is seen by the next call."""
+    import subprocess
+    import sys
+    import time
+
+    from kernels import registry
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _resolve() == "default"
+    other = KernelLibrary(empty_library.root)  # the same folder, another object (a campaign's)
+    added = _add(other, TEMPLATE.render({"BLOCK_L": 16}), median_us=5.0)
+    assert _resolve() == f"library:{added.kernel_id}"
+    code = (
+        "import sys; from kernels.registry import KernelLibrary, ARCH_INTERPRETER\n"
+        "from search_space.embedding_bag import TEMPLATE\n"
+        "KernelLibrary(sys.argv[1]).add(op='embedding_bag', entry=TEMPLATE.entry,\n"
+        "    source=TEMPLATE.render({'BLOCK_L': 32}), arch=ARCH_INTERPRETER, dtype='fp32', buckets=['d64'],\n"
+        "    median_us=1.0, interpreted=True, evidence={}, provenance={})\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code, str(empty_library.root)], check=True, cwd=root)
+    time.sleep(registry.RECHECK_S * 2)
+    fastest = min(empty_library.entries(), key=lambda e: e.median_us)
+    assert fastest.median_us == 1.0 and _resolve() == f"library:{fastest.kernel_id}"
