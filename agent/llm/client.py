@@ -106,6 +106,24 @@ def context_limits(message: str) -> tuple[int | None, int | None]:
     )
 
 
+def error_message(exc: openai.APIStatusError) -> str:
+    """What the server said about an HTTP error, in any of the bodies servers send: the
+    `openai` client reads OpenAI's {"error": {"message": ...}} and vLLM's and SGLang's top-level
+    {"object": "error", "message": ...}, but not Ollama's {"error": "..."} nor a plain-text body,
+    whose words (a context overflow, a refused response_format) would otherwise be lost."""
+    body = exc.body
+    said = None
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        said = error if isinstance(error, str) else error.get("message") if isinstance(error, dict) else None
+        said = said or (body.get("detail") if isinstance(body.get("detail"), str) else None)
+    elif isinstance(body, str):
+        said = body.strip()
+    if not said or said in exc.message:
+        return exc.message
+    return f"{exc.message} - {said}"
+
+
 def api_key(config: LLMConfig) -> str:
     if config.api_key_env is None:
         return "unused"  # local servers take any key; the client insists on one
@@ -342,6 +360,7 @@ class ChatClient:
             return failed("connection", f"{exc}: {exc.__cause__ or ''}", transient=True)
         except openai.APIStatusError as exc:
             code = exc.status_code
+            exc.message = error_message(exc)
             outcome = classify_http_error(code, exc.message, request)
             if outcome == "structured_output_refused":
                 self.response_format = "none"  # for the rest of the campaign: recorded per attempt

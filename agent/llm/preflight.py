@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import openai
 
 from agent.config import LLMConfig, LLMConfigError
-from agent.llm.client import make_client
+from agent.llm.client import error_message, make_client
 
 # The prompts' size, in tokens, that the context must hold beside max_tokens: a prompt shows a
 # kernel of up to about 25k characters plus the problem, its shapes and recent attempts.
@@ -48,6 +48,7 @@ def _context_of(entry) -> int | None:
 
 
 def _status_error(config: LLMConfig, exc: openai.APIStatusError) -> LLMConfigError:
+    exc.message = error_message(exc)  # Ollama's {"error": "..."} too
     if exc.status_code in (401, 403):
         key = f"the key in {config.api_key_env}" if config.api_key_env else "a request without a key"
         return _fail(config, f"the server refused {key} (HTTP {exc.status_code}: {exc.message[:200]})")

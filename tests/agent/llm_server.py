@@ -4,6 +4,13 @@ Tests point the real `openai` client at it, so retries, timeouts, structured-out
 repair turns and budgets run end to end without a hosted model. Each POST to
 /v1/chat/completions takes the next step of the script (or `default` once it is used up); a
 step is a behaviour, or a function of the request's JSON that returns one.
+
+Where real servers differ, it can behave as they do: error bodies in OpenAI's, vLLM's or
+Ollama's form (`Fail.style`); a context limit the server enforces itself (`max_model_len`:
+a prompt, counted at 4 characters a token, plus max_tokens over it gets vLLM's 400, and the
+script is not consumed, as no model saw the request); replies of reasoning models, with their
+thinking in `reasoning_content` beside the answer (`Reply.reasoning`); and slow replies, whole
+after `delay_s` or with the headers sent at once and the body after it (`Reply.headers_first`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ class Reply:
     # As the arguments of a call of the tool the request forces (tool_choice), as servers with
     # tool calling answer; None: so where the request forces one, False: as content regardless.
     as_tool: bool | None = None
+    # A reasoning model's thinking, in the message's reasoning_content (vLLM's and SGLang's
+    # reasoning parsers, DeepSeek's API), beside the answer in content.
+    reasoning: str | None = None
+    # The status line and headers at once, the body after delay_s (a server that holds the
+    # connection open while it generates): the client's read timeout still applies.
+    headers_first: bool = False
 
 
 @dataclass
@@ -38,6 +51,44 @@ class Fail:
     status: int
     headers: dict[str, str] = field(default_factory=dict)
     message: str = "scripted failure"
+    # The error body's form: "openai" {"error": {"message", "type", "code"}}; "vllm" (and
+    # SGLang) {"object": "error", "message", "type", "code"} at the top level; "ollama"
+    # {"error": "message"}.
+    style: str = "openai"
+
+    def body(self) -> str:
+        if self.style == "vllm":
+            kind = (
+                "BadRequestError"
+                if self.status == 400
+                else "NotFoundError"
+                if self.status == 404
+                else "Error"
+            )
+            return json.dumps(
+                {"object": "error", "message": self.message, "type": kind, "param": None, "code": self.status}
+            )
+        if self.style == "ollama":
+            return json.dumps({"error": self.message})
+        return json.dumps({"error": {"message": self.message, "type": "scripted", "code": self.status}})
+
+
+def vllm_context_error(limit: int, prompt: int, completion: int) -> Fail:
+    """vLLM's 400 for a prompt plus max_tokens over the model's context (max_model_len)."""
+    return Fail(
+        400,
+        message=(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
+            "Please reduce the length of the messages or completion."
+        ),
+        style="vllm",
+    )
+
+
+def prompt_tokens(request: dict) -> int:
+    """A request's prompt tokens as this server counts them: 4 characters a token."""
+    return sum(len(str(m.get("content") or "")) for m in request.get("messages", [])) // 4
 
 
 @dataclass
@@ -64,10 +115,13 @@ class FakeLLMServer:
         default: Step | None = None,
         *,
         models: list[dict] | Fail | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """`models`: what GET /v1/models answers, a list of model entries (vLLM's carry
-        max_model_len) or a Fail; default one model, "scripted"."""
+        max_model_len) or a Fail; default one model, "scripted". `max_model_len`: the context
+        this server enforces, as vLLM does (None: none)."""
         self.script: list[Step] = list(script)
+        self.max_model_len = max_model_len
         self.default = default
         self.models = (
             [{"id": "scripted", "object": "model", "owned_by": "test"}] if models is None else models
@@ -99,6 +153,10 @@ class FakeLLMServer:
         with self._lock:
             self.requests.append(body)
             self.headers.append(headers)
+            if self.max_model_len is not None:
+                prompt, completion = prompt_tokens(body), int(body.get("max_tokens") or 0)
+                if prompt + completion > self.max_model_len:
+                    return vllm_context_error(self.max_model_len, prompt, completion)
             step = self.script.pop(0) if self.script else self.default
         if step is None:
             return Fail(503, message="the scripted policy has no more replies")
@@ -113,7 +171,14 @@ class FakeLLMServer:
             def log_message(self, *args) -> None:
                 pass
 
-            def _send(self, status: int, body: str, content_type: str, headers: dict | None = None) -> None:
+            def _send(
+                self,
+                status: int,
+                body: str,
+                content_type: str,
+                headers: dict | None = None,
+                delay_s: float = 0,
+            ) -> None:
                 data = body.encode()
                 try:
                     self.send_response(status)
@@ -122,6 +187,9 @@ class FakeLLMServer:
                     for k, v in (headers or {}).items():
                         self.send_header(k, v)
                     self.end_headers()
+                    if delay_s:
+                        self.wfile.flush()
+                        time.sleep(delay_s)
                     self.wfile.write(data)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (its timeout): nothing to answer
@@ -129,8 +197,7 @@ class FakeLLMServer:
             def do_GET(self) -> None:
                 if self.path.rstrip("/") == "/v1/models":
                     if isinstance(server.models, Fail):
-                        error = {"error": {"message": server.models.message, "code": server.models.status}}
-                        self._send(server.models.status, json.dumps(error), "application/json")
+                        self._send(server.models.status, server.models.body(), "application/json")
                         return
                     self._send(200, json.dumps({"object": "list", "data": server.models}), "application/json")
                 else:
@@ -145,12 +212,16 @@ class FakeLLMServer:
                 body = json.loads(raw)
                 behaviour = server._next(body, {k.lower(): v for k, v in self.headers.items()})
                 if isinstance(behaviour, Fail):
-                    error = {
-                        "error": {"message": behaviour.message, "type": "scripted", "code": behaviour.status}
-                    }
-                    self._send(behaviour.status, json.dumps(error), "application/json", behaviour.headers)
+                    self._send(behaviour.status, behaviour.body(), "application/json", behaviour.headers)
                 elif isinstance(behaviour, Garbage):
                     self._send(200, behaviour.body, behaviour.content_type)
+                elif behaviour.headers_first:
+                    self._send(
+                        200,
+                        json.dumps(_completion(body, behaviour)),
+                        "application/json",
+                        delay_s=behaviour.delay_s,
+                    )
                 else:
                     if behaviour.delay_s:
                         time.sleep(behaviour.delay_s)
@@ -160,9 +231,13 @@ class FakeLLMServer:
 
 
 def _completion(request: dict, reply: Reply) -> dict:
-    prompt_chars = sum(len(str(m.get("content", ""))) for m in request.get("messages", []))
-    prompt = reply.prompt_tokens if reply.prompt_tokens is not None else prompt_chars // 4
-    completion = reply.completion_tokens if reply.completion_tokens is not None else len(reply.content) // 4
+    prompt = reply.prompt_tokens if reply.prompt_tokens is not None else prompt_tokens(request)
+    thought = len(reply.reasoning or "")  # reasoning tokens count as completion tokens, as servers bill them
+    completion = (
+        reply.completion_tokens
+        if reply.completion_tokens is not None
+        else (len(reply.content) + thought) // 4
+    )
     out = {
         "id": f"chatcmpl-{time.monotonic_ns()}",
         "object": "chat.completion",
@@ -176,6 +251,8 @@ def _completion(request: dict, reply: Reply) -> dict:
             }
         ],
     }
+    if reply.reasoning is not None:
+        out["choices"][0]["message"]["reasoning_content"] = reply.reasoning
     forced = (
         (request.get("tool_choice") or {}).get("function", {}).get("name")
         if isinstance(request.get("tool_choice"), dict)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from llm_helpers import BROKEN, BROKEN_LINE, GOOD, KEY, KEY_ENV, STORE_GOOD, STORE_WRONG, config, knob_replies
-from llm_server import Fail, FakeLLMServer, Garbage, Reply, proposal
+from llm_server import Fail, FakeLLMServer, Garbage, Reply, prompt_tokens, proposal
 from quick_backend import QuickBackend, hashed_speed
 from typer.testing import CliRunner
 
@@ -426,3 +426,67 @@ def test_a_prompt_that_fits_the_context_in_no_form_ends_an_llm_only_campaign(tmp
     sizes = [len(_user(r)) for r in server.requests]
     assert sizes[0] > sizes[1] > sizes[2]  # the kernel's source shown in half, then a quarter
     assert "more lines, not shown" in _user(server.requests[2])
+
+
+def test_a_server_that_enforces_its_context_gets_a_smaller_prompt_and_the_campaign_goes_on(
+    tmp_path: Path, quick
+) -> None:
+    """A vLLM-like server whose max_model_len cannot hold a fresh prompt beside llm.max_tokens:
+    its 400 makes the prompt smaller and the completion fit, and the campaign goes on."""
+    with FakeLLMServer(default=knob_replies(), max_model_len=10_000) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(tmp_path, server.url, budget={"max_evaluations": 3, "max_wall_s": 600})
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    assert outcome.stop_reason == "evaluation budget reached (3 of 3)"
+    outcomes = [e["outcome"] for e in campaigns.store.llm_exchanges(cid)]
+    assert outcomes[0] == "context_overflow" and outcomes[-2:] == ["proposal", "proposal"], outcomes
+    first, retry = server.requests[:2]
+    assert prompt_tokens(retry) < prompt_tokens(first) and "more lines, not shown" in _user(retry)
+    assert (
+        "asking again with a smaller prompt (the kernel's first"
+        in campaigns.store.llm_exchanges(cid)[0]["error"]
+    )
+    for r in server.requests[1:]:  # each fitted once the context was known
+        assert prompt_tokens(r) + r["max_tokens"] <= 10_000
+    assert not campaigns.store.llm_pauses(cid)
+    assert [r.candidate.origin for r in campaigns.store.evaluations(cid)] == ["library", "llm", "llm"]
+
+
+def test_a_refused_response_format_falls_back_to_plain_json_for_the_campaign(tmp_path: Path, quick) -> None:
+    refused = Fail(
+        400, message="The provided JSON schema contains features not supported by xgrammar.", style="vllm"
+    )
+    with FakeLLMServer([refused], default=knob_replies()) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(tmp_path, server.url, budget={"max_evaluations": 3, "max_wall_s": 600})
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    assert outcome.stop_reason == "evaluation budget reached (3 of 3)"
+    exchanges = campaigns.store.llm_exchanges(cid)
+    assert [e["outcome"] for e in exchanges] == ["structured_output_refused", "proposal", "proposal"]
+    assert "xgrammar" in exchanges[0]["error"]
+    assert "response_format" in server.requests[0]
+    assert all("response_format" not in r for r in server.requests[1:])  # once, for the campaign
+    assert "one JSON object" in server.requests[1]["messages"][0]["content"]  # the plain instructions
+
+
+def test_a_reasoning_models_reply_becomes_the_proposal_in_its_answer(tmp_path: Path, quick) -> None:
+    """Thinking in reasoning_content and in a <think> block in content, each with code and JSON
+    of its own: the campaign evaluates the proposal of the answer after them."""
+    thinking = 'First idea: {"kind": "module", "source": "def embedding_bag(): pass"}. Too slow.'
+    content = (
+        "<think>\nMaybe rewrite it:\n```python\ndef embedding_bag(w, i, o):\n    return {}\n```\n"
+        '{"kind": "edit", "edits": [{"search": "x", "replace": "y"}]}\nNo: more bags per program.\n</think>\n'
+        f"```json\n{proposal('knobs', knobs={'BLOCK_B': 16, 'num_warps': 4})}\n```\n"
+        "That doubles the rows in flight."
+    )
+    with FakeLLMServer([Reply(content, reasoning=thinking)]) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(tmp_path, server.url, budget={"max_evaluations": 2, "max_wall_s": 600})
+        outcome = campaigns.start(cfg)
+    _, proposed = campaigns.store.evaluations(outcome.campaign_id)
+    assert proposed.candidate.origin == "llm" and proposed.result.status == Status.OK
+    assert proposed.candidate.knobs["BLOCK_B"] == 16 and proposed.candidate.knobs["num_warps"] == 4
+    [exchange] = campaigns.store.llm_exchanges(outcome.campaign_id)
+    assert exchange["outcome"] == "proposal" and len(server.requests) == 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from llm_helpers import GOOD, KEY, KEY_ENV, config
-from llm_server import Fail, FakeLLMServer, Garbage, Reply, proposal
+from llm_server import Fail, FakeLLMServer, Garbage, Reply, prompt_tokens, proposal
 
 from agent.config import ConfigError, LLMConfig, load_config, parse_config
 from agent.llm.client import ChatClient, LLMConfigError, LLMUnavailable, make_client
@@ -713,3 +713,61 @@ def test_recent_attempts_of_the_lineage_are_its_own_and_others_are_apart() -> No
         attempts=own, llm_rows={}, baselines={}, kinds=["module", "edit"],
     )  # fmt: skip
     assert "other lineages" not in alone
+
+
+def test_errors_in_the_bodies_vllm_and_ollama_send_are_told_apart(tmp_path, monkeypatch) -> None:
+    """The `openai` client reads the message of OpenAI's and vLLM's error bodies but not of
+    Ollama's {"error": "..."}: the classes come from the server's words in each."""
+    from agent.llm.preflight import preflight
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    refused = "json_schema response_format is not supported by this model"
+    for style in ("openai", "vllm", "ollama"):
+        with FakeLLMServer([Fail(400, message=refused, style=style), Reply("a")]) as server:
+            attempts = []
+            client = _client(server.url, max_retries=0)
+            assert (
+                client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "a"
+            )
+            assert attempts[0].outcome == "structured_output_refused" and refused in attempts[0].error, style
+    missing = 'model "qwen2.5-coder" not found, try pulling it first'
+    with FakeLLMServer(
+        [Fail(404, message=missing, style="ollama")] * 2, models=Fail(404, style="ollama")
+    ) as server:
+        with pytest.raises(LLMUnavailable, match="unknown_model: .*try pulling it first") as info:
+            _client(server.url).complete(MESSAGES, schema={}, on_attempt=lambda a: None)
+        assert info.value.permanent
+        with pytest.raises(LLMConfigError, match="does not serve this model.*try pulling it first"):
+            preflight(config(tmp_path, server.url).llm.model_copy(update={"model": "qwen2.5-coder"}))
+
+
+def test_a_server_that_enforces_its_context_and_a_reasoning_model(monkeypatch) -> None:
+    """A server with max_model_len rejects what does not fit with vLLM's 400 (no model sees it);
+    the client asks again with what fits. A reasoning model's reply carries its thinking in
+    reasoning_content, JSON-like braces and all: the proposal is read from content alone."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    answer = proposal("knobs", knobs={"BLOCK_B": 8})
+    thinking = 'Maybe {"kind": "module", "source": "import torch"}? No: raise BLOCK_B.'
+    with FakeLLMServer([Reply(answer, reasoning=thinking)], max_model_len=4096) as server:
+        attempts = []
+        reply = _client(server.url, max_retries=0, max_tokens=8000).complete(
+            MESSAGES, schema={}, on_attempt=attempts.append
+        )
+        assert [a.outcome for a in attempts] == ["context_overflow", "replied"]
+        assert "maximum context length is 4096 tokens" in attempts[0].error
+        prompt = prompt_tokens(server.requests[0])
+        assert [r["max_tokens"] for r in server.requests] == [8000, 4096 - prompt - 16]
+    assert parse_proposal(reply.text).knobs == {"BLOCK_B": 8} and "Maybe" not in reply.text
+    assert reply.completion_tokens == (len(answer) + len(thinking)) // 4  # thinking is billed
+
+
+def test_a_slow_reply_is_a_timeout_even_with_its_headers_sent(monkeypatch) -> None:
+    monkeypatch.setenv(KEY_ENV, KEY)
+    with FakeLLMServer([Reply("late", delay_s=1.0, headers_first=True), Reply("ok")]) as server:
+        attempts = []
+        start = time.monotonic()
+        reply = _client(server.url, timeout_s=0.3, max_retries=1).complete(
+            MESSAGES, schema={}, on_attempt=attempts.append
+        )
+        assert time.monotonic() - start < 0.9 and reply.text == "ok"
+        assert [a.outcome for a in attempts] == ["timeout", "replied"]
