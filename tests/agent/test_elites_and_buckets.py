@@ -258,13 +258,13 @@ class _ScriptedClient:
         self.settings = iter(knob_settings())
         self.prompts: list[str] = []
 
-    def complete(self, messages, *, schema, on_attempt) -> Attempt:
+    def complete(self, messages, *, schema, on_attempt, shrink=None) -> Attempt:
         self.prompts.append(messages[-1]["content"])
         attempt = Attempt(
             number=0,
             outcome="replied",
             latency_s=0.0,
-            request={},
+            request={"messages": messages},  # what was sent, as the real client records it
             text=proposal("knobs", knobs=next(self.settings)),
             finish_reason="stop",
         )
