@@ -54,6 +54,7 @@ from sandbox import isolation, shared, wire
 from sandbox.hardware import roofline_seconds
 from sandbox.locks import gpu_use
 from sandbox.protocol import (
+    DEADLINE_MARK,
     EvalRequest,
     Output,
     compare,
@@ -120,10 +121,34 @@ def device_info(device: torch.device) -> DeviceInfo:
 # ---- the runner, from the judge's side ------------------------------------------------------
 
 
+class Deadline:
+    """When the evaluation must end (a time.monotonic() value). Waits for the GPU's locks are
+    other evaluations' time: each moves the deadline back by its length (`extend`, given to
+    sandbox.locks.gpu_use), so a busy GPU makes no honest candidate time out. The runner never
+    holds a lock (the judge takes them on its behalf), so it cannot buy itself time this way.
+    Each move is written to `mark` (wall-clock seconds since the epoch) for the backend, whose
+    hard limit on the judge follows it (sandbox.local)."""
+
+    def __init__(self, seconds: float, mark: Path | None = None) -> None:
+        self.at, self.mark = time.monotonic() + seconds, mark
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+    def extend(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.at += seconds
+        if self.mark is not None:
+            tmp = self.mark.with_suffix(".tmp")
+            tmp.write_text(repr(time.time() + self.left()))
+            tmp.replace(self.mark)
+
+
 class RunnerProcess:
     """One sandboxed runner: its channel, its process (or container), the tail of its output."""
 
-    def __init__(self, request: EvalRequest, gpu: bool, deadline: float) -> None:
+    def __init__(self, request: EvalRequest, gpu: bool, deadline: Deadline) -> None:
         self.deadline, self.timeout_s = deadline, request.timeout_s
         limits = []
         if request.cpu_seconds is not None:
@@ -141,7 +166,7 @@ class RunnerProcess:
         if request.isolation == "docker":
             from sandbox.docker_backend import ContainerRunner
 
-            self.container = ContainerRunner(request, limits, gpu=gpu, deadline=deadline)
+            self.container = ContainerRunner(request, limits, gpu=gpu, deadline=deadline.at)
             self.sock = self.container.sock
             self._watch(request)
             return
@@ -219,7 +244,7 @@ class RunnerProcess:
             if wire.pending(self.sock):
                 raise Verdict(Status.SUSPICIOUS, f"{where}: the runner sent a message nobody asked for")
             wire.send(self.sock, {**message, "nonce": nonce}, fds)
-            reply, extra = wire.receive(self.sock, self.deadline)
+            reply, extra = wire.receive(self.sock, self.deadline.at)
         except wire.ChannelTimeout:
             raise Verdict(
                 Status.TIMEOUT, f"killed after {self.timeout_s:.0f} s ({where}: no answer)"
@@ -344,11 +369,18 @@ def _encode(value, region: shared.Region, rid: int, cursor: list[int], call: Cal
 class Session:
     """The judge's side of one evaluation's calls."""
 
-    def __init__(self, runner: RunnerProcess, problem: Problem, device: torch.device) -> None:
-        self.runner, self.problem, self.device = runner, problem, device
+    def __init__(
+        self, runner: RunnerProcess, problem: Problem, device: torch.device, lock: str | None
+    ) -> None:
+        self.runner, self.problem, self.device, self.lock = runner, problem, device, lock
         self.kind = "cuda" if device.type == "cuda" else "cpu"
         self.next_call = 1
         self.input_region: tuple[shared.Region, int] | None = None
+
+    def gpu(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+        """The GPU's lock, taken on the runner's behalf (sandbox.locks): exclusive for timing,
+        shared for everything else; the wait for it does not count against the deadline."""
+        return gpu_use(self.lock, exclusive=exclusive, waited=self.runner.deadline.extend)
 
     def _input_region(self, nbytes: int) -> tuple[shared.Region, int]:
         if self.input_region is not None and self.input_region[0].nbytes >= nbytes:
@@ -401,9 +433,7 @@ class Session:
         reply = self.runner.ask(message, where=where)
         return self._by_call(calls, reply.get("calls"), where)
 
-    def run_timed(
-        self, calls: list[Call], *, lock: str | None, where: str, poison: int = 0
-    ) -> tuple[float, list, list[dict]]:
+    def run_timed(self, calls: list[Call], *, where: str, poison: int = 0) -> tuple[float, list, list[dict]]:
         """A timed batch, watched as every call is: the judge's clock in microseconds from its
         "go" to the runner's answer (which comes after the runner's device-wide synchronize), the
         runner's per-call times, and what each call returned. `poison`: bytes per call the runner
@@ -411,7 +441,7 @@ class Session:
         ready = self.runner.ask(self._message(calls, timed=True, poison=poison, watch=True), where=where)
         if ready.get("ready") is not True:
             raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner did not get ready to time")
-        with gpu_use(lock, exclusive=True):
+        with self.gpu(exclusive=True):
             # The inputs reach the shared region only now, just before "go": a runner that got
             # ready early has nothing to compute ahead of the clock.
             self.write(calls)
@@ -682,7 +712,7 @@ class Evaluation:
         for _ in range(NO_OP_PROOFS):
             steps.insert(self.rng.randrange(len(steps) + 1), ("noop", self.rng.choice(nonzero), -1))
         for kind, shape, trial in steps:
-            with gpu_use(self.request.timing_lock, exclusive=False):
+            with self.session.gpu(exclusive=False):
                 if kind == "check":
                     self.check_shape(shape, trial)
                 else:
@@ -706,7 +736,7 @@ class Evaluation:
         shapes = self.problem.timing_shapes if gpu else self.problem.interpreted_timing_shapes
         calibration = None
         if gpu:
-            with gpu_use(self.request.timing_lock, exclusive=True):  # flushes the L2: nothing beside
+            with self.session.gpu(exclusive=True):  # flushes the L2: nothing beside
                 calibration = Calibration.measure(self.session.runner, self.device)
         baselines = baseline_providers(self.problem, self.request.baselines, self.device)
         timings = []
@@ -724,12 +754,12 @@ class Evaluation:
         interpreter), what each call returned). A batch the audit finds unexplained
         (_Unexplained) is dropped and timed again on fresh inputs, up to AUDIT_ATTEMPTS batches."""
         assert self.session is not None
-        lock, where = self.request.timing_lock, f"timing {shape.describe()}"
+        where = f"timing {shape.describe()}"
         for attempt in range(AUDIT_ATTEMPTS):
-            with gpu_use(lock, exclusive=False):
+            with self.session.gpu(exclusive=False):
                 calls = self.session.place(shape, n, write=False)
             wall_us, times, described = self.session.run_timed(
-                calls, lock=lock, where=where, poison=self.poison_bytes(shape)
+                calls, where=where, poison=self.poison_bytes(shape)
             )
             for d in described:  # the runner's own findings (aliasing, a subclass) fail any call
                 if isinstance(d.get("problem"), str):
@@ -743,7 +773,7 @@ class Evaluation:
             except _Unexplained as finding:
                 if attempt + 1 == AUDIT_ATTEMPTS:
                     raise Verdict(finding.status, f"{finding.message} ({AUDIT_ATTEMPTS} batches)") from None
-                with gpu_use(lock, exclusive=False):
+                with self.session.gpu(exclusive=False):
                     self.session.drop(calls=calls)
                 continue
             return calls, wall_us, times, audited, described
@@ -754,11 +784,10 @@ class Evaluation:
     ) -> ShapeTiming:
         assert self.session is not None
         gpu = calibration is not None
-        lock = self.request.timing_lock
         # The judge's own device work in the timing phase (drawing inputs, the reference, copies of
         # outputs, the no-op proof) holds the shared lock, as the checks do: none of it runs beside
         # another evaluation's timed batch.
-        with gpu_use(lock, exclusive=False):
+        with self.session.gpu(exclusive=False):
             set_bytes = self.set_bytes(shape)
         per_batch = max(1, min(8, self.request.region_budget_bytes // max(set_bytes, 1)))
         samples: list[float] = []
@@ -767,7 +796,7 @@ class Evaluation:
         target = MAX_TIMED_CALLS if gpu else INTERPRETED_TIMED_CALLS
         proof_at = self.rng.randrange(max(1, target // per_batch))  # rule no-op proof, in timing too
         # Warm-up, untimed: compiling and autotuning at this shape happen here, not in a timed call.
-        with gpu_use(lock, exclusive=False):
+        with self.session.gpu(exclusive=False):
             warm = self.session.place(shape, 2)
             self.note_output_bytes(shape, self.session.run(warm, where=f"warm-up {shape.describe()}"))
             self.session.drop(calls=warm)
@@ -799,7 +828,7 @@ class Evaluation:
             samples.extend([max(per_call, sum(times) / n)] * n)
             # Rule checks on the timed calls: drawn after the batch ran, at least one per batch.
             chosen = [i for i in range(n) if self.rng.random() < 0.25] or [self.rng.randrange(n)]
-            with gpu_use(lock, exclusive=False):
+            with self.session.gpu(exclusive=False):
                 for i in chosen:
                     where = f"timed call on {shape.describe()}"
                     self.check([calls[i]], [described[i]], trial=-2, where=where)
@@ -812,14 +841,14 @@ class Evaluation:
         base = {}
         if baselines:
             arg_sets = []
-            with gpu_use(lock, exclusive=False):
+            with self.session.gpu(exclusive=False):
                 for _ in range(self.request.input_sets if gpu else 1):
                     # Baselines compute the output alone (see Problem.without_statistics).
                     inputs = self.problem.without_statistics(
                         self.problem.make_inputs(shape, fresh_seed(), self.device)
                     )
                     arg_sets.append((inputs.args, inputs.kwargs))
-            with gpu_use(lock, exclusive=True):
+            with self.session.gpu(exclusive=True):
                 base = {name: benchmark(b, arg_sets, device=self.device) for name, b in baselines.items()}
             del arg_sets
         stats = sample_stats(samples)
@@ -938,9 +967,11 @@ class PhaseClock:
         return dict(self.phases)
 
 
-def evaluate(request: EvalRequest) -> EvalResult:
+def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalResult:
+    """The evaluation `request` asks for; `deadline_mark`: where moves of its deadline are written
+    (Deadline)."""
     t0 = time.perf_counter()
-    deadline = time.monotonic() + request.timeout_s
+    deadline = Deadline(request.timeout_s, deadline_mark)
     ev = Evaluation(request)
     info = device_info(ev.device)
     base = {"problem": request.problem, "candidate_id": request.candidate_id, "device": info}
@@ -951,7 +982,7 @@ def evaluate(request: EvalRequest) -> EvalResult:
     try:
         ev.clock.start("start")
         runner = RunnerProcess(request, gpu=ev.device.type == "cuda", deadline=deadline)
-        ev.session = Session(runner, ev.problem, ev.device)
+        ev.session = Session(runner, ev.problem, ev.device, request.timing_lock)
         runner.ask({"op": "ping"}, where="start")
         ev.clock.start("load")
         load = {"op": "load", "source_file": request.source_file, "entry": request.entry,
@@ -1013,7 +1044,7 @@ def main(argv: list[str]) -> int:
         die_with_parent(int(argv[2]))
     request = EvalRequest.model_validate_json(request_path.read_text())
     try:
-        result = evaluate(request)
+        result = evaluate(request, deadline_mark=result_path.with_name(DEADLINE_MARK))
     except Exception as exc:  # the judge's own failure: still a result, with its traceback
         import traceback
 

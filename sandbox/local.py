@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from sandbox.candidate import Candidate
 from sandbox.hardware import cuda_present
 from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
 from sandbox.locks import gpu_use
-from sandbox.protocol import EvalRequest
+from sandbox.protocol import DEADLINE_MARK, EvalRequest
 from sandbox.result import EvalResult, Status
 from sandbox.screen import screen_candidate
 
@@ -59,6 +59,8 @@ CPU_ADDRESS_SPACE = 16 * 1024**3
 
 # Seconds the judge gets past the evaluation's own limit to end its runner and write a result.
 JUDGE_GRACE_S = 60.0
+# How often the wait for a judge looks whether it moved its deadline (protocol.DEADLINE_MARK).
+MARK_POLL_S = 1.0
 
 # A worker whose evaluation ended with one of these compiled its kernels: its cache is worth keeping.
 COMPILED = (Status.OK, Status.WRONG, Status.SUSPICIOUS)
@@ -74,6 +76,26 @@ def judge_out_of_memory(result: EvalResult) -> bool:
         and message.startswith("the judge failed: ")
         and ("OutOfMemoryError" in message or re.search(r"CUDA driver error 2\b", message) is not None)
     )
+
+
+def _wait_within(wait: Callable[..., object], limit: float, judge_dir: Path) -> None:
+    """`wait(timeout=...)` for a judge until it ends, or raise TimeoutError once its hard limit
+    has passed: `limit` seconds from now, or later where the judge moved its deadline back while
+    it waited for the GPU's lock (protocol.DEADLINE_MARK; the judge is trusted, and its runner
+    cannot reach the judge's directory)."""
+    end = time.monotonic() + limit
+    mark = judge_dir / DEADLINE_MARK
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            end = max(end, time.monotonic() + float(mark.read_text()) - time.time() + JUDGE_GRACE_S)
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the judge is still running after its limit of {limit:.0f} s")
+        try:
+            wait(timeout=min(MARK_POLL_S, left))
+            return
+        except (TimeoutError, subprocess.TimeoutExpired):
+            continue
 
 
 class WorkerBackend:
@@ -235,7 +257,7 @@ class LocalBackend(WorkerBackend):
             else:
                 timed_out = False
                 try:
-                    judge.wait(timeout=limit)
+                    _wait_within(judge.wait, limit, judge_dir)
                 except TimeoutError:
                     timed_out = True
                 finally:
@@ -251,8 +273,8 @@ class LocalBackend(WorkerBackend):
             )  # fmt: skip
             timed_out = False
             try:
-                proc.wait(timeout=limit)
-            except subprocess.TimeoutExpired:
+                _wait_within(proc.wait, limit, judge_dir)
+            except TimeoutError:
                 timed_out = True
             finally:
                 if proc.returncode is None:  # unreaped: its pid and group cannot name another process

@@ -6,27 +6,35 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def gpu_use(lock_path: str | None, *, exclusive: bool) -> Iterator[None]:
+def gpu_use(
+    lock_path: str | None, *, exclusive: bool, waited: Callable[[float], None] | None = None
+) -> Iterator[None]:
     """Use of the GPU behind `lock_path` (nothing when None): shared for checks, which run side by
     side in several evaluations, exclusive for timing, which runs with no check beside it (with
     checks running beside them, embedding-bag timings in a four-worker H200 campaign spread by up
     to 93%, and the noise margin then refused a 2.5x faster kernel). A timer waiting at the
     turnstile keeps new checks from starting, so checks cannot starve it. Both locks are flock(2)
     locks, taken by the judge on its runner's behalf: nothing the runner starts can see the lock
-    file (sandbox.isolation), so none can hold it; the kernel releases them when the judge dies."""
+    file (sandbox.isolation), so none can hold it; the kernel releases them when the judge dies.
+    `waited` is told the seconds spent waiting for the lock (another evaluation's time, which no
+    deadline of this one should count)."""
     if lock_path is None:
         yield
         return
     with open(f"{lock_path}.turnstile", "a") as turnstile, open(lock_path, "a") as gpu:
+        t0 = time.monotonic()
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         try:
             fcntl.flock(gpu, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         finally:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if waited is not None:
+            waited(time.monotonic() - t0)
         try:
             yield
         finally:

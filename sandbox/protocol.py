@@ -26,6 +26,9 @@ from sandbox.result import ShapeCheck
 from search_space.problem import Inputs, Problem, Shape, Tolerance
 
 POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
+# Beside the judge's result file: when its evaluation's deadline now falls, in wall-clock seconds
+# since the epoch, written each time a wait for the GPU's lock moves it (sandbox.judge.Deadline).
+DEADLINE_MARK = "deadline"
 
 
 class EvalRequest(BaseModel):
@@ -170,8 +173,7 @@ def _compare_tensor(
     if bool(infinite.any()):
         unequal = infinite & ~(out64 == ref64)
         if bool(unequal.any()):
-            first = torch.tensor(int(unequal.flatten().nonzero()[0]))
-            where = [int(i) for i in torch.unravel_index(first, ref.shape)]
+            where = _unravel(int(unequal.flatten().nonzero()[0]), tuple(ref.shape))
             return False, {
                 "message": f"{int(unequal.sum())} of {int(infinite.sum())} non-finite reference elements "
                 f"differ; first at {where}: got {out64[tuple(where)].item():.6g}, expected "

@@ -55,6 +55,14 @@ class Tolerance:
     row_rtol: float | None = None
     row_atol: float | None = None
 
+    @property
+    def bounds_rows(self) -> bool:
+        """Whether a few wrong rows fail it: an exact rule, or one with a per-row bound (element
+        and whole-output bounds alone let 1% of the rows be zeros, or every row sit on a grid as
+        coarse as the tolerance)."""
+        exact = self.atol == self.rtol == self.norm_rtol == 0.0
+        return exact or (self.row_rtol is not None and self.row_atol is not None)
+
 
 # The passes a problem optimizes (Problem.optimizes): an op's forward, its backward (a gradient
 # problem: fn(grad_out, *forward inputs) -> gradients), or the training pair, forward then
@@ -169,6 +177,12 @@ class Problem:
     def __post_init__(self) -> None:
         if self.optimizes not in PASSES:
             raise ValueError(f"problem {self.name!r}: optimizes {self.optimizes!r}, not one of {PASSES}")
+        for dtype, tol in self.tolerances.items():
+            if not tol.bounds_rows:
+                raise ValueError(
+                    f"problem {self.name!r}: its {dtype} tolerance bounds no output row (row_rtol, "
+                    "row_atol): derive them from the dtype's rounding beside the table, or make it exact"
+                )
 
     def tolerance_scale(self, inputs: Inputs) -> float | None:
         return None if self.error_scale is None else self.error_scale(inputs)

@@ -161,6 +161,34 @@ def test_a_bucket_won_within_the_noise_is_not_registered(tmp_path: Path) -> None
     assert any(f"fp32 d16: best proposal {close.id} (99.0 us) does not beat" in m for m in messages), messages
 
 
+class _TimesAgain:
+    """A backend whose re-verification on the GPU passes its checks and times every bucket at
+    `factor` times what the candidate's evaluation measured."""
+
+    def __init__(self, measured: dict[str, float], factor: float) -> None:
+        self.measured, self.factor = measured, factor
+
+    def evaluate(self, candidate: Candidate, **_) -> EvalResult:
+        return _result(candidate, {b: us * self.factor for b, us in self.measured.items()}, 0.02)
+
+
+@pytest.mark.parametrize(("factor", "registered"), [(1.01, True), (1.6, False)])
+def test_a_winner_whose_timing_does_not_hold_up_on_recheck_is_not_registered(
+    tmp_path: Path, factor: float, registered: bool
+) -> None:
+    store = Store(tmp_path / "s.db")
+    held, fast = _candidate("library", BLOCK_L=4), _candidate(BLOCK_L=8)
+    measured = {"d16": 50.0, "d64": 60.0}
+    _evaluated(store, (held, {"d16": 100.0, "d64": 100.0}, 0.02), (fast, measured, 0.02))
+    messages: list[str] = []
+    ctx = _context(tmp_path, store)
+    ctx.backend, ctx.events = _TimesAgain(measured, factor), SimpleNamespace(message=messages.append)
+    nodes.register({"best": {}}, SimpleNamespace(context=ctx))
+    assert [e.source_hash for e in ctx.library.entries()] == ([fast.id] if registered else [])
+    refusal = f"candidate {fast.id}: re-verification timed fp32"
+    assert any(refusal in m and "not registered" in m for m in messages) != registered, messages
+
+
 def test_dispatch_ranks_entries_by_their_time_on_the_bucket(tmp_path: Path) -> None:
     """A kernel registered for one bucket is compared there, not by a mean over other buckets."""
     library = KernelLibrary(tmp_path)

@@ -7,6 +7,8 @@ import multiprocessing
 import time
 from pathlib import Path
 
+import pytest
+
 from sandbox.locks import gpu_use
 
 HOLD_S = 0.6
@@ -54,3 +56,53 @@ def test_checks_share_the_gpu_and_timing_has_it_alone(tmp_path: Path) -> None:
 def test_without_a_lock_file_nothing_is_locked() -> None:
     with gpu_use(None, exclusive=True), gpu_use(None, exclusive=True):
         pass
+
+
+def test_a_wait_for_the_lock_moves_the_evaluations_deadline_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another evaluation times for HOLD_S: a judge waiting for the lock meanwhile is told how long
+    # it waited, and its deadline (and the mark its backend follows) moves back by that much.
+    import threading
+
+    from sandbox import judge, local
+    from sandbox.protocol import DEADLINE_MARK
+
+    lock = str(tmp_path / "gpu.lock")
+    mark = tmp_path / DEADLINE_MARK
+    deadline = judge.Deadline(10.0, mark)
+    first_at = deadline.at
+    holding = threading.Event()
+
+    def other_evaluation() -> None:
+        with gpu_use(lock, exclusive=True):
+            holding.set()
+            time.sleep(HOLD_S)
+
+    other = threading.Thread(target=other_evaluation)
+    other.start()
+    holding.wait()
+    with gpu_use(lock, exclusive=False, waited=deadline.extend):
+        pass
+    other.join()
+    assert deadline.at - first_at >= HOLD_S * 0.8
+    assert abs(float(mark.read_text()) - (time.time() + deadline.left())) < 0.5
+
+    # The backend's hard limit follows the mark: a judge that would outlive `limit` is waited for
+    # while the mark says its deadline moved, and given up on once the moved limit passes too.
+    mark.write_text(repr(time.time() + 0.6))
+    waits: list[float] = []
+
+    def still_running(timeout: float) -> None:
+        waits.append(timeout)
+        time.sleep(timeout)
+        raise TimeoutError
+
+    monkeypatch.setattr(local, "JUDGE_GRACE_S", 0.0)
+    monkeypatch.setattr(local, "MARK_POLL_S", 0.1)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        local._wait_within(still_running, 0.1, tmp_path)
+    waited = time.monotonic() - t0
+    assert 0.5 <= waited < 3.0, waited
+    assert len(waits) >= 5

@@ -517,8 +517,8 @@ def test_timed_batches_hold_the_lock_alone_and_the_rest_shares_it(tmp_path: Path
     real_gpu_use = judge.gpu_use
 
     @contextlib.contextmanager
-    def recording_gpu_use(lock_path, *, exclusive):
-        with real_gpu_use(lock_path, exclusive=exclusive):
+    def recording_gpu_use(lock_path, *, exclusive, waited=None):
+        with real_gpu_use(lock_path, exclusive=exclusive, waited=waited):
             start = time.monotonic()
             try:
                 yield

@@ -6,6 +6,7 @@ answers with given clocks (what a GPU runner reports is all the judge sees)."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +31,10 @@ class _Session:
         self.placed += 1
         return [SimpleNamespace(id=self.placed * 100 + i) for i in range(n)]
 
-    def run_timed(self, calls, *, lock, where, poison=0):
+    def gpu(self, *, exclusive):
+        return contextlib.nullcontext()
+
+    def run_timed(self, calls, *, where, poison=0):
         wall, times = self.batches.pop(0)
         return wall, times, [{} for _ in calls]
 
@@ -40,7 +44,7 @@ class _Session:
 
 def _timed_batch(batches):
     session = _Session(batches)
-    judge = SimpleNamespace(session=session, request=SimpleNamespace(timing_lock=None))
+    judge = SimpleNamespace(session=session)
     judge.poison_bytes = lambda shape: 0
     return session, Evaluation.timed_batch(judge, SHAPE, 8, CALIBRATION)
 

@@ -257,3 +257,18 @@ def test_an_entry_of_a_bucket_before_regimes_serves_both_regimes(tmp_path) -> No
     new = library.add(source="# new\n", buckets=["d64-short"], **common)
     assert library.best("embedding_bag", "sm_90", "bf16", "d64-short").kernel_id == new.kernel_id
     assert library.best("embedding_bag", "sm_90", "bf16", "d64-long").kernel_id == old.kernel_id
+
+
+def test_a_problem_whose_tolerance_bounds_no_row_is_refused() -> None:
+    """Element and whole-output bounds alone pass a few zeroed rows: every problem's tolerance
+    bounds each row, or is exact."""
+    import dataclasses
+
+    from search_space.problem import Tolerance
+
+    problem = get_problem("embedding_bag")
+    loose = {**problem.tolerances, "bf16": Tolerance(atol=1.6e-2, rtol=1.6e-2, norm_rtol=8e-3)}
+    with pytest.raises(ValueError, match="its bf16 tolerance bounds no output row"):
+        dataclasses.replace(problem, tolerances=loose)
+    exact = {d: Tolerance(atol=0.0, rtol=0.0, norm_rtol=0.0) for d in problem.tolerances}
+    assert dataclasses.replace(problem, tolerances=exact).tolerances == exact
