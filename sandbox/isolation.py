@@ -18,15 +18,19 @@ Rules (each enforced where it is written below):
 - processes: --die-with-parent and a new PID namespace, so when the judge kills bubblewrap (or
   dies) every process the runner started dies with it, whatever session or process group it
   made for itself; --new-session takes the terminal away.
-- resources: limits the runner sets on itself before any candidate code exists (sandbox.confine:
-  CPU time, address space on a CPU, file size, and the tasks its user may run, TASK_BUDGET more
-  than it runs already); a private /tmp and /dev/shm of TMPFS_BYTES each; and the judge's watch
-  on the scratch directory, which stops a runner that holds more there than its request's quota
-  (EvalRequest.scratch_bytes and scratch_files; sandbox.judge.RunnerProcess).
+- resources: under a root judge, where the host allows, a control group of its own
+  (sandbox.cgroups) holding everything it starts to MEMORY_BYTES of the host's memory and
+  TASK_BUDGET tasks; limits the runner sets on itself before any candidate code exists
+  (sandbox.confine: CPU time, address space on a CPU, file size, and, without a group, the tasks
+  its user may run, TASK_BUDGET more than it runs already); a private /tmp and /dev/shm of
+  TMPFS_BYTES each; and the judge's watch on the scratch directory, which stops a runner that
+  holds more there than its request's quota (EvalRequest.scratch_bytes and scratch_files;
+  sandbox.judge.RunnerProcess).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import resource
@@ -35,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from sandbox.cgroups import RunnerCgroup
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -47,6 +53,9 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/a
 # puts there, in the host's memory.
 TASK_BUDGET = 1024
 TMPFS_BYTES = 256 * 1024**2
+# The host memory of everything a runner starts, where it has a group: a CUDA context, torch and
+# Triton take one or two GiB, an interpreted kernel's NumPy arrays several times its inputs.
+MEMORY_BYTES = 16 * 1024**3
 
 
 class IsolationUnavailable(RuntimeError):
@@ -247,12 +256,21 @@ def prepare_scratch(scratch: Path) -> None:
 
 
 def start_runner(
-    argv: list[str], scratch: Path, *, gpu: bool, pass_fds: tuple[int, ...], stdout, isolation: str = "bwrap"
+    argv: list[str],
+    scratch: Path,
+    *,
+    gpu: bool,
+    pass_fds: tuple[int, ...],
+    stdout,
+    isolation: str = "bwrap",
+    cgroup: RunnerCgroup | None = None,
 ) -> subprocess.Popen:
-    """Start `argv` (the runner) in its sandbox. `isolation="none"` runs it as a plain child
+    """Start `argv` (the runner) in its sandbox, inside `cgroup` where it has one (which then
+    bounds its tasks instead of RLIMIT_NPROC). `isolation="none"` runs it as a plain child
     process instead, for hosts without user namespaces; never the default (rule: none holds)."""
     env = runner_env(gpu=gpu)
-    argv = [*argv, "--max-tasks", str(task_limit(own_user_namespace=isolation == "bwrap"))]
+    if cgroup is None:
+        argv = [*argv, "--max-tasks", str(task_limit(own_user_namespace=isolation == "bwrap"))]
     if isolation == "none":
         # Its own session, as under bubblewrap, so it must die with its judge by itself.
         argv = [*argv, "--parent", str(os.getpid())]
@@ -266,6 +284,10 @@ def start_runner(
         cmd, cwd = bwrap_command(scratch, argv, gpu=gpu), "/"
     else:
         raise ValueError(f"unknown isolation {isolation!r}; known: 'bwrap', 'none'")
+    if cgroup is not None:
+        if shutil.which(cmd[0]) is None:  # as Popen would say, not a shell's exit code
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), cmd[0])
+        cmd = cgroup.wrap(cmd)
     return subprocess.Popen(
         cmd,
         cwd=cwd,

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from sandbox import isolation, shared, wire
+from sandbox import cgroups, isolation, shared, wire
 from sandbox.hardware import roofline_seconds
 from sandbox.locks import gpu_use
 from sandbox.protocol import (
@@ -156,6 +156,7 @@ class RunnerProcess:
         if request.address_space_bytes is not None:
             limits += ["--address-space", str(request.address_space_bytes)]
         self.proc: subprocess.Popen | None = None
+        self.cgroup: cgroups.RunnerCgroup | None = None
         self.container = None
         self._tail: collections.deque[bytes] = collections.deque()
         self._tail_bytes = 0
@@ -172,14 +173,30 @@ class RunnerProcess:
             return
         self.sock, runner_end = wire.socket_pair()
         argv = [sys.executable, "-P", "-m", "sandbox.runner", str(runner_end.fileno()), *limits]
-        self.proc = isolation.start_runner(
-            argv,
-            Path(request.runner_dir),
-            gpu=gpu,
-            pass_fds=(runner_end.fileno(),),
-            stdout=subprocess.PIPE,
-            isolation=request.isolation,
+        # Rule resources (sandbox.isolation): a control group of its own where the host gives one.
+        self.cgroup = (
+            cgroups.create(
+                f"{os.getpid()}-{secrets.token_hex(4)}",
+                memory_bytes=isolation.MEMORY_BYTES,
+                max_tasks=isolation.TASK_BUDGET,
+            )
+            if self.bwrap
+            else None
         )
+        try:
+            self.proc = isolation.start_runner(
+                argv,
+                Path(request.runner_dir),
+                gpu=gpu,
+                pass_fds=(runner_end.fileno(),),
+                stdout=subprocess.PIPE,
+                isolation=request.isolation,
+                cgroup=self.cgroup,
+            )
+        except BaseException:
+            if self.cgroup is not None:
+                self.cgroup.remove()
+            raise
         runner_end.close()
         # Rule failures: whatever the runner prints is drained here and only its tail kept, so
         # flooding fills neither a pipe nor a disk.
@@ -220,6 +237,8 @@ class RunnerProcess:
             # Rule processes (sandbox.isolation): the runner's PID namespace dies with bubblewrap.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            if self.cgroup is not None:
+                self.cgroup.kill()
 
     def _read_output(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -270,6 +289,8 @@ class RunnerProcess:
     def _how_it_ended(self) -> str:
         if self.stopped is not None:
             return self.stopped
+        if self.cgroup is not None and self.cgroup.killed_at_memory_limit():
+            return f"was killed at its memory limit of {self.cgroup.memory_bytes / 2**30:.0f} GiB"
         if self.container is not None:
             return self.container.how_it_ended()
         assert self.proc is not None
@@ -304,6 +325,8 @@ class RunnerProcess:
         if self.proc is not None:
             self.proc.wait()
             self._drain.join(timeout=5)
+        if self.cgroup is not None:
+            self.cgroup.remove()
         self.sock.close()
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sandbox import Candidate, EvalResult, LocalBackend, Status, isolation
+from sandbox import Candidate, EvalResult, LocalBackend, Status, cgroups, isolation
 from sandbox.isolation import REPO_ROOT
 from sandbox.judge import evaluate
 from sandbox.protocol import EvalRequest
@@ -395,6 +395,35 @@ def test_a_judge_held_to_few_tasks_still_starts_its_runner(tmp_path: Path) -> No
     report = json.loads(done.stdout.strip().splitlines()[-1])
     _forks_end_at_the_budget(report)
     assert report["forks"][0] < limit, report
+
+
+def _groups_here() -> bool:
+    group = cgroups.create(f"probe-{secrets.token_hex(4)}", memory_bytes=2**30, max_tasks=64)
+    if group is not None:
+        group.remove()
+    return group is not None
+
+
+HOARD_MEMORY = """
+def embedding_bag(weight, indices, offsets, **kwargs):
+    hoard = [bytearray(64 << 20) for _ in range(64)]  # 4 GiB of the host's memory, touched
+    raise RuntimeError(f"NOT STOPPED {len(hoard)}")
+"""
+
+
+@pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+@pytest.mark.skipif(not _groups_here(), reason="this host gives a root judge no control group for its runner")
+def test_a_runner_hoarding_host_memory_is_killed_at_its_groups_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a root judge the runner's group bounds the host memory of everything it starts (on
+    a GPU host no address-space limit can: the CUDA driver reserves far more than it uses)."""
+    monkeypatch.setattr(isolation, "MEMORY_BYTES", 512 * 1024**2)
+    result = evaluate(_probe_request(tmp_path / "runner", HOARD_MEMORY, address_space_bytes=None))
+    assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
+    assert "killed at its memory limit" in result.message, result.message
+    left = list(Path(cgroups.CGROUP_ROOT).glob(f"**/{cgroups.PARENT}/{os.getpid()}-*"))
+    assert not left, f"groups left behind: {left}"
 
 
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
