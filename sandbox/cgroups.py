@@ -36,6 +36,12 @@ class RunnerCgroup:
         script = f'{enter} && shift {len(self.dirs)} && exec "$@"'
         return ["/bin/sh", "-c", script, "sh", *(str(d / "cgroup.procs") for d in self.dirs), *argv]
 
+    def tasks(self) -> list[int]:
+        """The host pids of the group's processes."""
+        with contextlib.suppress(OSError, ValueError):
+            return [int(pid) for pid in (self.dirs[0] / "cgroup.procs").read_text().split()]
+        return []
+
     def killed_at_memory_limit(self) -> bool:
         """Whether the kernel's OOM killer ended a task of the group at its memory limit."""
         for d in self.dirs:
@@ -49,15 +55,14 @@ class RunnerCgroup:
     def kill(self) -> None:
         """Every task of the group, killed (the runner's PID namespace dies with bubblewrap as
         well: this holds where a task got out of it)."""
-        for d in self.dirs:
-            if (d / "cgroup.kill").exists():
-                with contextlib.suppress(OSError):
-                    (d / "cgroup.kill").write_text("1")
-                continue
+        kill_all = self.dirs[0] / "cgroup.kill"  # v2, Linux 5.14 and later
+        if kill_all.exists():
             with contextlib.suppress(OSError):
-                for pid in (d / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(ProcessLookupError, ValueError):
-                        os.kill(int(pid), signal.SIGKILL)
+                kill_all.write_text("1")
+                return
+        for pid in self.tasks():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def remove(self, wait_s: float = 5.0) -> None:
         """The group's directories, removed once its tasks are gone (they exit asynchronously

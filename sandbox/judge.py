@@ -39,6 +39,7 @@ import platform
 import random
 import secrets
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -207,7 +208,8 @@ class RunnerProcess:
     def _watch(self, request: EvalRequest) -> None:
         """Rule resources (sandbox.isolation): the scratch directory is on the host's disk, so
         the judge looks at what the runner holds there twice a second and stops it beyond its
-        quota of bytes (allocated blocks: a sparse file counts for what it uses) or files."""
+        quota of bytes (allocated blocks: a sparse file counts for what it uses; with a control
+        group, files it unlinked but holds open count too) or files."""
         if request.scratch_bytes is None and request.scratch_files is None:
             return
         max_bytes, max_files = request.scratch_bytes or math.inf, request.scratch_files or math.inf
@@ -216,6 +218,8 @@ class RunnerProcess:
         def watch() -> None:
             while not self._ended.wait(0.5):
                 used, files = _disk_use(root, max_files)
+                if self.cgroup is not None:  # and files it unlinked but holds open
+                    used += _held_unlinked(self.cgroup.tasks())
                 if used > max_bytes or files > max_files:
                     held = f"{used / 2**20:.0f} MiB in {files} files"
                     self.stopped = (
@@ -328,6 +332,27 @@ class RunnerProcess:
         if self.cgroup is not None:
             self.cgroup.remove()
         self.sock.close()
+
+
+def _held_unlinked(pids: list[int]) -> int:
+    """Bytes allocated to regular files that `pids` hold open after unlinking them: out of the
+    scratch directory's listing, still on the host's disk."""
+    used, seen = 0, set()
+    for pid in pids:
+        try:
+            fds = os.scandir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # it ended meanwhile
+        with fds:
+            for fd in fds:
+                try:
+                    st = os.stat(fd.path)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    used += st.st_blocks * 512
+    return used
 
 
 def _disk_use(root: Path, max_files: float) -> tuple[int, int]:

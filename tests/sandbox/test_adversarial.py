@@ -404,6 +404,34 @@ def _groups_here() -> bool:
     return group is not None
 
 
+HIDE_IN_UNLINKED = """
+import os
+import time
+
+HELD = []
+
+def embedding_bag(weight, indices, offsets, **kwargs):
+    for i in range(32):
+        f = open(f"/scratch/hidden-{i}", "wb")
+        os.unlink(f.name)  # out of the directory's listing, still on the disk while held open
+        f.write(b"x" * (8 << 20))
+        f.flush()
+        HELD.append(f)
+        time.sleep(0.05)
+    time.sleep(3)
+    raise RuntimeError("NOT STOPPED")
+"""
+
+
+@pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+@pytest.mark.skipif(not _groups_here(), reason="this host gives a root judge no control group for its runner")
+def test_files_unlinked_but_held_open_count_against_the_scratch_quota(tmp_path: Path) -> None:
+    request = _probe_request(tmp_path / "runner", HIDE_IN_UNLINKED, scratch_bytes=64 * 1024**2)
+    result = evaluate(request)
+    assert result.status == Status.RUNTIME_ERROR, f"{result.message}\n{result.log_tail}"
+    assert "over its quota of 64 MiB" in result.message, result.message
+
+
 HOARD_MEMORY = """
 def embedding_bag(weight, indices, offsets, **kwargs):
     hoard = [bytearray(64 << 20) for _ in range(64)]  # 4 GiB of the host's memory, touched
