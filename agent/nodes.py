@@ -435,14 +435,20 @@ def _open_change(
     prompt_hash = None
     if llm is not None and llm.messages:
         prompt_hash = hashlib.sha256(json.dumps(llm.messages[:2], sort_keys=True).encode()).hexdigest()[:16]
+    # Eager and torch.compile are timed once per problem, with its first evaluation: the change's
+    # tables show them beside the winner and the previous best all the same.
+    stored = ctx.store.baselines(ctx.campaign_id, problem)
+    result = row.result.with_baselines(stored)
+    before = previous.result.with_baselines(stored) if previous else None
     headline, message = review.describe(
-        entry=entry, result=row.result, previous=previous.result if previous else None,
-        campaign=ctx.campaign_id, lineage=lineage, prompt_hash=prompt_hash,
+        entry=entry, result=result, previous=before, campaign=ctx.campaign_id, lineage=lineage,
+        prompt_hash=prompt_hash, previous_knobs=previous.candidate.knobs if previous else None,
+        rationale=llm.rationale if llm is not None else "",
     )  # fmt: skip
     evidence = {
         "headline": headline,
-        "evaluation": row.result.model_dump(mode="json"),
-        "previous_best": previous.result.model_dump(mode="json") if previous else None,
+        "evaluation": result.model_dump(mode="json"),
+        "previous_best": before.model_dump(mode="json") if before else None,
         "lineage": lineage,
         "proposer": row.candidate.origin,
         "prompt_hash": prompt_hash,

@@ -30,6 +30,7 @@ from statistics import geometric_mean
 from typing import Any
 
 from kernels.registry import KernelLibrary, LibraryEntry
+from sandbox.hardware import bound_by
 from search_space.template import source_hash
 
 LIBRARY_BRANCH = "recforge/library"
@@ -406,6 +407,23 @@ def approve(
 # --- the description ---------------------------------------------------------------------------
 
 
+def _what_changed(knobs: dict, previous_knobs: dict | None, rationale: str) -> list[str]:
+    """The lines of a change's description that say what it does differently and why."""
+    lines = []
+    if previous_knobs is not None and knobs:
+        moved = [
+            f"{k} {previous_knobs.get(k)} -> {v}"
+            for k, v in sorted(knobs.items())
+            if previous_knobs.get(k) != v
+        ]
+        lines.append(f"Against the previous best: {', '.join(moved) if moved else 'the same knobs'}.")
+    elif previous_knobs is not None:
+        lines.append("Against the previous best: new kernel source (no knobs to compare).")
+    if rationale.strip():
+        lines.append(f"Why it should be faster, as proposed: {rationale.strip()}")
+    return lines
+
+
 def describe(
     *,
     entry: LibraryEntry,
@@ -414,11 +432,15 @@ def describe(
     campaign: str,
     lineage: list[str],
     prompt_hash: str | None = None,
+    previous_knobs: dict | None = None,
+    rationale: str = "",
 ) -> tuple[str, str]:
-    """(headline, commit message) of a change: what the kernel is, the bottleneck before and
-    after (achieved bandwidth and roofline fraction) and its numbers per timing shape against
-    the previous best (what dispatch ran) and the baselines. `result` and `previous` are the
-    kernel's and the previous best's EvalResults."""
+    """(headline, commit message) of a change: what the kernel is and what it changes against
+    the previous best (its knobs against `previous_knobs`, the proposer's `rationale`), the
+    bottleneck before and after (the ceiling that bounds each timing shape, achieved bandwidth
+    and roofline fraction) and its numbers per timing shape against the previous best (what
+    dispatch ran) and the baselines. `result` and `previous` are the kernel's and the previous
+    best's EvalResults."""
     mine = [t for t in result.timings if t.dtype == entry.dtype and t.bucket in entry.buckets]
     before = {(t.shape, t.dtype): t for t in (previous.timings if previous is not None else [])}
     ratios = [
@@ -451,16 +473,24 @@ def describe(
             else f" (training steps: {', '.join(entry.train_buckets) or 'none'})"
         )
         + ".",
+        *_what_changed(knobs, previous_knobs, rationale),
         "",
     ]
     if mine:
+        arch = result.device.arch if result.device else "?"
+
+        def bound(t) -> str | None:
+            return bound_by(arch, t.flops, t.bytes)
+
         lines.append(
-            "Bottleneck, per timing shape (achieved GB/s and fraction of the roofline, before -> after):"
+            f"Bottleneck, per timing shape (the ceiling that bounds it on {arch}; achieved GB/s and "
+            "fraction of the roofline, before -> after):"
         )
         header = (
-            "| shape | graph | us | previous us | speedup | eager us | torch.compile us | GB/s | roofline |"
+            "| shape | graph | us | previous us | speedup | eager us | torch.compile us | bound by | GB/s "
+            "| roofline |"
         )
-        lines += [header, "|" + "---|" * 9]
+        lines += [header, "|" + "---|" * 10]
         for t in mine:
             old = before.get((t.shape, t.dtype))
             eager = next(
@@ -480,7 +510,8 @@ def describe(
                 f"{'' if old is None else f'{old.candidate.median_us:.4g}'} | "
                 f"{'' if old is None else f'{old.candidate.median_us / t.candidate.median_us:.2f}x'} | "
                 f"{'' if eager is None else f'{eager.median_us:.4g}'} | "
-                f"{'' if compiled is None else f'{compiled.median_us:.4g}'} | {gbps} | {roof} |"
+                f"{'' if compiled is None else f'{compiled.median_us:.4g}'} | {bound(t) or ''} | "
+                f"{gbps} | {roof} |"
             )
         lines.append("")
     checks = [c for c in result.checks if c.trial >= 0]

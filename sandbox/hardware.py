@@ -21,6 +21,15 @@ def roofline_seconds(arch: str, flops: float, nbytes: float) -> float | None:
     return max(flops / c["bf16_flops_per_s"], nbytes / c["hbm_bytes_per_s"])
 
 
+def bound_by(arch: str, flops: float, nbytes: float) -> str | None:
+    """Which ceiling bounds a call of `flops` and `nbytes` on `arch`: "memory" or "compute"
+    (None for an unknown architecture)."""
+    c = CEILINGS.get(arch)
+    if c is None:
+        return None
+    return "compute" if flops / c["bf16_flops_per_s"] > nbytes / c["hbm_bytes_per_s"] else "memory"
+
+
 @functools.cache
 def cuda_present() -> bool:
     """Whether this host has a GPU that workers will use (torch imported only when asked)."""

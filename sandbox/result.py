@@ -101,6 +101,16 @@ class EvalResult(BaseModel):
         times = [t.candidate.median_us for t in self.timings if dtype in (None, t.dtype)]
         return geometric_mean(times) if times else None
 
+    def with_baselines(self, baselines: dict[str, dict[str, TimingStats]]) -> EvalResult:
+        """This result with each timing's baselines completed from `baselines` (shape key ->
+        name -> stats, measured earlier on the same device: a campaign times them once per
+        problem), its own kept where it has them."""
+        timings = [
+            t.model_copy(update={"baselines": baselines.get(f"{t.shape}/{t.dtype}", {}) | t.baselines})
+            for t in self.timings
+        ]
+        return self.model_copy(update={"timings": timings})
+
     def speedups(self, baselines: dict[str, dict[str, TimingStats]] | None = None) -> dict[str, float]:
         """Geometric-mean speedup over each baseline, from this result's own baseline timings
         or from `baselines` (shape key -> name -> stats) measured earlier on the same device."""

@@ -457,6 +457,12 @@ def test_each_registered_kernel_becomes_a_change_for_review(tmp_path: Path) -> N
     store = Store(tmp_path / "s.db")
     held, fast = _candidate("library", BLOCK_L=4), _candidate(BLOCK_L=8)
     _evaluated(store, (held, {"d16": 100.0, "d64": 100.0}, 0.0), (fast, {"d16": 50.0, "d64": 80.0}, 0.0))
+    # Eager and torch.compile were timed with the problem's first evaluation only, as campaigns do.
+    stats = {name: TimingStats(median_us=us, p20_us=us, p80_us=us, reps=20)
+             for name, us in (("torch.embedding_bag", 200.0), ("reference.compile", 150.0))}  # fmt: skip
+    first = _result(held, {"d16": 100.0, "d64": 100.0})
+    timed = [t.model_copy(update={"baselines": stats}) for t in first.timings]
+    store.add_baselines("c", OP, first.model_copy(update={"timings": timed}))
     ctx = _context(tmp_path, store)
     ctx.config = ctx.config.model_copy(
         update={"review": ctx.config.review.model_copy(update={"changes": True, "repo": repo})}
@@ -472,7 +478,8 @@ def test_each_registered_kernel_becomes_a_change_for_review(tmp_path: Path) -> N
     assert any(f"kernel change {OP}/fp32/{fast.id}" in m for m in messages), messages
     log = subprocess.run(["git", "log", "-1", "--format=%B", change.branch], cwd=repo, capture_output=True,
                          text=True).stdout  # fmt: skip
-    assert "| shape-d16 | serve | 50 | 100 | 2.00x |" in log
+    assert "| shape-d16 | serve | 50 | 100 | 2.00x | 200 | 150 | memory |" in log
+    assert "Against the previous best: BLOCK_L 4 -> 8." in log
 
 
 @pytest.mark.parametrize("logged_in", [True, False])
