@@ -533,16 +533,16 @@ def review_approve(
     repo: Annotated[Path | None, _REPO_OPTION] = None,
     timeout: Annotated[float, typer.Option(help="hard wall-clock limit of the re-verification")] = 600.0,
 ) -> None:
-    """Re-verify a change's kernel on this machine's device, then merge it into the library branch."""
+    """Re-verify a change's kernel on this machine's device (checks, and on a GPU of its
+    architecture its timings against its evidence), then merge it into the library branch."""
     from agent import review
-    from sandbox.candidate import Candidate
+    from agent.incumbents import campaign_arch
     from sandbox.local import LocalBackend
 
     def verify(source, entry) -> str | None:
-        candidate = Candidate(problem=entry.op, source=source, entry=entry.entry, origin="human")
         with tempfile.TemporaryDirectory(prefix="recforge-approve-") as scratch:
-            result = LocalBackend(timeout_s=timeout, scratch_root=Path(scratch)).evaluate(candidate)
-        return None if result.status.value == "ok" else f"{result.status.value}: {result.message}"
+            backend = LocalBackend(timeout_s=timeout, scratch_root=Path(scratch))
+            return review.reverify(source, entry, backend.evaluate, campaign_arch())
 
     try:
         done = review.approve(_review_repo(repo), change, verify)

@@ -23,6 +23,7 @@ from agent.population import (
     pick_bucket_bests,
     primary_baseline,
     serving_us,
+    slower_on_recheck,
 )
 from agent.proposers import ProposalRequest, propose_batch
 from agent.report import lineage_of, write_report
@@ -328,24 +329,6 @@ def _training_buckets(
     return train
 
 
-def _slower_on_recheck(evidence: EvalResult, recheck: EvalResult, served: dict[str, list[str]]) -> str | None:
-    """Why the re-verification's timing does not bear out the evaluation's, or None: on a GPU,
-    each served (dtype, bucket) must time no slower than it did by more than either's noise."""
-    if recheck.interpreted:
-        return None
-    for dtype, dtype_buckets in served.items():
-        for bucket in dtype_buckets:
-            first, again = serving_us(evidence, dtype, bucket), serving_us(recheck, dtype, bucket)
-            if first is None or again is None:
-                continue
-            if again > first * (1 + margin(recheck, evidence, (dtype, bucket))):
-                return (
-                    f"re-verification timed {dtype} {bucket} at {again:.1f} us against {first:.1f} us "
-                    "in its evaluation"
-                )
-    return None
-
-
 def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
     rows = ctx.store.evaluations(ctx.campaign_id, problem)
     unmeasured = unmeasured_incumbents(rows)
@@ -365,7 +348,7 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                 f"({recheck.status.value}: {recheck.message}); not registered"
             )
             continue
-        slower = _slower_on_recheck(evidence, recheck, served)
+        slower = slower_on_recheck(evidence, recheck, served)
         if slower is not None:
             ctx.events.message(f"{problem}: candidate {candidate.id}: {slower}; not registered")
             continue

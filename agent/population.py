@@ -160,3 +160,21 @@ def primary_baseline(problem: str) -> str:
     from search_space import get_problem
 
     return next(iter(get_problem(problem).baselines), "reference")
+
+
+def slower_on_recheck(evidence: EvalResult, recheck: EvalResult, served: dict[str, list[str]]) -> str | None:
+    """Why the re-verification's timing does not bear out the evaluation's, or None: on a GPU,
+    each served (dtype, bucket) must time no slower than it did by more than either's noise."""
+    if recheck.interpreted:
+        return None
+    for dtype, dtype_buckets in served.items():
+        for bucket in dtype_buckets:
+            first, again = serving_us(evidence, dtype, bucket), serving_us(recheck, dtype, bucket)
+            if first is None or again is None:
+                continue
+            if again > first * (1 + margin(recheck, evidence, (dtype, bucket))):
+                return (
+                    f"re-verification timed {dtype} {bucket} at {again:.1f} us against {first:.1f} us "
+                    "in its evaluation"
+                )
+    return None

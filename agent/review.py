@@ -29,8 +29,11 @@ from pathlib import Path
 from statistics import geometric_mean
 from typing import Any
 
+from agent.population import slower_on_recheck
 from kernels.registry import KernelLibrary, LibraryEntry
+from sandbox.candidate import Candidate
 from sandbox.hardware import bound_by
+from sandbox.result import EvalResult, Status
 from search_space.template import source_hash
 
 LIBRARY_BRANCH = "recforge/library"
@@ -354,6 +357,26 @@ def reject(repo: str | os.PathLike, change_id: str, reason: str) -> Change:
         raise ReviewError(f"change {change.id} is {change.status}, not open")
     _git(root, "tag", "-a", f"{REJECTED_PREFIX}{change.id}", "-m", reason.strip(), change.branch)
     return find(root, change.id)
+
+
+def reverify(
+    source: str, entry: LibraryEntry, evaluate: Callable[[Candidate], EvalResult], arch: str
+) -> str | None:
+    """Why `entry` (of `source`) does not hold up on this machine of `arch`, or None: it must be
+    correct on fresh inputs and, on a GPU, time no slower on the buckets it serves than its
+    evidence says by more than the noise (population.slower_on_recheck). A GPU of another
+    architecture cannot speak for it; the interpreter checks correctness only."""
+    if arch != "interpreter" and entry.arch != arch:
+        return (
+            f"it was accepted for {entry.arch}, and this machine is {arch}: approve it on a {entry.arch} host"
+        )
+    result = evaluate(Candidate(problem=entry.op, source=source, entry=entry.entry, origin="human"))
+    if result.status != Status.OK:
+        return f"{result.status.value}: {result.message}"
+    evidence = entry.evidence.get("evaluation")
+    if evidence is None:
+        return None
+    return slower_on_recheck(EvalResult.model_validate(evidence), result, {entry.dtype: entry.buckets})
 
 
 def approve(

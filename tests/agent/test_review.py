@@ -5,6 +5,7 @@ approve (re-verified, then merged into the library branch, two changes off one t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -291,3 +292,35 @@ def test_approve_through_the_cli_re_verifies_in_the_sandbox(repo: Path) -> None:
     # Its source no longer is what the evidence recorded: refused before any evaluation.
     assert done.exit_code == 1 and "does not hash to its entry's source_hash" in done.output, done.output
     assert review.find(repo, bad.id).status == "open"
+
+
+def _evaluated(us: float, device: DeviceInfo = GPU) -> EvalResult:
+    return EvalResult(
+        status=Status.OK, problem="embedding_bag", candidate_id="x", timings=[_timing(us)], device=device
+    )
+
+
+@pytest.mark.parametrize(
+    ("arch", "recheck_us", "refusal"),
+    [
+        ("sm_90", 50.0, None),  # as fast as its evidence says
+        ("sm_90", 80.0, "re-verification timed fp32 d64-long at 80.0 us against 50.0 us"),
+        ("sm_100", 50.0, "accepted for sm_90, and this machine is sm_100"),  # another GPU says nothing
+        ("interpreter", 5000.0, None),  # correctness only: interpreted timings decide nothing
+    ],
+)
+def test_approval_re_verifies_the_timing_on_a_gpu_of_the_entrys_architecture(
+    arch: str, recheck_us: float, refusal: str | None
+) -> None:
+    entry, source = _entry(8)
+    entry = dataclasses.replace(entry, evidence={"evaluation": _evaluated(50.0).model_dump(mode="json")})
+    device = GPU if arch != "interpreter" else GPU.model_copy(update={"arch": arch, "interpreted": True})
+    evaluated = []
+
+    def evaluate(candidate):
+        evaluated.append(candidate)
+        return _evaluated(recheck_us, device)
+
+    why = review.reverify(source, entry, evaluate, arch)
+    assert why == refusal if refusal is None else refusal in why, why
+    assert [c.source for c in evaluated] == ([] if arch == "sm_100" else [source])
