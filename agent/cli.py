@@ -521,10 +521,12 @@ def review_reject(
     from agent import review
 
     try:
-        done = review.reject(_review_repo(repo), change, reason)
+        done, library = review.reject(_review_repo(repo), change, reason)
     except review.ReviewError as exc:
         raise fail(str(exc), 1) from None
     console.print(f"{done.id} rejected: {done.reason}")
+    if library is not None:
+        console.print(f"its kernel no longer dispatches from {library} (demoted there)")
 
 
 @review_app.command("approve")

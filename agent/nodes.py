@@ -435,6 +435,7 @@ def _open_change(
         "lineage": lineage,
         "proposer": row.candidate.origin,
         "prompt_hash": prompt_hash,
+        "library": str(ctx.library.root),  # where a rejection takes it out of dispatch
     }
     try:
         change = review.open_change(

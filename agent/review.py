@@ -110,17 +110,21 @@ def _worktree(repo: Path, ref: str) -> Iterator[Path]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
+def review_repo(config: Any) -> Path:
+    """The repository kernel changes of a campaign (its CampaignConfig) go to: its `[review]
+    repo`, else this checkout."""
+    return config.review.repo if config.review.repo is not None else Path(__file__).resolve().parents[1]
+
+
 def campaign_repo(config: Any) -> Path | None:
-    """The repository a campaign (its CampaignConfig) opens kernel changes in, or None where it
-    opens none: off in its `[review]`, or by default on the interpreter."""
+    """The repository a campaign opens kernel changes in, or None where it opens none: off in
+    its `[review]`, or by default on the interpreter."""
     from agent.incumbents import campaign_arch
 
     enabled = config.review.changes
     if enabled is None:
         enabled = campaign_arch() != "interpreter"
-    if not enabled:
-        return None
-    return config.review.repo if config.review.repo is not None else Path(__file__).resolve().parents[1]
+    return review_repo(config) if enabled else None
 
 
 def bucket_label(buckets: list[str]) -> str:
@@ -348,7 +352,10 @@ def rejections(repo: str | os.PathLike, op: str) -> list[str]:
 # --- decisions ---------------------------------------------------------------------------------
 
 
-def reject(repo: str | os.PathLike, change_id: str, reason: str) -> Change:
+def reject(repo: str | os.PathLike, change_id: str, reason: str) -> tuple[Change, Path | None]:
+    """Record the rejection of a change with its reason (the next proposals for the op are shown
+    it), and take its kernel out of dispatch in the library its campaign registered it into,
+    where that library is still there: (the change, that library, or None)."""
     if not reason.strip():
         raise ReviewError("a rejection needs a reason (the next proposals for the op are shown it)")
     root = repository(repo)
@@ -356,7 +363,22 @@ def reject(repo: str | os.PathLike, change_id: str, reason: str) -> Change:
     if change.status != "open":
         raise ReviewError(f"change {change.id} is {change.status}, not open")
     _git(root, "tag", "-a", f"{REJECTED_PREFIX}{change.id}", "-m", reason.strip(), change.branch)
-    return find(root, change.id)
+    record = _evidence(root, change, _git(root, "rev-parse", change.branch).stdout.strip())
+    registered = record.get("library")
+    if registered is None or not (Path(registered) / "manifest.json").is_file():
+        return find(root, change.id), None
+    entry = LibraryEntry(**record["entry"])
+    try:
+        KernelLibrary(registered).demote(entry, f"rejected in review: {reason.strip()}")
+    except ValueError:  # no longer there (replaced since)
+        return find(root, change.id), None
+    return find(root, change.id), Path(registered)
+
+
+def _evidence(root: Path, change: Change, tip: str) -> dict:
+    """The evidence file of `change` at commit `tip`."""
+    path = _evidence_path(change.op, change.dtype, change.id.rsplit("/", 1)[1])
+    return json.loads(_git(root, "show", f"{tip}:{path}").stdout)
 
 
 def reverify(
@@ -390,12 +412,7 @@ def approve(
         raise ReviewError(f"change {change.id} is {change.status}, not open")
     # The commit verified is the commit merged, whatever the branch does meanwhile.
     tip = _git(root, "rev-parse", change.branch).stdout.strip()
-    record = json.loads(
-        _git(
-            root, "show", f"{tip}:{_evidence_path(change.op, change.dtype, change.id.rsplit('/', 1)[1])}"
-        ).stdout
-    )
-    entry = LibraryEntry(**record["entry"])
+    entry = LibraryEntry(**_evidence(root, change, tip)["entry"])
     source = _git(root, "show", f"{tip}:{LIBRARY_DIR}/{entry.source_file}").stdout
     if source_hash(source) != entry.source_hash:
         raise ReviewError(f"change {change.id}: its kernel's source does not hash to its entry's source_hash")

@@ -50,13 +50,12 @@ def make_proposers(
     return out
 
 
-def _rejections(config: CampaignConfig) -> Callable[[str], list[str]] | None:
-    """Where the campaign opens kernel changes, the reviewers' reasons for rejecting an op's."""
+def _rejections(config: CampaignConfig) -> Callable[[str], list[str]]:
+    """The reviewers' reasons for rejecting an op's kernels, in the repository the campaign opens
+    changes in (read whether or not this campaign opens any: earlier ones may have)."""
     from agent import review
 
-    repo = review.campaign_repo(config)
-    if repo is None:
-        return None
+    repo = review.review_repo(config)
 
     def reasons(op: str) -> list[str]:
         try:

@@ -18,7 +18,7 @@ from agent import nodes
 from agent.config import ConfigError, parse_config
 from agent.llm.client import Attempt
 from agent.population import elites, lineage_root
-from agent.proposers import ProposalRequest, SearchProposer
+from agent.proposers import ProposalRequest, SearchProposer, _rejections
 from agent.proposers.knob_source import knob_values, structure_key
 from agent.proposers.llm import LLMEndpoint, LLMProposer, choose_parent
 from agent.state import CampaignContext
@@ -480,6 +480,16 @@ def test_each_registered_kernel_becomes_a_change_for_review(tmp_path: Path) -> N
                          text=True).stdout  # fmt: skip
     assert "| shape-d16 | serve | 50 | 100 | 2.00x | 200 | 150 | memory |" in log
     assert "Against the previous best: BLOCK_L 4 -> 8." in log
+
+    # Rejected: out of dispatch in the library the campaign registered it into, and the reason
+    # reaches the op's next prompts, whether or not the next campaign opens changes itself.
+    assert ctx.library.best(OP, "sm_90", "fp32", "d16").source_hash == fast.id
+    _, library = review.reject(repo, change.id, "reads the table twice")
+    assert library == ctx.library.root and ctx.library.best(OP, "sm_90", "fp32", "d16") is None
+    [demoted] = ctx.library.entries()
+    assert demoted.demoted == "rejected in review: reads the table twice"
+    quiet = ctx.config.model_copy(update={"review": ctx.config.review.model_copy(update={"changes": False})})
+    assert _rejections(quiet)(OP) == ["reads the table twice"]
 
 
 @pytest.mark.parametrize("logged_in", [True, False])

@@ -229,7 +229,8 @@ def test_list_show_reject_and_the_reason_is_kept(repo: Path) -> None:
     assert evidence["entry"]["kernel_id"] == change.kernel_id
     with pytest.raises(review.ReviewError, match="needs a reason"):
         review.reject(repo, change.id, " ")
-    rejected = review.reject(repo, change.id, "slower on the long-bag shapes we care about")
+    rejected, library = review.reject(repo, change.id, "slower on the long-bag shapes we care about")
+    assert library is None  # the change names no library its campaign registered it into
     assert rejected.status == "rejected" and rejected.reason == "slower on the long-bag shapes we care about"
     assert review.rejections(repo, "embedding_bag") == ["slower on the long-bag shapes we care about"]
     with pytest.raises(review.ReviewError, match="is rejected, not open"):
