@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -196,17 +197,37 @@ def campaign_run(
     _print_outcome(outcome)
 
 
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP (a job scheduler's stop, a closed terminal) in a running campaign: a
+    BaseException like KeyboardInterrupt, so that nothing between here and the signal takes it
+    for the campaign's own error."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum: int, _frame) -> None:
+    raise _Terminated(signum)
+
+
 @contextlib.contextmanager
 def _resumable(campaign_id: str, campaigns):
-    """On Ctrl-C or any failure of a running campaign, the exact command that continues it."""
+    """On Ctrl-C, SIGTERM, SIGHUP or any failure of a running campaign, the exact command that
+    continues it."""
     resume = f"recforge campaign resume {campaign_id}"
     if campaigns.home != Path(".recforge"):
         resume += f" --home {campaigns.home}"
+    stops = (signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, _terminate) for s in stops}
     try:
         yield
     except KeyboardInterrupt:
         err.print(f"stopped; continue it with: {resume}")
         raise typer.Exit(130) from None
+    except _Terminated as stop:
+        err.print(f"stopped by {stop}; continue it with: {resume}")
+        raise typer.Exit(128 + stop.signum) from None
     except typer.Exit:
         if campaigns.store.campaign(campaign_id) is not None:
             err.print(f"stopped; continue it with: {resume}")
@@ -214,6 +235,9 @@ def _resumable(campaign_id: str, campaigns):
     except Exception:
         err.print(f"stopped by an error; once fixed, continue it with: {resume}")
         raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _campaign_row(campaigns, campaign_id: str):

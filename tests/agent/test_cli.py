@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -112,6 +115,30 @@ def test_a_campaign_says_its_id_and_how_to_resume_it_when_stopped(tmp_path, monk
     [row] = Campaigns(tmp_path / "h").store.campaigns()
     assert f"campaign {row.id} starting" in result.output
     assert f"continue it with: recforge campaign resume {row.id} --home {tmp_path / 'h'}" in result.output
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_campaign_stopped_by_a_signal_says_how_to_resume_it(tmp_path, monkeypatch, signum) -> None:
+    from agent.campaign import Campaigns
+
+    def terminated(self, config, events=None, campaign_id=None):
+        self.store.create_campaign(campaign_id, config.name, config.model_dump_json())
+        os.kill(os.getpid(), signum)  # a scheduler ending the job, a terminal closing
+        time.sleep(5)
+        raise AssertionError("the signal did not stop the campaign")
+
+    monkeypatch.setattr(Campaigns, "start", terminated)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        'name = "x"\nproblems = ["embedding_bag"]\n[budget]\nmax_evaluations = 1\nmax_wall_s = 5\n'
+    )
+    before = signal.getsignal(signum)
+    result = runner.invoke(app, ["campaign", "run", str(cfg), "--home", str(tmp_path / "h")])
+    assert result.exit_code == 128 + signum, result.output
+    [row] = Campaigns(tmp_path / "h").store.campaigns()
+    name = signal.Signals(signum).name
+    assert f"stopped by {name}; continue it with: recforge campaign resume {row.id}" in result.output
+    assert signal.getsignal(signum) == before  # the handler is the caller's again
 
 
 def test_library_list_empty_and_corrupt(tmp_path) -> None:
