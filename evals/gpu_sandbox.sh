@@ -5,15 +5,20 @@
 # benchmark on it, side by side. Logs go to $OUT.
 # Usage (repo root, on a GPU host whose python3 has torch and triton; RECFORGE_BWRAP may name a
 # bubblewrap binary carried along): bash evals/gpu_sandbox.sh
+# SANDBOX_TESTS (the test files), BENCH_CANDIDATES (30) and RECFORGE_CORPUS_PARALLEL (the corpus's
+# evaluations side by side, 6 here) size the call to the device time at hand.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-export COLUMNS=160 RECFORGE_HOME=/tmp/recforge-home
+export COLUMNS=160 RECFORGE_HOME=/tmp/recforge-home RECFORGE_CORPUS_PARALLEL=${RECFORGE_CORPUS_PARALLEL:-6}
+candidates=${BENCH_CANDIDATES:-30}
 # The host-compute watch on compiled launches first: every incumbent must run clean under it.
-python3 -m pytest -q -p no:cacheprovider tests/sandbox/test_host_ops.py tests/sandbox/test_channel.py \
-  tests/sandbox/test_judge.py tests/sandbox/test_adversarial.py 2>&1 | tail -25 | tee "$OUT/pytest.txt"
-python3 -m agent bench sandbox --candidates 30 --parallel 6 2>&1 | tee "$OUT/bench_after.txt"
+# shellcheck disable=SC2086
+python3 -m pytest -q -p no:cacheprovider -rA ${SANDBOX_TESTS:-tests/sandbox/test_host_ops.py \
+  tests/sandbox/test_channel.py tests/sandbox/test_judge.py tests/sandbox/test_adversarial.py} 2>&1 \
+  | tee "$OUT/pytest_full.txt" | tail -40 | tee "$OUT/pytest.txt"
+python3 -m agent bench sandbox --candidates "$candidates" --parallel 6 2>&1 | tee "$OUT/bench_after.txt"
 if [ -f .tools/before.tgz ]; then
   rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf .tools/before.tgz -C /tmp/before
-  (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before python3 -m agent bench sandbox --candidates 30 --parallel 6) \
-    2>&1 | tee "$OUT/bench_before.txt"
+  (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before python3 -m agent bench sandbox --candidates "$candidates" \
+    --parallel 6) 2>&1 | tee "$OUT/bench_before.txt"
 fi

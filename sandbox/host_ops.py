@@ -8,7 +8,7 @@ Python can see: tensors and numbers look alike there; so is reading floating-poi
 Python (tolist, item), which dispatches no such op. The runner watches its calls with a torch
 dispatch mode and a torch function mode (every call, timed or not: a watch that were on for some
 calls only could be detected from Python, and host code could compute while it is off) and
-reports the first finding; only Triton's autotuning benchmarks run unwatched.
+reports the first finding; only Triton's autotuning benchmarks of compiled kernels run unwatched.
 
 Imported by the runner before any candidate code exists.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Iterator
 
 import torch
@@ -73,11 +74,18 @@ class HostOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        # Floating-point data viewed as integers: computing on the bits (a gather by indexing)
-        # is computing on the data.
-        as_bits = func is torch.ops.aten.view.dtype and _floating(args[0]) and not _floating(out)
+        # Floating-point data viewed as integers, or integers viewed as floating-point data:
+        # either way host code holds the data's bits in a tensor the rest of this watch takes
+        # for integers (computing on the bits, a gather by indexing, is computing on the data;
+        # a copy into a floating-point view of an integer buffer puts them there).
+        as_bits = func is torch.ops.aten.view.dtype and _floating(args[0]) != _floating(out)
         if self.first is None and as_bits:
             self.first = f"{func} ({args[0].dtype} viewed as {out.dtype})".replace("torch.", "")
+        # A floating-point value read into Python, however the read was spelled (item, float(),
+        # a format field, printing): every read of one element comes down to this op.
+        read = func is torch.ops.aten._local_scalar_dense.default and _floating(args[0])
+        if self.first is None and read:
+            self.first = f"{func} on {args[0].dtype} (a value read into Python)".replace("torch.", "")
         if self.first is None and func.overloadpacket.__name__ not in self.allowed:
             tensors = [*tree_leaves(args), *tree_leaves(kwargs), *tree_leaves(out)]
             floating = [t for t in tensors if _floating(t)]
@@ -93,6 +101,16 @@ def _unwatched(run):
 
     wrapper.recforge_wrapped = True
     return wrapper
+
+
+def _untimed(self, *args, config, **meta) -> list[float]:
+    """The autotuner's benchmark of one config in the interpreter: not run at all. Interpreted
+    timings decide nothing, and an interpreted kernel body is host Python, which the watch
+    must never be suspended for; every config ties, so the first is taken."""
+    return [1.0, 1.0, 1.0]
+
+
+_untimed.recforge_wrapped = True
 
 
 def _constexpr_names(kernel) -> set[str]:
@@ -146,7 +164,8 @@ def prepare_triton(kernel_classes: list[type]) -> None:
     them, and the interpreter's own copies of the arguments are bookkeeping), and refuse tensors
     as compile-time constants. Only the autotuner's benchmarking (triton.testing's statistics on
     its timings) runs with the watch suspended; the screen refuses the hooks that would run the
-    candidate's code there (sandbox.screen, rule hooks)."""
+    candidate's code there (sandbox.screen, rule hooks). In the interpreter, where a kernel's
+    body is host Python, the autotuner benchmarks nothing (_untimed)."""
     from triton.runtime.autotuner import Autotuner
 
     for cls in kernel_classes:
@@ -155,14 +174,17 @@ def prepare_triton(kernel_classes: list[type]) -> None:
             cls.run = _checked_launch(run)
     bench = Autotuner.__dict__.get("_bench")
     if bench is not None and not getattr(bench, "recforge_wrapped", False):
-        Autotuner._bench = _unwatched(bench)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        Autotuner._bench = _untimed if interpreted else _unwatched(bench)
 
 
-# Tensor methods that read values into host Python, which no aten op shows (tolist) or which
-# are bookkeeping on integers (item): on floating-point data, host code computing with them.
+# Tensor methods that read values into host Python, which no aten op shows (tolist; printing,
+# which torch runs with every mode suspended) or which are bookkeeping on integers (item): on
+# floating-point data, host code computing with them.
 READS = frozenset(
-    {"tolist", "item", "numpy", "__float__", "__int__", "__index__", "__bool__", "__complex__", "__array__"}
-)
+    {"tolist", "item", "numpy", "__float__", "__int__", "__index__", "__bool__", "__complex__", "__array__",
+     "__repr__", "__str__", "__format__"}
+)  # fmt: skip
 
 
 class HostReads(TorchFunctionMode):

@@ -83,6 +83,8 @@ SLACK_FRACTION = 0.1
 # once (an honest embedding-bag kernel in a six-worker H200 benchmark), work hidden from the
 # events leaves it every time.
 AUDIT_ATTEMPTS = 3
+# A call's inputs start 0 to PLACEMENT_GAPS - 1 alignment units past the previous call's end.
+PLACEMENT_GAPS = 16
 
 
 class _EmptyOutput(Exception):
@@ -454,15 +456,22 @@ class Session:
         sets = [self.problem.make_inputs(shape, seed, self.device) for seed in seeds]
         if other_form:
             sets = [self.problem.in_other_form(s) for s in sets]
-        region, rid = self._input_region(sum(_layout(s) for s in sets))
-        cursor = [0]
-        calls = []
-        for inputs in sets:
-            call = Call(shape=shape, inputs=inputs, id=self.next_call)
+        # Rule checks on the timed calls: where a call's inputs lie tells nothing of its kind.
+        # Each call goes to the region in a random order after a random gap, whether it is
+        # checked alone or timed in a batch (packed back to back, a batch's later calls began
+        # exactly where another call's inputs ended, and a lone check never did).
+        gaps = [secrets.randbelow(PLACEMENT_GAPS) * shared.ALIGN for _ in sets]
+        region, rid = self._input_region(sum(_layout(s) for s in sets) + sum(gaps))
+        calls = [Call(shape=shape, inputs=inputs) for inputs in sets]
+        for call in calls:
+            call.id = self.next_call
             self.next_call += 1
+        cursor = [0]
+        for i in random.SystemRandom().sample(range(len(calls)), len(calls)):
+            call, inputs = calls[i], sets[i]
+            cursor[0] += gaps[i]
             call.args = [_encode(a, region, rid, cursor, call) for a in inputs.args]
             call.kwargs = {k: _encode(v, region, rid, cursor, call) for k, v in inputs.kwargs.items()}
-            calls.append(call)
         if write:
             self.write(calls)
         return calls
@@ -874,8 +883,9 @@ class Evaluation:
             # work into the next could skew while the batch's sum stays honest); the events only
             # raise it where they account for more.
             samples.extend([max(per_call, sum(times) / n)] * n)
-            # Rule checks on the timed calls: drawn after the batch ran, at least one per batch.
-            chosen = [i for i in range(n) if self.rng.random() < 0.25] or [self.rng.randrange(n)]
+            # Rule checks on the timed calls: drawn after the batch ran, at least one per batch;
+            # in the interpreter, whose batches are few and short, every one.
+            chosen = [i for i in range(n) if not gpu or self.rng.random() < 0.25] or [self.rng.randrange(n)]
             with self.session.gpu(exclusive=False):
                 for i in chosen:
                     where = f"timed call on {shape.describe()}"
@@ -1104,8 +1114,17 @@ def main(argv: list[str]) -> int:
             log_tail=traceback.format_exc()[-LOG_TAIL_CHARS:],
         )
     # Written last and atomically: a result file exists only if the judge finished.
+    try:
+        text = result.model_dump_json()
+    except ValueError as exc:  # text the runner sent that no JSON writer takes: still a result
+        text = EvalResult(
+            status=Status.RUNTIME_ERROR,
+            problem=request.problem,
+            candidate_id=request.candidate_id,
+            message=f"the judge could not write its result: {exc}"[:2000].encode("ascii", "replace").decode(),
+        ).model_dump_json()
     tmp = result_path.with_suffix(".tmp")
-    tmp.write_text(result.model_dump_json())
+    tmp.write_text(text)
     tmp.replace(result_path)
     return 0
 

@@ -80,7 +80,7 @@ def receive(sock: socket.socket, deadline: float | None = None) -> tuple[dict, l
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE:
             raise BadMessage(f"a message over {MAX_MESSAGE} bytes (or with too many descriptors)")
         try:
-            message = json.loads(data)
+            message = _valid_text(json.loads(data))
         except (ValueError, RecursionError) as exc:  # bad JSON or text; nesting past the stack
             raise BadMessage(f"not JSON: {type(exc).__name__}: {str(exc)[:200]}") from exc
         if not isinstance(message, dict):
@@ -90,6 +90,22 @@ def receive(sock: socket.socket, deadline: float | None = None) -> tuple[dict, l
             _close_quietly(fd)
         raise
     return message, fds
+
+
+def _valid_text(value):
+    """`value` with every string made valid Unicode: JSON's escapes can spell a lone surrogate,
+    which no UTF-8 writer (the judge's result file) takes; it becomes "?"."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "replace").decode("utf-8")
+        return value
+    if isinstance(value, list):
+        return [_valid_text(v) for v in value]
+    if isinstance(value, dict):
+        return {_valid_text(k): _valid_text(v) for k, v in value.items()}
+    return value
 
 
 def pending(sock: socket.socket) -> bool:

@@ -82,9 +82,10 @@ def test_the_suite_covers_every_exploit_and_fault() -> None:
 def outcomes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[Future[EvalResult], Path, Path]]:
-    """Every case evaluated once, two at a time: a worker keeps one core busy, and the cases that
-    run a worker (or spin until the timeout) would otherwise leave the second core of a small CI
-    machine idle. Case name -> (its evaluation, its scratch directory, a canary directory beside it)."""
+    """Every case evaluated once, two at a time (RECFORGE_CORPUS_PARALLEL on a larger host): a
+    worker keeps one core busy, and the cases that run a worker (or spin until the timeout) would
+    otherwise leave the second core of a small CI machine idle. Case name -> (its evaluation, its
+    scratch directory, a canary directory beside it)."""
     # Only the cases this session runs: `-k control_correct` evaluates that one alone.
     selected = {
         item.callspec.params["path"]
@@ -92,7 +93,7 @@ def outcomes(
         if getattr(item, "originalname", None) == "test_adversarial_candidate_gets_its_status"
     }
     runs = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=int(os.environ.get("RECFORGE_CORPUS_PARALLEL", "2"))) as pool:
         for path in sorted(selected):
             source, expected, _ = _source(path)
             root = tmp_path_factory.mktemp(path.stem)

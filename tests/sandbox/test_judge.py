@@ -488,7 +488,9 @@ def test_garbage_only_when_timed_is_caught_by_the_checks_on_timed_calls(outcomes
 def test_a_memo_keyed_by_input_addresses_is_wrong(outcomes) -> None:
     result = _result(outcomes, "caches-by-data-ptr")
     _says(result, Status.WRONG)
-    assert "outside tolerance" in result.message or "outside their norm bound" in result.message
+    # The memo hands out another call's output: its values, or its shape where the two differ.
+    found = ("outside tolerance", "outside their norm bound", "returned [")
+    assert any(m in result.message for m in found), result.message
 
 
 @needs_bwrap
