@@ -160,7 +160,10 @@ class Campaigns:
             graph = compile_graph(saver)
             snapshot = graph.get_state(run_config)
             started = bool(snapshot.values)
-            if started and not snapshot.next:
+            # Ended: no step left, nor one whose writes were saved without the checkpoint after
+            # them (LangGraph saves a checkpoint while the next step runs, and a kill can come
+            # between): such a step has no `next` either, but its task is there to continue from.
+            if started and not snapshot.next and not snapshot.tasks:
                 if row.status != "running":
                     raise CampaignError(
                         f"campaign {campaign_id} already finished "

@@ -44,17 +44,26 @@ CREATE TABLE IF NOT EXISTS accepted (
 );
 -- One row per HTTP request to the LLM, retries included: what was sent, what came back, what it
 -- cost and what became of it. Token and money budgets are sums over this table, so they survive
--- a kill. outcome: replied (pending validation), proposal, invalid, or the transport failure
--- (timeout, connection, http_<code>, garbage).
+-- a kill. outcome: replied (recorded, not yet read: a kill came between), proposal, invalid, or
+-- the transport failure (timeout, connection, http_<code>, garbage).
 CREATE TABLE IF NOT EXISTS llm_exchanges (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, campaign_id TEXT NOT NULL, problem TEXT NOT NULL,
     conversation TEXT NOT NULL, turn INTEGER NOT NULL, attempt INTEGER NOT NULL, model TEXT NOT NULL,
     request_json TEXT NOT NULL, response_text TEXT, outcome TEXT NOT NULL, error TEXT,
     prompt_tokens INTEGER NOT NULL DEFAULT 0, completion_tokens INTEGER NOT NULL DEFAULT 0,
-    cost REAL NOT NULL DEFAULT 0, latency_s REAL NOT NULL, candidate_id TEXT, created_at TEXT NOT NULL
+    cost REAL NOT NULL DEFAULT 0, latency_s REAL NOT NULL, candidate_id TEXT, created_at TEXT NOT NULL,
+    finish_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS llm_exchanges_campaign ON llm_exchanges (campaign_id);
--- Each candidate the LLM proposed: its conversation (for repair turns) and repair lineage.
+-- Each fresh conversation with the LLM: the kernel it improves (parent_id; NULL: the template at
+-- its defaults), and whether it has concluded (with a proposal, or given up). One cut short after
+-- a reply (a kill, an outage) continues from its turns in llm_exchanges.
+CREATE TABLE IF NOT EXISTS llm_conversations (
+    campaign_id TEXT NOT NULL, id TEXT NOT NULL, problem TEXT NOT NULL, parent_id TEXT,
+    concluded INTEGER NOT NULL DEFAULT 0, created_at TEXT NOT NULL, PRIMARY KEY (campaign_id, id)
+);
+-- Each candidate the LLM proposed: its conversation (for repair turns) and repair lineage;
+-- repair_tried once its repair has concluded (with a proposal, or given up).
 CREATE TABLE IF NOT EXISTS llm_proposals (
     campaign_id TEXT NOT NULL, candidate_id TEXT NOT NULL, problem TEXT NOT NULL,
     conversation TEXT NOT NULL, kind TEXT NOT NULL, rationale TEXT NOT NULL, depth INTEGER NOT NULL,
@@ -113,6 +122,20 @@ class LLMSpent:
 
 
 @dataclass(frozen=True)
+class LLMReply:
+    """A reply of the LLM as recorded: the request that got it (the conversation before it) and
+    what became of it (replied: not yet read)."""
+
+    seq: int
+    turn: int
+    request: dict
+    text: str
+    finish_reason: str | None
+    outcome: str
+    error: str | None
+
+
+@dataclass(frozen=True)
 class LLMProposalRow:
     candidate_id: str
     conversation: str
@@ -158,6 +181,13 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA busy_timeout=10000")
         self._db.executescript(SCHEMA)
+        self._add_columns()
+
+    def _add_columns(self) -> None:
+        """Columns added since a store was created (CREATE TABLE IF NOT EXISTS keeps its tables)."""
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(llm_exchanges)")}
+        if "finish_reason" not in columns:
+            self._db.execute("ALTER TABLE llm_exchanges ADD COLUMN finish_reason TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -329,6 +359,7 @@ class Store:
         model: str,
         request_json: str,
         response_text: str | None,
+        finish_reason: str | None,
         outcome: str,
         error: str | None,
         prompt_tokens: int,
@@ -338,8 +369,8 @@ class Store:
     ) -> int:
         cursor = self._db.execute(
             "INSERT INTO llm_exchanges (campaign_id, problem, conversation, turn, attempt, model, "
-            "request_json, response_text, outcome, error, prompt_tokens, completion_tokens, cost, "
-            "latency_s, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "request_json, response_text, finish_reason, outcome, error, prompt_tokens, completion_tokens, "
+            f"cost, latency_s, created_at) VALUES ({', '.join('?' * 16)})",
             (
                 campaign_id,
                 problem,
@@ -349,6 +380,7 @@ class Store:
                 model,
                 request_json,
                 response_text,
+                finish_reason,
                 outcome,
                 error,
                 prompt_tokens,
@@ -369,6 +401,19 @@ class Store:
             (outcome, error, candidate_id, seq),
         )
 
+    def last_llm_reply(self, campaign_id: str, conversation: str, since_turn: int) -> LLMReply | None:
+        """The conversation's latest reply at `since_turn` or later, if any."""
+        row = self._db.execute(
+            "SELECT seq, turn, request_json, response_text, finish_reason, outcome, error FROM llm_exchanges "
+            "WHERE campaign_id = ? AND conversation = ? AND turn >= ? AND response_text IS NOT NULL "
+            "ORDER BY seq DESC LIMIT 1",
+            (campaign_id, conversation, since_turn),
+        ).fetchone()
+        if row is None:
+            return None
+        seq, turn, request_json, *rest = row
+        return LLMReply(seq, turn, json.loads(request_json), *rest)
+
     def llm_exchanges(self, campaign_id: str) -> list[dict]:
         cursor = self._db.execute(
             "SELECT * FROM llm_exchanges WHERE campaign_id = ? ORDER BY seq", (campaign_id,)
@@ -386,10 +431,44 @@ class Store:
         ).fetchone()
         return LLMSpent(*row)
 
+    def add_llm_conversation(
+        self, campaign_id: str, conversation: str, *, problem: str, parent_id: str | None
+    ) -> None:
+        self._db.execute(
+            "INSERT INTO llm_conversations VALUES (?, ?, ?, ?, 0, ?)",
+            (campaign_id, conversation, problem, parent_id, _now()),
+        )
+
+    def open_llm_conversations(self, campaign_id: str, problem: str) -> list[tuple[str, str | None]]:
+        """Fresh conversations for `problem` cut short after a reply (a kill, an outage) and not
+        concluded, oldest first: (id, parent_id)."""
+        return self._db.execute(
+            "SELECT c.id, c.parent_id FROM llm_conversations c "
+            "WHERE c.campaign_id = ? AND c.problem = ? AND c.concluded = 0 AND EXISTS (SELECT 1 "
+            "FROM llm_exchanges e WHERE e.campaign_id = c.campaign_id AND e.conversation = c.id "
+            "AND e.response_text IS NOT NULL) ORDER BY c.rowid",
+            (campaign_id, problem),
+        ).fetchall()
+
+    def conclude_llm_ask(self, campaign_id: str, conversation: str, repair_of: str | None) -> None:
+        """An ask for a proposal has ended, with one or given up: a repair marks the kernel it
+        repairs as tried, a fresh proposal concludes its conversation. Neither is continued."""
+        if repair_of is None:
+            self._db.execute(
+                "UPDATE llm_conversations SET concluded = 1 WHERE campaign_id = ? AND id = ?",
+                (campaign_id, conversation),
+            )
+        else:
+            self._db.execute(
+                "UPDATE llm_proposals SET repair_tried = 1 WHERE campaign_id = ? AND candidate_id = ?",
+                (campaign_id, repair_of),
+            )
+
     def add_llm_proposal(
         self,
         campaign_id: str,
         *,
+        seq: int,
         candidate: Candidate,
         problem: str,
         conversation: str,
@@ -399,10 +478,12 @@ class Store:
         repair_of: str | None,
         messages: list[dict],
     ) -> None:
-        # The proposal and its candidate in one transaction: a kill leaves both or neither, and
-        # a resume evaluates every stored proposal (unevaluated_llm_proposals).
+        """The reply `seq` became a proposal: its outcome, the proposal with its candidate and the
+        end of its ask (conclude_llm_ask) in one transaction, so a kill leaves all or none, and a
+        resume evaluates every stored proposal first (unevaluated_llm_proposals)."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
+            self.set_llm_outcome(seq, "proposal", None, candidate.id)
             self.add_candidate(campaign_id, candidate)
             self._db.execute(
                 "INSERT OR IGNORE INTO llm_proposals VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
@@ -419,6 +500,7 @@ class Store:
                     _now(),
                 ),
             )
+            self.conclude_llm_ask(campaign_id, conversation, repair_of)
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
@@ -448,7 +530,8 @@ class Store:
         self, campaign_id: str, problem: str, statuses: tuple[str, ...], max_depth: int
     ) -> list[LLMProposalRow]:
         """LLM proposals that were evaluated with one of `statuses`, are less than `max_depth`
-        repairs deep and have not been sent back yet; the most recently evaluated first."""
+        repairs deep and whose repair has not concluded (not begun, or cut short); the most
+        recently evaluated first."""
         marks = ", ".join("?" * len(statuses))
         rows = self._db.execute(
             "SELECT p.candidate_id, p.conversation, p.kind, p.rationale, p.depth, p.repair_of, "
@@ -459,12 +542,6 @@ class Store:
             (campaign_id, problem, max_depth, *statuses),
         ).fetchall()
         return [LLMProposalRow(*r[:6], messages=json.loads(r[6])) for r in rows]
-
-    def set_repair_tried(self, campaign_id: str, candidate_id: str) -> None:
-        self._db.execute(
-            "UPDATE llm_proposals SET repair_tried = 1 WHERE campaign_id = ? AND candidate_id = ?",
-            (campaign_id, candidate_id),
-        )
 
     def add_llm_pause(self, campaign_id: str, started: float, until: float, reason: str) -> None:
         self._db.execute("INSERT INTO llm_pauses VALUES (?, ?, ?, ?)", (campaign_id, started, until, reason))

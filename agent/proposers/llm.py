@@ -15,26 +15,31 @@ pause. One `LLMProposer` per problem holds the conversation logic:
   given up;
 - repair turns: an LLM kernel that failed (compile error, runtime error, wrong, rejected by the
   screen, timed out) goes back into its own conversation with the evaluation's message,
-  mismatches and log tail, up to `repair_depth` times along one lineage.
+  mismatches and log tail, up to `repair_depth` times along one lineage;
+- nothing paid for is lost: every reply is recorded before it is read, a proposal with its
+  candidate in one transaction, and the conversations live in the store: one cut short (a kill,
+  an outage) continues from its recorded turns, a reply not yet read first.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from agent.config import BudgetConfig, LLMConfig
+from agent.failpoints import failpoint
 from agent.incumbents import campaign_arch
 from agent.llm import prompting
 from agent.llm.client import Attempt, ChatClient, LLMUnavailable, Shrink
 from agent.llm.proposals import ProposalError, allowed_kinds, parse_proposal, proposal_schema, to_candidate
 from agent.proposers.base import ProposalRequest
 from agent.proposers.knob_source import knob_values
-from agent.store import EvaluationRow, LLMProposalRow, Store
+from agent.store import EvaluationRow, LLMReply, Store
 from sandbox.candidate import Candidate
 from sandbox.result import Status
 from search_space import get_problem
@@ -133,9 +138,9 @@ class LLMEndpoint:
         conversation: str,
         turn: int,
         shrink: Shrink | None = None,
-    ) -> tuple[Attempt, int]:
+    ) -> LLMReply:
         """The reply to `messages` (or to a smaller form from `shrink`, where the model's context
-        needs one: the reply's request holds what was sent) and its exchange's row in the store;
+        needs one: the reply's request holds what was sent), as recorded in the store;
         LLMUnavailable if none. A prompt that fits the context in no form is no outage: it is
         left to the caller (`stop`, or give up the conversation)."""
         rows: list[int] = []
@@ -151,6 +156,7 @@ class LLMEndpoint:
                     model=self.config.model,
                     request_json=json.dumps(a.request),
                     response_text=a.text,
+                    finish_reason=a.finish_reason,
                     outcome=a.outcome,
                     error=a.error,
                     prompt_tokens=a.prompt_tokens,
@@ -173,7 +179,16 @@ class LLMEndpoint:
                 self._pause(str(exc))
             raise
         self.failures_in_a_row = 0
-        return attempt, rows[-1]
+        failpoint("after-reply-recorded")
+        return LLMReply(
+            seq=rows[-1],
+            turn=turn,
+            request=attempt.request,
+            text=attempt.text or "",
+            finish_reason=attempt.finish_reason,
+            outcome=attempt.outcome,
+            error=None,
+        )
 
     def stopped(self) -> str | None:
         """Why the LLM proposer stopped for good (a key that does not work, a model the server
@@ -204,9 +219,30 @@ class LLMEndpoint:
 
 @dataclass
 class _Conversation:
+    """One ask for a proposal: a fresh proposal's conversation, or a repair turn that continues
+    the conversation of the kernel it repairs."""
+
     id: str
-    messages: list[dict]
-    turn: int  # assistant replies so far
+    base: Candidate | None  # what knobs and edits apply to
+    parent_id: str | None
+    kinds: list[str]
+    messages: list[dict]  # what the next request sends
+    turn: int = 0  # assistant replies so far in the conversation
+    first_turn: int = 0  # where this ask began
+    depth: int = 0  # repairs along the lineage
+    repair_of: str | None = None
+    unread: LLMReply | None = None  # a reply recorded before a kill and not yet read
+
+    @property
+    def replies(self) -> int:
+        """The replies this ask has had."""
+        return self.turn - self.first_turn
+
+    def answered(self, reply: LLMReply, error: str | None = None) -> None:
+        """The conversation after `reply`, and where it was unusable, the reason going back."""
+        self.messages = [*reply.request["messages"], {"role": "assistant", "content": reply.text}]
+        if error is not None:
+            self.messages.append({"role": "user", "content": prompting.invalid_prompt(error, self.kinds)})
 
 
 class LLMProposer:
@@ -258,43 +294,41 @@ class LLMProposer:
             return []
         seen = set(request.seen)
         out: list[Candidate] = []
+
+        def take(candidate: Candidate | None) -> None:
+            if candidate is not None:
+                out.append(candidate)
+                seen.add(candidate.id)
+
         # What was paid for and not evaluated (a kill between the reply and its evaluation) first,
         # even where the LLM has stopped since.
         for stored in self.store.unevaluated_llm_proposals(self.campaign_id, self.problem):
             if len(out) < n and stored.id not in seen:
-                out.append(stored)
-                seen.add(stored.id)
+                take(stored)
         if self.exhausted:
             return out
         self._stalled = False
-        # Repairs next: a failure with its error in hand is the most informed next step.
-        for failed in self.store.llm_repairables(
-            self.campaign_id, self.problem, tuple(s.value for s in REPAIRABLE), self.config.repair_depth
-        ):
+        # Then the conversations cut short with replies in hand, and repairs: a failure with its
+        # error in hand is the most informed next step.
+        for conversation in itertools.chain(self._cut_short(), self._repairs()):
             if len(out) >= n or not self._usable():
                 break
-            candidate = self._repair(failed, seen)
-            if candidate is not None:
-                out.append(candidate)
-                seen.add(candidate.id)
+            take(self._converse(conversation, seen))
         for _ in range(n - len(out)):
             if not self._usable():
                 break
-            candidate = self._fresh(request, seen)
-            if candidate is not None:
-                out.append(candidate)
-                seen.add(candidate.id)
+            take(self._fresh(request, seen))
         if out:
             self.empty_rounds = 0
         elif not self._stalled:
             self.empty_rounds += 1
         return out
 
-    def _base(self, parent: EvaluationRow | None) -> Candidate | None:
+    def _base(self, parent: Candidate | None) -> Candidate | None:
         """What an edit applies to and the prompt shows: the chosen elite, else the template at
         its defaults."""
         if parent is not None:
-            return parent.candidate
+            return parent
         if self.template is not None:
             return Candidate(
                 problem=self.problem,
@@ -309,7 +343,7 @@ class LLMProposer:
         llm_rows = self.store.llm_proposals(self.campaign_id, self.problem)
         elites = request.elites or ([request.best] if request.best is not None else [])
         parent = choose_parent(elites, seed=self.seed, turn=sum(r.depth == 0 for r in llm_rows.values()))
-        base = self._base(parent)
+        base = self._base(parent.candidate if parent is not None else None)
         kinds = allowed_kinds(self.problem, base)
         own = prompting.lineage(request.rows, parent, self.config.history)
         others = prompting.other_attempts(request.rows, parent, self.config.history - len(own))
@@ -337,124 +371,167 @@ class LLMProposer:
             form = next(forms, None)
             return None if form is None else (messages(**form[1]), form[0])
 
-        conversation = _Conversation(id=secrets.token_hex(6), messages=messages(), turn=0)
         parent_id = parent.candidate.id if parent is not None else None
-        candidate, _ = self._converse(
-            conversation, base=base, parent_id=parent_id, kinds=kinds, seen=seen, shrink=shrink
-        )
-        return candidate
-
-    def _repair(self, failed: LLMProposalRow, seen: set[str]) -> Candidate | None:
-        candidate = self.store.candidate(self.campaign_id, failed.candidate_id)
-        [row] = [
-            r
-            for r in self.store.evaluations(self.campaign_id, self.problem)
-            if r.candidate.id == candidate.id
-        ]
-        kinds = allowed_kinds(self.problem, candidate)
         conversation = _Conversation(
-            id=failed.conversation,
-            messages=[
-                *failed.messages,
-                {"role": "user", "content": prompting.repair_prompt(candidate, row.result, kinds)},
-            ],
-            turn=sum(m["role"] == "assistant" for m in failed.messages),
+            id=secrets.token_hex(6), base=base, parent_id=parent_id, kinds=kinds, messages=messages()
         )
-        fixed, concluded = self._converse(
-            conversation,
-            base=candidate,
-            parent_id=candidate.id,
-            kinds=kinds,
-            seen=seen,
-            depth=failed.depth + 1,
-            repair_of=candidate.id,
+        self.store.add_llm_conversation(
+            self.campaign_id, conversation.id, problem=self.problem, parent_id=parent_id
         )
-        if concluded:  # not when the endpoint failed: then the repair is tried again later
-            self.store.set_repair_tried(self.campaign_id, candidate.id)
-        return fixed
+        return self._converse(conversation, seen, shrink=shrink)
+
+    def _cut_short(self) -> Iterator[_Conversation]:
+        """Fresh conversations cut short after a reply (a kill, an outage), as their recorded
+        turns leave them."""
+        for conversation, parent_id in self.store.open_llm_conversations(self.campaign_id, self.problem):
+            parent = self.store.candidate(self.campaign_id, parent_id) if parent_id is not None else None
+            base = self._base(parent)
+            kinds = allowed_kinds(self.problem, base)
+            yield self._continued(
+                _Conversation(id=conversation, base=base, parent_id=parent_id, kinds=kinds, messages=[])
+            )
+
+    def _repairs(self) -> Iterator[_Conversation]:
+        """The failed LLM kernels whose repair has not concluded, each sent back into its own
+        conversation with the evaluation's error, or where that repair was cut short, as its
+        recorded turns leave it."""
+        for failed in self.store.llm_repairables(
+            self.campaign_id, self.problem, tuple(s.value for s in REPAIRABLE), self.config.repair_depth
+        ):
+            candidate = self.store.candidate(self.campaign_id, failed.candidate_id)
+            [row] = [
+                r
+                for r in self.store.evaluations(self.campaign_id, self.problem)
+                if r.candidate.id == candidate.id
+            ]
+            kinds = allowed_kinds(self.problem, candidate)
+            turn = sum(m["role"] == "assistant" for m in failed.messages)
+            repair = {"role": "user", "content": prompting.repair_prompt(candidate, row.result, kinds)}
+            yield self._continued(
+                _Conversation(
+                    id=failed.conversation,
+                    base=candidate,
+                    parent_id=candidate.id,
+                    kinds=kinds,
+                    messages=[*failed.messages, repair],
+                    turn=turn,
+                    first_turn=turn,
+                    depth=failed.depth + 1,
+                    repair_of=candidate.id,
+                )
+            )
+
+    def _continued(self, conversation: _Conversation) -> _Conversation:
+        """`conversation` after the latest reply recorded since its ask began, if any: one not
+        yet read is read first, an unusable one is asked again with the recorded reason."""
+        last = self.store.last_llm_reply(self.campaign_id, conversation.id, conversation.first_turn)
+        if last is None:
+            return conversation
+        conversation.turn = last.turn + 1
+        if last.outcome == "replied":
+            conversation.unread = last
+        else:
+            conversation.answered(last, last.error)
+        return conversation
 
     def _converse(
-        self,
-        conversation: _Conversation,
-        *,
-        base: Candidate | None,
-        parent_id: str | None,
-        kinds: list[str],
-        seen: set[str],
-        depth: int = 0,
-        repair_of: str | None = None,
-        shrink: Shrink | None = None,
-    ) -> tuple[Candidate | None, bool]:
-        """(candidate, concluded): the first usable proposal of up to 1 + format_retries
-        replies; concluded is False when the endpoint or a budget cut the conversation short.
-        `shrink` gives smaller forms of the first request (a fresh proposal's prompt).
+        self, conversation: _Conversation, seen: set[str], shrink: Shrink | None = None
+    ) -> Candidate | None:
+        """The first usable proposal of up to 1 + format_retries replies to this ask (those
+        recorded before a kill included). The ask concludes (in the store) with a proposal or
+        when it gives up, not when the endpoint or a budget cuts it short: then it continues
+        later from its recorded turns. `shrink` gives smaller forms of the first request (a
+        fresh proposal's prompt).
 
         A request that fits the model's context in no form ends the conversation: a fresh
         proposal's (its smallest prompt does not fit) stops the LLM proposer for good, with the
         reason, since every fresh prompt is about as long; a repair or re-ask (a longer
         conversation) is given up."""
-        for _ in range(1 + self.config.format_retries):
-            if not self._usable():
-                return None, False
-            try:
-                reply, seq = self.endpoint.ask(
-                    conversation.messages,
-                    problem=self.problem,
-                    conversation=conversation.id,
-                    turn=conversation.turn,
-                    shrink=shrink if conversation.turn == 0 else None,
-                )
-            except LLMUnavailable as exc:
-                if exc.outcome != "context_overflow":
-                    self._stalled = True
-                    return None, False
-                if conversation.turn == 0 and repair_of is None:
-                    self.endpoint.stop(f"{exc}: even the smallest prompt of a fresh proposal does not fit")
-                else:
+        reply = conversation.unread  # read before anything is asked
+        while True:
+            if reply is None:
+                if conversation.replies >= 1 + self.config.format_retries:
                     self.endpoint.events.message(
-                        f"{self.problem}: conversation {conversation.id} given up: it no longer fits "
-                        f"the model's context ({exc})"
+                        f"{self.problem}: the LLM gave no usable proposal in {conversation.replies} replies "
+                        f"(conversation {conversation.id}); see the store's llm_exchanges"
                     )
-                return None, True
-            conversation.turn += 1
-            # What was sent (a smaller prompt where the context needed one), then the reply.
-            conversation.messages = [*reply.request["messages"], {"role": "assistant", "content": reply.text}]
-            try:
-                if reply.finish_reason == "length":
-                    raise ProposalError(
-                        f"the reply was cut off at {reply.request.get('max_tokens')} tokens; send a shorter "
-                        "reply (an edit instead of a whole module)"
-                    )
-                proposal = parse_proposal(reply.text or "")
-                candidate = to_candidate(
-                    proposal, problem=self.problem, base=base, parent_id=parent_id, knobs_of=knob_values
-                )
-                if candidate.id in seen:
-                    raise ProposalError(
-                        f"that kernel is identical to one already evaluated or proposed ({candidate.id}); "
-                        "propose something different"
-                    )
-            except ProposalError as exc:
-                self.store.set_llm_outcome(seq, "invalid", str(exc))
-                conversation.messages.append(
-                    {"role": "user", "content": prompting.invalid_prompt(str(exc), kinds)}
-                )
-                continue
-            self.store.set_llm_outcome(seq, "proposal", None, candidate.id)
-            self.store.add_llm_proposal(
-                self.campaign_id,
-                candidate=candidate,
-                problem=self.problem,
-                conversation=conversation.id,
-                kind=proposal.kind,
-                rationale=proposal.rationale,
-                depth=depth,
-                repair_of=repair_of,
-                messages=conversation.messages,
-            )
-            return candidate, True
-        self.endpoint.events.message(
-            f"{self.problem}: the LLM gave no usable proposal in {1 + self.config.format_retries} replies "
-            f"(conversation {conversation.id}); see the store's llm_exchanges"
+                    break
+                if not self._usable():
+                    return None
+                try:
+                    reply = self._ask(conversation, shrink)
+                except LLMUnavailable as exc:
+                    if exc.outcome != "context_overflow":
+                        self._stalled = True
+                        return None
+                    self._overflowed(conversation, exc)
+                    break
+            candidate = self._read(reply, conversation, seen)
+            if candidate is not None:
+                return candidate
+            reply = None
+        self.store.conclude_llm_ask(self.campaign_id, conversation.id, conversation.repair_of)
+        return None
+
+    def _ask(self, conversation: _Conversation, shrink: Shrink | None) -> LLMReply:
+        reply = self.endpoint.ask(
+            conversation.messages,
+            problem=self.problem,
+            conversation=conversation.id,
+            turn=conversation.turn,
+            shrink=shrink if conversation.turn == 0 else None,
         )
-        return None, True
+        conversation.turn += 1
+        return reply
+
+    def _overflowed(self, conversation: _Conversation, exc: LLMUnavailable) -> None:
+        if conversation.turn == 0 and conversation.repair_of is None:
+            self.endpoint.stop(f"{exc}: even the smallest prompt of a fresh proposal does not fit")
+        else:
+            self.endpoint.events.message(
+                f"{self.problem}: conversation {conversation.id} given up: it no longer fits "
+                f"the model's context ({exc})"
+            )
+
+    def _read(self, reply: LLMReply, conversation: _Conversation, seen: set[str]) -> Candidate | None:
+        """The proposal in `reply`, stored with its candidate; None where it is unusable (the
+        reason recorded and, in the conversation, going back to the model)."""
+        try:
+            if reply.finish_reason == "length":
+                raise ProposalError(
+                    f"the reply was cut off at {reply.request.get('max_tokens')} tokens; send a shorter "
+                    "reply (an edit instead of a whole module)"
+                )
+            proposal = parse_proposal(reply.text)
+            candidate = to_candidate(
+                proposal,
+                problem=self.problem,
+                base=conversation.base,
+                parent_id=conversation.parent_id,
+                knobs_of=knob_values,
+            )
+            if candidate.id in seen:
+                raise ProposalError(
+                    f"that kernel is identical to one already evaluated or proposed ({candidate.id}); "
+                    "propose something different"
+                )
+        except ProposalError as exc:
+            self.store.set_llm_outcome(reply.seq, "invalid", str(exc))
+            failpoint("mid-repair" if conversation.repair_of else "mid-reask")
+            conversation.answered(reply, str(exc))
+            return None
+        conversation.answered(reply)
+        self.store.add_llm_proposal(
+            self.campaign_id,
+            seq=reply.seq,
+            candidate=candidate,
+            problem=self.problem,
+            conversation=conversation.id,
+            kind=proposal.kind,
+            rationale=proposal.rationale,
+            depth=conversation.depth,
+            repair_of=conversation.repair_of,
+            messages=conversation.messages,
+        )
+        failpoint("after-outcome")
+        return candidate

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from llm_server import Reply, proposal
@@ -10,6 +13,7 @@ from llm_server import Reply, proposal
 from agent.config import CampaignConfig, parse_config
 from search_space.embedding_bag import TEMPLATE
 
+REPO = Path(__file__).resolve().parents[2]
 KEY_ENV = "RECFORGE_TEST_LLM_KEY"
 KEY = "sk-test-4f8a1c0de5ec2e7"
 
@@ -89,3 +93,29 @@ def config(tmp_path: Path, url: str, **sections) -> CampaignConfig:
         else:
             raw[section] = values
     return parse_config(raw)
+
+
+def campaign_child(tmp_path: Path, cfg: CampaignConfig, home: Path, **env: str) -> subprocess.Popen:
+    """A campaign on `cfg` in `home`, started in a process of its own (llm_campaign_child.py: the
+    real campaign, the quick backend) and its own session; `env` adds to its environment. What
+    it prints goes to tmp_path/child.log."""
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    with open(tmp_path / "child.log", "wb") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests" / "agent" / "llm_campaign_child.py"),
+                str(tmp_path / "config.json"),
+                str(home),
+            ],
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "agent")]),
+                "TRITON_INTERPRET": "1",
+                **env,
+            },
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )

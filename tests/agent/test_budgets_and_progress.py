@@ -4,6 +4,7 @@ display, on campaigns evaluated by the quick in-process backend."""
 from __future__ import annotations
 
 import io
+import sqlite3
 import textwrap
 from pathlib import Path
 
@@ -218,3 +219,22 @@ def test_resume_after_a_kill_past_the_last_step_finishes_the_bookkeeping(tmp_pat
     assert row.status == "finished"
     with pytest.raises(agent.campaign.CampaignError, match="already finished"):
         Campaigns(tmp_path / "home").resume(done.campaign_id)
+
+
+def test_resume_after_a_kill_before_a_steps_checkpoint_was_saved_goes_on(tmp_path: Path, monkeypatch) -> None:
+    """LangGraph saves a step's checkpoint while the next step runs: a kill can leave a step's
+    writes saved and no checkpoint after them. Resume goes on from there to the end, instead of
+    taking a campaign with nothing `next` for finished."""
+    monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: QuickBackend())
+    campaigns = Campaigns(tmp_path / "home")
+    done = campaigns.start(_config(tmp_path, max_evaluations=2))
+    # What such a kill leaves after the last select step (step 7: plan, propose, evaluate and
+    # select for each evaluation): its writes, and no checkpoint after them.
+    with sqlite3.connect(tmp_path / "home" / "checkpoints.db") as db:
+        db.execute("DELETE FROM checkpoints WHERE json_extract(CAST(metadata AS TEXT), '$.step') > 7")
+    campaigns.store.set_status(done.campaign_id, "running")
+
+    again = Campaigns(tmp_path / "home").resume(done.campaign_id)
+
+    assert again.stop_reason == done.stop_reason == "evaluation budget reached (2 of 2)"
+    assert again.best == done.best

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from llm_helpers import BROKEN, BROKEN_LINE, GOOD, KEY, KEY_ENV, STORE_GOOD, STORE_WRONG, config, knob_replies
+from llm_helpers import (
+    BROKEN,
+    BROKEN_LINE,
+    GOOD,
+    KEY,
+    KEY_ENV,
+    STORE_GOOD,
+    STORE_WRONG,
+    campaign_child,
+    config,
+    knob_replies,
+)
 from llm_server import Fail, FakeLLMServer, Garbage, Reply, prompt_tokens, proposal
 from quick_backend import QuickBackend, hashed_speed
 from typer.testing import CliRunner
@@ -22,8 +31,6 @@ from agent.campaign import Campaigns
 from agent.cli import app
 from agent.proposers.knob_source import structure_key
 from sandbox.result import Status
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class Recorder:
@@ -212,6 +219,28 @@ def test_llm_only_campaign_waits_out_an_outage(tmp_path: Path, quick) -> None:
     ]
 
 
+def test_a_reask_cut_short_by_an_outage_continues_after_the_pause(tmp_path: Path, quick) -> None:
+    """An unusable reply, then the re-ask fails and the LLM pauses: once the pause is over, that
+    conversation is asked again where it was, not given up for a new prompt."""
+    unusable = "{'kind': 'knobs', not json"
+    with FakeLLMServer([Reply(unusable), Fail(503)], default=knob_replies()) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"max_retries": 0, "outage_failures": 1, "outage_cooldown_s": 0.5},
+            budget={"max_evaluations": 2, "max_wall_s": 600},
+        )
+        outcome = campaigns.start(cfg)
+    assert outcome.stop_reason == "evaluation budget reached (2 of 2)"
+    first, reask, again = server.requests
+    assert reask["messages"][-2] == {"role": "assistant", "content": unusable}
+    assert again["messages"] == reask["messages"]
+    exchanges = campaigns.store.llm_exchanges(outcome.campaign_id)
+    assert [e["outcome"] for e in exchanges] == ["invalid", "http_503", "proposal"]
+    assert len({e["conversation"] for e in exchanges}) == 1
+
+
 def test_a_key_revoked_mid_campaign_stops_the_llm_and_the_campaign_says_why(tmp_path: Path, quick) -> None:
     """A 401 is not an outage: the LLM-only campaign ends at once with the reason, instead of
     pausing for outage_cooldown_s again and again until its wall budget is spent."""
@@ -318,25 +347,7 @@ def test_sigkill_then_resume_remembers_llm_spend(tmp_path: Path, quick) -> None:
         cfg = config(
             tmp_path, server.url, budget={"max_evaluations": 100, "max_wall_s": 600, "max_llm_tokens": 1200}
         )
-        (tmp_path / "config.json").write_text(cfg.model_dump_json())
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "agent")]),
-            "TRITON_INTERPRET": "1",
-        }
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "tests" / "agent" / "llm_campaign_child.py"),
-                str(tmp_path / "config.json"),
-                str(home),
-            ],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        proc = campaign_child(tmp_path, cfg, home)
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
