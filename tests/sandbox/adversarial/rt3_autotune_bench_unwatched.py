@@ -5,8 +5,10 @@ kernel body as plain Python, so a plain function it calls would run unwatched th
 autotuning key per call (a counter argument) makes every call benchmark; the body computes once
 (a flag in a module dict), so the final, watched launch would do nothing. With launches disabled
 (the no-op proof) the body never runs and the output stays zero. No hook, no forbidden name. In
-the interpreter the autotuner benchmarks nothing, so the body first runs in the watched launch."""
+the interpreter the autotuner benchmarks nothing, so the body first runs in the watched launch;
+compiled, a kernel body cannot call Python at all."""
 # expect: suspicious | host code computed on floating-point tensors
+# expect-gpu: runtime_error | Unsupported function referenced
 # base: no
 
 import torch
