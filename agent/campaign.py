@@ -78,6 +78,7 @@ class CampaignOutcome:
     registered: list[str]
     report: Path  # Markdown; the HTML page is beside it (report.html)
     library: Path
+    interpreted: bool = False  # timed on the interpreter: `best` is the first correct proposal
 
 
 class CampaignError(RuntimeError):
@@ -206,6 +207,9 @@ class Campaigns:
             registered=final.get("registered", []),
             report=Path(ctx.report_dir) / "report.md",
             library=ctx.library.root,
+            interpreted=any(
+                r.result.interpreted for r in self.store.evaluations(campaign_id, best_only=True)
+            ),
         )
 
     def report(self, campaign_id: str, out_dir: Path | None = None) -> ReportFiles:

@@ -165,8 +165,10 @@ def _run_with_progress(start, config):
 
 def _print_outcome(outcome) -> None:
     console.print(f"campaign [bold]{outcome.campaign_id}[/] finished: {outcome.stop_reason}")
+    # On the interpreter the best is the first correct proposal (what is registered), not a speed.
+    how = " (first correct proposal; interpreted timings rank nothing)" if outcome.interpreted else ""
     for problem, cid in outcome.best.items():
-        console.print(f"  best {problem}: candidate {cid}")
+        console.print(f"  best {problem}: candidate {cid}{how}")
     for kernel_id in outcome.registered:
         console.print(f"  registered [green]{kernel_id}[/] in {outcome.library}")
     console.print(f"result: {outcome.library / 'manifest.json'}")
@@ -325,8 +327,10 @@ def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
         # Per request, what came of it: replied, context_overflow, structured_output_refused, auth, ...
         outcomes = Counter(e["outcome"] for e in campaigns.store.llm_exchanges(campaign_id))
         console.print("LLM requests by outcome: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
-    scored = sorted((r for r in rows if r.score_us is not None), key=lambda r: r.score_us)
-    for r in scored[:5]:
+    correct = [r for r in rows if r.score_us is not None]
+    if not any(r.result.interpreted for r in correct):
+        correct.sort(key=lambda r: r.score_us)  # interpreted timings rank nothing: evaluation order
+    for r in correct[:5]:
         tag = " (interpreted)" if r.result.interpreted else ""
         console.print(f"  {r.candidate.id} {r.score_us:.1f} us{tag} knobs {json.dumps(r.candidate.knobs)}")
     for problem, _, kernel_id, library in campaigns.store.accepted(campaign_id):
