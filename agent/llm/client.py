@@ -83,7 +83,10 @@ class LLMUnavailable(RuntimeError):
 def classify_http_error(code: int, message: str, request: dict) -> str:
     """The outcome of an HTTP error, by what servers say: a 400 may be a prompt plus max_tokens
     over the model's context (vLLM, SGLang, hosted APIs), a refused response_format, or another
-    bad request; 401 and 403 a key that does not work; 404 a model the server does not serve."""
+    bad request; 401 and 403 a key that does not work; 404 a model the server does not serve;
+    429 a rate limit (retried after the server's Retry-After)."""
+    if code == 429:
+        return "rate_limited"
     if code == 400 and _CONTEXT.search(message):
         return "context_overflow"
     constrained = "response_format" in request or "tools" in request
@@ -147,7 +150,9 @@ class Attempt:
     """One HTTP request and what came of it."""
 
     number: int  # 0 for the first try of a request, then 1, 2, ... for its retries
-    outcome: str  # replied, timeout, connection, http_<code>, garbage
+    # replied, timeout, connection, garbage, or an HTTP error's class (classify_http_error):
+    # context_overflow, structured_output_refused, auth, unknown_model, rate_limited, http_<code>
+    outcome: str
     latency_s: float
     request: dict  # what was sent (model, messages, sampling), never the key
     text: str | None = None

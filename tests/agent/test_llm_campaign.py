@@ -59,7 +59,7 @@ def _user(request: dict) -> str:
 def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickBackend) -> None:
     script = [
         Garbage(),  # a 200 that is not a chat completion: retried
-        Fail(500, {"retry-after-ms": "5"}),  # retried
+        Fail(429, {"retry-after-ms": "5"}),  # a rate limit: retried after Retry-After
         Reply("{'kind': 'module', not json", prompt_tokens=100, completion_tokens=50),  # re-asked
         Reply(proposal("module", source=BROKEN), prompt_tokens=100, completion_tokens=50),
         # repair of the broken kernel: an edit that fixes the import and breaks the sum
@@ -108,7 +108,7 @@ def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickB
     assert knobs.candidate.knobs["BLOCK_B"] == 8 and all(r.candidate.origin == "llm" for r in rows[1:])
 
     exchanges = campaigns.store.llm_exchanges(cid)
-    assert [e["outcome"] for e in exchanges] == ["garbage", "http_500", "invalid", *["proposal"] * 4]
+    assert [e["outcome"] for e in exchanges] == ["garbage", "rate_limited", "invalid", *["proposal"] * 4]
     assert [e["attempt"] for e in exchanges[:4]] == [0, 1, 2, 0]
     assert "not valid JSON" in exchanges[2]["error"]
     spent = campaigns.store.llm_spent(cid)
@@ -139,7 +139,7 @@ def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickB
     status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
     assert status.exit_code == 0 and "LLM: 7 requests (2 failed), 750 tokens" in status.output
     said = " ".join(status.output.split())
-    assert "LLM requests by outcome: proposal 4, garbage 1, http_500 1, invalid 1" in said, said
+    assert "LLM requests by outcome: proposal 4, garbage 1, rate_limited 1, invalid 1" in said, said
 
 
 @pytest.mark.parametrize(

@@ -286,7 +286,7 @@ def test_client_retries_what_retrying_can_fix(monkeypatch) -> None:
             MESSAGES, schema={}, on_attempt=attempts.append
         )
         elapsed = time.monotonic() - start
-    assert [a.outcome for a in attempts] == ["timeout", "http_429", "garbage", "replied"]
+    assert [a.outcome for a in attempts] == ["timeout", "rate_limited", "garbage", "replied"]
     assert attempts[1].retry_after_s == 1.0 and elapsed >= 1.3
     assert reply.text == "ok" and (reply.prompt_tokens, reply.completion_tokens) == (100, 0)  # estimated
 

@@ -41,7 +41,10 @@ def reported(tmp_path_factory) -> dict:
     script = [
         Reply(proposal("module", source=BROKEN), prompt_tokens=100, completion_tokens=50),
         Reply(proposal("module", source=WRONG), prompt_tokens=100, completion_tokens=50),
-        Fail(500),  # one failed request pauses the LLM (outage_failures = 1), briefly
+        # One failed request (a rate limit, retried once, then a server error) pauses the LLM
+        # (outage_failures = 1), briefly.
+        Fail(429, {"retry-after-ms": "1"}, message="Rate limit reached for requests"),
+        Fail(500),
     ]
     with pytest.MonkeyPatch.context() as mp, FakeLLMServer(script, default=knob_replies(100, 50)) as server:
         mp.setenv(KEY_ENV, KEY)
@@ -50,7 +53,7 @@ def reported(tmp_path_factory) -> dict:
             tmp,
             server.url,
             proposer={"kinds": ["llm", "search"], "batch_size": 2},
-            llm={"max_retries": 0, "outage_failures": 1, "outage_cooldown_s": 0.2},
+            llm={"max_retries": 1, "outage_failures": 1, "outage_cooldown_s": 0.2},
             budget={"max_evaluations": 8, "max_wall_s": 600, "max_gpu_s": 100},
         )
         campaigns = Campaigns(tmp / "home")
@@ -144,7 +147,9 @@ def test_report_command_tables(reported) -> None:
     spent = store.llm_spent(cid)
     assert f"- tokens: {spent.tokens} ({spent.prompt_tokens} prompt" in md
     [(_, _, reason)] = store.llm_pauses(cid)
-    assert reason.replace("|", "/") in md and "http_500" in md
+    assert reason.replace("|", "/") in md
+    [outcomes] = [line for line in md.splitlines() if line.startswith("- outcomes: ")]
+    assert outcomes == "- outcomes: proposal 3, rate_limited 1, http_500 1", outcomes
 
     # Accepted kernels: a link to the source file the library holds, and the lineage.
     [(_, candidate_id, kernel_id, library)] = store.accepted(cid)
