@@ -111,9 +111,10 @@ def context_limits(message: str) -> tuple[int | None, int | None]:
 
 def error_message(exc: openai.APIStatusError) -> str:
     """What the server said about an HTTP error, in any of the bodies servers send: the
-    `openai` client reads OpenAI's {"error": {"message": ...}} and vLLM's and SGLang's top-level
-    {"object": "error", "message": ...}, but not Ollama's {"error": "..."} nor a plain-text body,
-    whose words (a context overflow, a refused response_format) would otherwise be lost."""
+    `openai` client reads OpenAI's {"error": {"message": ...}} (which Ollama's /v1 routes send
+    too) and vLLM's and SGLang's top-level {"object": "error", "message": ...}, but not a bare
+    {"error": "..."} (Ollama's native routes, some proxies) nor a plain-text body, whose words (a
+    context overflow, a refused response_format) would otherwise be lost."""
     body = exc.body
     said = None
     if isinstance(body, dict):

@@ -48,7 +48,7 @@ def _context_of(entry) -> int | None:
 
 
 def _status_error(config: LLMConfig, exc: openai.APIStatusError) -> LLMConfigError:
-    exc.message = error_message(exc)  # Ollama's {"error": "..."} too
+    exc.message = error_message(exc)  # a bare {"error": "..."} too
     if exc.status_code in (401, 403):
         key = f"the key in {config.api_key_env}" if config.api_key_env else "a request without a key"
         return _fail(config, f"the server refused {key} (HTTP {exc.status_code}: {exc.message[:200]})")

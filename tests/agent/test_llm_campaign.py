@@ -280,10 +280,8 @@ def test_missing_api_key_is_one_clear_error(tmp_path: Path, monkeypatch) -> None
 
 
 def test_llm_check_and_campaign_start_fail_fast_on_a_model_the_server_does_not_serve(tmp_path: Path) -> None:
-    served = [{"id": "qwen-coder", "object": "model", "max_model_len": 65536}]
-    # The model is not listed, so each check asks for it once, and the server (as vLLM does) says 404.
-    unknown = Fail(404, message="The model `qwen-coderr` does not exist.")
-    with FakeLLMServer([unknown, unknown], models=served) as server:
+    # The model is not listed, so each check asks for it once, and the server says 404 as vLLM does.
+    with FakeLLMServer(style="vllm", models=["qwen-coder"], max_model_len=65536) as server:
         toml = tmp_path / "c.toml"
 
         def write(model: str) -> None:

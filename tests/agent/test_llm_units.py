@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from llm_helpers import GOOD, KEY, KEY_ENV, config
-from llm_server import Fail, FakeLLMServer, Garbage, Reply, prompt_tokens, proposal
+from llm_server import REFUSALS, UNKNOWN_MODEL, Fail, FakeLLMServer, Garbage, Reply, prompt_tokens, proposal
 
 from agent.config import ConfigError, LLMConfig, load_config, parse_config
 from agent.llm.client import ChatClient, LLMConfigError, LLMUnavailable, make_client
@@ -260,7 +260,7 @@ def test_config_of_proposers_and_llm() -> None:
 def _client(url: str, **overrides) -> ChatClient:
     settings = {
         "base_url": url,
-        "model": "m",
+        "model": "scripted",  # what FakeLLMServer serves by default
         "api_key_env": KEY_ENV,
         "backoff_initial_s": 0.01,
         "backoff_max_s": 0.02,
@@ -520,13 +520,10 @@ def test_preflight_says_in_one_sentence_what_to_change(tmp_path, monkeypatch) ->
         ):
             preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": 30000}))
         assert not server.requests  # nothing spent on chat
-        # A model it does not list is asked for once: served under another name, it is fine...
-        server.add(Reply("pong"), Fail(404, message="The model `scriptd` does not exist"))
-        aliased = preflight(llm.model_copy(update={"base_url": server.url, "model": "scripted-alias"}))
-        assert aliased.checked_by == "chat" and server.requests[-1]["max_tokens"] == 1
-        # ...and not served at all, the sentence lists what is.
+        # A model it does not list is asked for once; not served, the sentence lists what is.
         with pytest.raises(LLMConfigError, match="does not serve this model; it serves scripted, other"):
             preflight(llm.model_copy(update={"base_url": server.url, "model": "scriptd"}))
+        assert server.requests[-1]["max_tokens"] == 1
     with FakeLLMServer(models=Fail(401, message="invalid api key")) as server:
         refused = f"refused the key in {KEY_ENV} \\(HTTP 401"
         with pytest.raises(LLMConfigError, match=refused):
@@ -715,14 +712,13 @@ def test_recent_attempts_of_the_lineage_are_its_own_and_others_are_apart() -> No
     assert "other lineages" not in alone
 
 
-def test_errors_in_the_bodies_vllm_and_ollama_send_are_told_apart(tmp_path, monkeypatch) -> None:
-    """The `openai` client reads the message of OpenAI's and vLLM's error bodies but not of
-    Ollama's {"error": "..."}: the classes come from the server's words in each."""
-    from agent.llm.preflight import preflight
-
+def test_errors_in_the_bodies_vllm_and_ollama_send_are_told_apart(monkeypatch) -> None:
+    """The `openai` client reads the message of OpenAI's, vLLM's and Ollama's (/v1) error bodies
+    but not a bare {"error": "..."} (Ollama's native routes, some proxies): the classes come from
+    the server's words in each."""
     monkeypatch.setenv(KEY_ENV, KEY)
     refused = "json_schema response_format is not supported by this model"
-    for style in ("openai", "vllm", "ollama"):
+    for style in ("openai", "vllm", "ollama", "bare"):
         with FakeLLMServer([Fail(400, message=refused, style=style), Reply("a")]) as server:
             attempts = []
             client = _client(server.url, max_retries=0)
@@ -730,15 +726,57 @@ def test_errors_in_the_bodies_vllm_and_ollama_send_are_told_apart(tmp_path, monk
                 client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "a"
             )
             assert attempts[0].outcome == "structured_output_refused" and refused in attempts[0].error, style
-    missing = 'model "qwen2.5-coder" not found, try pulling it first'
-    with FakeLLMServer(
-        [Fail(404, message=missing, style="ollama")] * 2, models=Fail(404, style="ollama")
-    ) as server:
-        with pytest.raises(LLMUnavailable, match="unknown_model: .*try pulling it first") as info:
-            _client(server.url).complete(MESSAGES, schema={}, on_attempt=lambda a: None)
-        assert info.value.permanent
-        with pytest.raises(LLMConfigError, match="does not serve this model.*try pulling it first"):
-            preflight(config(tmp_path, server.url).llm.model_copy(update={"model": "qwen2.5-coder"}))
+
+
+@pytest.mark.parametrize(("style", "form"), sorted(REFUSALS))
+def test_a_server_that_refuses_a_structured_output_form_is_asked_without_it(monkeypatch, style, form) -> None:
+    """vLLM refusing a schema its backend cannot compile, Ollama tools for a model without them,
+    OpenAI either for some models: each server's own 400, in its body and words, before any model
+    sees the request; the client asks again unconstrained, and from then on."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    with FakeLLMServer([Reply("a"), Reply("b")], style=style, refuses=[form]) as server:
+        attempts = []
+        client = _client(server.url, max_retries=0, structured_output=form)
+        for expected in ("a", "b"):
+            assert (
+                client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text
+                == expected
+            )
+        first, *later = server.requests
+    assert [a.outcome for a in attempts] == ["structured_output_refused", "replied", "replied"]
+    said = REFUSALS[(style, form)].format(model="scripted")
+    assert said in attempts[0].error
+    field = "tools" if form == "tools" else "response_format"
+    assert field in first and all(field not in r for r in later)
+
+
+@pytest.mark.parametrize("style", sorted(UNKNOWN_MODEL))
+def test_a_model_the_server_does_not_serve_is_its_404_in_its_words(tmp_path, monkeypatch, style) -> None:
+    """Each server serves the models it lists and answers any other with its own 404: an
+    unknown_model for good in a request, one sentence naming what it serves in the pre-flight.
+    Ollama lists its models with their tags and serves a name without one as its :latest."""
+    from agent.llm.preflight import preflight
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    with FakeLLMServer([Reply("pong")], style=style, models=["llama3:latest"]) as server:
+        words = UNKNOWN_MODEL[style].format(model="qwen2.5-coder")
+        with pytest.raises(LLMUnavailable, match="unknown_model") as info:
+            _client(server.url, model="qwen2.5-coder").complete(
+                MESSAGES, schema={}, on_attempt=lambda a: None
+            )
+        assert info.value.permanent and words in str(info.value)
+        llm = config(tmp_path, server.url).llm.model_copy(update={"model": "qwen2.5-coder"})
+        with pytest.raises(LLMConfigError, match="does not serve this model; it serves llama3:latest"):
+            preflight(llm)
+        untagged = _client(server.url, model="llama3", max_retries=0)
+        if style == "ollama":
+            assert untagged.complete(MESSAGES, schema={}, on_attempt=lambda a: None).text == "pong"
+            server.add(Reply("pong"))
+            assert preflight(llm.model_copy(update={"model": "llama3"})).model == "llama3"
+        else:
+            with pytest.raises(LLMUnavailable, match="unknown_model"):
+                untagged.complete(MESSAGES, schema={}, on_attempt=lambda a: None)
+    assert server.requests[-1]["model"] == "llama3"
 
 
 def test_a_server_that_enforces_its_context_and_a_reasoning_model(monkeypatch) -> None:
