@@ -488,3 +488,72 @@ def test_a_reasoning_models_reply_becomes_the_proposal_in_its_answer(tmp_path: P
     assert proposed.candidate.knobs["BLOCK_B"] == 16 and proposed.candidate.knobs["num_warps"] == 4
     [exchange] = campaigns.store.llm_exchanges(outcome.campaign_id)
     assert exchange["outcome"] == "proposal" and len(server.requests) == 1
+
+
+def test_the_context_the_server_states_is_known_before_the_first_request(tmp_path: Path, quick) -> None:
+    """A vLLM-like server whose listing states a context that holds the first prompt beside
+    llm.max_tokens, but not a repair turn's longer conversation beside it: the pre-flight checks
+    the first prompt the campaign renders, and the client, told the context, sends the repair
+    with a completion that fits; the server never refuses a request."""
+    from agent.incumbents import campaign_arch, incumbents
+    from agent.llm.client import PROMPT_MARGIN, estimate_tokens
+    from agent.proposers.llm import first_prompts, fresh_messages, starting_point
+    from kernels.registry import KernelLibrary
+
+    max_tokens = 8192
+    [first] = first_prompts(
+        ["embedding_bag"], lambda p: incumbents(p, KernelLibrary(tmp_path / "library"), campaign_arch())
+    ).values()
+    context = estimate_tokens(first) + max_tokens + PROMPT_MARGIN  # the first prompt just fits
+    script = [
+        Reply(proposal("module", source=BROKEN)),
+        Reply(proposal("edit", edits=[{"search": BROKEN_LINE, "replace": ""}])),
+    ]
+    with FakeLLMServer(script, style="vllm", models=["scripted"], max_model_len=context) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"max_tokens": max_tokens},
+            budget={"max_evaluations": 3, "max_wall_s": 60},
+        )
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    assert [e["outcome"] for e in campaigns.store.llm_exchanges(cid)] == ["proposal", "proposal"]
+    fresh, repair = server.requests
+    # The first request is the prompt the pre-flight rendered, whole, with llm.max_tokens.
+    template = starting_point("embedding_bag")
+    rendered = fresh_messages("embedding_bag", template, best=None, attempts=[], llm_rows={}, baselines={})
+    assert fresh["messages"] == rendered and estimate_tokens(rendered) <= estimate_tokens(first)
+    assert fresh["max_tokens"] == max_tokens
+    # The repair would not have fit with llm.max_tokens; it was sent with what fits.
+    assert prompt_tokens(repair) + max_tokens > context
+    assert repair["max_tokens"] < max_tokens and prompt_tokens(repair) + repair["max_tokens"] <= context
+    assert campaigns.store.llm_preflight(cid).context_tokens == context
+    status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
+    assert f"context {context} tokens" in " ".join(status.output.split())
+
+
+def test_auto_structured_output_uses_the_form_the_preflight_found(tmp_path: Path, quick) -> None:
+    """structured_output = "auto" against a server that refuses a json_schema response_format but
+    takes tools: the pre-flight finds it out with tiny requests, the choice is recorded and shown
+    by campaign status, and every request of the campaign uses the propose_kernel tool, with no
+    refusal spent on the way."""
+    with FakeLLMServer(default=knob_replies(), refuses=["json_schema"]) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"structured_output": "auto"},
+            budget={"max_evaluations": 3, "max_wall_s": 60},
+        )
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    probes, campaign = server.requests[:2], server.requests[2:]
+    assert [("tools" in r, "response_format" in r) for r in probes] == [(False, True), (True, False)]
+    assert len(campaign) == 2 and all("tools" in r and "response_format" not in r for r in campaign)
+    assert [e["outcome"] for e in campaigns.store.llm_exchanges(cid)] == ["proposal", "proposal"]
+    found = campaigns.store.llm_preflight(cid)
+    assert (found.structured_output, found.refused) == ("tools", ("json_schema",))
+    status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
+    assert "structured output tools (json_schema refused)" in " ".join(status.output.split())

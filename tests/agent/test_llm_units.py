@@ -502,38 +502,84 @@ def test_a_context_overflow_shrinks_the_prompt_first_then_max_tokens(monkeypatch
 
 
 def test_preflight_says_in_one_sentence_what_to_change(tmp_path, monkeypatch) -> None:
+    """The server answers, the key works, the model is served, and its stated context holds the
+    largest of the campaign's first prompts (as the client estimates them) beside max_tokens."""
+    from agent.llm.client import PROMPT_MARGIN, estimate_tokens
     from agent.llm.preflight import preflight
+    from agent.proposers.llm import first_prompts
 
     monkeypatch.setenv(KEY_ENV, KEY)
+    prompts = first_prompts(["dense_to_jagged", "embedding_bag"], lambda problem: [])
+    largest = estimate_tokens(prompts["embedding_bag"])
+    assert largest > estimate_tokens(prompts["dense_to_jagged"])
     llm = config(tmp_path, "http://127.0.0.1:9/v1").llm
     with pytest.raises(LLMConfigError, match="no server answers"):
-        preflight(llm)
+        preflight(llm, prompts)
     served = [
         {"id": "scripted", "object": "model", "max_model_len": 32768},
         {"id": "other", "object": "model"},
     ]
     with FakeLLMServer(models=served) as server:
-        found = preflight(llm.model_copy(update={"base_url": server.url}))
+        found = preflight(llm.model_copy(update={"base_url": server.url}), prompts)
         assert found.models == ("scripted", "other") and found.context_tokens == 32768
+        assert (found.prompt_tokens, found.prompt_problem) == (largest, "embedding_bag")
+        assert found.structured_output == "json_schema" and found.checked_by == "models"
+        fits = 32768 - largest - PROMPT_MARGIN
         with pytest.raises(
-            LLMConfigError, match=r"context of 32768 tokens .* set llm.max_tokens to 22768 or less"
+            LLMConfigError,
+            match=rf"context of 32768 tokens cannot hold llm.max_tokens = {fits + 1} beside the first prompt "
+            rf"for embedding_bag \(about {largest} tokens\): set llm.max_tokens to {fits} or less",
         ):
-            preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": 30000}))
+            preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": fits + 1}), prompts)
+        preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": fits}), prompts)
         assert not server.requests  # nothing spent on chat
         # A model it does not list is asked for once; not served, the sentence lists what is.
         with pytest.raises(LLMConfigError, match="does not serve this model; it serves scripted, other"):
-            preflight(llm.model_copy(update={"base_url": server.url, "model": "scriptd"}))
+            preflight(llm.model_copy(update={"base_url": server.url, "model": "scriptd"}), prompts)
         assert server.requests[-1]["max_tokens"] == 1
     with FakeLLMServer(models=Fail(401, message="invalid api key")) as server:
         refused = f"refused the key in {KEY_ENV} \\(HTTP 401"
         with pytest.raises(LLMConfigError, match=refused):
-            preflight(llm.model_copy(update={"base_url": server.url}))
+            preflight(llm.model_copy(update={"base_url": server.url}), prompts)
         assert not server.requests
     # A server that lists no models is asked one tiny chat request instead.
     with FakeLLMServer([Fail(404, message="The model `m` does not exist")], models=Fail(404)) as server:
         with pytest.raises(LLMConfigError, match="does not serve this model"):
-            preflight(llm.model_copy(update={"base_url": server.url}))
+            preflight(llm.model_copy(update={"base_url": server.url}), prompts)
         assert server.requests[0]["max_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    ("style", "listed", "refuses", "chosen", "refused"),
+    [
+        ("openai", "qwen2.5-coder", ["json_schema"], "tools", ["json_schema"]),
+        ("openai", "qwen2.5-coder", ["json_schema", "tools"], "none", ["json_schema", "tools"]),
+        ("ollama", "qwen2.5-coder:latest", ["tools"], "json_schema", []),
+        ("vllm", "qwen2.5-coder", [], "json_schema", []),
+    ],
+)
+def test_preflight_finds_the_structured_output_form_the_server_takes(
+    tmp_path, monkeypatch, style, listed, refuses, chosen, refused
+) -> None:
+    """structured_output = "auto": json_schema, then the propose_kernel tool, else plain JSON
+    instructions, each tried with a tiny request constrained by the proposal schema as the
+    campaign's requests are; the first the server takes is chosen. (Ollama's untagged name is
+    found among the tags it lists, with no request.)"""
+    from agent.llm.preflight import PROBE_TOKENS, preflight
+    from agent.llm.proposals import proposal_schema
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    llm = config(tmp_path, "u", llm={"structured_output": "auto", "model": "qwen2.5-coder"}).llm
+    with FakeLLMServer(default=Reply("{"), style=style, models=[listed], refuses=refuses) as server:
+        found = preflight(llm.model_copy(update={"base_url": server.url}), {})
+    assert (found.structured_output, list(found.refused), found.checked_by) == (chosen, refused, "models")
+    assert [r["max_tokens"] for r in server.requests] == [PROBE_TOKENS] * len(server.requests)
+    tried = [("tools" if "tools" in r else r["response_format"]["type"]) for r in server.requests]
+    assert tried == ["json_schema", "tools"][: len(refused) + (chosen != "none")]
+    for r in server.requests:
+        tool = r["tools"][0]["function"] if "tools" in r else None
+        sent = tool["parameters"] if tool else r["response_format"]["json_schema"]["schema"]
+        assert sent == proposal_schema()
 
 
 def test_interpreted_timings_never_reach_the_prompt() -> None:
@@ -767,12 +813,11 @@ def test_a_model_the_server_does_not_serve_is_its_404_in_its_words(tmp_path, mon
         assert info.value.permanent and words in str(info.value)
         llm = config(tmp_path, server.url).llm.model_copy(update={"model": "qwen2.5-coder"})
         with pytest.raises(LLMConfigError, match="does not serve this model; it serves llama3:latest"):
-            preflight(llm)
+            preflight(llm, {})
         untagged = _client(server.url, model="llama3", max_retries=0)
         if style == "ollama":
             assert untagged.complete(MESSAGES, schema={}, on_attempt=lambda a: None).text == "pong"
-            server.add(Reply("pong"))
-            assert preflight(llm.model_copy(update={"model": "llama3"})).model == "llama3"
+            assert preflight(llm.model_copy(update={"model": "llama3"}), {}).checked_by == "models"
         else:
             with pytest.raises(LLMUnavailable, match="unknown_model"):
                 untagged.complete(MESSAGES, schema={}, on_attempt=lambda a: None)
