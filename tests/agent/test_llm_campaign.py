@@ -18,7 +18,7 @@ from quick_backend import QuickBackend, hashed_speed
 from typer.testing import CliRunner
 
 import agent.campaign
-from agent.campaign import Campaigns
+from agent.campaign import CampaignError, Campaigns
 from agent.cli import app
 from agent.proposers.knob_source import structure_key
 from sandbox.result import Status
@@ -557,3 +557,110 @@ def test_auto_structured_output_uses_the_form_the_preflight_found(tmp_path: Path
     assert (found.structured_output, found.refused) == ("tools", ("json_schema",))
     status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
     assert "structured output tools (json_schema refused)" in " ".join(status.output.split())
+
+
+def test_a_campaign_in_tools_mode_proposes_through_the_propose_kernel_tool(tmp_path: Path, quick) -> None:
+    """structured_output = "tools": every request offers the propose_kernel tool and forces its
+    call; the server answers with the call, whose arguments are the proposal, for a fresh
+    kernel and for the repair of its compile error, which continues the conversation."""
+    from agent.llm.client import TOOL
+
+    script = [
+        Reply(proposal("module", source=BROKEN)),
+        Reply(proposal("edit", edits=[{"search": BROKEN_LINE, "replace": ""}])),
+    ]
+    with FakeLLMServer(script, style="vllm") as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"structured_output": "tools"},
+            budget={"max_evaluations": 3, "max_wall_s": 60},
+        )
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    _, broken, fixed = campaigns.store.evaluations(cid)
+    assert (broken.result.status, fixed.result.status) == (Status.COMPILE_ERROR, Status.OK)
+    assert fixed.candidate.source == GOOD and fixed.candidate.parent_id == broken.candidate.id
+    for r in server.requests:
+        assert [t["function"]["name"] for t in r["tools"]] == [TOOL] and "response_format" not in r
+        assert r["tool_choice"] == {"type": "function", "function": {"name": TOOL}}
+    exchanges = campaigns.store.llm_exchanges(cid)
+    assert [e["outcome"] for e in exchanges] == ["proposal", "proposal"]
+    assert [e["response_text"] for e in exchanges] == [s.content for s in script]  # the calls' arguments
+    repair = server.requests[1]["messages"]
+    assert (
+        repair[2] == {"role": "assistant", "content": script[0].content}
+        and "compile_error" in repair[3]["content"]
+    )
+
+
+def test_an_ollama_campaign_under_an_untagged_model_name(tmp_path: Path, quick) -> None:
+    """Ollama lists its models with tags and serves `qwen2.5-coder` as the qwen2.5-coder:latest
+    it lists; its errors come in its own words: tools refused for a model without them (asked
+    again without, for the campaign), a busy server's 503 (retried). A tag it does not have
+    fails the pre-flight with what it serves, before anything is spent."""
+    busy = Fail(
+        503, message="server busy, please try again.  maximum pending requests exceeded", style="ollama"
+    )
+    served = ["qwen2.5-coder:latest", "llama3.1:8b"]
+    with FakeLLMServer(
+        [busy], default=knob_replies(), style="ollama", models=served, refuses=["tools"]
+    ) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"model": "qwen2.5-coder", "structured_output": "tools"},
+            budget={"max_evaluations": 3, "max_wall_s": 60},
+        )
+        outcome = campaigns.start(cfg)
+        cid = outcome.campaign_id
+        exchanges = campaigns.store.llm_exchanges(cid)
+        assert [e["outcome"] for e in exchanges] == [
+            "structured_output_refused",
+            "http_503",
+            "proposal",
+            "proposal",
+        ]
+        assert (
+            "registry.ollama.ai/library/qwen2.5-coder:latest does not support tools" in exchanges[0]["error"]
+        )
+        assert "server busy, please try again" in exchanges[1]["error"]
+        assert {r["model"] for r in server.requests} == {"qwen2.5-coder"}
+        assert "tools" in server.requests[0] and all("tools" not in r for r in server.requests[1:])
+        assert [r.candidate.origin for r in campaigns.store.evaluations(cid)] == ["library", "llm", "llm"]
+        sent = len(server.requests)
+        tagged = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={"model": "qwen2.5-coder:7b"})})
+        with pytest.raises(
+            CampaignError, match="does not serve this model; it serves qwen2.5-coder:latest, llama3.1:8b"
+        ):
+            campaigns.start(tagged)
+        assert len(server.requests) == sent + 1 and server.requests[-1]["max_tokens"] == 1  # one probe
+    assert [c.id for c in campaigns.store.campaigns()] == [cid]
+
+
+def test_a_reply_slower_than_the_timeout_is_asked_again_and_the_campaign_goes_on(
+    tmp_path: Path, quick
+) -> None:
+    """A server that sends its headers at once and the body later than the client's timeout,
+    once, then answers on time: the slow try is recorded as a timeout and retried, and the
+    campaign goes on as if nothing happened."""
+    late = Reply(proposal("knobs", knobs={"BLOCK_B": 16}), delay_s=3.0, headers_first=True)
+    with FakeLLMServer([late], default=knob_replies()) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path, server.url, llm={"timeout_s": 0.5}, budget={"max_evaluations": 3, "max_wall_s": 60}
+        )
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    assert outcome.stop_reason == "evaluation budget reached (3 of 3)"
+    exchanges = campaigns.store.llm_exchanges(cid)
+    assert [(e["outcome"], e["attempt"]) for e in exchanges] == [
+        ("timeout", 0),
+        ("proposal", 1),
+        ("proposal", 0),
+    ]
+    assert exchanges[0]["error"] == "no reply within 0.5 s" and exchanges[0]["response_text"] is None
+    assert len(server.requests) == 3
+    assert [r.candidate.origin for r in campaigns.store.evaluations(cid)] == ["library", "llm", "llm"]
