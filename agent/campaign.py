@@ -13,11 +13,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from langgraph.checkpoint.sqlite import SqliteSaver
 
 from agent.config import CampaignConfig, LLMConfigError, SandboxConfig
 from agent.graph import compile_graph
+from agent.incumbents import campaign_arch, incumbents
 from agent.nodes import campaign_progress
 from agent.population import pick_best
 from agent.proposers import make_proposers
@@ -27,6 +29,9 @@ from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
 from sandbox.backend import Backend
 from sandbox.local import LocalBackend
+
+if TYPE_CHECKING:
+    from agent.llm.preflight import Preflight
 
 
 def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path | None = None) -> Backend:
@@ -65,6 +70,26 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path
     )
 
 
+def campaign_library(config: CampaignConfig) -> KernelLibrary:
+    """The library the campaign measures and registers into: the config's, else dispatch's."""
+    return KernelLibrary(config.library) if config.library else DISPATCHER.library
+
+
+def check_llm_endpoint(config: CampaignConfig) -> Preflight:
+    """The pre-flight check of the campaign's LLM endpoint (agent.llm.preflight), against the
+    largest first prompt of its problems; LLMConfigError if it fails."""
+    from agent.llm.preflight import preflight
+    from agent.proposers.llm import first_prompts
+
+    assert config.llm is not None
+    library = campaign_library(config)
+
+    def starts(problem: str) -> list:
+        return incumbents(problem, library, campaign_arch()) if config.start_from == "library" else []
+
+    return preflight(config.llm, first_prompts(config.problems, starts))
+
+
 def default_home() -> Path:
     return Path(os.environ.get("RECFORGE_HOME", ".recforge"))
 
@@ -78,6 +103,7 @@ class CampaignOutcome:
     registered: list[str]
     report: Path  # Markdown; the HTML page is beside it (report.html)
     library: Path
+    interpreted: bool = False  # timed on the interpreter: `best` is the first correct proposal
 
 
 class CampaignError(RuntimeError):
@@ -100,10 +126,12 @@ class Campaigns:
         self, config: CampaignConfig, events: Events | None = None, campaign_id: str | None = None
     ) -> CampaignOutcome:
         """Run a new campaign (under `campaign_id`, default a new_id) to its end."""
-        self._preflight(config)  # before anything is recorded or spent
+        endpoint = self._preflight(config)  # before anything is recorded or spent
         campaign_id = campaign_id or self.new_id(config)
         self.store.create_campaign(campaign_id, config.name, config.model_dump_json())
-        return self._run(campaign_id, config, events, fresh=True)
+        if endpoint is not None:
+            self.store.add_llm_preflight(campaign_id, endpoint)
+        return self._run(campaign_id, config, events, fresh=True, endpoint=endpoint)
 
     def resume(self, campaign_id: str, events: Events | None = None) -> CampaignOutcome:
         row = self.store.campaign(campaign_id)
@@ -111,36 +139,50 @@ class Campaigns:
             known = ", ".join(c.id for c in self.store.campaigns()[:5]) or "none"
             raise CampaignError(f"no campaign {campaign_id!r} in {self.home}; recent: {known}")
         config = CampaignConfig.model_validate_json(row.config_json)
-        if self._preflight(config):
+        endpoint = self._preflight(config)
+        if endpoint is not None:
             # The endpoint works again (a key fixed, a model served): an earlier stop is lifted.
             self.store.clear_llm_stops(campaign_id)
-        return self._run(campaign_id, config, events, fresh=False)
+            self.store.add_llm_preflight(campaign_id, endpoint)
+        return self._run(campaign_id, config, events, fresh=False, endpoint=endpoint)
 
-    @staticmethod
-    def _preflight(config: CampaignConfig) -> bool:
-        """The LLM endpoint's pre-flight check (the key, the model, the context) where the
-        campaign proposes with an LLM: True if it passed, False with no LLM; CampaignError if not."""
+    def _preflight(self, config: CampaignConfig) -> Preflight | None:
+        """The LLM endpoint's pre-flight check where the campaign proposes with an LLM (None
+        without one); CampaignError if it fails."""
         if config.llm is None or "llm" not in config.proposer.kinds:
-            return False
-        from agent.llm.preflight import preflight
-
+            return None
         try:
-            preflight(config.llm)
+            return check_llm_endpoint(config)
         except LLMConfigError as exc:
             raise CampaignError(str(exc)) from None
-        return True
 
     def library_for(self, config: CampaignConfig) -> KernelLibrary:
-        return KernelLibrary(config.library) if config.library else DISPATCHER.library
+        return campaign_library(config)
 
     def _run(
-        self, campaign_id: str, config: CampaignConfig, events: Events | None, fresh: bool
+        self,
+        campaign_id: str,
+        config: CampaignConfig,
+        events: Events | None,
+        fresh: bool,
+        endpoint: Preflight | None = None,
     ) -> CampaignOutcome:
         row = self.store.campaign(campaign_id)
         assert row is not None
         events = events or _QuietEvents()
         try:
-            proposers = make_proposers(config, self.store, campaign_id, events)
+            # The client starts from what the pre-flight learned: the model's context (prompts
+            # are shrunk to fit before they are sent) and the structured-output form to use.
+            client = None
+            if endpoint is not None and config.llm is not None:
+                from agent.llm.client import ChatClient
+
+                client = ChatClient(
+                    config.llm,
+                    context_tokens=endpoint.context_tokens,
+                    structured_output=endpoint.structured_output,
+                )
+            proposers = make_proposers(config, self.store, campaign_id, events, client)
         except LLMConfigError as exc:
             raise CampaignError(str(exc)) from None
         ctx = CampaignContext(
@@ -209,6 +251,9 @@ class Campaigns:
             registered=final.get("registered", []),
             report=Path(ctx.report_dir) / "report.md",
             library=ctx.library.root,
+            interpreted=any(
+                r.result.interpreted for r in self.store.evaluations(campaign_id, best_only=True)
+            ),
         )
 
     def report(self, campaign_id: str, out_dir: Path | None = None) -> ReportFiles:

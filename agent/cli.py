@@ -166,8 +166,10 @@ def _run_with_progress(start, config):
 
 def _print_outcome(outcome) -> None:
     console.print(f"campaign [bold]{outcome.campaign_id}[/] finished: {outcome.stop_reason}")
+    # On the interpreter the best is the first correct proposal (what is registered), not a speed.
+    how = " (first correct proposal; interpreted timings rank nothing)" if outcome.interpreted else ""
     for problem, cid in outcome.best.items():
-        console.print(f"  best {problem}: candidate {cid}")
+        console.print(f"  best {problem}: candidate {cid}{how}")
     for kernel_id in outcome.registered:
         console.print(f"  registered [green]{kernel_id}[/] in {outcome.library}")
     console.print(f"result: {outcome.library / 'manifest.json'}")
@@ -349,8 +351,13 @@ def campaign_status(campaign_id: str, home: HomeOption = None) -> None:
         # Per request, what came of it: replied, context_overflow, structured_output_refused, auth, ...
         outcomes = Counter(e["outcome"] for e in campaigns.store.llm_exchanges(campaign_id))
         console.print("LLM requests by outcome: " + ", ".join(f"{k} {v}" for k, v in outcomes.most_common()))
-    scored = sorted((r for r in rows if r.score_us is not None), key=lambda r: r.score_us)
-    for r in scored[:5]:
+    endpoint = campaigns.store.llm_preflight(campaign_id)
+    if endpoint is not None:
+        console.print(f"LLM endpoint at the last start: {endpoint.summary()}")
+    correct = [r for r in rows if r.score_us is not None]
+    if not any(r.result.interpreted for r in correct):
+        correct.sort(key=lambda r: r.score_us)  # interpreted timings rank nothing: evaluation order
+    for r in correct[:5]:
         tag = " (interpreted)" if r.result.interpreted else ""
         console.print(f"  {r.candidate.id} {r.score_us:.1f} us{tag} knobs {json.dumps(r.candidate.knobs)}")
     for problem, _, kernel_id, library in campaigns.store.accepted(campaign_id):
@@ -770,23 +777,16 @@ if __name__ == "__main__":  # pragma: no cover
 @llm_app.command("check")
 def llm_check(config: Annotated[Path, typer.Argument(help="campaign TOML file")]) -> None:
     """The campaign's pre-flight check of its LLM endpoint, alone: the server answers, the key
-    works, the model is served and its context holds a prompt beside llm.max_tokens."""
+    works, the model is served, its context holds the largest first prompt beside
+    llm.max_tokens, and (structured_output = "auto") which structured-output form it takes."""
+    from agent.campaign import check_llm_endpoint
     from agent.config import ConfigError, load_config
-    from agent.llm.preflight import preflight
 
     try:
         cfg = load_config(config)
         if cfg.llm is None:
             raise fail(f"{config} has no [llm] section: nothing to check")
-        found = preflight(cfg.llm)
+        found = check_llm_endpoint(cfg)
     except ConfigError as exc:
         raise fail(str(exc)) from None
-    context = f"context {found.context_tokens} tokens" if found.context_tokens else "context not stated"
-    how = (
-        f"listed among {len(found.models)} models"
-        if found.checked_by == "models"
-        else "answered a chat request"
-    )
-    console.print(
-        f"ok: {found.base_url} serves {found.model} ({how}; {context}; max_tokens {cfg.llm.max_tokens})"
-    )
+    console.print(f"ok: {found.summary()}; max_tokens {cfg.llm.max_tokens}")

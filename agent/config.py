@@ -108,12 +108,13 @@ class LLMConfig(_Strict):
     backoff_initial_s: float = Field(2.0, gt=0, description="first retry delay; doubles per retry")
     backoff_max_s: float = Field(60.0, gt=0)
     retry_after_max_s: float = Field(300.0, gt=0, description="longest Retry-After honoured")
-    structured_output: Literal["json_schema", "json_object", "tools", "none"] = Field(
+    structured_output: Literal["json_schema", "json_object", "tools", "none", "auto"] = Field(
         "json_schema",
         description="how replies are constrained: response_format json_schema or json_object, "
         "tools (a propose_kernel tool the model must call, for servers whose tool calling is "
-        "better than their response_format), or none (plain JSON instructions); replies are "
-        "validated either way, and a server that refuses the constraint gets requests without it",
+        "better than their response_format), none (plain JSON instructions), or auto (the "
+        "pre-flight tries json_schema, then tools, else none); replies are validated either way, "
+        "and a server that refuses the constraint gets requests without it",
     )
     format_retries: int = Field(
         2, ge=0, le=10, description="re-asks, with the validation error, after an unusable reply"

@@ -18,6 +18,7 @@ from agent.population import (
     bucket_us,
     buckets,
     elites,
+    first_correct_proposal,
     margin,
     pick_best,
     pick_bucket_bests,
@@ -266,9 +267,8 @@ def _winners(
             ctx.events.message(f"{problem} {dtype}: no correct proposal; library unchanged")
             continue
         if best.result.interpreted:
-            first = min(
-                (r for r in proposals if serving_us(r.result, dtype) is not None), key=lambda r: r.seq
-            )
+            first = first_correct_proposal(proposals, lambda r, d=dtype: serving_us(r.result, d))
+            assert first is not None  # `best` is one
             winners.setdefault(first.candidate.id, {})[dtype] = _all_buckets(problem)
             continue
         for bucket in [b for d, b in buckets(rows) if d == dtype]:

@@ -96,7 +96,8 @@ class ProblemReport:
     reference_us: float | None = None
     compile_us: float | None = None
     eager_us: dict[str, float | None] = field(default_factory=dict)
-    speedups: dict[str, float] = field(default_factory=dict)  # best over each baseline
+    # Best over each baseline, over the previous best, and of the roofline: none on the interpreter.
+    speedups: dict[str, float] = field(default_factory=dict)
     vs_previous: float | None = None
     roofline: float | None = None
     evidence: Evidence = field(default_factory=Evidence)
@@ -215,11 +216,13 @@ def _problem(
     p.reference_us = _baseline_us(p, "reference")
     p.compile_us = _baseline_us(p, "reference.compile")
     p.eager_us = {name: _baseline_us(p, name) for name in get_problem(problem).baselines}
+    p.evidence = _evidence(p.best, entries)
+    if p.best.result.interpreted:
+        return p  # interpreted timings say nothing of GPU speed: no speedup or roofline from them
     p.speedups = p.best.result.speedups(baselines)
     if p.previous is not None:
         p.vs_previous = p.previous.score_us / p.best.score_us
     p.roofline = _geomean([f for t in p.best.result.timings if (f := t.roofline_fraction)])
-    p.evidence = _evidence(p.best, entries)
     return p
 
 

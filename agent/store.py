@@ -13,9 +13,13 @@ import math
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sandbox.candidate import Candidate
 from sandbox.result import EvalResult, Status, TimingStats
+
+if TYPE_CHECKING:
+    from agent.llm.preflight import Preflight
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS campaigns (
@@ -73,6 +77,11 @@ CREATE TABLE IF NOT EXISTS llm_proposals (
 -- Outage pauses of the LLM proposer (wall-clock seconds since the epoch).
 CREATE TABLE IF NOT EXISTS llm_pauses (
     campaign_id TEXT NOT NULL, started REAL NOT NULL, until REAL NOT NULL, reason TEXT NOT NULL
+);
+-- What the LLM endpoint's pre-flight learned at each start and resume (agent.llm.preflight).
+CREATE TABLE IF NOT EXISTS llm_preflights (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, campaign_id TEXT NOT NULL, preflight_json TEXT NOT NULL,
+    created_at TEXT NOT NULL
 );
 """
 
@@ -551,6 +560,22 @@ class Store:
         self._db.execute(
             "DELETE FROM llm_pauses WHERE campaign_id = ? AND until = ?", (campaign_id, math.inf)
         )
+
+    def add_llm_preflight(self, campaign_id: str, preflight: Preflight) -> None:
+        self._db.execute(
+            "INSERT INTO llm_preflights (campaign_id, preflight_json, created_at) VALUES (?, ?, ?)",
+            (campaign_id, preflight.model_dump_json(), _now()),
+        )
+
+    def llm_preflight(self, campaign_id: str) -> Preflight | None:
+        """What the campaign's last pre-flight learned (None: it has none, it uses no LLM)."""
+        from agent.llm.preflight import Preflight
+
+        row = self._db.execute(
+            "SELECT preflight_json FROM llm_preflights WHERE campaign_id = ? ORDER BY seq DESC LIMIT 1",
+            (campaign_id,),
+        ).fetchone()
+        return None if row is None else Preflight.model_validate_json(row[0])
 
     def llm_pauses(self, campaign_id: str) -> list[tuple[float, float, str]]:
         return self._db.execute(

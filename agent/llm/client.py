@@ -35,6 +35,8 @@ ERROR_CHARS = 400
 PERMANENT = ("auth", "unknown_model")
 # The smallest completion worth asking for when a prompt leaves less of the context.
 MIN_COMPLETION_TOKENS = 512
+# Tokens kept free beside a prompt's estimate and its completion (the chat template's own).
+PROMPT_MARGIN = 64
 _CONTEXT = re.compile(
     r"maximum context length|context length|context window|max_model_len|prompt is too long|"
     r"too many tokens|exceeds the model|input is too long|longer than the model",
@@ -60,9 +62,31 @@ MAX_REASKS = 12
 Shrink = Callable[[], tuple[list[dict], str] | None]
 
 
-def _estimate(messages: list[dict]) -> int:
+def estimate_tokens(messages: list[dict]) -> int:
     """A prompt's tokens on the safe side: 3 characters a token."""
     return sum(len(str(m.get("content", ""))) for m in messages) // 3
+
+
+def structured_fields(form: str, schema: dict) -> dict:
+    """The fields of a request that constrain its reply to `schema`, in structured-output form
+    `form` (LLMConfig.structured_output; "auto" and "none": none)."""
+    if form == "json_schema":
+        return {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "proposal", "schema": schema}}
+        }
+    if form == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if form == "tools":
+        tool = {
+            "name": TOOL,
+            "description": "Propose one kernel change: its arguments are the proposal.",
+            "parameters": schema,
+        }
+        return {
+            "tools": [{"type": "function", "function": tool}],
+            "tool_choice": {"type": "function", "function": {"name": TOOL}},
+        }
+    return {}
 
 
 def _said(attempt: Attempt, then: str) -> str:
@@ -83,7 +107,10 @@ class LLMUnavailable(RuntimeError):
 def classify_http_error(code: int, message: str, request: dict) -> str:
     """The outcome of an HTTP error, by what servers say: a 400 may be a prompt plus max_tokens
     over the model's context (vLLM, SGLang, hosted APIs), a refused response_format, or another
-    bad request; 401 and 403 a key that does not work; 404 a model the server does not serve."""
+    bad request; 401 and 403 a key that does not work; 404 a model the server does not serve;
+    429 a rate limit (retried after the server's Retry-After)."""
+    if code == 429:
+        return "rate_limited"
     if code == 400 and _CONTEXT.search(message):
         return "context_overflow"
     constrained = "response_format" in request or "tools" in request
@@ -108,9 +135,10 @@ def context_limits(message: str) -> tuple[int | None, int | None]:
 
 def error_message(exc: openai.APIStatusError) -> str:
     """What the server said about an HTTP error, in any of the bodies servers send: the
-    `openai` client reads OpenAI's {"error": {"message": ...}} and vLLM's and SGLang's top-level
-    {"object": "error", "message": ...}, but not Ollama's {"error": "..."} nor a plain-text body,
-    whose words (a context overflow, a refused response_format) would otherwise be lost."""
+    `openai` client reads OpenAI's {"error": {"message": ...}} (which Ollama's /v1 routes send
+    too) and vLLM's and SGLang's top-level {"object": "error", "message": ...}, but not a bare
+    {"error": "..."} (Ollama's native routes, some proxies) nor a plain-text body, whose words (a
+    context overflow, a refused response_format) would otherwise be lost."""
     body = exc.body
     said = None
     if isinstance(body, dict):
@@ -147,7 +175,9 @@ class Attempt:
     """One HTTP request and what came of it."""
 
     number: int  # 0 for the first try of a request, then 1, 2, ... for its retries
-    outcome: str  # replied, timeout, connection, http_<code>, garbage
+    # replied, timeout, connection, garbage, or an HTTP error's class (classify_http_error):
+    # context_overflow, structured_output_refused, auth, unknown_model, rate_limited, http_<code>
+    outcome: str
     latency_s: float
     request: dict  # what was sent (model, messages, sampling), never the key
     text: str | None = None
@@ -185,13 +215,25 @@ def _retry_after(headers) -> float | None:
 
 
 class ChatClient:
-    def __init__(self, config: LLMConfig, client: openai.OpenAI | None = None) -> None:
+    def __init__(
+        self,
+        config: LLMConfig,
+        client: openai.OpenAI | None = None,
+        *,
+        context_tokens: int | None = None,
+        structured_output: str | None = None,
+    ) -> None:
+        """`context_tokens`: the model's context where the pre-flight learned it;
+        `structured_output`: the form the pre-flight chose where the config says "auto" (without
+        one, "auto" starts with json_schema and falls back to none on a refusal)."""
         self.config = config
         self._client = client or make_client(config)
-        self.response_format = config.structured_output
-        # The model's context, once a context overflow has told it: each request's completion
-        # then fits beside its own prompt (never more than llm.max_tokens).
-        self.context_tokens: int | None = None
+        form = structured_output or config.structured_output
+        self.response_format = "json_schema" if form == "auto" else form
+        # The model's context, from the pre-flight or once a context overflow has told it: each
+        # prompt is then shrunk before it is sent where it leaves too little for the completion,
+        # and each request's completion fits beside its own prompt (never more than llm.max_tokens).
+        self.context_tokens = context_tokens
         self._room: int | None = None  # the completion tokens of the next try of this request
         self._backoff = wait_exponential(multiplier=config.backoff_initial_s, max=config.backoff_max_s)
 
@@ -259,7 +301,8 @@ class ChatClient:
         while (
             shrink is not None
             and self.context_tokens is not None
-            and _estimate(messages) + self._wanted(self.context_tokens) + 64 > self.context_tokens
+            and estimate_tokens(messages) + self._wanted(self.context_tokens) + PROMPT_MARGIN
+            > self.context_tokens
         ):
             smaller = shrink()
             if smaller is None:
@@ -284,7 +327,7 @@ class ChatClient:
         limit, prompt = attempt.stated
         self.context_tokens = limit or self.context_tokens
         context = self.context_tokens
-        too_long = context is None or (prompt or _estimate(messages)) + self._wanted(context) > context
+        too_long = context is None or (prompt or estimate_tokens(messages)) + self._wanted(context) > context
         smaller = shrink() if shrink is not None and too_long else None
         if smaller is not None:
             said = _said(attempt, f"; asking again with a smaller prompt ({smaller[1]})")
@@ -305,25 +348,7 @@ class ChatClient:
             "temperature": self.config.temperature,
             "max_tokens": self._max_tokens(messages),
         }
-        if self.response_format == "json_schema":
-            request["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {"name": "proposal", "schema": schema},
-            }
-        elif self.response_format == "json_object":
-            request["response_format"] = {"type": "json_object"}
-        elif self.response_format == "tools":
-            request["tools"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": TOOL,
-                        "description": "Propose one kernel change: its arguments are the proposal.",
-                        "parameters": schema,
-                    },
-                }
-            ]
-            request["tool_choice"] = {"type": "function", "function": {"name": TOOL}}
+        request.update(structured_fields(self.response_format, schema))
         return request
 
     def _max_tokens(self, messages: list[dict]) -> int:
@@ -335,7 +360,8 @@ class ChatClient:
         if self.context_tokens is None:
             return self.config.max_tokens
         return max(
-            MIN_COMPLETION_TOKENS, min(self.config.max_tokens, self.context_tokens - _estimate(messages) - 64)
+            MIN_COMPLETION_TOKENS,
+            min(self.config.max_tokens, self.context_tokens - estimate_tokens(messages) - PROMPT_MARGIN),
         )
 
     def _once(self, messages: list[dict], schema: dict, number: int) -> Attempt:

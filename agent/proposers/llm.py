@@ -28,7 +28,7 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from agent.config import BudgetConfig, LLMConfig
@@ -91,6 +91,48 @@ def _smaller_prompts(
             shown = lines // part
             forms.append((f"the kernel's first {shown} of {lines} lines", none | {"source_lines": shown}))
     return forms
+
+
+def starting_point(problem: str) -> Candidate | None:
+    """What a fresh proposal improves before anything is evaluated: the problem's template at its
+    defaults (None: it has none, and the model writes a whole module)."""
+    if get_problem(problem).template is None:
+        return None
+    template = get_template(problem)
+    return Candidate(
+        problem=problem,
+        source=template.render(template.defaults()),
+        entry=template.entry,
+        knobs=template.defaults(),
+        origin="template",
+    )
+
+
+def fresh_messages(problem: str, base: Candidate | None, **shown) -> list[dict]:
+    """The messages of a fresh proposal improving `base`: the system prompt and the task
+    (`shown`: the rest of prompting.propose_prompt's arguments)."""
+    kinds = allowed_kinds(problem, base)
+    prompt = prompting.propose_prompt(problem=problem, arch=campaign_arch(), base=base, kinds=kinds, **shown)
+    return [
+        {"role": "system", "content": prompting.system_prompt(problem, kinds)},
+        {"role": "user", "content": prompt},
+    ]
+
+
+def first_prompts(
+    problems: Iterable[str], incumbents: Callable[[str], list[Candidate]]
+) -> dict[str, list[dict]]:
+    """Per problem, the largest of the messages its first fresh proposal may send: nothing
+    evaluated yet, improving what the campaign starts from (the template at its defaults, or one
+    of `incumbents(problem)`, the kernels dispatch runs today, once they are measured)."""
+    out = {}
+    for problem in problems:
+        forms = [
+            fresh_messages(problem, base, best=None, attempts=[], llm_rows={}, baselines={})
+            for base in (starting_point(problem), *incumbents(problem))
+        ]
+        out[problem] = max(forms, key=lambda m: sum(len(x["content"]) for x in m))
+    return out
 
 
 class _Events:
@@ -265,8 +307,6 @@ class LLMProposer:
         self.config = endpoint.config
         self.store = endpoint.store
         self.campaign_id = endpoint.campaign_id
-        p = get_problem(problem)
-        self.template = get_template(problem) if p.template is not None else None
         self.empty_rounds = 0
         self._stalled = False  # the endpoint failed or a budget ran out during this round
 
@@ -324,46 +364,27 @@ class LLMProposer:
             self.empty_rounds += 1
         return out
 
-    def _base(self, parent: Candidate | None) -> Candidate | None:
-        """What an edit applies to and the prompt shows: the chosen elite, else the template at
-        its defaults."""
-        if parent is not None:
-            return parent
-        if self.template is not None:
-            return Candidate(
-                problem=self.problem,
-                source=self.template.render(self.template.defaults()),
-                entry=self.template.entry,
-                knobs=self.template.defaults(),
-                origin="template",
-            )
-        return None
-
     def _fresh(self, request: ProposalRequest, seen: set[str]) -> Candidate | None:
         llm_rows = self.store.llm_proposals(self.campaign_id, self.problem)
         elites = request.elites or ([request.best] if request.best is not None else [])
         parent = choose_parent(elites, seed=self.seed, turn=sum(r.depth == 0 for r in llm_rows.values()))
-        base = self._base(parent.candidate if parent is not None else None)
+        # What an edit applies to and the prompt shows: the chosen elite, else the starting point.
+        base = parent.candidate if parent is not None else starting_point(self.problem)
         kinds = allowed_kinds(self.problem, base)
         own = prompting.lineage(request.rows, parent, self.config.history)
         others = prompting.other_attempts(request.rows, parent, self.config.history - len(own))
-        system = {"role": "system", "content": prompting.system_prompt(self.problem, kinds)}
 
         def messages(**smaller) -> list[dict]:
-            shown = {"attempts": own, "others": others} | smaller
-            prompt = prompting.propose_prompt(
-                problem=self.problem,
-                arch=campaign_arch(),
+            return fresh_messages(
+                self.problem,
+                base,
                 best=request.best,
                 parent=parent,
-                base=base,
                 llm_rows=llm_rows,
                 baselines=self.store.baselines(self.campaign_id, self.problem),
-                kinds=kinds,
                 rejected=self.rejections(self.problem) if self.rejections else None,
-                **shown,
+                **({"attempts": own, "others": others} | smaller),
             )
-            return [system, {"role": "user", "content": prompt}]
 
         forms = iter(_smaller_prompts(own, others, base))
 
@@ -385,7 +406,7 @@ class LLMProposer:
         turns leave them."""
         for conversation, parent_id in self.store.open_llm_conversations(self.campaign_id, self.problem):
             parent = self.store.candidate(self.campaign_id, parent_id) if parent_id is not None else None
-            base = self._base(parent)
+            base = parent if parent is not None else starting_point(self.problem)
             kinds = allowed_kinds(self.problem, base)
             yield self._continued(
                 _Conversation(id=conversation, base=base, parent_id=parent_id, kinds=kinds, messages=[])

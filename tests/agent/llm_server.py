@@ -2,15 +2,25 @@
 
 Tests point the real `openai` client at it, so retries, timeouts, structured-output parsing,
 repair turns and budgets run end to end without a hosted model. Each POST to
-/v1/chat/completions takes the next step of the script (or `default` once it is used up); a
-step is a behaviour, or a function of the request's JSON that returns one.
+/v1/chat/completions that a model would see takes the next step of the script (or `default`
+once it is used up); a step is a behaviour, or a function of the request's JSON that returns one.
 
-Where real servers differ, it can behave as they do: error bodies in OpenAI's, vLLM's or
-Ollama's form (`Fail.style`); a context limit the server enforces itself (`max_model_len`:
-a prompt, counted at 4 characters a token, plus max_tokens over it gets vLLM's 400, and the
-script is not consumed, as no model saw the request); replies of reasoning models, with their
-thinking in `reasoning_content` beside the answer (`Reply.reasoning`); and slow replies, whole
-after `delay_s` or with the headers sent at once and the body after it (`Reply.headers_first`).
+It behaves as the server it stands for (`style`: "openai", "vllm" or "ollama") does before any
+model sees a request, answering these itself without taking a step of the script:
+
+- it serves the models it lists (`models`) and answers any other with that server's 404
+  (Ollama also serves a name without a tag as its `:latest`, which is what it lists);
+- a structured-output form it refuses (`refuses`: "json_schema", "tools") gets that server's
+  400 and words (see REFUSALS);
+- a prompt, counted at 4 characters a token, plus max_tokens over its context (`max_model_len`)
+  gets vLLM's 400, and vLLM's listing states that context;
+- a streamed request (`stream`) gets a 400: the client never streams (agent/llm/client.py), so
+  what matters is slow replies that are not streamed, scripted as `Reply.delay_s` (the first byte
+  late) and `Reply.headers_first` (the headers at once, the body late).
+
+Scripted errors (`Fail`) have each server's error body (`Fail.style`), and replies of reasoning
+models carry their thinking in `reasoning_content` beside the answer (`Reply.reasoning`).
+Everything is bounded: the server listens on 127.0.0.1 only and every delay is the script's.
 """
 
 from __future__ import annotations
@@ -51,26 +61,47 @@ class Fail:
     status: int
     headers: dict[str, str] = field(default_factory=dict)
     message: str = "scripted failure"
-    # The error body's form: "openai" {"error": {"message", "type", "code"}}; "vllm" (and
-    # SGLang) {"object": "error", "message", "type", "code"} at the top level; "ollama"
-    # {"error": "message"}.
-    style: str = "openai"
+    style: str = "openai"  # the error body's form: see error_body
 
     def body(self) -> str:
-        if self.style == "vllm":
-            kind = (
-                "BadRequestError"
-                if self.status == 400
-                else "NotFoundError"
-                if self.status == 404
-                else "Error"
-            )
-            return json.dumps(
-                {"object": "error", "message": self.message, "type": kind, "param": None, "code": self.status}
-            )
-        if self.style == "ollama":
-            return json.dumps({"error": self.message})
-        return json.dumps({"error": {"message": self.message, "type": "scripted", "code": self.status}})
+        return json.dumps(error_body(self.style, self.status, self.message))
+
+
+def error_body(style: str, status: int, message: str) -> dict:
+    """An error body as each server sends it: "openai" {"error": {"message", "type", "param",
+    "code"}}; "vllm" (and SGLang) {"object": "error", "message", "type", "param", "code"} at the
+    top level; "ollama" OpenAI's form with Ollama's three types (its /v1 routes wrap its errors
+    so); "bare" {"error": "message"} (Ollama's native /api routes, some proxies)."""
+    if style == "vllm":
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "Error")
+        return {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    if style == "ollama":
+        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "api_error")
+        return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    if style == "bare":
+        return {"error": message}
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+# What each server says of a model it does not serve, with a 404.
+UNKNOWN_MODEL = {
+    "openai": "The model `{model}` does not exist or you do not have access to it.",
+    "vllm": "The model `{model}` does not exist.",
+    "ollama": 'model "{model}" not found, try pulling it first',
+}
+# What each server says, with a 400, of a structured-output form it refuses. vLLM's guided
+# decoding refuses schemas its backend cannot compile. Ollama takes a json_schema
+# response_format (as its `format`) for every model, but refuses tools for a model whose template
+# has none with this 400 rather than ignoring them (its chat handler's capability check).
+REFUSALS = {
+    ("openai", "json_schema"): (
+        "Invalid parameter: 'response_format' of type 'json_schema' is not supported with this model."
+    ),
+    ("openai", "tools"): "Unsupported parameter: 'tools' is not supported with this model.",
+    ("vllm", "json_schema"): "The provided JSON schema contains features not supported by xgrammar.",
+    ("ollama", "tools"): "registry.ollama.ai/library/{model} does not support tools",
+}
 
 
 def vllm_context_error(limit: int, prompt: int, completion: int) -> Fail:
@@ -114,24 +145,54 @@ class FakeLLMServer:
         script: Iterable[Step] = (),
         default: Step | None = None,
         *,
-        models: list[dict] | Fail | None = None,
+        style: str = "openai",
+        models: list[str | dict] | Fail | None = None,
         max_model_len: int | None = None,
+        refuses: Iterable[str] = (),
     ) -> None:
-        """`models`: what GET /v1/models answers, a list of model entries (vLLM's carry
-        max_model_len) or a Fail; default one model, "scripted". `max_model_len`: the context
-        this server enforces, as vLLM does (None: none)."""
+        """`style`: the server it behaves as, "openai", "vllm" or "ollama". `models`: what GET
+        /v1/models lists and the chat route serves, names (listed as that server lists them) or
+        whole entries; default one model, "scripted"; a Fail: the listing fails, and any model
+        is served. `max_model_len`: the context this server enforces, as vLLM does (None: none).
+        `refuses`: the structured-output forms it refuses, "json_schema" or "tools", each one
+        that server refuses (REFUSALS)."""
+        unknown = [form for form in refuses if (style, form) not in REFUSALS]
+        if style not in UNKNOWN_MODEL or unknown:
+            raise ValueError(f"a {style} server refusing {unknown} is not modelled (see REFUSALS)")
         self.script: list[Step] = list(script)
-        self.max_model_len = max_model_len
         self.default = default
-        self.models = (
-            [{"id": "scripted", "object": "model", "owned_by": "test"}] if models is None else models
-        )
-        self.requests: list[dict] = []  # bodies of the chat requests, in order
+        self.style = style
+        self.max_model_len = max_model_len
+        self.refuses = frozenset(refuses)
+        listed = ["scripted"] if models is None else models
+        self.models = listed if isinstance(listed, Fail) else [self._entry(m) for m in listed]
+        self.requests: list[dict] = []  # bodies of the chat requests, in order, refused ones too
         self.headers: list[dict[str, str]] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _entry(self, model: str | dict) -> dict:
+        """A /v1/models entry as this server lists it: vLLM's states its context."""
+        if isinstance(model, dict):
+            return model
+        entry = {"id": model, "object": "model", "created": 1_700_000_000}
+        if self.style == "vllm":
+            context = {} if self.max_model_len is None else {"max_model_len": self.max_model_len}
+            return entry | {"owned_by": "vllm", "root": model, "parent": None} | context
+        return entry | {"owned_by": "library" if self.style == "ollama" else "system"}
+
+    def served(self, model: str) -> str | None:
+        """The name the server serves `model` under, or None: it does not serve it. Ollama takes
+        a name without a tag as its `:latest` (it lists llama3:latest and serves llama3)."""
+        if isinstance(self.models, Fail):
+            return model
+        names = {m["id"] for m in self.models}
+        if model in names:
+            return model
+        tagged = f"{model}:latest"
+        return tagged if self.style == "ollama" and ":" not in model and tagged in names else None
 
     @property
     def url(self) -> str:
@@ -153,14 +214,33 @@ class FakeLLMServer:
         with self._lock:
             self.requests.append(body)
             self.headers.append(headers)
-            if self.max_model_len is not None:
-                prompt, completion = prompt_tokens(body), int(body.get("max_tokens") or 0)
-                if prompt + completion > self.max_model_len:
-                    return vllm_context_error(self.max_model_len, prompt, completion)
+            refused = self._refusal(body)
+            if refused is not None:
+                return refused
             step = self.script.pop(0) if self.script else self.default
         if step is None:
             return Fail(503, message="the scripted policy has no more replies")
         return step(body) if callable(step) else step
+
+    def _refusal(self, body: dict) -> Fail | None:
+        """What the server answers itself, before a model sees the request (no step is taken):
+        a streamed request, a model it does not serve, a structured-output form it refuses, a
+        prompt over its context; None: a model sees it."""
+        if body.get("stream"):
+            return Fail(400, message="this test server does not stream", style=self.style)
+        model = self.served(str(body.get("model")))
+        if model is None:
+            return Fail(
+                404, message=UNKNOWN_MODEL[self.style].format(model=body.get("model")), style=self.style
+            )
+        form = _structured_form(body)
+        if form in self.refuses:
+            return Fail(400, message=REFUSALS[(self.style, form)].format(model=model), style=self.style)
+        if self.max_model_len is not None:
+            prompt, completion = prompt_tokens(body), int(body.get("max_tokens") or 0)
+            if prompt + completion > self.max_model_len:
+                return vllm_context_error(self.max_model_len, prompt, completion)
+        return None
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
@@ -228,6 +308,13 @@ class FakeLLMServer:
                     self._send(200, json.dumps(_completion(body, behaviour)), "application/json")
 
         return Handler
+
+
+def _structured_form(request: dict) -> str | None:
+    """How a request constrains the reply: "tools", "json_schema", "json_object" or None."""
+    if request.get("tools"):
+        return "tools"
+    return (request.get("response_format") or {}).get("type")
 
 
 def _completion(request: dict, reply: Reply) -> dict:

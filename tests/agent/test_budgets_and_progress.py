@@ -174,6 +174,13 @@ def test_campaign_run_draws_budget_bars(tmp_path: Path, monkeypatch) -> None:
     # On the interpreter the progress shows no speed figure, only that timings were interpreted.
     assert "embedding_bag" in result.output and "interpreted timings: no speed figure" in result.output
     assert "report.html" in result.output
+    # The best it names is the kernel registered: on the interpreter, the first correct proposal.
+    store = Campaigns(tmp_path / "home").store
+    [row] = store.campaigns()
+    [(_, registered, _, _)] = store.accepted(row.id)
+    said = " ".join(result.output.split())  # the console folds long lines
+    named = f"best embedding_bag: candidate {registered} (first correct proposal; interpreted timings"
+    assert named in said, said
 
 
 def test_a_campaign_from_the_reference_evaluates_proposals_only(tmp_path: Path, monkeypatch) -> None:

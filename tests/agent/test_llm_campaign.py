@@ -27,7 +27,7 @@ from quick_backend import QuickBackend, hashed_speed
 from typer.testing import CliRunner
 
 import agent.campaign
-from agent.campaign import Campaigns
+from agent.campaign import CampaignError, Campaigns
 from agent.cli import app
 from agent.proposers.knob_source import structure_key
 from sandbox.result import Status
@@ -66,7 +66,7 @@ def _user(request: dict) -> str:
 def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickBackend) -> None:
     script = [
         Garbage(),  # a 200 that is not a chat completion: retried
-        Fail(500, {"retry-after-ms": "5"}),  # retried
+        Fail(429, {"retry-after-ms": "5"}),  # a rate limit: retried after Retry-After
         Reply("{'kind': 'module', not json", prompt_tokens=100, completion_tokens=50),  # re-asked
         Reply(proposal("module", source=BROKEN), prompt_tokens=100, completion_tokens=50),
         # repair of the broken kernel: an edit that fixes the import and breaks the sum
@@ -115,7 +115,7 @@ def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickB
     assert knobs.candidate.knobs["BLOCK_B"] == 8 and all(r.candidate.origin == "llm" for r in rows[1:])
 
     exchanges = campaigns.store.llm_exchanges(cid)
-    assert [e["outcome"] for e in exchanges] == ["garbage", "http_500", "invalid", *["proposal"] * 4]
+    assert [e["outcome"] for e in exchanges] == ["garbage", "rate_limited", "invalid", *["proposal"] * 4]
     assert [e["attempt"] for e in exchanges[:4]] == [0, 1, 2, 0]
     assert "not valid JSON" in exchanges[2]["error"]
     spent = campaigns.store.llm_spent(cid)
@@ -146,7 +146,7 @@ def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickB
     status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
     assert status.exit_code == 0 and "LLM: 7 requests (2 failed), 750 tokens" in status.output
     said = " ".join(status.output.split())
-    assert "LLM requests by outcome: proposal 4, garbage 1, http_500 1, invalid 1" in said, said
+    assert "LLM requests by outcome: proposal 4, garbage 1, rate_limited 1, invalid 1" in said, said
 
 
 @pytest.mark.parametrize(
@@ -309,10 +309,8 @@ def test_missing_api_key_is_one_clear_error(tmp_path: Path, monkeypatch) -> None
 
 
 def test_llm_check_and_campaign_start_fail_fast_on_a_model_the_server_does_not_serve(tmp_path: Path) -> None:
-    served = [{"id": "qwen-coder", "object": "model", "max_model_len": 65536}]
-    # The model is not listed, so each check asks for it once, and the server (as vLLM does) says 404.
-    unknown = Fail(404, message="The model `qwen-coderr` does not exist.")
-    with FakeLLMServer([unknown, unknown], models=served) as server:
+    # The model is not listed, so each check asks for it once, and the server says 404 as vLLM does.
+    with FakeLLMServer(style="vllm", models=["qwen-coder"], max_model_len=65536) as server:
         toml = tmp_path / "c.toml"
 
         def write(model: str) -> None:
@@ -501,3 +499,179 @@ def test_a_reasoning_models_reply_becomes_the_proposal_in_its_answer(tmp_path: P
     assert proposed.candidate.knobs["BLOCK_B"] == 16 and proposed.candidate.knobs["num_warps"] == 4
     [exchange] = campaigns.store.llm_exchanges(outcome.campaign_id)
     assert exchange["outcome"] == "proposal" and len(server.requests) == 1
+
+
+def test_the_context_the_server_states_is_known_before_the_first_request(tmp_path: Path, quick) -> None:
+    """A vLLM-like server whose listing states a context that holds the first prompt beside
+    llm.max_tokens, but not a repair turn's longer conversation beside it: the pre-flight checks
+    the first prompt the campaign renders, and the client, told the context, sends the repair
+    with a completion that fits; the server never refuses a request."""
+    from agent.incumbents import campaign_arch, incumbents
+    from agent.llm.client import PROMPT_MARGIN, estimate_tokens
+    from agent.proposers.llm import first_prompts, fresh_messages, starting_point
+    from kernels.registry import KernelLibrary
+
+    max_tokens = 8192
+    [first] = first_prompts(
+        ["embedding_bag"], lambda p: incumbents(p, KernelLibrary(tmp_path / "library"), campaign_arch())
+    ).values()
+    context = estimate_tokens(first) + max_tokens + PROMPT_MARGIN  # the first prompt just fits
+    script = [
+        Reply(proposal("module", source=BROKEN)),
+        Reply(proposal("edit", edits=[{"search": BROKEN_LINE, "replace": ""}])),
+    ]
+    with FakeLLMServer(script, style="vllm", models=["scripted"], max_model_len=context) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"max_tokens": max_tokens},
+            budget={"max_evaluations": 3, "max_wall_s": 60},
+        )
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    assert [e["outcome"] for e in campaigns.store.llm_exchanges(cid)] == ["proposal", "proposal"]
+    fresh, repair = server.requests
+    # The first request is the prompt the pre-flight rendered, whole, with llm.max_tokens.
+    template = starting_point("embedding_bag")
+    rendered = fresh_messages("embedding_bag", template, best=None, attempts=[], llm_rows={}, baselines={})
+    assert fresh["messages"] == rendered and estimate_tokens(rendered) <= estimate_tokens(first)
+    assert fresh["max_tokens"] == max_tokens
+    # The repair would not have fit with llm.max_tokens; it was sent with what fits.
+    assert prompt_tokens(repair) + max_tokens > context
+    assert repair["max_tokens"] < max_tokens and prompt_tokens(repair) + repair["max_tokens"] <= context
+    assert campaigns.store.llm_preflight(cid).context_tokens == context
+    status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
+    assert f"context {context} tokens" in " ".join(status.output.split())
+
+
+def test_auto_structured_output_uses_the_form_the_preflight_found(tmp_path: Path, quick) -> None:
+    """structured_output = "auto" against a server that refuses a json_schema response_format but
+    takes tools: the pre-flight finds it out with tiny requests, the choice is recorded and shown
+    by campaign status, and every request of the campaign uses the propose_kernel tool, with no
+    refusal spent on the way."""
+    with FakeLLMServer(default=knob_replies(), refuses=["json_schema"]) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"structured_output": "auto"},
+            budget={"max_evaluations": 3, "max_wall_s": 60},
+        )
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    probes, campaign = server.requests[:2], server.requests[2:]
+    assert [("tools" in r, "response_format" in r) for r in probes] == [(False, True), (True, False)]
+    assert len(campaign) == 2 and all("tools" in r and "response_format" not in r for r in campaign)
+    assert [e["outcome"] for e in campaigns.store.llm_exchanges(cid)] == ["proposal", "proposal"]
+    found = campaigns.store.llm_preflight(cid)
+    assert (found.structured_output, found.refused) == ("tools", ("json_schema",))
+    status = CliRunner().invoke(app, ["campaign", "status", cid, "--home", str(tmp_path / "home")])
+    assert "structured output tools (json_schema refused)" in " ".join(status.output.split())
+
+
+def test_a_campaign_in_tools_mode_proposes_through_the_propose_kernel_tool(tmp_path: Path, quick) -> None:
+    """structured_output = "tools": every request offers the propose_kernel tool and forces its
+    call; the server answers with the call, whose arguments are the proposal, for a fresh
+    kernel and for the repair of its compile error, which continues the conversation."""
+    from agent.llm.client import TOOL
+
+    script = [
+        Reply(proposal("module", source=BROKEN)),
+        Reply(proposal("edit", edits=[{"search": BROKEN_LINE, "replace": ""}])),
+    ]
+    with FakeLLMServer(script, style="vllm") as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"structured_output": "tools"},
+            budget={"max_evaluations": 3, "max_wall_s": 60},
+        )
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    _, broken, fixed = campaigns.store.evaluations(cid)
+    assert (broken.result.status, fixed.result.status) == (Status.COMPILE_ERROR, Status.OK)
+    assert fixed.candidate.source == GOOD and fixed.candidate.parent_id == broken.candidate.id
+    for r in server.requests:
+        assert [t["function"]["name"] for t in r["tools"]] == [TOOL] and "response_format" not in r
+        assert r["tool_choice"] == {"type": "function", "function": {"name": TOOL}}
+    exchanges = campaigns.store.llm_exchanges(cid)
+    assert [e["outcome"] for e in exchanges] == ["proposal", "proposal"]
+    assert [e["response_text"] for e in exchanges] == [s.content for s in script]  # the calls' arguments
+    repair = server.requests[1]["messages"]
+    assert (
+        repair[2] == {"role": "assistant", "content": script[0].content}
+        and "compile_error" in repair[3]["content"]
+    )
+
+
+def test_an_ollama_campaign_under_an_untagged_model_name(tmp_path: Path, quick) -> None:
+    """Ollama lists its models with tags and serves `qwen2.5-coder` as the qwen2.5-coder:latest
+    it lists; its errors come in its own words: tools refused for a model without them (asked
+    again without, for the campaign), a busy server's 503 (retried). A tag it does not have
+    fails the pre-flight with what it serves, before anything is spent."""
+    busy = Fail(
+        503, message="server busy, please try again.  maximum pending requests exceeded", style="ollama"
+    )
+    served = ["qwen2.5-coder:latest", "llama3.1:8b"]
+    with FakeLLMServer(
+        [busy], default=knob_replies(), style="ollama", models=served, refuses=["tools"]
+    ) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path,
+            server.url,
+            llm={"model": "qwen2.5-coder", "structured_output": "tools"},
+            budget={"max_evaluations": 3, "max_wall_s": 60},
+        )
+        outcome = campaigns.start(cfg)
+        cid = outcome.campaign_id
+        exchanges = campaigns.store.llm_exchanges(cid)
+        assert [e["outcome"] for e in exchanges] == [
+            "structured_output_refused",
+            "http_503",
+            "proposal",
+            "proposal",
+        ]
+        assert (
+            "registry.ollama.ai/library/qwen2.5-coder:latest does not support tools" in exchanges[0]["error"]
+        )
+        assert "server busy, please try again" in exchanges[1]["error"]
+        assert {r["model"] for r in server.requests} == {"qwen2.5-coder"}
+        assert "tools" in server.requests[0] and all("tools" not in r for r in server.requests[1:])
+        assert [r.candidate.origin for r in campaigns.store.evaluations(cid)] == ["library", "llm", "llm"]
+        sent = len(server.requests)
+        tagged = cfg.model_copy(update={"llm": cfg.llm.model_copy(update={"model": "qwen2.5-coder:7b"})})
+        with pytest.raises(
+            CampaignError, match="does not serve this model; it serves qwen2.5-coder:latest, llama3.1:8b"
+        ):
+            campaigns.start(tagged)
+        assert len(server.requests) == sent + 1 and server.requests[-1]["max_tokens"] == 1  # one probe
+    assert [c.id for c in campaigns.store.campaigns()] == [cid]
+
+
+def test_a_reply_slower_than_the_timeout_is_asked_again_and_the_campaign_goes_on(
+    tmp_path: Path, quick
+) -> None:
+    """A server that sends its headers at once and the body later than the client's timeout,
+    once, then answers on time: the slow try is recorded as a timeout and retried, and the
+    campaign goes on as if nothing happened."""
+    late = Reply(proposal("knobs", knobs={"BLOCK_B": 16}), delay_s=3.0, headers_first=True)
+    with FakeLLMServer([late], default=knob_replies()) as server:
+        campaigns = Campaigns(tmp_path / "home")
+        cfg = config(
+            tmp_path, server.url, llm={"timeout_s": 0.5}, budget={"max_evaluations": 3, "max_wall_s": 60}
+        )
+        outcome = campaigns.start(cfg)
+    cid = outcome.campaign_id
+    assert outcome.stop_reason == "evaluation budget reached (3 of 3)"
+    exchanges = campaigns.store.llm_exchanges(cid)
+    assert [(e["outcome"], e["attempt"]) for e in exchanges] == [
+        ("timeout", 0),
+        ("proposal", 1),
+        ("proposal", 0),
+    ]
+    assert exchanges[0]["error"] == "no reply within 0.5 s" and exchanges[0]["response_text"] is None
+    assert len(server.requests) == 3
+    assert [r.candidate.origin for r in campaigns.store.evaluations(cid)] == ["library", "llm", "llm"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from llm_helpers import GOOD, KEY, KEY_ENV, config
-from llm_server import Fail, FakeLLMServer, Garbage, Reply, prompt_tokens, proposal
+from llm_server import REFUSALS, UNKNOWN_MODEL, Fail, FakeLLMServer, Garbage, Reply, prompt_tokens, proposal
 
 from agent.config import ConfigError, LLMConfig, load_config, parse_config
 from agent.llm.client import ChatClient, LLMConfigError, LLMUnavailable, make_client
@@ -260,7 +260,7 @@ def test_config_of_proposers_and_llm() -> None:
 def _client(url: str, **overrides) -> ChatClient:
     settings = {
         "base_url": url,
-        "model": "m",
+        "model": "scripted",  # what FakeLLMServer serves by default
         "api_key_env": KEY_ENV,
         "backoff_initial_s": 0.01,
         "backoff_max_s": 0.02,
@@ -286,7 +286,7 @@ def test_client_retries_what_retrying_can_fix(monkeypatch) -> None:
             MESSAGES, schema={}, on_attempt=attempts.append
         )
         elapsed = time.monotonic() - start
-    assert [a.outcome for a in attempts] == ["timeout", "http_429", "garbage", "replied"]
+    assert [a.outcome for a in attempts] == ["timeout", "rate_limited", "garbage", "replied"]
     assert attempts[1].retry_after_s == 1.0 and elapsed >= 1.3
     assert reply.text == "ok" and (reply.prompt_tokens, reply.completion_tokens) == (100, 0)  # estimated
 
@@ -502,41 +502,84 @@ def test_a_context_overflow_shrinks_the_prompt_first_then_max_tokens(monkeypatch
 
 
 def test_preflight_says_in_one_sentence_what_to_change(tmp_path, monkeypatch) -> None:
+    """The server answers, the key works, the model is served, and its stated context holds the
+    largest of the campaign's first prompts (as the client estimates them) beside max_tokens."""
+    from agent.llm.client import PROMPT_MARGIN, estimate_tokens
     from agent.llm.preflight import preflight
+    from agent.proposers.llm import first_prompts
 
     monkeypatch.setenv(KEY_ENV, KEY)
+    prompts = first_prompts(["dense_to_jagged", "embedding_bag"], lambda problem: [])
+    largest = estimate_tokens(prompts["embedding_bag"])
+    assert largest > estimate_tokens(prompts["dense_to_jagged"])
     llm = config(tmp_path, "http://127.0.0.1:9/v1").llm
     with pytest.raises(LLMConfigError, match="no server answers"):
-        preflight(llm)
+        preflight(llm, prompts)
     served = [
         {"id": "scripted", "object": "model", "max_model_len": 32768},
         {"id": "other", "object": "model"},
     ]
     with FakeLLMServer(models=served) as server:
-        found = preflight(llm.model_copy(update={"base_url": server.url}))
+        found = preflight(llm.model_copy(update={"base_url": server.url}), prompts)
         assert found.models == ("scripted", "other") and found.context_tokens == 32768
+        assert (found.prompt_tokens, found.prompt_problem) == (largest, "embedding_bag")
+        assert found.structured_output == "json_schema" and found.checked_by == "models"
+        fits = 32768 - largest - PROMPT_MARGIN
         with pytest.raises(
-            LLMConfigError, match=r"context of 32768 tokens .* set llm.max_tokens to 22768 or less"
+            LLMConfigError,
+            match=rf"context of 32768 tokens cannot hold llm.max_tokens = {fits + 1} beside the first prompt "
+            rf"for embedding_bag \(about {largest} tokens\): set llm.max_tokens to {fits} or less",
         ):
-            preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": 30000}))
+            preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": fits + 1}), prompts)
+        preflight(llm.model_copy(update={"base_url": server.url, "max_tokens": fits}), prompts)
         assert not server.requests  # nothing spent on chat
-        # A model it does not list is asked for once: served under another name, it is fine...
-        server.add(Reply("pong"), Fail(404, message="The model `scriptd` does not exist"))
-        aliased = preflight(llm.model_copy(update={"base_url": server.url, "model": "scripted-alias"}))
-        assert aliased.checked_by == "chat" and server.requests[-1]["max_tokens"] == 1
-        # ...and not served at all, the sentence lists what is.
+        # A model it does not list is asked for once; not served, the sentence lists what is.
         with pytest.raises(LLMConfigError, match="does not serve this model; it serves scripted, other"):
-            preflight(llm.model_copy(update={"base_url": server.url, "model": "scriptd"}))
+            preflight(llm.model_copy(update={"base_url": server.url, "model": "scriptd"}), prompts)
+        assert server.requests[-1]["max_tokens"] == 1
     with FakeLLMServer(models=Fail(401, message="invalid api key")) as server:
         refused = f"refused the key in {KEY_ENV} \\(HTTP 401"
         with pytest.raises(LLMConfigError, match=refused):
-            preflight(llm.model_copy(update={"base_url": server.url}))
+            preflight(llm.model_copy(update={"base_url": server.url}), prompts)
         assert not server.requests
     # A server that lists no models is asked one tiny chat request instead.
     with FakeLLMServer([Fail(404, message="The model `m` does not exist")], models=Fail(404)) as server:
         with pytest.raises(LLMConfigError, match="does not serve this model"):
-            preflight(llm.model_copy(update={"base_url": server.url}))
+            preflight(llm.model_copy(update={"base_url": server.url}), prompts)
         assert server.requests[0]["max_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    ("style", "listed", "refuses", "chosen", "refused"),
+    [
+        ("openai", "qwen2.5-coder", ["json_schema"], "tools", ["json_schema"]),
+        ("openai", "qwen2.5-coder", ["json_schema", "tools"], "none", ["json_schema", "tools"]),
+        ("ollama", "qwen2.5-coder:latest", ["tools"], "json_schema", []),
+        ("vllm", "qwen2.5-coder", [], "json_schema", []),
+    ],
+)
+def test_preflight_finds_the_structured_output_form_the_server_takes(
+    tmp_path, monkeypatch, style, listed, refuses, chosen, refused
+) -> None:
+    """structured_output = "auto": json_schema, then the propose_kernel tool, else plain JSON
+    instructions, each tried with a tiny request constrained by the proposal schema as the
+    campaign's requests are; the first the server takes is chosen. (Ollama's untagged name is
+    found among the tags it lists, with no request.)"""
+    from agent.llm.preflight import PROBE_TOKENS, preflight
+    from agent.llm.proposals import proposal_schema
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    llm = config(tmp_path, "u", llm={"structured_output": "auto", "model": "qwen2.5-coder"}).llm
+    with FakeLLMServer(default=Reply("{"), style=style, models=[listed], refuses=refuses) as server:
+        found = preflight(llm.model_copy(update={"base_url": server.url}), {})
+    assert (found.structured_output, list(found.refused), found.checked_by) == (chosen, refused, "models")
+    assert [r["max_tokens"] for r in server.requests] == [PROBE_TOKENS] * len(server.requests)
+    tried = [("tools" if "tools" in r else r["response_format"]["type"]) for r in server.requests]
+    assert tried == ["json_schema", "tools"][: len(refused) + (chosen != "none")]
+    for r in server.requests:
+        tool = r["tools"][0]["function"] if "tools" in r else None
+        sent = tool["parameters"] if tool else r["response_format"]["json_schema"]["schema"]
+        assert sent == proposal_schema()
 
 
 def test_interpreted_timings_never_reach_the_prompt() -> None:
@@ -715,14 +758,13 @@ def test_recent_attempts_of_the_lineage_are_its_own_and_others_are_apart() -> No
     assert "other lineages" not in alone
 
 
-def test_errors_in_the_bodies_vllm_and_ollama_send_are_told_apart(tmp_path, monkeypatch) -> None:
-    """The `openai` client reads the message of OpenAI's and vLLM's error bodies but not of
-    Ollama's {"error": "..."}: the classes come from the server's words in each."""
-    from agent.llm.preflight import preflight
-
+def test_errors_in_the_bodies_vllm_and_ollama_send_are_told_apart(monkeypatch) -> None:
+    """The `openai` client reads the message of OpenAI's, vLLM's and Ollama's (/v1) error bodies
+    but not a bare {"error": "..."} (Ollama's native routes, some proxies): the classes come from
+    the server's words in each."""
     monkeypatch.setenv(KEY_ENV, KEY)
     refused = "json_schema response_format is not supported by this model"
-    for style in ("openai", "vllm", "ollama"):
+    for style in ("openai", "vllm", "ollama", "bare"):
         with FakeLLMServer([Fail(400, message=refused, style=style), Reply("a")]) as server:
             attempts = []
             client = _client(server.url, max_retries=0)
@@ -730,15 +772,56 @@ def test_errors_in_the_bodies_vllm_and_ollama_send_are_told_apart(tmp_path, monk
                 client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text == "a"
             )
             assert attempts[0].outcome == "structured_output_refused" and refused in attempts[0].error, style
-    missing = 'model "qwen2.5-coder" not found, try pulling it first'
-    with FakeLLMServer(
-        [Fail(404, message=missing, style="ollama")] * 2, models=Fail(404, style="ollama")
-    ) as server:
-        with pytest.raises(LLMUnavailable, match="unknown_model: .*try pulling it first") as info:
-            _client(server.url).complete(MESSAGES, schema={}, on_attempt=lambda a: None)
-        assert info.value.permanent
-        with pytest.raises(LLMConfigError, match="does not serve this model.*try pulling it first"):
-            preflight(config(tmp_path, server.url).llm.model_copy(update={"model": "qwen2.5-coder"}))
+
+
+@pytest.mark.parametrize(("style", "form"), sorted(REFUSALS))
+def test_a_server_that_refuses_a_structured_output_form_is_asked_without_it(monkeypatch, style, form) -> None:
+    """vLLM refusing a schema its backend cannot compile, Ollama tools for a model without them,
+    OpenAI either for some models: each server's own 400, in its body and words, before any model
+    sees the request; the client asks again unconstrained, and from then on."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    with FakeLLMServer([Reply("a"), Reply("b")], style=style, refuses=[form]) as server:
+        attempts = []
+        client = _client(server.url, max_retries=0, structured_output=form)
+        for expected in ("a", "b"):
+            assert (
+                client.complete(MESSAGES, schema={"type": "object"}, on_attempt=attempts.append).text
+                == expected
+            )
+        first, *later = server.requests
+    assert [a.outcome for a in attempts] == ["structured_output_refused", "replied", "replied"]
+    said = REFUSALS[(style, form)].format(model="scripted")
+    assert said in attempts[0].error
+    field = "tools" if form == "tools" else "response_format"
+    assert field in first and all(field not in r for r in later)
+
+
+@pytest.mark.parametrize("style", sorted(UNKNOWN_MODEL))
+def test_a_model_the_server_does_not_serve_is_its_404_in_its_words(tmp_path, monkeypatch, style) -> None:
+    """Each server serves the models it lists and answers any other with its own 404: an
+    unknown_model for good in a request, one sentence naming what it serves in the pre-flight.
+    Ollama lists its models with their tags and serves a name without one as its :latest."""
+    from agent.llm.preflight import preflight
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    with FakeLLMServer([Reply("pong")], style=style, models=["llama3:latest"]) as server:
+        words = UNKNOWN_MODEL[style].format(model="qwen2.5-coder")
+        with pytest.raises(LLMUnavailable, match="unknown_model") as info:
+            _client(server.url, model="qwen2.5-coder").complete(
+                MESSAGES, schema={}, on_attempt=lambda a: None
+            )
+        assert info.value.permanent and words in str(info.value)
+        llm = config(tmp_path, server.url).llm.model_copy(update={"model": "qwen2.5-coder"})
+        with pytest.raises(LLMConfigError, match="does not serve this model; it serves llama3:latest"):
+            preflight(llm, {})
+        untagged = _client(server.url, model="llama3", max_retries=0)
+        if style == "ollama":
+            assert untagged.complete(MESSAGES, schema={}, on_attempt=lambda a: None).text == "pong"
+            assert preflight(llm.model_copy(update={"model": "llama3"}), {}).checked_by == "models"
+        else:
+            with pytest.raises(LLMUnavailable, match="unknown_model"):
+                untagged.complete(MESSAGES, schema={}, on_attempt=lambda a: None)
+    assert server.requests[-1]["model"] == "llama3"
 
 
 def test_a_server_that_enforces_its_context_and_a_reasoning_model(monkeypatch) -> None:

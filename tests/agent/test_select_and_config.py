@@ -76,6 +76,37 @@ def test_select_needs_a_margin_beyond_noise(tmp_path) -> None:
     assert _select(store, {"embedding_bag": a.id}) == {"embedding_bag": d.id}
 
 
+def test_on_the_interpreter_the_best_is_the_first_correct_proposal(tmp_path) -> None:
+    """Interpreted timings rank nothing: the best is the first correct proposal, the one
+    registration takes, however much faster a later one was timed, on every bucket too; before
+    any proposal is correct, what dispatch runs today."""
+    from agent.population import pick_best, pick_bucket_bests
+
+    interpreter = DeviceInfo(
+        name="cpu", arch="interpreter", torch="t", triton="t", python="p", interpreted=True
+    )
+    store = Store(tmp_path / "s.db")
+    library = Candidate(
+        problem="embedding_bag",
+        source=TEMPLATE.render(TEMPLATE.defaults()),
+        entry=TEMPLATE.entry,
+        origin="library",
+    )
+    a, b, c = (_candidate(n) for n in (4, 8, 16))
+    for cand, median, status in ((library, 500.0, Status.OK), (a, 10.0, Status.WRONG), (b, 90.0, Status.OK)):
+        store.add_candidate("c", cand)
+        store.add_evaluation(
+            "c", _result(cand, median, status=status).model_copy(update={"device": interpreter})
+        )
+        if cand is a:
+            assert _select(store, {}) == {"embedding_bag": library.id}
+    store.add_candidate("c", c)
+    store.add_evaluation("c", _result(c, 20.0).model_copy(update={"device": interpreter}))
+    rows = store.evaluations("c")
+    assert _select(store, {"embedding_bag": c.id}) == {"embedding_bag": b.id}
+    assert pick_best(rows, c.id) is rows[2] and pick_bucket_bests(rows) == {"fp32/d64": b.id}
+
+
 def test_config_errors_name_the_field(tmp_path) -> None:
     assert parse_config(VALID).budget.max_evaluations == 3
     with pytest.raises(ConfigError, match=r"budget\.max_evaluations"):
