@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from sandbox.result import EvalResult
+from sandbox.result import EvalResult, ratio
 
 if TYPE_CHECKING:
     from agent.state import CampaignProgress
@@ -127,7 +127,7 @@ class _CampaignProgress(Progress):
             elif p.interpreted:
                 line["best"] = "interpreted timings: no speed figure"
             else:
-                line["best"] = f"best {p.best_speedup:.2f}x over {p.baseline}"
+                line["best"] = f"best {ratio(p.best_speedup)} over {p.baseline}"
 
     def get_renderables(self):
         if "wall" in self.tasks_by_budget:
@@ -271,6 +271,16 @@ def campaign_resume(campaign_id: str, home: HomeOption = None) -> None:
     _print_outcome(outcome)
 
 
+def _last_registration(home: Path | None) -> tuple[str, str] | None:
+    """(campaign, library) of the kernel a campaign in `home` registered last, or None (no store
+    there is no error here, and none is made)."""
+    from agent.campaign import default_home
+    from agent.store import Store
+
+    root = Path(home) if home else default_home()
+    return Store(root / "store.db").last_accepted() if (root / "store.db").exists() else None
+
+
 def _existing_campaigns(home: Path | None):
     """The campaigns of `home`, whose store must exist: commands that read campaigns never
     create a state folder."""
@@ -409,7 +419,7 @@ def sandbox_eval(
         tag = " (interpreted)" if result.interpreted else ""
         for t in result.timings:
             vs = ", ".join(
-                f"{b.median_us / t.candidate.median_us:.2f}x vs {n}" for n, b in t.baselines.items()
+                f"{ratio(b.median_us / t.candidate.median_us)} vs {n}" for n, b in t.baselines.items()
             )
             console.print(
                 f"  {t.shape} {t.dtype}: {t.candidate.median_us:.1f} us{tag}, {t.achieved_gbps:.0f} GB/s {vs}"
@@ -423,8 +433,10 @@ def sandbox_eval(
 @library_app.command("list")
 def library_list(
     library: Annotated[Path | None, typer.Option(help="library folder (default: the package's)")] = None,
+    home: HomeOption = None,
 ) -> None:
-    """Accepted kernels with their keys and evidence."""
+    """Accepted kernels with their keys and evidence (and, listing the package's library, where
+    the last campaign of `--home` registered its kernels, when that is another library)."""
     from kernels.registry import DISPATCHER, KernelLibrary
 
     lib = KernelLibrary(library) if library else DISPATCHER.library
@@ -455,7 +467,15 @@ def library_list(
     for note in notes:
         console.print(note, soft_wrap=True)
     if library is None:
-        console.print("[dim]another library: recforge library list --library PATH[/]")
+        last = _last_registration(home)
+        if last is not None and Path(last[1]).resolve() != Path(lib.root).resolve():
+            console.print(
+                f"the last campaign, {last[0]}, registered into {last[1]}: "
+                f"recforge library list --library {last[1]}",
+                soft_wrap=True,
+            )
+        else:
+            console.print("[dim]another library: recforge library list --library PATH[/]")
     if not entries:
         console.print("no accepted kernels yet: dispatch uses the default kernels")
 

@@ -24,7 +24,7 @@ from agent.plots import SpeedupSeries, speedup_plot
 from agent.population import bucket_key, bucket_us, buckets, pick_bucket_bests, primary_baseline
 from agent.store import EvaluationRow, Store
 from kernels.registry import KernelLibrary, LibraryEntry
-from sandbox.result import Status, TimingStats
+from sandbox.result import Status, TimingStats, ratio
 from search_space import get_problem
 
 if TYPE_CHECKING:
@@ -36,12 +36,6 @@ _MARKDOWN = jinja2.Environment(loader=_LOADER, undefined=jinja2.StrictUndefined,
 _HTML = jinja2.Environment(
     loader=_LOADER, undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=True
 )
-
-
-def ratio(value: float) -> str:
-    """A speedup as `1.23x`, or with three significant digits where two decimals would show
-    nothing (`0.00412x`, an interpreted kernel against a compiled baseline)."""
-    return f"{value:.2f}x" if abs(value) >= 0.1 or value == 0 else f"{value:.3g}x"
 
 
 for _env in (_MARKDOWN, _HTML):

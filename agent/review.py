@@ -33,7 +33,7 @@ from agent.population import slower_on_recheck
 from kernels.registry import KernelLibrary, LibraryEntry
 from sandbox.candidate import Candidate
 from sandbox.hardware import bound_by
-from sandbox.result import EvalResult, Status
+from sandbox.result import EvalResult, Status, ratio
 from search_space.template import source_hash
 
 LIBRARY_BRANCH = "recforge/library"
@@ -492,7 +492,7 @@ def describe(
     if interpreted:
         headline = "interpreted: correct on every check shape (timings say nothing on a CPU)"
     elif ratios:
-        headline = f"{geometric_mean(ratios):.2f}x over the previous best"
+        headline = f"{ratio(geometric_mean(ratios))} over the previous best"
     else:
         headline = "no previous best timed"
     knobs = entry.provenance.get("knobs") or {}
@@ -548,7 +548,7 @@ def describe(
             lines.append(
                 f"| {t.shape} | {t.graph} | {t.candidate.median_us:.4g} | "
                 f"{'' if old is None else f'{old.candidate.median_us:.4g}'} | "
-                f"{'' if old is None else f'{old.candidate.median_us / t.candidate.median_us:.2f}x'} | "
+                f"{'' if old is None else ratio(old.candidate.median_us / t.candidate.median_us)} | "
                 f"{'' if eager is None else f'{eager.median_us:.4g}'} | "
                 f"{'' if compiled is None else f'{compiled.median_us:.4g}'} | {bound(t) or ''} | "
                 f"{gbps} | {roof} |"

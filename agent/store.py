@@ -349,6 +349,12 @@ class Store:
             (campaign_id, problem, candidate_id, kernel_id, library, _now()),
         )
 
+    def last_accepted(self) -> tuple[str, str] | None:
+        """(campaign, library) of the kernel registered last, by any campaign of this store."""
+        return self._db.execute(
+            "SELECT campaign_id, library FROM accepted ORDER BY created_at DESC, rowid DESC LIMIT 1"
+        ).fetchone()
+
     def accepted(self, campaign_id: str) -> list[tuple[str, str, str, str]]:
         return self._db.execute(
             "SELECT problem, candidate_id, kernel_id, library FROM accepted "

@@ -67,6 +67,12 @@ class ShapeTiming(BaseModel):
     graph: Literal["serve", "train"] = "serve"
 
 
+def ratio(value: float) -> str:
+    """A speedup as `1.23x`, or with three significant digits where two decimals would show
+    nothing (`0.00412x`, an interpreted kernel against a compiled baseline)."""
+    return f"{value:.2f}x" if abs(value) >= 0.1 or value == 0 else f"{value:.3g}x"
+
+
 class DeviceInfo(BaseModel):
     name: str
     arch: str

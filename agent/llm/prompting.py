@@ -14,7 +14,7 @@ from agent.store import EvaluationRow, LLMProposalRow
 from sandbox import screen
 from sandbox.candidate import Candidate
 from sandbox.hardware import CEILINGS
-from sandbox.result import EvalResult, Status, TimingStats
+from sandbox.result import EvalResult, Status, TimingStats, ratio
 from search_space import get_problem
 from search_space.problem import Problem, Shape
 
@@ -94,7 +94,7 @@ def _timing_lines(result: EvalResult, baselines: dict[str, dict[str, TimingStats
     lines = []
     for t in result.timings:
         known = baselines.get(f"{t.shape}/{t.dtype}", {}) | t.baselines
-        vs = ", ".join(f"{b.median_us / t.candidate.median_us:.2f}x vs {n}" for n, b in known.items())
+        vs = ", ".join(f"{ratio(b.median_us / t.candidate.median_us)} vs {n}" for n, b in known.items())
         roof = (
             f"{100 * t.roofline_fraction:.0f}% of roofline"
             if t.roofline_fraction is not None

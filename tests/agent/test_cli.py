@@ -141,6 +141,29 @@ def test_a_campaign_stopped_by_a_signal_says_how_to_resume_it(tmp_path, monkeypa
     assert signal.getsignal(signum) == before  # the handler is the caller's again
 
 
+def test_library_list_names_the_library_the_last_campaign_registered_into(tmp_path) -> None:
+    from agent.config import parse_config
+    from agent.store import Store
+
+    home, registered = tmp_path / "home", tmp_path / "runs" / "library"
+    home.mkdir()
+    store = Store(home / "store.db")
+    cfg = parse_config(
+        {"name": "x", "problems": ["embedding_bag"], "budget": {"max_evaluations": 1, "max_wall_s": 5}}
+    )
+    for campaign in ("older", "newer"):
+        store.create_campaign(campaign, "x", cfg.model_dump_json())
+    store.add_accepted("older", "embedding_bag", "cand1", "k1", str(tmp_path / "elsewhere"))
+    store.add_accepted("newer", "embedding_bag", "cand2", "k2", str(registered))
+    result = runner.invoke(app, ["library", "list", "--home", str(home)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert f"the last campaign, newer, registered into {registered}" in result.output
+    assert f"recforge library list --library {registered}" in result.output
+    # Listing that library itself, or a home with no campaigns (none made), says nothing of it.
+    quiet = runner.invoke(app, ["library", "list", "--home", str(tmp_path / "none")], terminal_width=200)
+    assert "the last campaign" not in quiet.output and not (tmp_path / "none").exists()
+
+
 def test_library_list_empty_and_corrupt(tmp_path) -> None:
     result = runner.invoke(app, ["library", "list", "--library", str(tmp_path)])
     assert result.exit_code == 0 and "no accepted kernels yet" in result.output
