@@ -610,7 +610,8 @@ def library_verify(
     timeout: Annotated[float, typer.Option(help="hard wall-clock limit per evaluation")] = 600.0,
 ) -> None:
     """Check and time every entry of this machine's architecture again; demote what fails or is
-    no longer faster than the default kernel."""
+    no longer faster than the default kernel (or than another entry, on every bucket it serves),
+    record the new times, and show what dispatch runs now where that changed."""
     from agent.incumbents import campaign_arch
     from agent.library_verify import verify_library
     from kernels.registry import DISPATCHER, KernelLibrary
@@ -619,7 +620,7 @@ def library_verify(
     lib = KernelLibrary(library) if library else DISPATCHER.library
     with tempfile.TemporaryDirectory(prefix="recforge-verify-") as scratch:
         try:
-            rows = verify_library(
+            rows, changed = verify_library(
                 lib, LocalBackend(timeout_s=timeout, scratch_root=Path(scratch)), campaign_arch()
             )
         except ValueError as exc:
@@ -630,6 +631,12 @@ def library_verify(
     for row in rows:
         table.add_row(row.entry.kernel_id, row.entry.op, row.entry.dtype, row.outcome, row.detail)
     console.print(table)
+    if changed:
+        choices = _table("op", "dtype", "bucket", "dispatch ran", "dispatch runs now", title="what changed")
+        for c in changed:
+            ran, runs = c.before or "default kernel", c.after or "default kernel"
+            choices.add_row(c.op, c.dtype, c.bucket, ran, runs)
+        console.print(choices)
     demoted = sum(row.outcome == "demoted" and not row.detail.startswith("already") for row in rows)
     console.print(f"{len(rows)} entries, {demoted} demoted now" if rows else "the library is empty")
 

@@ -1,11 +1,14 @@
 """`recforge library verify`: every entry of this machine's architecture checked and timed again
-in the sandbox, beside its op's default kernel, and demoted where it fails or is no longer
-faster.
+in the sandbox, beside its op's default kernel and the other entries of its key, and demoted
+where it fails or is no longer the one to run.
 
 An entry is demoted (kept in the manifest with the reason, out of dispatch) when the sandbox
 no longer accepts it, or, on a GPU, when on the buckets it serves the default kernel is faster
-than it by more than either's timing noise. On the interpreter timings decide nothing: only the
-checks count. Entries of other architectures are left alone (listed as such)."""
+than it by more than either's timing noise, or another entry is, on every bucket it serves. The
+times of the entries kept are written back, so that dispatch ranks them by today's figures; what
+dispatch runs for each (op, dtype, bucket) before and after is reported beside the outcomes. On
+the interpreter timings decide nothing: only the checks count. Entries of other architectures are
+left alone (listed as such)."""
 
 from __future__ import annotations
 
@@ -27,15 +30,39 @@ class Verified:
     detail: str
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What dispatch runs for one key (serving calls), by kernel id (None: the default kernel)."""
+
+    op: str
+    dtype: str
+    bucket: str
+    before: str | None
+    after: str | None
+
+
 def _served_us(result: EvalResult, entry: LibraryEntry) -> float | None:
     times = [serving_us(result, entry.dtype, b) for b in entry.buckets]
     times = [t for t in times if t is not None]
     return geometric_mean(times) if times else None
 
 
-def verify_library(library: KernelLibrary, backend: Backend, arch: str, trials: int = 2) -> list[Verified]:
+def _choices(library: KernelLibrary, arch: str) -> dict[tuple[str, str, str], str | None]:
+    keys = {(e.op, e.dtype, b) for e in library.entries() if e.arch == arch for b in e.buckets}
+    return {
+        (op, dtype, bucket): getattr(library.best(op, arch, dtype, bucket), "kernel_id", None)
+        for op, dtype, bucket in sorted(keys)
+    }
+
+
+def verify_library(
+    library: KernelLibrary, backend: Backend, arch: str, trials: int = 2
+) -> tuple[list[Verified], list[Choice]]:
+    """(each entry's outcome, what dispatch runs per key before and after, where that changed)."""
+    before = _choices(library, arch)
     out: list[Verified] = []
     defaults: dict[str, EvalResult] = {}
+    timed: list[tuple[LibraryEntry, EvalResult]] = []  # entries kept on a GPU, with their times
     for entry in library.entries():
         if entry.arch != arch:
             out.append(Verified(entry, "other arch", f"registered for {entry.arch}, this machine is {arch}"))
@@ -65,10 +92,57 @@ def verify_library(library: KernelLibrary, backend: Backend, arch: str, trials: 
             reason = f"the default kernel is faster on its buckets ({theirs:.1f} us against {mine:.1f} us)"
             out.append(Verified(library.demote(entry, reason), "demoted", reason))
             continue
+        per_bucket = {b: us for b in entry.buckets if (us := serving_us(result, entry.dtype, b)) is not None}
+        entry = library.retime(
+            entry, mine if mine is not None else entry.median_us, per_bucket or entry.bucket_us
+        )
+        timed.append((entry, result))
         detail = (
             "correct"
             if mine is None or theirs is None
             else f"{mine:.1f} us against the default's {theirs:.1f}"
         )
         out.append(Verified(entry, "kept", detail))
+    outdone = _outdone(timed)
+    out = [
+        Verified(library.demote(v.entry, why), "demoted", why)
+        if v.outcome == "kept" and (why := outdone.get((v.entry.kernel_id, v.entry.dtype))) is not None
+        else v
+        for v in out
+    ]
+    after = _choices(library, arch)
+    changed = [
+        Choice(*key, before.get(key), after.get(key)) for key in after if before.get(key) != after.get(key)
+    ]
+    return out, changed
+
+
+def _outdone(timed: list[tuple[LibraryEntry, EvalResult]]) -> dict[tuple[str, str], str]:
+    """The entries (kernel id, dtype) that another entry of their op and dtype beats, beyond the
+    noise, on every bucket they serve, with why."""
+    out = {}
+    for entry, result in timed:
+        winners = []
+        for bucket in entry.buckets:
+            mine = serving_us(result, entry.dtype, bucket)
+            better = [
+                other
+                for other, theirs in timed
+                if other is not entry
+                and other.op == entry.op
+                and other.dtype == entry.dtype
+                and bucket in other.buckets
+                and mine is not None
+                and (us := serving_us(theirs, entry.dtype, bucket)) is not None
+                and beats(us, theirs, mine, result, (entry.dtype, bucket))
+            ]
+            if not better:
+                break
+            winners.append(better[0].kernel_id)
+        else:
+            if winners:
+                faster = ", ".join(sorted(set(winners)))
+                out[(entry.kernel_id, entry.dtype)] = (
+                    f"another entry is faster on every bucket it serves ({faster})"
+                )
     return out

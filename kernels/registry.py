@@ -248,6 +248,15 @@ class KernelLibrary:
 
     def demote(self, entry: LibraryEntry, reason: str) -> LibraryEntry:
         """Take `entry` out of dispatch, saying why (its record and source stay)."""
+        return self._update(entry, demoted=reason)
+
+    def retime(
+        self, entry: LibraryEntry, median_us: float | None, bucket_us: dict[str, float]
+    ) -> LibraryEntry:
+        """Record `entry`'s times as measured again (dispatch ranks entries by them)."""
+        return self._update(entry, median_us=median_us, bucket_us=bucket_us)
+
+    def _update(self, entry: LibraryEntry, **changes) -> LibraryEntry:
         with self._lock:
             entries = self.entries()
             key = (entry.kernel_id, entry.arch, entry.dtype)
@@ -256,12 +265,12 @@ class KernelLibrary:
                     f"kernel library {self.root} holds no {entry.kernel_id} for {entry.arch} {entry.dtype}"
                 )
             kept = [
-                dataclasses.replace(e, demoted=reason) if (e.kernel_id, e.arch, e.dtype) == key else e
+                dataclasses.replace(e, **changes) if (e.kernel_id, e.arch, e.dtype) == key else e
                 for e in entries
             ]
             manifest = {"version": 1, "kernels": [asdict(e) for e in kept]}
             _atomic_write(self.manifest_path, json.dumps(manifest, indent=2) + "\n")
-        return dataclasses.replace(entry, demoted=reason)
+        return dataclasses.replace(entry, **changes)
 
     def refusal(self, entry: LibraryEntry) -> str | None:
         """Why dispatch refuses `entry`, or None: its source file must hash to the source_hash

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from quick_backend import QuickBackend
 from typer.testing import CliRunner
 
@@ -42,7 +43,8 @@ def test_a_wrong_entry_is_demoted_and_no_longer_dispatched(tmp_path: Path) -> No
     )
     other = _add(library, TEMPLATE.render({"BLOCK_L": 32}), arch="sm_90")
     assert library.best(OP, "interpreter", "fp32", "d64-long") == wrong  # the faster, until verified
-    rows = {r.entry.kernel_id: r for r in verify_library(library, QuickBackend(), "interpreter")}
+    verified, changed = verify_library(library, QuickBackend(), "interpreter")
+    rows = {r.entry.kernel_id: r for r in verified}
     assert rows[good.kernel_id].outcome == "kept"
     assert (
         rows[wrong.kernel_id].outcome == "demoted" and "re-verification wrong" in rows[wrong.kernel_id].detail
@@ -52,7 +54,8 @@ def test_a_wrong_entry_is_demoted_and_no_longer_dispatched(tmp_path: Path) -> No
     assert fresh.best(OP, "interpreter", "fp32", "d64-long") == good
     [demoted] = [e for e in fresh.entries() if e.demoted]
     assert demoted.kernel_id == wrong.kernel_id and (library.root / demoted.source_file).exists()
-    again = {r.entry.kernel_id: r.outcome for r in verify_library(fresh, QuickBackend(), "interpreter")}
+    assert [(c.bucket, c.before, c.after) for c in changed] == [("d64-long", wrong.kernel_id, good.kernel_id)]
+    again = {r.entry.kernel_id: r.outcome for r in verify_library(fresh, QuickBackend(), "interpreter")[0]}
     assert again[wrong.kernel_id] == "demoted"
     listed = CliRunner().invoke(app, ["library", "list", "--library", str(library.root)])
     assert f"demoted: {wrong.kernel_id} (fp32, interpreter): re-verification wrong" in listed.output
@@ -91,7 +94,7 @@ def test_an_entry_the_default_now_beats_is_demoted(tmp_path: Path) -> None:
     slow = _add(library, TEMPLATE.render({"BLOCK_L": 8}) + "# slow\n", arch="sm_90")
     fast = _add(library, TEMPLATE.render({"BLOCK_L": 16}) + "# fast\n", arch="sm_90")
     backend = _GpuTimes({"# slow": 120.0, "# fast": 60.0, "def embedding_bag_forward": 100.0})
-    rows = {r.entry.kernel_id: r for r in verify_library(library, backend, "sm_90")}
+    rows = {r.entry.kernel_id: r for r in verify_library(library, backend, "sm_90")[0]}
     assert rows[slow.kernel_id].outcome == "demoted"
     assert (
         "the default kernel is faster on its buckets (100.0 us against 120.0 us)"
@@ -101,3 +104,32 @@ def test_an_entry_the_default_now_beats_is_demoted(tmp_path: Path) -> None:
         rows[fast.kernel_id].outcome == "kept"
         and "60.0 us against the default's 100.0" in rows[fast.kernel_id].detail
     )
+
+
+def test_an_entry_another_entry_now_beats_is_demoted_and_times_are_written_back(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two entries of one key: re-timed, the one dispatch ran is now the slower, beyond the noise,
+    on every bucket it serves; it is demoted, the other's new time is recorded, and the command
+    shows what dispatch runs now."""
+    library = KernelLibrary(tmp_path / "lib")
+    was_fast = _add(library, TEMPLATE.render({"BLOCK_L": 8}) + "# was fast\n", arch="sm_90", median_us=50.0)
+    was_slow = _add(library, TEMPLATE.render({"BLOCK_L": 16}) + "# was slow\n", arch="sm_90", median_us=70.0)
+    assert library.best(OP, "sm_90", "fp32", "d64-long") == was_fast
+    backend = _GpuTimes({"# was fast": 90.0, "# was slow": 60.0, "def embedding_bag_forward": 100.0})
+    monkeypatch.setattr("sandbox.local.LocalBackend", lambda **_: backend)
+    monkeypatch.setattr("agent.incumbents.campaign_arch", lambda: "sm_90")
+    listed = CliRunner().invoke(
+        app, ["library", "verify", "--library", str(library.root)], terminal_width=200
+    )
+    assert listed.exit_code == 0, listed.output
+    fresh = KernelLibrary(library.root)
+    [demoted] = [e for e in fresh.entries() if e.demoted]
+    assert demoted.kernel_id == was_fast.kernel_id
+    assert demoted.demoted == f"another entry is faster on every bucket it serves ({was_slow.kernel_id})"
+    now = fresh.best(OP, "sm_90", "fp32", "d64-long")
+    assert now.kernel_id == was_slow.kernel_id and now.median_us == pytest.approx(60.0)
+    assert now.bucket_us == {"d64-long": pytest.approx(60.0)}
+    assert "what changed" in listed.output and "2 entries, 1 demoted now" in listed.output
+    changed = listed.output.split("what changed")[1]
+    assert "d64-long" in changed and was_fast.kernel_id[-8:] in changed and was_slow.kernel_id[-8:] in changed
