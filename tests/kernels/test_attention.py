@@ -9,6 +9,7 @@ query blocks that see unmasked, boundary and diagonal key tiles.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -1172,7 +1173,7 @@ def _register_templates(library, op: str, dtype: str, bucket: str) -> list[str]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["target_attention", "gdpa"])
+@pytest.mark.parametrize("op", ["target_attention", "gdpa", "jagged_attention"])
 def test_registered_kernels_keep_the_op_sync_free_and_capturable(op: str, empty_library) -> None:
     """A campaign's kernels receive the op's bounds (the problems pass them to every candidate),
     so with registered forward and gradient kernels the op, forward and backward, still syncs
@@ -1196,6 +1197,18 @@ def test_registered_kernels_keep_the_op_sync_free_and_capturable(op: str, empty_
         args = (leaf, t["k"], t["v"], t["kv_offsets"], t["cand_to_request"])
         call, grad_out = ops.target_attention, torch.randn_like(leaf)
         bucket = bucket_of(REALISTIC["dim"], bounds["max_history"])
+    elif op == "jagged_attention":  # a training step's forward: it saves lse for the backward
+        lengths = _realistic_lengths(gen, 8, 1024)
+        j = _jagged_inputs(
+            torch.device("cuda"), "bf16", lengths=lengths, targets=[16] * 8, bias=True, num_buckets=64,
+            **REALISTIC,
+        )  # fmt: skip
+        bounds = {"max_seq_len": 1024}
+        leaf = j["q"].requires_grad_()
+        args = (leaf, j["k"], j["v"], j["offsets"])
+        call = functools.partial(ops.jagged_attention, num_targets=j["num_targets"], rel_bias=j["rel_bias"])
+        grad_out = torch.randn_like(leaf)
+        bucket = bucket_of(REALISTIC["dim"], bounds["max_seq_len"])
     else:
         q_lengths, kv_lengths = _realistic_lengths(gen, 8, 512), _realistic_lengths(gen, 8, 256)
         g = _gdpa_inputs(
