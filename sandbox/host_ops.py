@@ -1,7 +1,9 @@
 """The host-compute watch: which torch ops a candidate's host code runs on floating-point data.
 
 A candidate computes its op in Triton kernels; its host code allocates, views, copies and casts
-tensors and may compute on integer ones (offsets, lengths, schedules). Any other torch op with a
+tensors and may compute on integer ones (offsets, lengths, schedules) that no kernel wrote: an
+integer or boolean argument of a launch may hold what the kernel made of floating-point data
+(its bits, its values scaled), so host ops on it, or on a copy of it, count as on floats. Any other torch op with a
 floating-point tensor among its inputs or outputs is host code computing the op itself (a
 gather by indexing, a product by an operator, a sum by a builtin), which no static screen of
 Python can see: tensors and numbers look alike there; so is reading floating-point values into
@@ -54,6 +56,18 @@ def _floating(value) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """Which allocation `t` views: its storage's address and the storage object's own (two
+    storages alive at once differ in both; a freed one's address alone could come back)."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage._cdata
+
+
+# The watch of the call in progress, for the launch wrapper (_checked_launch) to tell what a
+# kernel may have written; None outside watched calls.
+_CURRENT: list[HostOps] = []
+
+
 class HostOps(TorchDispatchMode):
     """Records the first torch op outside BOOKKEEPING (and `allowed`, the problem's own) that
     touches floating-point data, or floating-point data viewed as integers."""
@@ -62,6 +76,18 @@ class HostOps(TorchDispatchMode):
         super().__init__()
         self.allowed = (BOOKKEEPING - DATA_MOVEMENT if copies_compute else BOOKKEEPING) | allowed
         self.first: str | None = None
+        # Integer and boolean data a Triton kernel may have written (every such argument of a
+        # launch), and copies of it, by storage: what a kernel writes can be a floating-point
+        # tensor's bits or values, whatever its dtype, so host ops on it count as on floats.
+        self.device_written: set[tuple[int, int]] = set()
+
+    def mark_written(self, tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and not _floating(t):
+                self.device_written.add(_storage_key(t))
+
+    def _written(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and not _floating(t) and _storage_key(t) in self.device_written
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -86,11 +112,20 @@ class HostOps(TorchDispatchMode):
         read = func is torch.ops.aten._local_scalar_dense.default and _floating(args[0])
         if self.first is None and read:
             self.first = f"{func} on {args[0].dtype} (a value read into Python)".replace("torch.", "")
+        inputs = [*tree_leaves(args), *tree_leaves(kwargs)]
+        written = [t for t in inputs if self._written(t)]
+        if written:  # a copy of device-written data is device-written too
+            self.mark_written(tree_leaves(out))
         if self.first is None and func.overloadpacket.__name__ not in self.allowed:
-            tensors = [*tree_leaves(args), *tree_leaves(kwargs), *tree_leaves(out)]
-            floating = [t for t in tensors if _floating(t)]
+            floating = [t for t in [*inputs, *tree_leaves(out)] if _floating(t)]
             if floating:
                 self.first = f"{func} on {floating[0].dtype}".replace("torch.", "")
+            elif written:
+                self.first = f"{func} on {written[0].dtype} a kernel wrote".replace("torch.", "")
+        elif self.first is None and written and func is torch.ops.aten._local_scalar_dense.default:
+            self.first = f"{func} on {written[0].dtype} a kernel wrote (a value read into Python)".replace(
+                "torch.", ""
+            )
         return out
 
 
@@ -153,7 +188,10 @@ def _checked_launch(run):
                 and any(isinstance(v, torch.Tensor) for v in tree_leaves(value))
             ):
                 raise TypeError(f"a tensor passed as the compile-time constant {name} of a kernel")
-        return run(self, *args, **kwargs)
+        launched = run(self, *args, **kwargs)
+        if _CURRENT:
+            _CURRENT[-1].mark_written([*tree_leaves(args), *tree_leaves(kwargs)])
+        return launched
 
     wrapper.recforge_wrapped = True
     return wrapper
@@ -195,8 +233,14 @@ class HostReads(TorchFunctionMode):
         self.ops = ops
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.ops.first is None and getattr(func, "__name__", "") in READS and args and _floating(args[0]):
-            self.ops.first = f"Tensor.{func.__name__} on {args[0].dtype}".replace("torch.", "")
+        name = getattr(func, "__name__", "")
+        if (
+            self.ops.first is None
+            and name in READS
+            and args
+            and (_floating(args[0]) or self.ops._written(args[0]))
+        ):
+            self.ops.first = f"Tensor.{name} on {args[0].dtype}".replace("torch.", "")
         return func(*args, **(kwargs or {}))
 
 
@@ -208,5 +252,9 @@ def watching(
         yield None
         return
     ops = HostOps(allowed, copies_compute=copies_compute)
-    with ops, HostReads(ops):
-        yield ops
+    _CURRENT.append(ops)
+    try:
+        with ops, HostReads(ops):
+            yield ops
+    finally:
+        _CURRENT.remove(ops)

@@ -62,3 +62,47 @@ def test_the_watch_sees_host_compute_on_floating_point_data(host_code, seen: str
     with host_ops.watching(True) as watch:
         host_code(w, i)
     assert (watch.first is None) if seen is None else (seen in (watch.first or "")), watch.first
+
+
+_BITS_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bits(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m).to(tl.int32, bitcast=True), mask=m)
+
+
+def copy_bits(x, out):
+    bits[(1,)](x, out, x.numel(), BLOCK=64)
+"""
+
+
+@pytest.mark.parametrize(
+    ("host_code", "seen"),
+    [
+        (lambda buf, idx: buf.cumsum(0), "aten.cumsum.default on int32 a kernel wrote"),
+        (lambda buf, idx: buf[idx], "aten.index.Tensor on int32 a kernel wrote"),
+        (lambda buf, idx: buf.clone() * 2, "aten.mul.Tensor on int32 a kernel wrote"),  # copies too
+        (lambda buf, idx: buf.to(torch.int64).sum(), "aten.sum.default on int64 a kernel wrote"),
+        (lambda buf, idx: buf.tolist(), "Tensor.tolist on int32"),
+        (lambda buf, idx: (idx * 2).cumsum(0), None),  # integers no kernel wrote: offsets, lengths
+    ],
+)
+def test_the_watch_sees_host_compute_on_integers_a_kernel_wrote(host_code, seen, tmp_path: Path) -> None:
+    """A kernel can put a floating-point tensor's bits (or values) into an integer buffer; host
+    code on that buffer, or on a copy of it, computes on the floats all the same."""
+    host_ops.prepare_triton(_kernel_classes())
+    copy_bits = _load(_BITS_KERNEL, "copy_bits", tmp_path, "bits_kernel")
+    x, idx = torch.randn(40), torch.tensor([3, 1, 2])
+    buf = torch.empty(40, dtype=torch.int32)
+    with host_ops.watching(True) as watch:
+        copy_bits(x, buf)
+        host_code(buf, idx)
+    if seen is None:
+        assert watch.first is None, watch.first
+    else:
+        assert seen in (watch.first or ""), watch.first
