@@ -234,8 +234,9 @@ def _through_gradient_op(
 ) -> tuple[Callable, Callable]:
     """(save, backward) of an op whose backward is its gradient op (search_space.op.Backward):
     save keeps the tensor arguments with save_for_backward (and the output and statistics, where
-    the gradient op's default reads them), the others as they are; backward puts the arguments
-    back in order and calls the gradient op (`gradient_call[0]`: its call_flat) with grad_out."""
+    the gradient op's default reads them and the call kept them), the others as they are;
+    backward puts the arguments back in order and calls the gradient op (`gradient_call[0]`: its
+    call_flat) with grad_out. `values` are the custom op's: the op's arguments, then the flag."""
     gradient = get_op(op.backward.gradient_op)
     if gradient.gradient_of != op.name:
         raise ValueError(f"op {op.name}: its gradient op {gradient.name} is not declared gradient_of it")
@@ -254,9 +255,21 @@ def _through_gradient_op(
     in_order = _getter(sorted(range(len(params)), key=lambda j: (tensor_at + other_at)[j]))
     differentiable = [names.index(n) for n in op.backward.differentiable]
     reads_saved = has_statistics and gradient.default_from_saved is not None
+    keyword = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    num_positional, saves = len(params) - len(keyword), op.saves_statistics
+
+    def kept_statistics(values: tuple) -> bool:
+        """Whether the call kept the statistics its backward reads: it asked for them (its last
+        value, the flag), or it has none to keep (silu). A call that did not, though a backward
+        follows (under a functorch transform, say), leaves the gradient op to recompute them."""
+        if values[len(params)]:
+            return True
+        kwargs = dict(zip(keyword, values[num_positional : len(params)], strict=True))
+        return saves is not None and not saves(*values[:num_positional], **kwargs)
 
     def save(ctx, values: tuple, output) -> None:
-        ctx.save_for_backward(*get_tensors(values), *(output if reads_saved else ()))
+        keep = reads_saved and kept_statistics(values)
+        ctx.save_for_backward(*get_tensors(values), *(output if keep else ()))
         ctx.others = get_others(values)
         ctx.grad_at = [i for i in differentiable if values[i] is not None]
 
@@ -421,8 +434,8 @@ def define(op: Op) -> Callable[..., Any]:
     if op.backward is not None:
 
         def setup_context(ctx, inputs, output):
-            args, kwargs, _ = split(tuple(inputs), {})
-            save(ctx, (*args, *kwargs.values()), output)
+            args, kwargs, extras = split(tuple(inputs), {})
+            save(ctx, (*args, *kwargs.values(), *extras), output)
 
         torch.library.register_autograd(f"{NAMESPACE}::{op.name}", backward, setup_context=setup_context)
     call = _EagerOp(custom, split, run, save, backward)
