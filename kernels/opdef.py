@@ -254,6 +254,7 @@ def _through_gradient_op(
     # (*saved tensors, *others) -> the arguments in order
     in_order = _getter(sorted(range(len(params)), key=lambda j: (tensor_at + other_at)[j]))
     differentiable = [names.index(n) for n in op.backward.differentiable]
+    optional = any(params[i].default is None for i in differentiable)  # an argument a call may leave out
     reads_saved = has_statistics and gradient.default_from_saved is not None
     keyword = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     num_positional, saves = len(params) - len(keyword), op.saves_statistics
@@ -271,7 +272,8 @@ def _through_gradient_op(
         keep = reads_saved and kept_statistics(values)
         ctx.save_for_backward(*get_tensors(values), *(output if keep else ()))
         ctx.others = get_others(values)
-        ctx.grad_at = [i for i in differentiable if values[i] is not None]
+        # The gradient op returns the gradients of the differentiable arguments the call has.
+        ctx.grad_at = [i for i in differentiable if values[i] is not None] if optional else differentiable
 
     def backward(ctx, grad_out, *grad_statistics):
         grads = [None] * len(ctx.needs_input_grad)
