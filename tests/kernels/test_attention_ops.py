@@ -134,6 +134,20 @@ def test_the_gradient_op_checks_out(case: str, device: torch.device, empty_libra
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["jagged_attention", "target_attention"])
+def test_without_triton_the_statistics_are_shaped_not_computed(
+    op: str, empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where Triton cannot run, forward and gradient op run their references, and the gradient
+    op's (a vjp) reads no statistics: the forward returns zeros of their shape, as the fake says."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, _, inputs = _inputs(op, torch.device("cpu"))
+    custom = getattr(ops, op).custom_op
+    out, lse = custom(*inputs.args, *inputs.kwargs.values(), True)
+    assert DISPATCHER.last[op] == "reference"
+    assert tuple(lse.shape) == (out.shape[-2], out.shape[:-2].numel()) and not lse.any()
+
+
 # Appended to a rendered template: the entry, recording the keywords it was called with.
 RECORDING = """
 
