@@ -376,7 +376,8 @@ def _fake(q, k, v, q_offsets, kv_offsets, *, broadcast_q=False, **options):
     return q.new_empty((rows, q.shape[1], v.shape[2]))
 
 
-def _call_bucket(q, k, v, q_offsets, kv_offsets, *, max_kv_len=None, **options) -> str:
+def _call_bucket(q, k, v, q_offsets, kv_offsets, *, activation="gelu", scale=None, broadcast_q=False,
+                 max_q_len=None, max_kv_len=None) -> str:  # fmt: skip
     return call_bucket(q.shape[-1], max_kv_len, kv_offsets)
 
 

@@ -485,7 +485,8 @@ def _fake(q, k, v, offsets, *, max_seq_len, activation="softmax", causal=True, n
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _call_bucket(q, k, v, offsets, *, max_seq_len, **options) -> str:
+def _call_bucket(q, k, v, offsets, *, max_seq_len, activation="softmax", causal=True, num_targets=None,
+                 rel_bias=None, scale=None) -> str:  # fmt: skip
     return bucket_of(q.shape[-1], max_seq_len)
 
 

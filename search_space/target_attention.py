@@ -538,7 +538,8 @@ def _fake(q_cand, k, v, kv_offsets, cand_to_request, *, activation="softmax", re
     return out, q_cand.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _call_bucket(q_cand, k, v, kv_offsets, cand_to_request, *, max_history=None, **options) -> str:
+def _call_bucket(q_cand, k, v, kv_offsets, cand_to_request, *, activation="softmax", scale=None,
+                 max_candidates=None, max_history=None) -> str:  # fmt: skip
     return call_bucket(q_cand.shape[-1], max_history, kv_offsets)
 
 
