@@ -200,7 +200,7 @@ def gradient_op(forward: Op, problem: Problem, *, default: str, default_from_sav
         problem=problem,
         default=default,
         default_from_saved=default_from_saved,
-        reference=vjp_gradients_of(forward.problem.reference),
+        reference=vjp_gradients_of(Op.resolve(forward.reference or forward.problem.reference)),
         fake=_gradient_fake,
         bucket=lambda grad_out, *args, **kwargs: forward.bucket(*args, **kwargs),
         bounds=forward.bounds,

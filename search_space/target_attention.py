@@ -554,6 +554,9 @@ OP = Op(
     bounds=("max_candidates", "max_history"),
     saves_statistics=softmax_saves_statistics,
     backward=Backward(gradient_op="target_attention_grad", differentiable=("q_cand", "k", "v")),
+    # Without Triton, the math as it is: the problem's reference checks the bounds against the
+    # data and splits the candidates into groups, which the sandbox's big timing shapes need.
+    reference=target_attention_reference,
     reference_options=("attend",),
     doc="""Request-broadcast target attention: every seed of candidate c attends to the history of
     request cand_to_request[c], which is never copied per candidate.
