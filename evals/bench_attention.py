@@ -43,6 +43,7 @@ from sandbox.judge import baseline_providers
 from sandbox.protocol import all_baselines, compare
 from sandbox.timing import benchmark
 from search_space import get_problem
+from search_space.op import Op, get_op
 from search_space.problem import Inputs, Problem, Shape
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
@@ -51,7 +52,8 @@ MATMUL_N = 8192
 PEAK_ROUNDS = 3
 KERNEL = "kernels.ops"
 # The kernel under test with the inputs' launch bounds, replayed from a CUDA graph (forward; see
-# BOUNDS), for ops whose eager calls are bound by host time at request shapes.
+# launch_bounds), for ops whose bounds a caller may leave out (gdpa, target attention: their
+# eager calls are bound by host time at request shapes).
 GRAPHED = "kernels.ops, bounds, CUDA graph"
 KERNELS = (KERNEL, GRAPHED)
 FORWARD_ONLY = ("reference", "reference.compile", GRAPHED)
@@ -77,15 +79,39 @@ def measure_matmul_peak(device: torch.device, rounds: int = PEAK_ROUNDS) -> floa
     return 2 * MATMUL_N**3 / (best_us * 1e-6)
 
 
-# The launch bounds of the ops that take them. The problems' inputs carry them, as a model's
-# calls do, so that a call neither syncs the host nor checks its inputs on the device and can be
-# captured in a CUDA graph.
-BOUNDS = {"gdpa": ("max_q_len", "max_kv_len"), "target_attention": ("max_candidates", "max_history")}
+def _declaration(op: str) -> Op | None:
+    """The op's declaration (search_space.op.Op), or None for a problem that declares none."""
+    try:
+        return get_op(op)
+    except ValueError:
+        return None
+
+
+def timed_per_pass(op: str) -> bool:
+    """Whether `op` is benchmarked here, per pass: its declaration computes the gradients with a
+    gradient op (search_space.op.Backward), so training runs a dispatched forward and a dispatched
+    backward, whose useful FLOPs its problems count."""
+    declared = _declaration(op)
+    return (
+        declared is not None and declared.backward is not None and declared.backward.gradient_op is not None
+    )
+
+
+def launch_bounds(op: str) -> tuple[str, ...]:
+    """The launch bounds a caller of `op` may leave out (its declaration's bounds that default to
+    None). The problems' inputs carry them, as a model's calls do, so that a call neither syncs
+    the host nor checks its inputs on the device and can be captured in a CUDA graph."""
+    declared = _declaration(op)
+    if declared is None:
+        return ()
+    parameters = declared.signature.parameters
+    return tuple(b for b in declared.bounds if parameters[b].default is None)
 
 
 def without_bounds(op: str, kwargs: dict) -> dict:
     """kwargs less the op's launch bounds: the call that measures the lengths itself (a host sync)."""
-    return {k: v for k, v in kwargs.items() if k not in BOUNDS.get(op, ())}
+    bounds = launch_bounds(op)
+    return {k: v for k, v in kwargs.items() if k not in bounds}
 
 
 def graphed(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
@@ -127,18 +153,25 @@ def _peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
     return peak
 
 
-def _with_grad_leaves(args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor]]:
-    """The call's arguments with q, k, v (the first three, for every attention op) replaced by
-    fresh leaves that require grad."""
-    leaves = [a.detach().clone().requires_grad_() for a in args[:3]]
-    return (*leaves, *args[3:]), leaves
+def _with_grad_leaves(op: str, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor]]:
+    """The call's arguments with its differentiable positional ones (q, k, v of the attention
+    ops: their declarations' Backward.differentiable) replaced by fresh leaves that require grad."""
+    declared = get_op(op)
+    positional = list(declared.signature.parameters)[: len(args)]
+    wanted = set(declared.backward.differentiable)
+    call_args = [
+        a.detach().clone().requires_grad_() if name in wanted and a is not None else a
+        for name, a in zip(positional, args, strict=True)
+    ]
+    leaves = [a for name, a in zip(positional, call_args, strict=True) if name in wanted and a is not None]
+    return tuple(call_args), leaves
 
 
 def _providers(problem: Problem, shape: Shape, device: torch.device, kernel: Callable | None) -> dict:
     providers: dict[str, Callable] = {}
     if kernel is not None:
         providers[KERNEL] = kernel
-        if problem.name in BOUNDS:
+        if launch_bounds(problem.name):
             providers[GRAPHED] = kernel
     # The baselines exactly as the sandbox worker times them, then the shape-dependent ones.
     providers |= baseline_providers(problem, all_baselines(problem), device)
@@ -196,13 +229,13 @@ def _keep_saved_buffers():
     return config.patch(donated_buffer=False)
 
 
-def _time_backward(fn, args, kwargs, device, pass_name) -> dict:
+def _time_backward(fn, op, args, kwargs, device, pass_name) -> dict:
     with _keep_saved_buffers():
-        return _time_backward_pass(fn, args, kwargs, device, pass_name)
+        return _time_backward_pass(fn, op, args, kwargs, device, pass_name)
 
 
-def _time_backward_pass(fn, args, kwargs, device, pass_name) -> dict:
-    call_args, leaves = _with_grad_leaves(args, kwargs)
+def _time_backward_pass(fn, op, args, kwargs, device, pass_name) -> dict:
+    call_args, leaves = _with_grad_leaves(op, args, kwargs)
     out = fn(*call_args, **kwargs)
     if not out.requires_grad:
         return {"skipped": "no autograd"}
@@ -234,7 +267,7 @@ def _measure(name, fn, pass_name, arg_sets, ref, problem, shape, device) -> dict
         if pass_name == "fwd":
             return _time_forward(fn, arg_sets, ref, problem, shape, device)
         args, kwargs = arg_sets[0]
-        return _time_backward(fn, args, kwargs, device, pass_name)
+        return _time_backward(fn, problem.name, args, kwargs, device, pass_name)
     except torch.cuda.OutOfMemoryError:
         return {"error": "out of memory"}
     except NotImplementedError as exc:
@@ -257,13 +290,14 @@ def run_attention_benchmark(
     without: list[str] | None = None,
     on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Benchmark one attention op; returns the rows (also printed as a table). `only_shapes`
-    keeps the shapes whose name contains one of its substrings; `without` names providers to
-    leave out (e.g. the loop reference at sizes where it takes minutes); `on_row` gets each row
-    as soon as its shape and pass are measured (a run stopped midway keeps what it measured)."""
+    """Benchmark one op timed per pass (timed_per_pass: the attention ops); returns the rows
+    (also printed as a table). `only_shapes` keeps the shapes whose name contains one of its
+    substrings; `without` names providers to leave out (e.g. the loop reference at sizes where it
+    takes minutes); `on_row` gets each row as soon as its shape and pass are measured (a run
+    stopped midway keeps what it measured)."""
     problem = get_problem(op)
-    if problem.op_family != "attention":
-        raise ValueError(f"{op} is not an attention op (family {problem.op_family!r})")
+    if not timed_per_pass(op):
+        raise ValueError(f"{op} computes no gradients with a gradient op: it has no passes to time")
     unknown = set(passes) - set(PASSES)
     if unknown:
         raise ValueError(f"unknown passes {sorted(unknown)}; known: {', '.join(PASSES)}")

@@ -1,6 +1,7 @@
 """Op benchmarks: every provider of an op timed the same way, side by side, in one process.
-Attention ops have their own benchmark (evals/bench_attention.py: forward and backward passes,
-TFLOP/s on useful FLOPs); `run_op_benchmark` hands them over.
+An op whose declaration computes its gradients with a gradient op (the attention ops) is timed
+per pass instead (evals/bench_attention.py: forward and backward through kernels.ops, TFLOP/s on
+useful FLOPs); `run_op_benchmark` hands it over.
 
 Embedding-bag throughput is on the problem's minimum bytes (`Problem.bytes`: each gathered row
 read once per occurrence, indices and offsets read, output written once):
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import Tensor
 
-from evals.bench_attention import PASSES, run_attention_benchmark
+from evals.bench_attention import PASSES, run_attention_benchmark, timed_per_pass
 from evals.bench_common import BenchRun
 from kernels.registry import DISPATCHER, KernelLibrary, device_arch
 from sandbox.judge import baseline_providers
@@ -83,10 +84,10 @@ def run_op_benchmark(
     on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """`only_shapes`: substrings of the timing shapes to run; `without`: providers to leave out;
-    `passes`: for attention ops, among fwd, bwd, fwd+bwd; `on_row`: called with each row as soon
+    `passes`: for ops timed per pass, among fwd, bwd, fwd+bwd; `on_row`: called with each row as soon
     as it is measured."""
     problem = get_problem(op)
-    if problem.op_family == "attention":
+    if timed_per_pass(op):
         return run_attention_benchmark(
             op,
             library=library,

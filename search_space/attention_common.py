@@ -10,6 +10,7 @@ by chunking (a padded [B, H, N, N] score tensor at B = 512, N = 4096 would be 64
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import warnings
@@ -208,6 +209,7 @@ def length_regime(max_len: int) -> str:
     return next((name for bound, name in LENGTH_REGIMES if max_len <= bound), "xlong")
 
 
+@functools.lru_cache(maxsize=4096)  # every op call asks (a model's calls repeat a few bounds)
 def bucket_of(dim: int, max_len: int) -> str:
     """The shape bucket of an attention call (one function for problem, dispatch and report):
     the head dim rounded up to a power of two, then the key-length regime, e.g. "d128-long"."""
@@ -218,6 +220,27 @@ def bucket(shape: Shape) -> str:
     p = shape.params
     longest = p["max_len"] if "max_len" in p else max(p.get("lengths") or [0])  # keys' lengths
     return bucket_of(p["dim"], longest)
+
+
+def call_bucket(dim: int, max_keys: int | None, kv_offsets: torch.Tensor) -> str:
+    """The bucket of an op's call by its longest sequence of keys: the caller's bound where it
+    gave one, else read from `kv_offsets` (a host sync, as the kernels make without bounds)."""
+    if max_keys is None:
+        max_keys = int((kv_offsets[1:] - kv_offsets[:-1]).max()) if kv_offsets.numel() > 1 else 0
+    return bucket_of(dim, max_keys)
+
+
+# --- the ops' declarations (search_space.op.Op) share these -----------------------------------
+
+
+def prepare_scale(q: torch.Tensor, *args: Any, scale: float | None = None, **kwargs: Any) -> dict[str, float]:
+    """The call's scale, which every implementation gets as a float: D ** -0.5 unless given."""
+    return {"scale": q.shape[-1] ** -0.5 if scale is None else float(scale)}
+
+
+def softmax_saves_statistics(*args: Any, activation: str = "softmax", **kwargs: Any) -> bool:
+    """Softmax saves its lse for the backward; pointwise attention saves nothing."""
+    return activation == "softmax"
 
 
 def index_dtype(params: Mapping[str, Any]) -> torch.dtype:

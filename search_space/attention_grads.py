@@ -9,6 +9,10 @@ reference in fp32 (fp64 when given fp64); baselines are autograd of the forward'
 
     FLOPs   = 2.5 x the forward's (q.k recomputed, dP = dO v^T, dV = P^T dO, dQ, dK)
     bytes   = 2.5 x the forward's minimum traffic (q, k, v, dO and O read; dq, dk, dv written)
+
+Each gradient problem is an op too (`gradient_op`: search_space/<op>_grad.py's OP), which the
+forward op's backward calls (search_space.op.Backward's gradient_op), so dispatch runs a
+registered backward kernel in training the way it runs a forward one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.utils.checkpoint
 
 from search_space.attention import dense_attention
 from search_space.attention_common import library_template
+from search_space.op import Op, gradient_signature
 from search_space.problem import Inputs, Problem, Shape, Tolerance
 from search_space.template import Knob, KnobTemplate
 
@@ -161,3 +166,47 @@ def grad_template(problem: str) -> KnobTemplate:
     """An entry that runs the library's forward (for the softmax statistics) and its backward
     under the knobs' tilings."""
     return library_template(problem, GRAD_KNOBS, _grad_constraint)
+
+
+# --- the gradient ops ---------------------------------------------------------------------------
+
+
+def vjp_gradients_of(reference: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """fn(grad_out, q, k, v, *args, **kwargs) -> the vjp of `reference` for q, k, v (and rel_bias
+    where given): what dispatch runs where Triton cannot. torch.func.vjp, not torch.autograd
+    (gradients_of): inside a custom op the autograd dispatch keys are switched off."""
+
+    def grads(grad_out, q, k, v, *args, rel_bias=None, **kwargs) -> tuple[torch.Tensor, ...]:
+        def call(q, k, v, *bias):
+            return reference(q, k, v, *args, **kwargs, **({"rel_bias": bias[0]} if bias else {}))
+
+        _, vjp = torch.func.vjp(call, q, k, v, *(() if rel_bias is None else (rel_bias,)))
+        return vjp(grad_out)
+
+    return grads
+
+
+def _gradient_fake(grad_out, q, k, v, *args, rel_bias=None, **kwargs) -> list[torch.Tensor]:
+    return [t.new_empty(t.shape) for t in (q, k, v, *(() if rel_bias is None else (rel_bias,)))]
+
+
+def gradient_op(forward: Op, problem: Problem, *, default: str, default_from_saved: str | None = None) -> Op:
+    """The op of `forward`'s gradient problem: called as the problem calls a candidate
+    (grad_out, then the forward's arguments, bounds included) -> [dq, dk, dv] and d rel_bias
+    where the call has a bias; bucketed as the forward's call. `default_from_saved`: the default
+    kernels reading the forward's saved output and statistics (search_space.op.Op)."""
+    return Op(
+        name=problem.name,
+        problem=problem,
+        default=default,
+        default_from_saved=default_from_saved,
+        reference=vjp_gradients_of(Op.resolve(forward.reference or forward.problem.reference)),
+        fake=_gradient_fake,
+        bucket=lambda grad_out, *args, **kwargs: forward.bucket(*args, **kwargs),
+        bounds=forward.bounds,
+        gradient_of=forward.name,
+        signature=gradient_signature(forward, list[torch.Tensor]),
+        doc=f"""Gradients of {forward.name}: grad_out (like its output), then its arguments ->
+    [dq, dk, dv] and d rel_bias where the call has a bias. Dispatched inside {forward.name}'s
+    backward; see search_space/{problem.name}.py.""",
+    )

@@ -121,7 +121,7 @@ OP = Op(
     check=_check,
     fake=lambda dense, offsets, *, total: dense.new_empty((total, dense.shape[2])),
     bucket=lambda dense, offsets, *, total: bucket_of(dense.shape[2], dense.shape[0], dense.shape[1], total),
-    backward=Backward(save=_save, grads=_grads),
+    backward=Backward(save=_save, grads=_grads, uses=("jagged_to_padded_dense",)),
     doc="""The jagged rows of a padded-dense tensor (the inverse of jagged_to_padded_dense).
 
     dense [B, N, D]; offsets [B + 1] int32/int64 from 0 to total; total = offsets[-1] (given,

@@ -380,7 +380,7 @@ OP = Op(
     check="kernels.embedding_bag:check_arguments",
     fake=_fake,
     bucket=_call_bucket,
-    backward=Backward(save=_save, grads=_grads),
+    backward=Backward(save=_save, grads=_grads, uses=("embedding_bag_backward",)),
     doc="""Pooled embedding-bag lookup.
 
     weight [num_rows, D]; indices [nnz] int32/int64; offsets [B + 1] (bag b is

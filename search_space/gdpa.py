@@ -20,6 +20,7 @@ from search_space.attention_common import (
     SCREEN_EXTRAS,
     TOLERANCES,
     bucket,
+    call_bucket,
     dense_pointwise,
     draw_lengths,
     drawn_scale,
@@ -39,6 +40,7 @@ from search_space.attention_common import (
     token_positions,
     unpad,
 )
+from search_space.op import Backward, Op
 from search_space.problem import Inputs, Problem, Shape
 
 ENTRY = "gdpa"
@@ -358,3 +360,49 @@ PROBLEM = Problem(
 )
 
 TEMPLATE = tile_template("gdpa")
+
+
+# --- the op ------------------------------------------------------------------------------------
+
+
+def _prepare(q, k, v, q_offsets, kv_offsets, *, scale=None, broadcast_q=False, **options) -> dict:
+    """The scale (as prepare_scale), and no q_offsets with broadcast_q (the kernels read none)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return {"scale": scale, "q_offsets": None} if broadcast_q else {"scale": scale}
+
+
+def _fake(q, k, v, q_offsets, kv_offsets, *, broadcast_q=False, **options):
+    rows = (kv_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    return q.new_empty((rows, q.shape[1], v.shape[2]))
+
+
+def _call_bucket(q, k, v, q_offsets, kv_offsets, *, activation="gelu", scale=None, broadcast_q=False,
+                 max_q_len=None, max_kv_len=None) -> str:  # fmt: skip
+    return call_bucket(q.shape[-1], max_kv_len, kv_offsets)
+
+
+OP = Op(
+    name="gdpa",
+    problem=PROBLEM,
+    default="kernels.attention:gdpa_forward",
+    check="kernels.attention_ops:check_gdpa",
+    prepare=_prepare,
+    fake=_fake,
+    bucket=_call_bucket,
+    bounds=("max_q_len", "max_kv_len"),
+    backward=Backward(gradient_op="gdpa_grad", differentiable=("q", "k", "v")),
+    reference_options=("attend",),
+    doc="""Generalized dot-product attention: out_i = sum_j act(scale q_i . k_j) v_j over the keys of
+    query i's sequence (non-causal, no normalisation).
+
+    q [total_q, H, D] with q_offsets [B + 1], or with broadcast_q learned seeds [n_q, H, D]
+    shared by all samples (q_offsets ignored); k, v [total_kv, H, D] with kv_offsets [B + 1];
+    activation 'gelu' (erf), 'silu', 'relu' or 'none' -> out [total_q, H, D] ([B * n_q, H, D]
+    with broadcast_q). Differentiable in q, k and v.
+
+    The Triton path syncs the host once per forward and once per backward (checking the offsets;
+    the longest sequences size the launch). Given max_kv_len (>= every key sequence) and, unless
+    broadcast_q, max_q_len (>= every query sequence), the default kernels sync never and check
+    nothing on the device (the bounds are trusted), so the call can be captured in a CUDA graph.
+    """,
+)

@@ -4,7 +4,7 @@ seeds), dk, dv."""
 from __future__ import annotations
 
 from search_space import gdpa as forward
-from search_space.attention_grads import grad_problem, grad_template
+from search_space.attention_grads import grad_problem, grad_template, gradient_op
 from search_space.problem import Inputs
 
 
@@ -22,3 +22,5 @@ PROBLEM = grad_problem(
     timing_shapes=tuple(s for s in forward.TIMING_SHAPES if s.name in _TIMED),
 )
 TEMPLATE = grad_template(PROBLEM.name)
+# Pointwise attention has no forward statistics to read: gdpa_backward takes the problem's arguments.
+OP = gradient_op(forward.OP, PROBLEM, default="kernels.attention:gdpa_backward")

@@ -27,6 +27,7 @@ from search_space.attention_common import (
     IndexCache,
     block_mask,
     bucket,
+    bucket_of,
     dense_pointwise,
     draw_lengths,
     drawn_scale,
@@ -40,15 +41,18 @@ from search_space.attention_common import (
     pad,
     padded_table,
     permuted,
+    prepare_scale,
     randn,
     scale_drawn,
     sdpa,
     softmax_error_scale,
+    softmax_saves_statistics,
     tile_template,
     token_positions,
     unpad,
     with_statistics,
 )
+from search_space.op import Backward, Op
 from search_space.problem import Inputs, Problem, Shape, ShapeBaseline
 
 ENTRY = "jagged_attention"
@@ -300,7 +304,12 @@ def _check_shapes(dtype: str) -> tuple[Shape, ...]:
         # Five sequences longer than max_targets: a kernel that reads the first sequence's target
         # count for all is caught unless the other four draw the same (a (1/7)^4 chance per call).
         _s(
-            "targets", dtype, **h, dim=32, lengths=[10, 40, 3, 0, 70, 1, 25, 17], max_targets=6,
+            "targets",
+            dtype,
+            **h,
+            dim=32,
+            lengths=[10, 40, 3, 0, 70, 1, 25, 17],
+            max_targets=6,
             random_targets=True,
         ),  # fmt: skip
         _s(
@@ -462,3 +471,45 @@ PROBLEM = Problem(
 )
 
 TEMPLATE = tile_template("jagged_attention")
+
+
+# --- the op ------------------------------------------------------------------------------------
+
+
+def _fake(q, k, v, offsets, *, max_seq_len, activation="softmax", causal=True, num_targets=None,
+          rel_bias=None, scale=None, return_lse=False):  # fmt: skip
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    if not return_lse:
+        return out
+    lse_shape = (q.shape[1], q.shape[0]) if activation == "softmax" else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _call_bucket(q, k, v, offsets, *, max_seq_len, activation="softmax", causal=True, num_targets=None,
+                 rel_bias=None, scale=None) -> str:  # fmt: skip
+    return bucket_of(q.shape[-1], max_seq_len)
+
+
+OP = Op(
+    name="jagged_attention",
+    problem=PROBLEM,
+    default="kernels.attention:jagged_attention_forward",
+    check="kernels.attention_ops:check_jagged_attention",
+    prepare=prepare_scale,
+    fake=_fake,
+    bucket=_call_bucket,
+    bounds=("max_seq_len",),
+    saves_statistics=softmax_saves_statistics,
+    backward=Backward(gradient_op="jagged_attention_grad", differentiable=("q", "k", "v", "rel_bias")),
+    reference_options=("attend",),
+    doc="""Self-attention over jagged sequences (HSTU encoder; search_space.attention has the math).
+
+    q, k, v [total_tokens, H, D] (bf16, fp16 or fp32; D a power of two, 16 to 256); offsets
+    [B + 1] int32/int64 from 0 to total_tokens; max_seq_len >= every sequence length (it sizes
+    the launch, so it is not checked: that would sync the host; silu divides by it);
+    activation 'softmax' or 'silu'; num_targets [B]: the last num_targets[b] tokens of sequence
+    b are candidates that see the history and themselves only; rel_bias [H, num_buckets] fp32
+    relative-position bias; scale defaults to D ** -0.5 -> out [total_tokens, H, D].
+    Differentiable in q, k, v and rel_bias.
+    """,
+)

@@ -155,7 +155,7 @@ OP = Op(
     bucket=lambda first, first_offsets, second, second_offsets: concat_bucket_of(
         first.shape[1], first_offsets.shape[0] - 1, first.shape[0] + second.shape[0]
     ),
-    backward=Backward(save=_save, grads=_grads),
+    backward=Backward(save=_save, grads=_grads, uses=("jagged_split",)),
     doc="""Two jagged tensors joined sequence by sequence (a history, then its candidates).
 
     first [T1, D] with first_offsets [B + 1], second [T2, D] with second_offsets [B + 1]

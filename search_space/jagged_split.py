@@ -139,7 +139,7 @@ OP = Op(
     bucket=lambda values, offsets, first_offsets, *, first_total: concat_bucket_of(
         values.shape[1], offsets.shape[0] - 1, values.shape[0]
     ),
-    backward=Backward(save=_save, grads=_grads),
+    backward=Backward(save=_save, grads=_grads, uses=("jagged_concat",)),
     doc="""Each sequence of a jagged tensor cut in two: its first rows and the rest.
 
     values [T, D]; offsets [B + 1]; first_offsets [B + 1] (int32/int64; sequence b's first part

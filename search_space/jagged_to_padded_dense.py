@@ -123,7 +123,7 @@ OP = Op(
     bucket=lambda values, offsets, *, max_len, padding_value=0.0: bucket_of(
         values.shape[1], offsets.shape[0] - 1, max_len, values.shape[0]
     ),
-    backward=Backward(save=_save, grads=_grads),
+    backward=Backward(save=_save, grads=_grads, uses=("dense_to_jagged",)),
     doc="""A jagged tensor in padded-dense form.
 
     values [T, D]; offsets [B + 1] int32/int64 from 0 to T; max_len N -> [B, N, D], row p of

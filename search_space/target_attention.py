@@ -33,6 +33,7 @@ from search_space.attention_common import (
     IndexCache,
     block_mask,
     bucket,
+    call_bucket,
     dense_pointwise,
     draw_lengths,
     drawn_scale,
@@ -47,14 +48,17 @@ from search_space.attention_common import (
     pad,
     padded_table,
     permuted,
+    prepare_scale,
     randn,
     scale_drawn,
     sdpa,
     softmax_error_scale,
+    softmax_saves_statistics,
     tile_template,
     token_positions,
     with_statistics,
 )
+from search_space.op import Backward, Op
 from search_space.problem import Inputs, Problem, Shape, ShapeBaseline
 
 ENTRY = "target_attention"
@@ -520,3 +524,52 @@ PROBLEM = Problem(
 )
 
 TEMPLATE = tile_template("target_attention")
+
+
+# --- the op ------------------------------------------------------------------------------------
+
+
+def _fake(q_cand, k, v, kv_offsets, cand_to_request, *, activation="softmax", return_lse=False, **options):
+    num_cand, seeds, heads, _ = q_cand.shape
+    out = q_cand.new_empty((num_cand, seeds, heads, v.shape[2]))
+    if not return_lse:
+        return out
+    lse_shape = (heads, num_cand * seeds) if activation == "softmax" else (0,)
+    return out, q_cand.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _call_bucket(q_cand, k, v, kv_offsets, cand_to_request, *, activation="softmax", scale=None,
+                 max_candidates=None, max_history=None) -> str:  # fmt: skip
+    return call_bucket(q_cand.shape[-1], max_history, kv_offsets)
+
+
+OP = Op(
+    name="target_attention",
+    problem=PROBLEM,
+    default="kernels.attention:target_attention_forward",
+    check="kernels.attention_ops:check_target_attention",
+    prepare=prepare_scale,
+    fake=_fake,
+    bucket=_call_bucket,
+    bounds=("max_candidates", "max_history"),
+    saves_statistics=softmax_saves_statistics,
+    backward=Backward(gradient_op="target_attention_grad", differentiable=("q_cand", "k", "v")),
+    # Without Triton, the math as it is: the problem's reference checks the bounds against the
+    # data and splits the candidates into groups, which the sandbox's big timing shapes need.
+    reference=target_attention_reference,
+    reference_options=("attend",),
+    doc="""Request-broadcast target attention: every seed of candidate c attends to the history of
+    request cand_to_request[c], which is never copied per candidate.
+
+    q_cand [C, S, H, D]; k, v [total_kv, H, D] with kv_offsets [R + 1] (request r's history is
+    rows kv_offsets[r]:kv_offsets[r + 1]); cand_to_request [C] in [0, R), in any order;
+    activation 'softmax' or 'silu' (unnormalised) -> out [C, S, H, D]; an empty history gives
+    zeros. Differentiable in q_cand, k and v.
+
+    The Triton path syncs the host once per forward and once per backward (checking the inputs,
+    grouping the candidates by request and sizing the launch). Given max_candidates (>= the
+    candidates of any one request) and max_history (>= every history length), the default
+    kernels sync never and check nothing on the device (like jagged_attention's max_seq_len,
+    the bounds are trusted), so the call can be captured in a CUDA graph.
+    """,
+)

@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 from agent.cli import app
 from evals import bench_attention
 from evals.bench_attention import (
-    BOUNDS,
     GRAPHED,
+    launch_bounds,
     pass_flops,
     run_attention_benchmark,
+    timed_per_pass,
     without_bounds,
 )
 from evals.bench_ops import family_ops
@@ -73,7 +74,22 @@ def test_attention_bench_rows_on_the_interpreted_shape(monkeypatch) -> None:
     assert "target_attention on cpu" in console.file.getvalue()
 
 
-@pytest.mark.parametrize("op", sorted(BOUNDS))
+def test_the_declarations_say_what_is_timed_per_pass_and_which_bounds_may_be_left_out() -> None:
+    assert [op for op in family_ops("all") if timed_per_pass(op)] == [
+        "gdpa",
+        "jagged_attention",
+        "target_attention",
+    ]
+    assert not timed_per_pass("embedding_bag") and not timed_per_pass("jagged_attention_grad")
+    assert launch_bounds("gdpa") == ("max_q_len", "max_kv_len")
+    assert launch_bounds("target_attention") == ("max_candidates", "max_history")
+    assert launch_bounds("jagged_attention") == ()  # max_seq_len is required: no replayed row
+    assert launch_bounds("embedding_bag") == ()
+    with pytest.raises(ValueError, match="no gradients with a gradient op"):
+        run_attention_benchmark("embedding_bag", console=Console(file=io.StringIO()))
+
+
+@pytest.mark.parametrize("op", ["gdpa", "target_attention"])
 def test_launch_bounds_give_the_synced_output(op: str, empty_library) -> None:
     # The problems' inputs carry the launch bounds (the bench's replayed row needs them): with
     # them the op gives what the call without them (which measures the lengths itself) gives,
@@ -81,7 +97,7 @@ def test_launch_bounds_give_the_synced_output(op: str, empty_library) -> None:
     problem = get_problem(op)
     for shape in problem.interpreted_timing_shapes:
         inputs = problem.make_inputs(shape, 0, torch.device("cpu"))
-        bounds = {k: inputs.kwargs[k] for k in BOUNDS[op] if inputs.kwargs.get(k) is not None}
+        bounds = {k: inputs.kwargs[k] for k in launch_bounds(op) if inputs.kwargs.get(k) is not None}
         assert bounds and all(isinstance(v, int) and v > 0 for v in bounds.values()), bounds
         want = getattr(ops, op)(*inputs.args, **without_bounds(op, inputs.kwargs))
         got = getattr(ops, op)(*inputs.args, **inputs.kwargs)

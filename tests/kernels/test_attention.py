@@ -753,7 +753,7 @@ def test_eager_calls_bypass_the_custom_op_and_traced_calls_use_it(
     fake tensors, as torch.compile and export trace them, go through the registered custom op."""
     make_inputs, op, _ = OP_CASES[op_name]
     inputs = make_inputs(device)
-    eager = getattr(ops, f"_{op_name}_call")
+    eager = getattr(ops, op_name).eager
     custom_op_calls = []
 
     def counted(*args):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
+from kernels import attention, ops
 from kernels.registry import ARCH_INTERPRETER, DISPATCHER, KernelLibrary, device_arch
 from sandbox.protocol import compare
 from search_space import get_problem
@@ -76,25 +76,26 @@ def _register(
 
 
 def _train(op: str, shape: Shape, device: torch.device, monkeypatch: pytest.MonkeyPatch):
-    """One forward and backward through kernels.ops -> (gradients, the reference's, how many
-    times the library's default forward ran)."""
+    """One forward and backward through kernels.ops -> the library's own forward kernels it
+    launched (whether each was asked for lse), after checking the gradients against the
+    reference's. A registered template is a copy of the library, launching its own."""
     inputs = get_problem(f"{op}_grad").make_inputs(shape, 5, device)
     grad_out, *args = inputs.args
-    default_forward = getattr(ops._attn, f"{op}_forward")
+    launch_forward = attention._launch_forward
     runs = []
 
     def counted(*a, **kw):
-        runs.append(kw.get("return_lse", False))
-        return default_forward(*a, **kw)
+        runs.append(kw["return_lse"])
+        return launch_forward(*a, **kw)
 
-    monkeypatch.setattr(ops._attn, f"{op}_forward", counted)
+    monkeypatch.setattr(attention, "_launch_forward", counted)
     leaves = [t.clone().requires_grad_() for t in args[:3]]
     kwargs = dict(inputs.kwargs)
     if kwargs.get("rel_bias") is not None:
         kwargs["rel_bias"] = kwargs["rel_bias"].clone().requires_grad_()
         leaves.append(kwargs["rel_bias"])
     getattr(ops, op)(*leaves[:3], *args[3:], **kwargs).backward(grad_out)
-    monkeypatch.setattr(ops._attn, f"{op}_forward", default_forward)
+    monkeypatch.setattr(attention, "_launch_forward", launch_forward)
     problem = get_problem(f"{op}_grad")
     want = problem.reference(*inputs.args, **inputs.kwargs)
     tol, scale = problem.tolerance("fp32"), problem.tolerance_scale(inputs)
