@@ -3,14 +3,15 @@
 A candidate computes its op in Triton kernels; its host code allocates, views, copies and casts
 tensors and may compute on integer ones (offsets, lengths, schedules) that no kernel wrote: an
 integer or boolean argument of a launch may hold what the kernel made of floating-point data
-(its bits, its values scaled), so host ops on it, or on a copy of it, count as on floats. Any other torch op with a
-floating-point tensor among its inputs or outputs is host code computing the op itself (a
-gather by indexing, a product by an operator, a sum by a builtin), which no static screen of
-Python can see: tensors and numbers look alike there; so is reading floating-point values into
-Python (tolist, item), which dispatches no such op. The runner watches its calls with a torch
-dispatch mode and a torch function mode (every call, timed or not: a watch that were on for some
-calls only could be detected from Python, and host code could compute while it is off) and
-reports the first finding; only Triton's autotuning benchmarks of compiled kernels run unwatched.
+(its bits, its values scaled), so host ops on it, or on a copy of it, count as on floats. Any
+other torch op with a floating-point tensor among its inputs or outputs is host code computing
+the op itself (a gather by indexing, a product by an operator, a sum by a builtin), which no
+static screen of Python can see: tensors and numbers look alike there; so is reading
+floating-point values into Python (tolist, item), which dispatches no such op. The runner
+watches its calls with a torch dispatch mode and a torch function mode (every call, timed or
+not: a watch that were on for some calls only could be detected from Python, and host code
+could compute while it is off) and reports the first finding; only Triton's autotuning
+benchmarks of compiled kernels run unwatched.
 
 Imported by the runner before any candidate code exists.
 """
