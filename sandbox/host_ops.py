@@ -57,6 +57,11 @@ def _floating(value) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
+# Values of kernel-written integer data a call may read into Python: a launcher reading back a
+# flag or a count its kernel set is its own business; reading more is reading the data.
+READ_BUDGET = 16
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     """Which allocation `t` views: its storage's address and the storage object's own (two
     storages alive at once differ in both; a freed one's address alone could come back)."""
@@ -73,22 +78,42 @@ class HostOps(TorchDispatchMode):
     """Records the first torch op outside BOOKKEEPING (and `allowed`, the problem's own) that
     touches floating-point data, or floating-point data viewed as integers."""
 
-    def __init__(self, allowed: frozenset[str] = frozenset(), *, copies_compute: bool = False) -> None:
+    def __init__(
+        self, allowed: frozenset[str] = frozenset(), *, copies_compute: bool = False, inputs=()
+    ) -> None:
         super().__init__()
         self.allowed = (BOOKKEEPING - DATA_MOVEMENT if copies_compute else BOOKKEEPING) | allowed
         self.first: str | None = None
         # Integer and boolean data a Triton kernel may have written (every such argument of a
-        # launch), and copies of it, by storage: what a kernel writes can be a floating-point
-        # tensor's bits or values, whatever its dtype, so host ops on it count as on floats.
+        # launch but the call's own inputs, and copies of it), by storage: what a kernel writes
+        # can be a floating-point tensor's bits or values, whatever its dtype, so host ops on it
+        # count as on floats. A few of its values may be read (a flag, a count): READ_BUDGET.
         self.device_written: set[tuple[int, int]] = set()
+        self.inputs = {_storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+        self.values_read = 0
 
     def mark_written(self, tensors) -> None:
         for t in tensors:
-            if isinstance(t, torch.Tensor) and not _floating(t):
-                self.device_written.add(_storage_key(t))
+            if (
+                isinstance(t, torch.Tensor)
+                and not _floating(t)
+                and (key := _storage_key(t)) not in self.inputs
+            ):
+                self.device_written.add(key)
 
     def _written(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and not _floating(t) and _storage_key(t) in self.device_written
+        return (
+            bool(self.device_written)
+            and isinstance(t, torch.Tensor)
+            and not _floating(t)
+            and _storage_key(t) in self.device_written
+        )
+
+    def read_written(self, count: int, what: str) -> None:
+        """`count` values of device-written data read into Python: past READ_BUDGET, reading data."""
+        self.values_read += count
+        if self.first is None and self.values_read > READ_BUDGET:
+            self.first = f"{what} ({self.values_read} values a kernel wrote, read into Python)"
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -123,10 +148,8 @@ class HostOps(TorchDispatchMode):
                 self.first = f"{func} on {floating[0].dtype}".replace("torch.", "")
             elif written:
                 self.first = f"{func} on {written[0].dtype} a kernel wrote".replace("torch.", "")
-        elif self.first is None and written and func is torch.ops.aten._local_scalar_dense.default:
-            self.first = f"{func} on {written[0].dtype} a kernel wrote (a value read into Python)".replace(
-                "torch.", ""
-            )
+        elif written and func is torch.ops.aten._local_scalar_dense.default:
+            self.read_written(1, f"{func} on {written[0].dtype}".replace("torch.", ""))
         return out
 
 
@@ -226,6 +249,11 @@ READS = frozenset(
 )  # fmt: skip
 
 
+# Of READS, those that read every value of a tensor with no aten op per value (the others come
+# down to _local_scalar_dense, which HostOps counts).
+BULK_READS = frozenset({"tolist", "numpy", "__array__", "__repr__", "__str__", "__format__"})
+
+
 class HostReads(TorchFunctionMode):
     """Records, into `ops`, the first read of floating-point values into host Python."""
 
@@ -235,24 +263,25 @@ class HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if (
-            self.ops.first is None
-            and name in READS
-            and args
-            and (_floating(args[0]) or self.ops._written(args[0]))
-        ):
-            self.ops.first = f"Tensor.{name} on {args[0].dtype}".replace("torch.", "")
+        if self.ops.first is None and name in READS and args:
+            what = f"Tensor.{name} on {getattr(args[0], 'dtype', '?')}".replace("torch.", "")
+            if _floating(args[0]):
+                self.ops.first = what
+            elif name in BULK_READS and self.ops._written(args[0]):
+                self.ops.read_written(args[0].numel(), what)
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def watching(
-    enabled: bool, allowed: frozenset[str] = frozenset(), *, copies_compute: bool = False
+    enabled: bool, allowed: frozenset[str] = frozenset(), *, copies_compute: bool = False, inputs=()
 ) -> Iterator[HostOps | None]:
+    """The watch over one call; `inputs`: the call's own tensors, which no launch marks as written
+    by a kernel (the judge checks them unchanged after the call)."""
     if not enabled:
         yield None
         return
-    ops = HostOps(allowed, copies_compute=copies_compute)
+    ops = HostOps(allowed, copies_compute=copies_compute, inputs=inputs)
     _CURRENT.append(ops)
     try:
         with ops, HostReads(ops):

@@ -295,7 +295,8 @@ class Runner:
         the call is the entry's alone (a timed call's events bracket nothing else)."""
         if self.watch:
             copies = self.host_copies_compute
-            with host_ops.watching(True, self.host_float_ops, copies_compute=copies) as watch:
+            inputs = [*args, *kwargs.values()]
+            with host_ops.watching(True, self.host_float_ops, copies_compute=copies, inputs=inputs) as watch:
                 out = self.fn(*args, **kwargs)
             if watch.first is not None:
                 self.host_compute[cid] = watch.first

@@ -149,7 +149,11 @@ def test_report_command_tables(reported) -> None:
     [(_, _, reason)] = store.llm_pauses(cid)
     assert reason.replace("|", "/") in md
     [outcomes] = [line for line in md.splitlines() if line.startswith("- outcomes: ")]
-    assert outcomes == "- outcomes: proposal 3, rate_limited 1, http_500 1", outcomes
+    # How many proposals come after the pause depends on how fast the evaluations run beside it.
+    proposals = sum(e["outcome"] == "proposal" for e in store.llm_exchanges(cid))
+    assert proposals >= 2 and outcomes == f"- outcomes: proposal {proposals}, rate_limited 1, http_500 1", (
+        outcomes
+    )
 
     # Accepted kernels: a link to the source file the library holds, and the lineage.
     [(_, candidate_id, kernel_id, library)] = store.accepted(cid)
