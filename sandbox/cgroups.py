@@ -81,6 +81,17 @@ class RunnerCgroup:
                     time.sleep(0.05)
 
 
+def remove_groups_of(judge_pid: int) -> None:
+    """The groups a judge made (named `<its pid>-...`), once it has ended: a judge killed at its
+    hard limit never removes its runner's group itself. Their tasks are killed first."""
+    for root in (CGROUP_ROOT, *(CGROUP_ROOT / c for c in CONTROLLERS)):
+        groups = tuple((root / PARENT).glob(f"{judge_pid}-*"))
+        if groups:
+            group = RunnerCgroup(dirs=groups, memory_bytes=0)
+            group.kill()
+            group.remove()
+
+
 def create(name: str, *, memory_bytes: int, max_tasks: int) -> RunnerCgroup | None:
     """A new group `name` holding its tasks to `memory_bytes` of memory (no swap beside it) and
     `max_tasks` processes and threads; None where this host gives the judge none."""

@@ -139,7 +139,7 @@ class Deadline:
         return self.at - time.monotonic()
 
     def extend(self, seconds: float) -> None:
-        if seconds <= 0:
+        if seconds < 0.01:  # an uncontended lock: nothing worth a write
             return
         self.at += seconds
         if self.mark is not None:
@@ -220,8 +220,8 @@ class RunnerProcess:
         def watch() -> None:
             while not self._ended.wait(0.5):
                 used, files = _disk_use(root, max_files)
-                if self.cgroup is not None:  # and files it unlinked but holds open
-                    used += _held_unlinked(self.cgroup.tasks())
+                if self.cgroup is not None:  # and files it unlinked but holds open there
+                    used += _held_unlinked(self.cgroup.tasks(), root.stat().st_dev)
                 if used > max_bytes or files > max_files:
                     held = f"{used / 2**20:.0f} MiB in {files} files"
                     self.stopped = (
@@ -336,9 +336,9 @@ class RunnerProcess:
         self.sock.close()
 
 
-def _held_unlinked(pids: list[int]) -> int:
-    """Bytes allocated to regular files that `pids` hold open after unlinking them: out of the
-    scratch directory's listing, still on the host's disk."""
+def _held_unlinked(pids: list[int], device: int) -> int:
+    """Bytes allocated to regular files on filesystem `device` (the scratch directory's) that
+    `pids` hold open after unlinking them: out of the directory's listing, still on the disk."""
     used, seen = 0, set()
     for pid in pids:
         try:
@@ -351,7 +351,8 @@ def _held_unlinked(pids: list[int]) -> int:
                     st = os.stat(fd.path)
                 except OSError:
                     continue
-                if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and (st.st_dev, st.st_ino) not in seen:
+                unlinked = stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_dev == device
+                if unlinked and (st.st_dev, st.st_ino) not in seen:
                     seen.add((st.st_dev, st.st_ino))
                     used += st.st_blocks * 512
     return used

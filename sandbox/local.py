@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from sandbox import judge_server
+from sandbox import cgroups, judge_server
 from sandbox.artifacts import ArtifactCache
 from sandbox.candidate import Candidate
 from sandbox.hardware import cuda_present
@@ -265,6 +265,7 @@ class LocalBackend(WorkerBackend):
                     if timed_out:
                         with contextlib.suppress(TimeoutError):
                             judge.wait(timeout=30)
+                    cgroups.remove_groups_of(judge.pid)
                 return timed_out, judge.returncode if judge.returncode is not None else -int(signal.SIGKILL)
         with open(log, "ab") as out:
             proc = subprocess.Popen(
@@ -281,6 +282,7 @@ class LocalBackend(WorkerBackend):
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                cgroups.remove_groups_of(proc.pid)
         return timed_out, proc.returncode
 
     def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:

@@ -104,5 +104,4 @@ def test_a_wait_for_the_lock_moves_the_evaluations_deadline_back(
     with pytest.raises(TimeoutError):
         local._wait_within(still_running, 0.1, tmp_path)
     waited = time.monotonic() - t0
-    assert 0.5 <= waited < 3.0, waited
-    assert len(waits) >= 5
+    assert waited >= 0.5 and len(waits) > 1, (waited, waits)  # it waited on past its own limit

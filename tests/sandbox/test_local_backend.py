@@ -137,9 +137,7 @@ def test_raising_entry_is_a_runtime_error(outcomes) -> None:
     assert "candidate gave up" in result.log_tail  # the traceback comes back
 
 
-def test_hanging_entry_times_out_and_its_process_group_dies(
-    scratch: Path, started: list
-) -> None:
+def test_hanging_entry_times_out_and_its_process_group_dies(scratch: Path, started: list) -> None:
     source = _edit(ENTRY_BODY, "    while True:\n        pass\n" + ENTRY_BODY)
     result = LocalBackend(timeout_s=8, scratch_root=scratch).evaluate(
         _candidate(source), timing=False, trials=1
@@ -169,9 +167,7 @@ def test_import_failure_is_a_compile_error(outcomes, case: str, error: str) -> N
     assert "Traceback" in result.log_tail
 
 
-def test_forbidden_import_is_rejected_without_a_judge(
-    backend: LocalBackend, started: list
-) -> None:
+def test_forbidden_import_is_rejected_without_a_judge(backend: LocalBackend, started: list) -> None:
     source = _edit("import torch\n", "import os\nimport torch\n")
     line = source.splitlines().index("import os") + 1
     result = backend.evaluate(_candidate(source))
