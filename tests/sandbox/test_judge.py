@@ -254,16 +254,17 @@ CASES: dict[str, tuple[str, dict]] = {
         ),
         {"timing": True},
     ),
-    # A memo keyed by where the inputs lie: the judge puts fresh inputs at the same place.
+    # A memo keyed by where the inputs lie, relative to each other: the same for every call of a shape.
     "caches-by-data-ptr": (
         _flagged(
-            "key = (weight.data_ptr(), indices.data_ptr(), offsets.data_ptr(), tuple(weight.shape), "
+            # Where a call's tensors lie relative to each other (inputs reach the region at
+            # random places, but each call's tensors back to back), with its shape.
+            "base = weight.data_ptr()\n"
+            "key = (indices.data_ptr() - base, offsets.data_ptr() - base, tuple(weight.shape), "
             "indices.numel(), mode)\n"
             "memo = globals().setdefault('MEMO', {})\n"
             "if key not in memo:\n"
             "    memo[key] = out\n"
-            "else:\n"
-            "    print('MEMO-HIT')\n"
             "return memo[key].clone()"
         ),
         {},
@@ -488,13 +489,8 @@ def test_garbage_only_when_timed_is_caught_by_the_checks_on_timed_calls(outcomes
 
 @needs_bwrap
 def test_a_memo_keyed_by_input_addresses_is_wrong(outcomes) -> None:
-    # Inputs lie at random places in their region, so such a memo rarely hits; a call it served
-    # must never pass: the memo hands out another call's output (its values, or its shape where
-    # the two differ). Where it never hit, the candidate computed every call itself.
+    # The memo hands out another call's output: its values, or its shape where the two differ.
     result = _result(outcomes, "caches-by-data-ptr")
-    if result.status == Status.OK:
-        assert "MEMO-HIT" not in result.log_tail, result.log_tail
-        return
     _says(result, Status.WRONG)
     found = ("outside tolerance", "outside their norm bound", "returned [")
     assert any(m in result.message for m in found), result.message
