@@ -7,65 +7,28 @@ the forward again. The kernels are kernels/attention.py's."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
 
 from kernels import attention as _attn
 
 
-def check_jagged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_seq_len: int,
-    activation: str = "softmax",
-    causal: bool = True,
-    num_targets: torch.Tensor | None = None,
-    rel_bias: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> None:
-    _attn.check_jagged_attention(
-        q, k, v, offsets, max_seq_len=max_seq_len, activation=activation, num_targets=num_targets,
-        rel_bias=rel_bias,
-    )  # fmt: skip
+def _given_what_it_takes(check: Callable[..., None]) -> Callable[..., None]:
+    """`check` (kernels.attention's) called with its op's whole signature: the keywords it does
+    not take (causal, scale) are left out."""
+    takes = set(inspect.signature(check).parameters)
+
+    def call(*args, **kwargs) -> None:
+        check(*args, **{name: value for name, value in kwargs.items() if name in takes})
+
+    return call
 
 
-def check_gdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_offsets: torch.Tensor | None,
-    kv_offsets: torch.Tensor,
-    *,
-    activation: str = "gelu",
-    scale: float | None = None,
-    broadcast_q: bool = False,
-    max_q_len: int | None = None,
-    max_kv_len: int | None = None,
-) -> None:
-    _attn.check_gdpa(
-        q, k, v, q_offsets, kv_offsets, activation=activation, broadcast_q=broadcast_q,
-        max_q_len=max_q_len, max_kv_len=max_kv_len,
-    )  # fmt: skip
-
-
-def check_target_attention(
-    q_cand: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    cand_to_request: torch.Tensor,
-    *,
-    activation: str = "softmax",
-    scale: float | None = None,
-    max_candidates: int | None = None,
-    max_history: int | None = None,
-) -> None:
-    _attn.check_target_attention(
-        q_cand, k, v, kv_offsets, cand_to_request, activation=activation,
-        max_candidates=max_candidates, max_history=max_history,
-    )  # fmt: skip
+check_jagged_attention = _given_what_it_takes(_attn.check_jagged_attention)
+check_gdpa = _given_what_it_takes(_attn.check_gdpa)
+check_target_attention = _given_what_it_takes(_attn.check_target_attention)
 
 
 def _as_problem_returns(grads: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
