@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     def evaluate(job):
         # A line as each one ends, so that a run cut short still says what it found.
         result = backend.evaluate(job[1])
-        print(f"{job[0]}: {result.status.value} in {result.wall_s:.0f} s {result.message[:300]}", flush=True)
+        phases = " ".join(f"{k} {v:.0f}" for k, v in result.phase_s.items())
+        line = f"{job[0]}: {result.status.value} in {result.wall_s:.0f} s ({phases})"
+        print(line, result.message[:300], flush=True)
         return result
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:

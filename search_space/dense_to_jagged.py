@@ -27,6 +27,7 @@ from search_space.jagged_transforms import (
     num_seqs,
     offsets_of,
     padded_len,
+    random_rows,
     shape_bucket,
     tile_template,
 )
@@ -59,10 +60,10 @@ def torch_dense_to_jagged(dense, offsets, *, total):
 def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     lengths = lengths_of(shape, seed)
     offsets = offsets_of(lengths, torch.int32 if seed % 2 else torch.int64)
-    gen = torch.Generator().manual_seed(seed + 1)
-    dense = torch.randn(len(lengths), padded_len(shape), shape.params["dim"], generator=gen)
+    rows, dim = len(lengths) * padded_len(shape), shape.params["dim"]
+    dense = random_rows(rows, dim, shape.torch_dtype, seed + 1, device).view(len(lengths), -1, dim)
     kwargs = {"total": int(offsets[-1])}
-    return Inputs(args=(dense.to(shape.torch_dtype).to(device), offsets.to(device)), kwargs=kwargs)
+    return Inputs(args=(dense, offsets.to(device)), kwargs=kwargs)
 
 
 def bytes_moved(shape: Shape) -> float:

@@ -25,6 +25,7 @@ from search_space.jagged_transforms import (
     first_lengths,
     num_seqs,
     offsets_of,
+    random_rows,
     second_lengths,
     tile_template,
 )
@@ -79,11 +80,10 @@ def make_parts(shape: Shape, seed: int, device: torch.device) -> tuple[torch.Ten
     other = {torch.int32: torch.int64, torch.int64: torch.int32}[dtype] if seed % 4 >= 2 else dtype
     first_offsets = offsets_of(first_lengths(shape, seed), dtype)
     second_offsets = offsets_of(second_lengths(shape, seed), other)
-    gen = torch.Generator().manual_seed(seed + 1)
-    dim = shape.params["dim"]
-    first = torch.randn(int(first_offsets[-1]), dim, generator=gen).to(shape.torch_dtype)
-    second = torch.randn(int(second_offsets[-1]), dim, generator=gen).to(shape.torch_dtype)
-    return first.to(device), first_offsets.to(device), second.to(device), second_offsets.to(device)
+    dim, dtype = shape.params["dim"], shape.torch_dtype
+    first = random_rows(int(first_offsets[-1]), dim, dtype, seed + 1, device)
+    second = random_rows(int(second_offsets[-1]), dim, dtype, seed + 2, device)
+    return first, first_offsets.to(device), second, second_offsets.to(device)
 
 
 def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:

@@ -25,6 +25,7 @@ from search_space.jagged_transforms import (
     num_seqs,
     offsets_of,
     padded_len,
+    random_rows,
     shape_bucket,
     tile_template,
 )
@@ -58,10 +59,9 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     p = shape.params
     lengths = lengths_of(shape, seed)
     offsets = offsets_of(lengths, torch.int32 if seed % 2 else torch.int64)
-    gen = torch.Generator().manual_seed(seed + 1)
-    values = torch.randn(int(offsets[-1]), p["dim"], generator=gen).to(shape.torch_dtype)
+    values = random_rows(int(offsets[-1]), p["dim"], shape.torch_dtype, seed + 1, device)
     kwargs = {"max_len": padded_len(shape), "padding_value": float(p.get("padding_value", 0.0))}
-    return Inputs(args=(values.to(device), offsets.to(device)), kwargs=kwargs)
+    return Inputs(args=(values, offsets.to(device)), kwargs=kwargs)
 
 
 def bytes_moved(shape: Shape) -> float:

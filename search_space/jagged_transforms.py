@@ -88,6 +88,14 @@ def lengths_of(shape: Shape, seed: int) -> list[int]:
     return [n + p.get("targets", 0) for n in lengths]
 
 
+def random_rows(rows: int, dim: int, dtype: torch.dtype, seed: int, device: torch.device) -> torch.Tensor:
+    """Unit-normal rows [rows, dim] drawn on `device` itself: at timing shapes (hundreds of MB) a
+    draw on the host and its copy take seconds, and the judge draws fresh inputs for every timed
+    call."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(rows, dim, generator=gen, device=device, dtype=dtype)
+
+
 def offsets_of(lengths: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
     offsets = torch.zeros(len(lengths) + 1, dtype=dtype)
     torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=offsets[1:])

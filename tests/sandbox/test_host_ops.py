@@ -92,13 +92,15 @@ def copy_bits(x, out):
         (lambda buf, idx: (idx * 2).cumsum(0), None),  # integers no kernel wrote: offsets, lengths
     ],
 )
-def test_the_watch_sees_host_compute_on_integers_a_kernel_wrote(host_code, seen, tmp_path: Path) -> None:
+def test_the_watch_sees_host_compute_on_integers_a_kernel_wrote(
+    host_code, seen, tmp_path: Path, device
+) -> None:
     """A kernel can put a floating-point tensor's bits (or values) into an integer buffer; host
     code on that buffer, or on a copy of it, computes on the floats all the same."""
     host_ops.prepare_triton(_kernel_classes())
     copy_bits = _load(_BITS_KERNEL, "copy_bits", tmp_path, "bits_kernel")
-    x, idx = torch.randn(40), torch.tensor([3, 1, 2])
-    buf = torch.empty(40, dtype=torch.int32)
+    x, idx = torch.randn(40, device=device), torch.tensor([3, 1, 2], device=device)
+    buf = torch.empty(40, dtype=torch.int32, device=device)
     with host_ops.watching(True) as watch:
         copy_bits(x, buf)
         host_code(buf, idx)
