@@ -8,7 +8,8 @@ than it by more than either's timing noise, or another entry is, on every bucket
 times of the entries kept are written back, so that dispatch ranks them by today's figures; what
 dispatch runs for each (op, dtype, bucket) before and after is reported beside the outcomes. On
 the interpreter timings decide nothing: only the checks count. Entries of other architectures are
-left alone (listed as such)."""
+left alone (listed as such). An entry that dispatch refuses because it was built on another kit
+(kernels/kit) is verified with this one, and dispatched again if it passes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from statistics import geometric_mean
 
 from agent.incumbents import default_candidate
 from agent.population import beats, serving_us
-from kernels.registry import KernelLibrary, LibraryEntry
+from kernels.registry import KernelLibrary, LibraryEntry, kit_refusal
 from sandbox.backend import Backend
 from sandbox.candidate import Candidate
 from sandbox.result import EvalResult, Status
@@ -71,7 +72,8 @@ def verify_library(
             out.append(Verified(entry, "demoted", f"already: {entry.demoted}"))
             continue
         refused = library.refusal(entry)
-        if refused is not None:
+        new_kit = refused is not None and kit_refusal(entry) is not None
+        if refused is not None and not new_kit:  # its source was edited: nothing to verify
             out.append(Verified(entry, "refused", refused))
             continue
         source = (library.root / entry.source_file).read_text()
@@ -81,6 +83,8 @@ def verify_library(
             reason = f"re-verification {result.status.value}: {result.message}"[:500]
             out.append(Verified(library.demote(entry, reason), "demoted", reason))
             continue
+        if new_kit:  # correct with this kit: dispatch takes it again, timed below like the rest
+            entry = library.rekit(entry)
         if result.interpreted:
             out.append(Verified(entry, "kept", "correct on every check shape (interpreted: not timed)"))
             continue

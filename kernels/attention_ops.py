@@ -3,7 +3,8 @@ declarations call them with (search_space/<op>.py and <op>_grad.py: search_space
 check takes the op's whole signature; a gradient op's default takes its gradient problem's
 arguments (grad_out, then the forward's) and returns [dq, dk, dv] and d rel_bias where the call
 has a bias; `*_from_saved` reads the forward's saved output and statistics instead of running
-the forward again. The kernels are kernels/attention.py's."""
+the forward again. The kernels are kernels.attention's (the kit's forward, kernels/kit, and
+backward.py)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kernels import kit
 from search_space.template import source_hash
 
 MANIFEST = "manifest.json"
@@ -55,6 +56,17 @@ def device_arch(device: torch.device) -> str:
     if device.type == "cuda":
         return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
     return ARCH_INTERPRETER if interpret_enabled() else "cpu"
+
+
+def kit_refusal(entry: LibraryEntry) -> str | None:
+    """Why `entry` cannot run on this checkout's kit, or None (it does not import the kit, or
+    was verified with this one)."""
+    if entry.kit_hash is None or entry.kit_hash == kit.kit_hash():
+        return None
+    return (
+        f"built against kit {entry.kit_hash}; the kit (kernels/kit) is now {kit.kit_hash()}: "
+        "`recforge library verify` verifies it again"
+    )
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -93,6 +105,9 @@ class LibraryEntry:
     # Why `recforge library verify` took it out of dispatch (wrong, or no longer faster than
     # the default kernel on this architecture), or None. Kept in the manifest, with its source.
     demoted: str | None = None
+    # The kit (kernels/kit) its source was verified with, where it imports the kit; dispatch
+    # refuses it under another kit until `recforge library verify` verifies it again.
+    kit_hash: str | None = None
 
     @property
     def graphs(self) -> list[str]:
@@ -182,6 +197,7 @@ class KernelLibrary:
             registered_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             bucket_us=dict(bucket_us or {}),
             train_buckets=None if train_buckets is None else sorted(train_buckets),
+            kit_hash=kit.kit_hash() if kit.uses_kit(source) else None,
         )
         if new.train_buckets is not None and not set(new.train_buckets) <= set(new.buckets):
             raise ValueError(f"train buckets {new.train_buckets} are not among the buckets {new.buckets}")
@@ -246,6 +262,12 @@ class KernelLibrary:
                 return e
         return None
 
+    def rekit(self, entry: LibraryEntry) -> LibraryEntry:
+        """Record that `entry` was verified again with this kit (dispatch takes it again)."""
+        updated = self._update(entry, kit_hash=kit.kit_hash())
+        self._refusals.pop((entry.kernel_id, entry.source_hash), None)
+        return updated
+
     def demote(self, entry: LibraryEntry, reason: str) -> LibraryEntry:
         """Take `entry` out of dispatch, saying why (its record and source stay)."""
         return self._update(entry, demoted=reason)
@@ -274,8 +296,9 @@ class KernelLibrary:
 
     def refusal(self, entry: LibraryEntry) -> str | None:
         """Why dispatch refuses `entry`, or None: its source file must hash to the source_hash
-        recorded when it was verified. Checked once per process and entry (a module, once
-        loaded, runs the text that was checked), and reported once as a warning."""
+        recorded when it was verified, and a source that imports the kit must have been verified
+        with this kit (kit_refusal). Checked once per process and entry (a module, once loaded,
+        runs the text that was checked), and reported once as a warning."""
         key = (entry.kernel_id, entry.source_hash)
         if key not in self._refusals:
             try:
@@ -286,6 +309,8 @@ class KernelLibrary:
                         f"its source {entry.source_file} hashes to {got}, not {entry.source_hash} as "
                         "verified: edited since"
                     )
+                else:
+                    why = kit_refusal(entry)
             except (OSError, ValueError) as exc:  # missing, unreadable, not text
                 why = (
                     f"its source {entry.source_file} cannot be read ({getattr(exc, 'strerror', None) or exc})"

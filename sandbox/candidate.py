@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, computed_field
 
+from kernels import kit
 from search_space.template import source_hash
 
 
@@ -20,4 +21,9 @@ class Candidate(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def id(self) -> str:
+        """The source's hash, and where the source imports the kernel library's kit, the kit's
+        too: the same text built on another kit is another candidate (its evaluations, cached
+        by id, do not carry over)."""
+        if kit.uses_kit(self.source):
+            return source_hash(f"{self.source}\0kit {kit.kit_hash()}")
         return source_hash(self.source)

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     import docker
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# What of the repository a runner reads, wherever it runs: its own code, and the kit that
+# candidates may import (kernels/kit; without kernels/__init__.py in view, `kernels` is a
+# namespace package there and nothing else of the library is importable).
+RUNNER_CODE = (REPO_ROOT / "sandbox", REPO_ROOT / "kernels" / "kit")
 IMAGE_REPOSITORY = "recforge/sandbox"
 # Bumped when the image's layout changes, so old tags are not reused.
 IMAGE_FORMAT = 1
@@ -64,9 +68,9 @@ def docker_client() -> docker.DockerClient:
 
 def mounted_roots() -> tuple[Path, ...]:
     """Host directories the container sees read-only at the same paths: the Python prefix (the
-    venv's `pyvenv.cfg` points there), the venv and, of the repository, the `sandbox` package
-    (the runner's code; campaign state and the judge's files stay out). Nested ones are dropped."""
-    roots = sorted({Path(p).absolute() for p in (sys.base_prefix, sys.prefix, REPO_ROOT / "sandbox")})
+    venv's `pyvenv.cfg` points there), the venv and, of the repository, RUNNER_CODE (campaign
+    state and the judge's files stay out). Nested ones are dropped."""
+    roots = sorted({Path(p).absolute() for p in (sys.base_prefix, sys.prefix, *RUNNER_CODE)})
     kept: list[Path] = []
     for root in roots:
         if not any(root.is_relative_to(k) for k in kept):

@@ -41,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 from sandbox.cgroups import RunnerCgroup
+from sandbox.docker_image import RUNNER_CODE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -74,7 +75,7 @@ def drops_privileges() -> bool:
 
 def _import_roots() -> list[Path]:
     """Directories the runner's Python reads: its installation, and every import path but this
-    repository's root (whose `sandbox` package is bound on its own)."""
+    repository's root (of which RUNNER_CODE is bound on its own)."""
     roots = {Path(sys.base_prefix), Path(sys.prefix)}
     cwd = Path.cwd().resolve()
     for entry in sys.path:
@@ -135,7 +136,7 @@ def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool) -> list[str]:
     for tmp in ("/tmp", "/dev/shm"):
         # Rule resources: sized where bubblewrap can (0.6 and later), else the kernel's default.
         cmd += (["--size", str(TMPFS_BYTES)] if _sizes_tmpfs(bwrap) else []) + ["--tmpfs", tmp]
-    binds = [*_import_roots(), REPO_ROOT / "sandbox"]
+    binds = [*_import_roots(), *RUNNER_CODE]
     # Parents that bubblewrap would create for a mount point come out mode 0700: the runner's
     # user could not walk through them (a Python under /root, say).
     parents = sorted({str(a) for b in binds for a in b.parents if str(a) != "/"} - set(SYSTEM_DIRS))

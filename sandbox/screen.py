@@ -59,16 +59,17 @@ ALLOWED_TRITON = frozenset(
         "triton.Config",
         "triton.autotune",
         "triton.heuristics",
-        # TMA descriptors of host tensors (kernels/attention.py's key and value loads) and their
+        # TMA descriptors of host tensors (the attention kernels' key and value loads) and their
         # documented constructor.
         "triton.tools.tensor_descriptor.TensorDescriptor",
         "triton.tools.tensor_descriptor.TensorDescriptor.from_tensor",
-        # The current GPU and its compute capability: kernels/attention.py loads by TMA on
-        # sm_90 and newer only (torch.cuda, where the same query lives, is not allowed).
-        "triton.runtime.driver.active.get_current_device",
-        "triton.runtime.driver.active.get_current_target",
     }
 )
+
+# Rule kit: the kernel library's shared helpers and launch utilities (kernels/kit): from each
+# module the names it exports (kernels.kit.exports), imported by name (`from kernels.kit.attention import
+# _dot`); the module itself is never a value, so nothing else of it (its own imports) is reachable.
+KIT_PACKAGE = "kernels.kit"
 
 TORCH_DTYPES = frozenset(
     "torch." + name
@@ -140,13 +141,28 @@ ANNOTATION_BUILTINS = frozenset({"object"})
 # takes them.
 VETTED_ASM = frozenset(
     {
-        # tanh in one MUFU instruction: kernels/attention.py's fast silu.
+        # tanh in one MUFU instruction: the attention kernels' fast silu (kernels/kit/attention.py).
         ("tanh.approx.f32 $0, $1;", "=f,f"),
     }
 )
 
 
 @functools.cache
+def kit_modules() -> tuple[str, ...]:
+    from kernels import kit
+
+    return tuple(f"{KIT_PACKAGE}.{name}" for name in kit.MODULES)
+
+
+@functools.cache
+def kit_exports(module: str) -> frozenset[str]:
+    """What a candidate may import from kit module `module` (kernels.kit.exports)."""
+    from kernels import kit
+
+    package, _, name = module.rpartition(".")
+    return kit.exports(name) if package == KIT_PACKAGE else frozenset()
+
+
 def _public_names(module: str) -> frozenset[str]:
     """The public names of an open module, as this process's Triton has them, submodules out."""
     mod = importlib.import_module(module)
@@ -206,6 +222,7 @@ class _Screen:
         self.extra_attributes = frozenset(e for e in allowed_extras if "." not in e)
         self.namespaces = {p for n in ALLOWED_TORCH | ALLOWED_TRITON | self.extra_names for p in _prefixes(n)}
         self.namespaces |= {m for m in OPEN_MODULES} | {p for m in OPEN_MODULES for p in _prefixes(m)}
+        self.namespaces |= set(kit_modules()) | {p for m in kit_modules() for p in _prefixes(m)}
         self.found: list[Violation] = []
         self.parents: dict[ast.AST, ast.AST] = {}
         for node in ast.walk(tree):
@@ -238,6 +255,8 @@ class _Screen:
         module, _, name = path.rpartition(".")
         if module in OPEN_MODULES:
             return name in _public_names(module)
+        if module.startswith(KIT_PACKAGE + "."):
+            return name in kit_exports(module)
         return path in ALLOWED_TORCH or path in ALLOWED_TRITON or path in self.extra_names
 
     def is_function(self, path: str) -> bool:
@@ -598,9 +617,12 @@ class _Screen:
         if "asm" in parts[k - 1] and not self.allow_asm and not self.vetted_asm(node):
             self.flag("asm", node, f"use of {name} (inline assembly is not allowed for this problem)")
             return None
-        if node is top and self.is_function(name) and not self.call_position(node):
+        kit_name = name.startswith(KIT_PACKAGE + ".")
+        if node is top and self.is_function(name) and not self.call_position(node) and not kit_name:
             # Rule aliases: an allowed function is called (or decorates, annotates, or is the
-            # class isinstance checks against), not stored or passed under another name.
+            # class isinstance checks against), not stored or passed under another name. The
+            # kit's are the exception (a launch function handed to a launcher): they are the
+            # library's own code, and what calls one under another name can only call it.
             self.flag("aliases", node, f"{name} is used as a value; call it")
             return None
         return attrs[k - 1 - offset :] if k - 1 - offset >= 0 else attrs

@@ -165,15 +165,13 @@ FORBIDDEN_OPS = (
     "relu",
 )
 
-# What kernels/attention.py's host side needs beyond the candidate screen's allowlist, on offsets
-# and lengths, never on the op's data: a stable argsort of sequences and candidates past
-# RANK_SORT_MAX, cumulative row counts, one min-max pass and the reductions of the range checks,
-# one stack for a single host copy of the grid's scalars, the per-request counts of its grouping,
-# the backward's sum of per-sequence partial gradients, and the bias table's clamp.
-SCREEN_EXTRAS = (
-    "torch.argsort", "torch.cumsum", "torch.aminmax", "torch.stack",
-    "sum", "max", "min", "all", "clamp", "index_add_",
-)  # fmt: skip
+# What the attention kernels' host side (kernels/kit/attention_forward.py and
+# kernels/attention/backward.py) needs beyond the candidate screen's allowlist: the backward's
+# sums of per-sequence partial gradients (the dq of broadcast seeds, d rel_bias). The launch
+# set-up on offsets and lengths (argsorts, running sums, range checks) is the kit's
+# (kernels/kit/attention.py), which the screen does not read: a candidate calls it, it cannot
+# restate it with torch.
+SCREEN_EXTRAS = ("sum",)
 
 # Largest score (or mask) tile a baseline materializes at once, in elements: 512 MiB in bf16,
 # big enough that the chunks' matrix products fill the GPU.
@@ -556,19 +554,27 @@ def tile_constraint(knobs: dict) -> str | None:
     return None
 
 
-def library_template(problem: str, knobs: tuple[Knob, ...], constraint) -> KnobTemplate:
-    """The library's attention module followed by `problem`'s entry point, which launches its
-    kernels under the knobs (search_space/templates/<problem>.py.tmpl)."""
+# The library's attention kernels a candidate starts from: the forward's, or for a gradient
+# problem the backward's (whose entry runs the kit's forward for the statistics it reads). Both
+# import the kit's core (kernels/kit/attention.py) for their helpers and launchers.
+FORWARD_MODULE = "kernels.kit.attention_forward"
+BACKWARD_MODULE = "kernels.attention.backward"
+
+
+def library_template(problem: str, knobs: tuple[Knob, ...], constraint, module: str) -> KnobTemplate:
+    """The library's attention kernels (`module`) followed by `problem`'s entry point, which
+    hands their launch to the kit's launcher of its op under the knobs
+    (search_space/templates/<problem>.py.tmpl)."""
     return KnobTemplate(
         problem=problem,
         template_file=f"{problem}.py.tmpl",
         entry=problem,
         knobs=knobs,
         constraint=constraint,
-        base_module="kernels.attention",
+        base_module=module,
     )
 
 
 def tile_template(problem: str) -> KnobTemplate:
     """The forward of `problem` under a searchable tiling."""
-    return library_template(problem, TILE_KNOBS, tile_constraint)
+    return library_template(problem, TILE_KNOBS, tile_constraint, FORWARD_MODULE)

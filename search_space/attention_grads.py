@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 
 from search_space.attention import dense_attention
-from search_space.attention_common import library_template
+from search_space.attention_common import BACKWARD_MODULE, library_template
 from search_space.op import Op, gradient_signature
 from search_space.problem import Inputs, Problem, Shape, Tolerance
 from search_space.template import Knob, KnobTemplate
@@ -163,9 +163,9 @@ def _grad_constraint(knobs: dict) -> str | None:
 
 
 def grad_template(problem: str) -> KnobTemplate:
-    """An entry that runs the library's forward (for the softmax statistics) and its backward
-    under the knobs' tilings."""
-    return library_template(problem, GRAD_KNOBS, _grad_constraint)
+    """An entry that runs the library's forward (the kit's, for the softmax statistics) and the
+    backward under the knobs' tilings."""
+    return library_template(problem, GRAD_KNOBS, _grad_constraint, BACKWARD_MODULE)
 
 
 # --- the gradient ops ---------------------------------------------------------------------------

@@ -147,6 +147,11 @@ def _module_source(name: str) -> str:
     return Path(spec.origin).read_text()
 
 
+# The most characters of kernel source a proposal's prompt shows as its starting point: what a
+# model reads and must return whole within its output budget. Every template's rendering stays
+# within it (the attention families' kernels build on the kit, kernels/kit, for that).
+PROMPT_SOURCE_BOUND = 25_000
+
 KNOBS_NAME = "KNOBS"
 _MASK = b"..."
 

@@ -1,8 +1,8 @@
 """Side-by-side timing of attention kernel variants on a GPU, each checked on the way.
 
-A variant is a kernel module (this tree's kernels/attention.py, or another file with the same
-launchers, such as an earlier commit's copy given with --baseline) plus launch options (tiles,
-schedule). For each case (op, timing shape) every variant's forward is compared with the fp32
+A variant is a kernel module (this tree's kernels.attention, or another file with the same
+launchers, such as an earlier commit's kernels/attention.py given with --baseline) plus launch
+options (tiles). For each case (op, timing shape) every variant's forward is compared with the fp32
 reference and its backward with the current default's gradients, then both are timed in the
 same process; ratios are against the case's first variant. A case is "<op>/<timing shape>", or
 "<study>/<op>/<timing shape>" for another set of variants of the same shape. With --profile,
@@ -43,11 +43,9 @@ def _tiles(m: int, n: int, w: int, s: int, prefix: str = "") -> dict:
 # (label, module key, forward options, backward options). The key is "prev" (the --baseline
 # module), "cur" (this tree) or "ops" (this tree through kernels.ops, forward only), with
 # "-graph" for calls replayed from a CUDA graph.
-LONGEST = {"schedule": "longest_first"}
 SCHEDULES = [
     ("previous", "prev", {}, {}),
     ("this tree", "cur", {}, {}),
-    ("longest-first", "cur", LONGEST, LONGEST),
 ]
 TARGET_TILES = [
     ("fwd 128x128 w8 s2", "cur", _tiles(128, 128, 8, 2), {}),

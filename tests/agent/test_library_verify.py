@@ -133,3 +133,30 @@ def test_an_entry_another_entry_now_beats_is_demoted_and_times_are_written_back(
     assert "what changed" in listed.output and "2 entries, 1 demoted now" in listed.output
     changed = listed.output.split("what changed")[1]
     assert "d64-long" in changed and was_fast.kernel_id[-8:] in changed and was_slow.kernel_id[-8:] in changed
+
+
+def test_an_entry_built_on_another_kit_is_refused_until_verified_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry whose source imports the kit records the kit's hash; once the kit changes,
+    dispatch refuses it with the reason, `library list` shows it, and `library verify` checks
+    it with the new kit and dispatches it again."""
+    from kernels import kit
+
+    library = KernelLibrary(tmp_path / "lib")
+    source = TEMPLATE.render({"BLOCK_L": 8}) + "\nfrom kernels.kit.attention import LOG2E\n"
+    entry = _add(library, source)
+    assert entry.kit_hash == kit.kit_hash()
+    assert library.best(OP, "interpreter", "fp32", "d64-long") == entry
+    monkeypatch.setattr(kit, "kit_hash", lambda: "f" * 16)  # this checkout's kit, changed since
+    fresh = KernelLibrary(library.root)
+    with pytest.warns(UserWarning, match=f"{entry.kernel_id} refused: built against kit {entry.kit_hash}"):
+        assert fresh.best(OP, "interpreter", "fp32", "d64-long") is None
+    listed = CliRunner().invoke(app, ["library", "list", "--library", str(library.root)])
+    why = f"refused: {entry.kernel_id} (fp32, interpreter): built against kit"
+    assert why in listed.output, listed.output
+    [row], _ = verify_library(fresh, QuickBackend(), "interpreter")
+    assert row.outcome == "kept", row.detail
+    again = KernelLibrary(library.root)
+    assert again.entries()[0].kit_hash == "f" * 16
+    assert again.best(OP, "interpreter", "fp32", "d64-long") == again.entries()[0]

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kernels import attention as attn
 from kernels import ops
+from kernels.kit import attention as kit
 from kernels.registry import DISPATCHER
 from sandbox.protocol import compare
 from search_space import attention as reference
@@ -178,7 +179,7 @@ def test_jagged_attention_bf16(activation: str, causal: bool, device: torch.devi
 def _jagged_launchers(options: dict, **launch) -> Callable[..., torch.Tensor]:
     """The forward and backward launchers called directly (not through the ops), with `launch`
     options: block_m and block_n (the forward's and dQ's tiles; the dK/dV kernel gets them the
-    other way round), schedule."""
+    other way round)."""
     block_m, block_n = launch.pop("block_m", None), launch.pop("block_n", None)
 
     class Launchers(torch.autograd.Function):
@@ -263,11 +264,11 @@ def test_softmax_rescale_with_growing_scores(causal: bool, sign: int, device: to
 
 def test_silu_form_defaults() -> None:
     cpu, bf16 = torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)
-    assert attn._silu_form(bf16, "silu", None) == "tanh"
-    assert attn._silu_form(cpu, "silu", None) == "sigmoid"
-    assert attn._silu_form(cpu, "silu", True) == "tanh"
-    assert attn._silu_form(bf16, "silu", False) == "sigmoid"
-    assert attn._silu_form(bf16, "gelu", True) == "sigmoid"
+    assert kit._silu_form(bf16, "silu", None) == "tanh"
+    assert kit._silu_form(cpu, "silu", None) == "sigmoid"
+    assert kit._silu_form(cpu, "silu", True) == "tanh"
+    assert kit._silu_form(bf16, "silu", False) == "sigmoid"
+    assert kit._silu_form(bf16, "gelu", True) == "sigmoid"
 
 
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (64, 16)], ids=lambda b: f"{b[0]}x{b[1]}")
@@ -303,53 +304,21 @@ def test_shifted_last_key_tile_with_tile_shapes(blocks: tuple[int, int], causal:
     assert_close(out, want, "fp32", f"shifted last tile, {block_m} x {block_n}, causal={causal}")
 
 
-@pytest.mark.parametrize(
-    "schedule, causal", [("grid", True), ("longest_first", False)], ids=["grid-causal", "longest-first-full"]
-)
-def test_jagged_attention_far_bias_and_schedules(schedule: str, causal: bool, device: torch.device) -> None:
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_jagged_attention_far_bias(causal: bool, device: torch.device) -> None:
     """Tiles far from the diagonal take the bias of at most two buckets without a per-score
     bucket (forward and bias gradient, below and, without the causal mask, above the diagonal);
-    32 buckets over 100 positions put such tiles on both sides of bucket edges (48, 64, 96). Each
-    schedule once: the longest-first work list and the plain grid."""
+    32 buckets over 100 positions put such tiles on both sides of bucket edges (48, 64, 96)."""
     lengths, targets = [61, 100, 0, 17], [2, 5, 0, 1]
     inputs = _jagged_inputs(device, lengths=lengths, targets=targets, bias=True, num_buckets=32)
     options = {"max_seq_len": 100, "activation": "softmax", "causal": causal}
     check_against_reference(
-        _jagged_launchers(options, schedule=schedule),
+        _jagged_launchers(options),
         _jagged(reference.jagged_attention_reference, **options),
         inputs,
         "fp32",
-        f"jagged_attention, 32 buckets, schedule {schedule}",
+        f"jagged_attention, 32 buckets, causal={causal}",
     )
-
-
-@pytest.mark.parametrize("reverse", [False, True], ids=["first-block-first", "last-block-first"])
-def test_work_list_covers_every_block_once_longest_first(reverse: bool, device: torch.device) -> None:
-    lengths = torch.tensor([5, 0, 40, 17, 16, 1, 33], device=device)
-    block = 16
-    work, items = attn._work_list(lengths, lengths * lengths, block, 40, int(lengths.sum()), reverse)
-    pairs = [tuple(p) for p in work.tolist()]
-    assert len(pairs) == items
-    real = [p for p in pairs if p[0] >= 0]
-    want = {(s, b) for s, n in enumerate(lengths.tolist()) for b in range(-(-n // block))}
-    assert sorted(real) == sorted(want), "every (sequence, block) pair exactly once"
-    assert pairs[: len(real)] == real, "spare items only at the end"
-    seqs = list(dict.fromkeys(s for s, _ in real))
-    assert seqs == [2, 6, 3, 4, 0, 5], "sequences by work, most first"
-    blocks_of_longest = [b for s, b in real if s == 2]
-    assert blocks_of_longest == ([2, 1, 0] if reverse else [0, 1, 2])
-
-
-@pytest.mark.parametrize("descending", [False, True], ids=["ascending", "descending"])
-@pytest.mark.parametrize("n", [0, 1, 65, 300, 1100])  # 1100: compared in two chunks
-def test_stable_argsort_matches_torch(n: int, descending: bool, device: torch.device) -> None:
-    # Few distinct keys, so most have ties that only a stable sort orders by index.
-    gen = torch.Generator(device=device).manual_seed(n)
-    keys = torch.randint(-3, 9, (n,), generator=gen, device=device)
-    got = attn._stable_argsort(keys, descending=descending)
-    want = torch.argsort(keys, descending=descending, stable=True)
-    assert got.dtype == torch.int64
-    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("path", ["ranks", "torch"])
@@ -357,13 +326,13 @@ def test_stable_argsort_matches_torch(n: int, descending: bool, device: torch.de
 def test_group_by_request(path: str, index_dtype: torch.dtype, device: torch.device, monkeypatch) -> None:
     # 40 candidates over 7 requests, two of them without candidates, out of order.
     if path == "torch":  # the fallback for more candidates than the rank sort takes
-        monkeypatch.setattr(attn, "RANK_SORT_MAX", 0)
+        monkeypatch.setattr(kit, "RANK_SORT_MAX", 0)
     gen = torch.Generator(device=device).manual_seed(3)
     requests = torch.tensor([0, 2, 3, 5, 6], device=device)[
         torch.randint(0, 5, (40,), generator=gen, device=device)
     ]
     seeds = 3
-    q_offsets, order = attn._group_by_request(requests.to(index_dtype), 7, seeds)
+    q_offsets, order = kit._group_by_request(requests.to(index_dtype), 7, seeds)
     assert torch.equal(order, torch.argsort(requests, stable=True))
     counts = torch.bincount(requests, minlength=7)
     assert q_offsets.tolist() == [0, *torch.cumsum(counts * seeds, 0).tolist()]
@@ -442,7 +411,7 @@ def test_gdpa_with_bounds(
     def synced(*args):
         raise AssertionError("gdpa with bounds measured the sequences on the host")
 
-    monkeypatch.setattr(attn, "_cross_lengths", synced)
+    monkeypatch.setattr(kit, "_cross_lengths", synced)
     inputs = _gdpa_inputs(device, broadcast_q=broadcast_q)
     bounds = {"max_kv_len": max(KV_LENGTHS) + slack}
     if not broadcast_q:
@@ -662,13 +631,13 @@ def _bucket_kernel(
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     dist = tl.load(dist_ptr + offs, mask=offs < n, other=0)
-    tl.store(out_ptr + offs, attn._relative_bucket(dist, NUM_BUCKETS, LOG2_EXACT), mask=offs < n)
+    tl.store(out_ptr + offs, kit._relative_bucket(dist, NUM_BUCKETS, LOG2_EXACT), mask=offs < n)
 
 
 @triton.jit
 def _bucket_start_kernel(out_ptr, NUM_BUCKETS: tl.constexpr, LOG2_EXACT: tl.constexpr):
     buckets = tl.arange(0, NUM_BUCKETS)
-    tl.store(out_ptr + buckets, attn._bucket_start(buckets, NUM_BUCKETS, LOG2_EXACT))
+    tl.store(out_ptr + buckets, kit._bucket_start(buckets, NUM_BUCKETS, LOG2_EXACT))
 
 
 @pytest.mark.parametrize("num_buckets", [2, 8, 64])
@@ -1083,7 +1052,7 @@ def test_target_attention_with_bounds_never_syncs_and_replays_in_a_cuda_graph(
     replays from a CUDA graph; with the one-launch grouping and with the torch ops used beyond
     RANK_SORT_MAX candidates."""
     if grouping == "torch":
-        monkeypatch.setattr(attn, "RANK_SORT_MAX", 0)
+        monkeypatch.setattr(kit, "RANK_SORT_MAX", 0)
     gen = torch.Generator().manual_seed(3)
     kv_lengths = _realistic_lengths(gen, 8, 1024)
     requests = torch.randint(0, 8, (64,), generator=gen).tolist()

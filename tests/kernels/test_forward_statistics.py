@@ -81,21 +81,21 @@ def _train(op: str, shape: Shape, device: torch.device, monkeypatch: pytest.Monk
     reference's. A registered template is a copy of the library, launching its own."""
     inputs = get_problem(f"{op}_grad").make_inputs(shape, 5, device)
     grad_out, *args = inputs.args
-    launch_forward = attention._launch_forward
+    launch_forward = attention.launch_forward
     runs = []
 
     def counted(*a, **kw):
         runs.append(kw["return_lse"])
         return launch_forward(*a, **kw)
 
-    monkeypatch.setattr(attention, "_launch_forward", counted)
+    monkeypatch.setattr(attention, "launch_forward", counted)
     leaves = [t.clone().requires_grad_() for t in args[:3]]
     kwargs = dict(inputs.kwargs)
     if kwargs.get("rel_bias") is not None:
         kwargs["rel_bias"] = kwargs["rel_bias"].clone().requires_grad_()
         leaves.append(kwargs["rel_bias"])
     getattr(ops, op)(*leaves[:3], *args[3:], **kwargs).backward(grad_out)
-    monkeypatch.setattr(attention, "_launch_forward", launch_forward)
+    monkeypatch.setattr(attention, "launch_forward", launch_forward)
     problem = get_problem(f"{op}_grad")
     want = problem.reference(*inputs.args, **inputs.kwargs)
     tol, scale = problem.tolerance("fp32"), problem.tolerance_scale(inputs)

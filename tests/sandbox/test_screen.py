@@ -100,8 +100,8 @@ def test_every_default_template_passes_with_its_problem_rules(name: str) -> None
     [
         ("kernels/embedding_bag.py", "embedding_bag_forward", "embedding_bag"),
         ("kernels/embedding_bag.py", "embedding_bag_backward", "embedding_bag_backward"),
-        ("kernels/attention.py", "jagged_attention_forward", "jagged_attention"),
-        ("kernels/attention.py", "target_attention_backward", "target_attention_grad"),
+        ("kernels/kit/attention_forward.py", "launch_forward", "jagged_attention"),
+        ("kernels/attention/backward.py", "launch_backward", "target_attention_grad"),
         *[
             (f"kernels/library/{e.source_file}", e.entry, e.op)
             for e in KernelLibrary(REPO / "kernels/library").entries()
@@ -173,7 +173,7 @@ def test_honest_candidate_passes() -> None:
         ("x = torch.ctypes.CDLL(None)", "torch.ctypes is not allowed"),
         ("x = torch.builtins.open('/etc/passwd')", "torch.builtins is not allowed"),
         ("x = torch._ops.ops.aten.add(weight, weight)", "torch._ops is not allowed"),
-        ("x = triton.runtime.cache.os.system('id')", "triton.runtime.cache is not allowed"),
+        ("x = triton.runtime.cache.os.system('id')", "triton.runtime is not allowed"),
         ("x = triton.testing.subprocess.run(['id'])", "triton.testing is not allowed"),
         ("x = tl.core.builtins", "triton.language.core is not allowed"),
         ("x = triton.language.extra.modules", "triton.language.extra.modules"),
@@ -185,6 +185,33 @@ def test_honest_candidate_passes() -> None:
 def test_forbidden_modules_through_allowed_ones_are_rejected(body: str, detail: str) -> None:
     _assert_rejected(_with_body(body), ["modules"])
     assert detail in str(screen(_with_body(body), ENTRY, FORBIDDEN)[0])
+
+
+def test_the_kit_is_importable_by_name_and_nothing_else_of_the_library() -> None:
+    """Rule kit: names a kit module lists in __all__, imported by name; through them nothing
+    of the module (its own imports, its caches) or of the rest of the library is reachable."""
+    header = "from kernels.kit.attention import _dot, _sequence, jagged_attention_forward"
+    assert screen(_with_header(header), ENTRY) == []
+    # A kit function may be passed (a launch function handed to a launcher), as no other
+    # allowed function may.
+    assert screen(_with_header(header) + "\nx = _sequence\n", ENTRY) == []
+    for line in [
+        "import kernels.kit.attention",
+        "from kernels.kit.attention import torch",  # the module's own import
+        "from kernels.kit.attention import _CAPABILITY_MAJOR",  # not in __all__
+        "from kernels.kit import kit_hash",
+        "from kernels import registry",
+        "from kernels.attention import backward",
+    ]:
+        assert _rules(_with_header(line))[:1] == ["imports"], line
+    for body, detail in [
+        ("x = _dot.fn", "use of .fn"),
+        ("x = attention.torch.os", "kernels.kit.attention.torch.os"),
+        ("x = attention", "is a module, used as a value"),
+    ]:
+        imports = "from kernels.kit import attention\nfrom kernels.kit.attention import _dot\n"
+        source = imports + _with_body(body)
+        assert detail in " ".join(str(v) for v in screen(source, ENTRY, FORBIDDEN)), body
 
 
 def test_torch_ops_through_torch_internals_are_the_ops_fallback() -> None:
@@ -545,7 +572,7 @@ def test_inline_asm_imported_by_name_is_inline_asm() -> None:
 
 
 def test_the_vetted_tanh_instruction_is_allowed_as_a_literal() -> None:
-    """kernels/attention.py's fast silu: one MUFU tanh, pure arithmetic."""
+    """The attention kernels' fast silu (kernels/kit/attention.py): one MUFU tanh, pure arithmetic."""
     line = (
         "x = tl.inline_asm_elementwise('tanh.approx.f32 $0, $1;', '=f,f', [offs], dtype=tl.float32, pack=1)"
     )

@@ -81,7 +81,7 @@ def test_library_backward_passes_every_check_shape(
 def test_a_broken_backward_is_wrong(tmp_path: Path, device: torch.device) -> None:
     problem, template = get_problem("target_attention_grad"), get_template("target_attention_grad")
     source = template.render(template.defaults())
-    broken = source.replace("**options, **tiles\n    )", "**options, **tiles\n    )[::-1]")
+    broken = source.replace("launch=launch_backward\n    )", "launch=launch_backward\n    )[::-1]")
     assert broken != source  # (dv, dk, dq): shapes match, values do not
     fn = _load(broken, problem.entry, tmp_path)
     shape = next(s for s in problem.check_shapes if s.dtype == "fp32" and "long" in s.name)

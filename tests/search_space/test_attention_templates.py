@@ -112,3 +112,21 @@ def test_sandbox_checks_the_statistics_a_forward_returns(tmp_path) -> None:
     result = LocalBackend(scratch_root=tmp_path).evaluate(candidate, timing=False, trials=1)
     assert result.status == Status.WRONG, result.message
     assert "output 1:" in result.message and "with_lse=True" in result.message
+
+
+def test_every_starting_source_fits_the_prompts_bound() -> None:
+    """What a proposal starts from (each problem's template, rendered) is at most
+    PROMPT_SOURCE_BOUND characters: the attention candidates hold their forward or backward
+    kernels and import the rest from the kit."""
+    from search_space import problem_names
+    from search_space.template import PROMPT_SOURCE_BOUND, get_template
+
+    sizes = {}
+    for name in problem_names():
+        try:
+            template = get_template(name)
+        except ValueError:  # a problem searched by proposals alone
+            continue
+        sizes[name] = len(template.render(template.defaults()))
+    assert {"jagged_attention", "jagged_attention_grad", "gdpa", "target_attention_grad"} <= set(sizes)
+    assert max(sizes.values()) <= PROMPT_SOURCE_BOUND, sizes

@@ -1,5 +1,8 @@
-"""The attention family (jagged self-attention, GDPA, target attention): the library's hand-written
-default kernels, forward and backward.
+"""The attention families' shared core (jagged self-attention, GDPA, target attention): the device
+helpers their kernels call, launch configuration, input checks, host-side layout and the public
+launchers, which take the forward's or backward's launch function (`launch=`). The kernels
+themselves are kernels/kit/attention_forward.py and kernels/attention/backward.py, each a
+candidate's starting point.
 
 One forward kernel and one backward (a dK/dV kernel and a dQ kernel, plus a small kernel for the
 softmax row terms) serve all three ops; constexpr flags select the mask, the bias and the
@@ -45,13 +48,12 @@ Algorithm (FlashAttention-2 structure, on jagged offsets):
 - d rel_bias per tile: bucket(|i - j|) depends only on the diagonal i - j, so each ds tile is
   first skewed (tl.gather: row c rotated by c) so that diagonals become columns, summed into at
   most BLOCK_M + BLOCK_N - 1 diagonal sums, and only those are binned into the buckets.
-- Schedule (`schedule`): "grid" (the default) launches a program per (sequence, block of the
-  longest sequence, head), heads varying fastest and a sequence's query blocks in reverse so that
-  the heaviest (last, for causal) block starts first; programs past a sequence's end return at
-  once. "longest_first" launches only real blocks, from a work list built on the device (no host
-  sync), sequences of most work first; on an H200 it did not win (BENCHMARKS.md), since the empty
-  programs cost less than the list's set-up and its two loads per program. The dK/dV kernel
-  takes key blocks in natural order (under a causal mask the first see the most queries).
+- Grid: a program per (sequence, block of the longest sequence, head), heads varying fastest and
+  a sequence's query blocks in reverse so that the heaviest (last, for causal) block starts
+  first; programs past a sequence's end return at once. The dK/dV kernel takes key blocks in
+  natural order (under a causal mask the first see the most queries). A work list of real
+  blocks only, longest sequences first, lost to this grid on an H200 (BENCHMARKS.md,
+  2026-11-30) and is gone.
 - Relative bias: a tile more than a few hundred positions off the diagonal meets at most two
   buckets, so its bias is one compare per score between two loaded values and its bias gradient
   two tile sums; only the tiles near the diagonal bucket and gather per score.
@@ -72,11 +74,87 @@ for the p @ v product. Shape suffixes: M query rows, N key rows, D head dim, B b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+# What candidates may import (sandbox.screen): every helper and launcher of this module.
+__all__ = [
+    "ACTIVATIONS",
+    "INTERPRETED_BF16",
+    "LOG2E",
+    "LaunchBackward",
+    "LaunchForward",
+    "RANK_BLOCK",
+    "RANK_SORT_MAX",
+    "SUPPORTED_DTYPES",
+    "_activation",
+    "_activation_and_grad",
+    "_activation_grad",
+    "_allowed",
+    "_backward_config",
+    "_bias_args",
+    "_bias_split",
+    "_bounds",
+    "_bucket_start",
+    "_bucket_sums",
+    "_capability_major",
+    "_check_activation",
+    "_check_bounds",
+    "_check_gdpa_bounds",
+    "_check_int_bounds",
+    "_check_offsets",
+    "_check_qkv",
+    "_check_row_offsets",
+    "_configs",
+    "_cross_lengths",
+    "_default_scale",
+    "_dense",
+    "_dot",
+    "_dot_precision",
+    "_forward_config",
+    "_fp32_bias",
+    "_gdpa_layout",
+    "_group_by_request",
+    "_host_values",
+    "_key_ranges",
+    "_kv_descriptors",
+    "_load_rows",
+    "_or_empty",
+    "_query_ranges",
+    "_rank_chunk",
+    "_regroup_rows",
+    "_regroup_rows_kernel",
+    "_rel_bias",
+    "_relative_bucket",
+    "_request_groups",
+    "_request_groups_kernel",
+    "_row_ptrs",
+    "_score_scales",
+    "_sequence",
+    "_silu_form",
+    "_silu_tanh_grad",
+    "_stable_ranks",
+    "_tanh",
+    "_tile_bias",
+    "_tma_default",
+    "_tma_problem",
+    "_unit_last",
+    "_with_overrides",
+    "_work_item",
+    "check_gdpa",
+    "check_jagged_attention",
+    "check_target_attention",
+    "gdpa_backward",
+    "gdpa_forward",
+    "jagged_attention_backward",
+    "jagged_attention_forward",
+    "target_attention_backward",
+    "target_attention_forward",
+]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,6 +164,11 @@ ACTIVATIONS = {
     "target_attention": ("softmax", "silu"),
 }
 
+
+# What the public launchers call to run the kernels: forward.launch_forward and
+# backward.launch_backward, or a candidate's own.
+LaunchForward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+LaunchBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
 
 # --- device helpers ---------------------------------------------------------------------------
 
@@ -431,66 +514,18 @@ def _tile_bias(
 
 
 @triton.jit
-def _work_item(
-    work_ptr,
-    num_heads,
-    num_blocks,
-    REVERSE: tl.constexpr,
-    WORK_LIST: tl.constexpr,
-):
-    """(sequence, block, head) of this program; sequence -1 for a work list's spare programs.
-    Heads vary fastest, so every head of a block starts together. With WORK_LIST, the items
-    come from _schedule_kernel (longest sequences first, no empty programs); else every
-    (sequence, block) pair of the grid, blocks of a sequence together (REVERSE: last first)."""
+def _work_item(num_heads, num_blocks, REVERSE: tl.constexpr):
+    """(sequence, block, head) of this program in the grid over every (sequence, block of the
+    longest sequence) pair and head. Heads vary fastest, so every head of a block starts together;
+    blocks of a sequence are together (REVERSE: last first)."""
     pid = tl.program_id(0)
     head = (pid % num_heads).to(tl.int64)
     item = pid // num_heads
-    if WORK_LIST:
-        seq = tl.load(work_ptr + 2 * item)
-        block = tl.load(work_ptr + 2 * item + 1)
-    else:
-        seq = item // num_blocks
-        block = item % num_blocks
-        if REVERSE:
-            block = num_blocks - 1 - block
-    return seq, block, head
-
-
-@triton.jit
-def _schedule_kernel(
-    cum_blocks_ptr,
-    order_ptr,
-    sorted_blocks_ptr,
-    work_ptr,
-    num_seqs,
-    num_items,
-    REVERSE: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    # Item p belongs to the sequence of rank r = #{r : cum_blocks[r] <= p} (a binary search over
-    # the inclusive running sum of blocks, sequences in schedule order); items past the last
-    # block get sequence -1.
-    items = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    lo = tl.zeros([BLOCK], dtype=tl.int32)
-    hi = tl.full([BLOCK], 0, tl.int32) + num_seqs
-    for _ in tl.static_range(SEARCH_STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        cum = tl.load(cum_blocks_ptr + mid, mask=active, other=0)
-        lo = tl.where(active & (cum <= items), mid + 1, lo)
-        hi = tl.where(active & (cum > items), mid, hi)
-    valid = lo < num_seqs
-    rank = tl.minimum(lo, num_seqs - 1)
-    blocks = tl.load(sorted_blocks_ptr + rank)
-    within = items - (tl.load(cum_blocks_ptr + rank) - blocks)
-    block = within
+    seq = item // num_blocks
+    block = item % num_blocks
     if REVERSE:
-        block = blocks - 1 - within
-    seq = tl.where(valid, tl.load(order_ptr + rank), -1)
-    in_range = items < num_items
-    tl.store(work_ptr + 2 * items, seq.to(tl.int32), mask=in_range)
-    tl.store(work_ptr + 2 * items + 1, tl.where(valid, block, 0).to(tl.int32), mask=in_range)
+        block = num_blocks - 1 - block
+    return seq, block, head
 
 
 @triton.jit
@@ -507,15 +542,6 @@ def _stable_ranks(keys_ptr, offs, n, DESCENDING: tl.constexpr, CHUNK: tl.constex
         before |= (other[None, :] == key[:, None]) & (others[None, :] < offs[:, None])
         rank += tl.sum((before & (others < n)[None, :]).to(tl.int32), axis=1)
     return rank
-
-
-@triton.jit
-def _stable_rank_kernel(
-    keys_ptr, order_ptr, n, DESCENDING: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    rank = _stable_ranks(keys_ptr, offs, n, DESCENDING, CHUNK)
-    tl.store(order_ptr + rank, offs.to(tl.int64), mask=offs < n)
 
 
 @triton.jit
@@ -576,750 +602,6 @@ def _regroup_rows_kernel(
     else:
         x = tl.load(src_ptr + head * stride_src_head + r * stride_src_row, mask=ok)
         tl.store(dst_ptr + head * stride_dst_head + own, x, mask=ok)
-
-
-# --- forward ----------------------------------------------------------------------------------
-
-
-@triton.jit
-def _fresh(pos_q, pos_k, tile_start, CAUSAL: tl.constexpr):
-    """[M, N] keys of a shifted key tile that the tile before did not cover (those from
-    tile_start on), and with CAUSAL only those at or before the query."""
-    ok = pos_k >= tile_start
-    if CAUSAL:
-        ok = ok & (pos_k <= pos_q)
-    return ok
-
-
-@triton.jit
-def _fwd_inner(
-    acc_MD,
-    m_M,
-    l_M,
-    q_MD,
-    k_seq_ptr,
-    v_seq_ptr,
-    k_desc,
-    v_desc,
-    kv_row0,
-    head_col,
-    bias_head_ptr,
-    stride_k_row,
-    stride_v_row,
-    m0,
-    lo,
-    hi,
-    mask_from,
-    n_q,
-    n_k,
-    n_hist,
-    qk_scale,
-    bias_scale,
-    ACTIVATION: tl.constexpr,
-    SILU: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_TARGETS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SELF_ATTN: tl.constexpr,
-    MASKED: tl.constexpr,
-    NUM_BUCKETS: tl.constexpr,
-    LOG2_EXACT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
-    SHIFT_LAST: tl.constexpr,
-):
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for tile_start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        start_n = tile_start
-        if SHIFT_LAST:
-            # (n_k >= BLOCK_N, no targets) The last tile ends at the last key instead of reading
-            # past it; its keys before tile_start, done by the tile before, are masked out below
-            # with the causal mask, in the tiles from mask_from on. So neither the sequence's
-            # ragged end nor the causal diagonal needs a masked loop after the pipelined one.
-            start_n = tl.minimum(tile_start, n_k - BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        if USE_TMA:
-            # Tensor-memory-accelerator copies of [BLOCK_N, HEAD_DIM] boxes of the [rows, H * D]
-            # views: no address arithmetic in registers. Rows past the sequence are the next
-            # sequence's (zeros past the last row); their scores are masked below, and their
-            # values zeroed, since p = 0 times a non-finite value would not be 0.
-            k_ND = k_desc.load([kv_row0 + start_n, head_col])
-            v_ND = v_desc.load([kv_row0 + start_n, head_col])
-            if MASKED:
-                v_ND = tl.where((offs_n < n_k)[:, None], v_ND, 0.0)
-        elif MASKED:
-            in_N = offs_n < n_k
-            k_ND = tl.load(
-                k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :], mask=in_N[:, None], other=0.0
-            )
-            v_ND = tl.load(
-                v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :], mask=in_N[:, None], other=0.0
-            )
-        else:
-            k_ND = tl.load(k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :])
-            v_ND = tl.load(v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :])
-        s_MN = _dot(q_MD, tl.trans(k_ND), None, DOT_PRECISION)
-        if not FOLD_SCALE:
-            s_MN = s_MN * qk_scale
-        if HAS_BIAS:
-            bias_MN = _tile_bias(
-                bias_head_ptr,
-                offs_m[:, None],
-                offs_n[None, :],
-                m0,
-                start_n,
-                NUM_BUCKETS,
-                LOG2_EXACT,
-                BLOCK_M,
-                BLOCK_N,
-            )
-            s_MN += bias_MN * bias_scale
-        if MASKED:
-            allowed_MN = _allowed(
-                offs_m[:, None], offs_n[None, :], n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN
-            )
-        if ACTIVATION == "softmax":
-            if MASKED:
-                s_MN = tl.where(allowed_MN, s_MN, float("-inf"))
-            if SHIFT_LAST:  # noqa: SIM102 (a compile-time test, then a branch in the kernel)
-                if tile_start >= mask_from:  # the last tiles (a uniform branch)
-                    fresh_MN = _fresh(offs_m[:, None], offs_n[None, :], tile_start, CAUSAL and SELF_ATTN)
-                    s_MN = tl.where(fresh_MN, s_MN, float("-inf"))
-            # With FOLD_SCALE (qk_scale > 0, no bias) s is still unscaled: the row max scales
-            # after the reduction, and s where it is exponentiated, in one multiply-add.
-            m_tile_M = tl.max(s_MN, axis=1)
-            if FOLD_SCALE:
-                m_tile_M = m_tile_M * qk_scale
-            m_new_M = tl.maximum(m_M, m_tile_M)
-            m_use_M = m_new_M
-            if MASKED:
-                # A row with nothing allowed yet keeps m = -inf; exponentiate against 0 instead
-                # so that it adds exact zeros rather than NaN.
-                m_use_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-            alpha_M = tl.exp2(m_M - m_use_M)
-            acc_MD = acc_MD * alpha_M[:, None]
-            l_M = l_M * alpha_M
-            m_M = m_new_M
-            if FOLD_SCALE:
-                p_MN = tl.exp2(s_MN * qk_scale - m_use_M[:, None])
-            else:
-                p_MN = tl.exp2(s_MN - m_use_M[:, None])
-            l_M += tl.sum(p_MN, axis=1)
-        else:
-            p_MN = _activation(s_MN, ACTIVATION, SILU)
-            if MASKED:
-                p_MN = tl.where(allowed_MN, p_MN, 0.0)
-            if SHIFT_LAST:  # noqa: SIM102
-                if tile_start >= mask_from:
-                    fresh_MN = _fresh(offs_m[:, None], offs_n[None, :], tile_start, CAUSAL and SELF_ATTN)
-                    p_MN = tl.where(fresh_MN, p_MN, 0.0)
-        acc_MD = _dot(p_MN.to(v_ND.dtype), v_ND, acc_MD, DOT_PRECISION)
-    return acc_MD, m_M, l_M
-
-
-@triton.jit
-def _attn_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    k_desc,
-    v_desc,
-    out_ptr,
-    lse_ptr,
-    q_offsets_ptr,
-    kv_offsets_ptr,
-    num_targets_ptr,
-    rel_bias_ptr,
-    row_map_ptr,
-    stride_q_row,
-    stride_q_head,
-    stride_k_row,
-    stride_k_head,
-    stride_v_row,
-    stride_v_head,
-    stride_out_row,
-    stride_out_head,
-    stride_lse_head,
-    stride_bias_head,
-    work_ptr,
-    num_heads,
-    num_q_blocks,
-    qk_scale,
-    bias_scale,
-    act_scale,
-    ACTIVATION: tl.constexpr,
-    SILU: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_TARGETS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SELF_ATTN: tl.constexpr,
-    BROADCAST_Q: tl.constexpr,
-    ROW_MAP: tl.constexpr,
-    ROWS_PER_INDEX: tl.constexpr,
-    STORE_LSE: tl.constexpr,
-    NUM_BUCKETS: tl.constexpr,
-    LOG2_EXACT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    WORK_LIST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
-    SHIFT_LAST: tl.constexpr,
-):
-    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
-    if seq < 0:
-        return
-    out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
-        q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
-    )
-    m0 = block * BLOCK_M
-    if m0 >= n_q:
-        return
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    in_M = offs_m < n_q
-    q_MD = _load_rows(
-        q_ptr + head * stride_q_head, q_start, offs_m, stride_q_row, offs_d, in_M, row_map_ptr,
-        ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-    k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
-    v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
-    kv_row0 = kv_start.to(tl.int32)  # the TMA boxes' coordinates in the [rows, H * D] views
-    head_col = (head * HEAD_DIM).to(tl.int32)
-    bias_head_ptr = rel_bias_ptr + head * stride_bias_head
-
-    acc_MD = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    m_M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_M = tl.zeros([BLOCK_M], dtype=tl.float32)
-    full_end, masked_end, diag_lo, diag_hi = _key_ranges(
-        m0, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N
-    )
-    shifted = False
-    if SHIFT_LAST:  # (no targets; the launcher sees to it)
-        shifted = n_k >= BLOCK_N
-    if shifted:
-        # One pipelined loop over every key tile, the last one shifted back to end at the last
-        # key, the tiles from full_end on (that one, and the causal diagonal) masked.
-        acc_MD, m_M, l_M = _fwd_inner(
-            acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
-            bias_head_ptr, stride_k_row, stride_v_row,
-            m0, 0, masked_end, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-            ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
-            FOLD_SCALE, True,
-        )  # fmt: skip
-    else:
-        # The three ranges are the same loop, specialised: the unmasked one carries no mask.
-        acc_MD, m_M, l_M = _fwd_inner(
-            acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
-            bias_head_ptr, stride_k_row, stride_v_row,
-            m0, 0, full_end, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-            ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, WARP_SPECIALIZE,
-            FOLD_SCALE, False,
-        )  # fmt: skip
-        acc_MD, m_M, l_M = _fwd_inner(
-            acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
-            bias_head_ptr, stride_k_row, stride_v_row,
-            m0, full_end, masked_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-            ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
-            FOLD_SCALE, False,
-        )  # fmt: skip
-        if HAS_TARGETS:
-            acc_MD, m_M, l_M = _fwd_inner(
-                acc_MD, m_M, l_M, q_MD, k_seq_ptr, v_seq_ptr, k_desc, v_desc, kv_row0, head_col,
-                bias_head_ptr, stride_k_row, stride_v_row,
-                m0, diag_lo, diag_hi, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
-                ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-                NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, USE_TMA, False,
-                FOLD_SCALE, False,
-            )  # fmt: skip
-
-    if ACTIVATION == "softmax":
-        # l = 0 only for a query with no keys at all (an empty history): its output is 0.
-        acc_MD = acc_MD / tl.where(l_M > 0.0, l_M, 1.0)[:, None]
-        if STORE_LSE:
-            lse_M = m_M + tl.log2(tl.where(l_M > 0.0, l_M, 1.0))
-            tl.store(lse_ptr + head * stride_lse_head + out_start + offs_m, lse_M, mask=in_M)
-    else:
-        acc_MD = acc_MD * act_scale
-    out_ptrs = _row_ptrs(
-        out_ptr + head * stride_out_head, out_start, offs_m, stride_out_row, offs_d, in_M, row_map_ptr,
-        ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-    tl.store(out_ptrs, acc_MD.to(out_ptr.dtype.element_ty), mask=in_M[:, None])
-
-
-# --- backward ---------------------------------------------------------------------------------
-
-
-@triton.jit
-def _attn_bwd_delta_kernel(
-    out_ptr,
-    do_ptr,
-    delta_ptr,
-    row_map_ptr,
-    stride_out_row,
-    stride_out_head,
-    stride_do_row,
-    stride_do_head,
-    stride_delta_head,
-    num_rows,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    ROW_MAP: tl.constexpr,
-    ROWS_PER_INDEX: tl.constexpr,
-):
-    # delta_i = dO_i . out_i = sum_j p_ij dp_ij: the softmax backward's row term, once per row
-    # instead of once per key tile. Rows are in the grouped order of lse (see _row_ptrs).
-    row0 = tl.program_id(0).to(tl.int64) * BLOCK_M
-    head = tl.program_id(1).to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    in_M = row0 + offs_m < num_rows
-    o_MD = _load_rows(
-        out_ptr + head * stride_out_head, row0, offs_m, stride_out_row, offs_d, in_M, row_map_ptr,
-        ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-    do_MD = _load_rows(
-        do_ptr + head * stride_do_head, row0, offs_m, stride_do_row, offs_d, in_M, row_map_ptr,
-        ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-    delta_M = tl.sum(o_MD.to(tl.float32) * do_MD.to(tl.float32), axis=1)
-    tl.store(delta_ptr + head * stride_delta_head + row0 + offs_m, delta_M, mask=in_M)
-
-
-@triton.jit
-def _bwd_dkdv_inner(
-    dk_ND,
-    dv_ND,
-    dbias_B,
-    k_ND,
-    v_ND,
-    q_head_ptr,
-    do_head_ptr,
-    lse_seq_ptr,
-    delta_seq_ptr,
-    bias_head_ptr,
-    row_map_ptr,
-    q_start,
-    out_start,
-    stride_q_row,
-    stride_do_row,
-    n0,
-    lo,
-    hi,
-    n_q,
-    n_k,
-    n_hist,
-    qk_scale,
-    bias_scale,
-    ACTIVATION: tl.constexpr,
-    SILU: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_TARGETS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SELF_ATTN: tl.constexpr,
-    MASKED: tl.constexpr,
-    NUM_BUCKETS: tl.constexpr,
-    LOG2_EXACT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROW_MAP: tl.constexpr,
-    ROWS_PER_INDEX: tl.constexpr,
-):
-    # Tiles are [keys, queries] (the transpose of the forward's) so that dk and dv accumulate
-    # as (BLOCK_N x BLOCK_M) @ (BLOCK_M x HEAD_DIM) products without transposing p or ds.
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    in_N = offs_n < n_k
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        in_M = offs_m < n_q
-        # Rows past the sequence load as zeros (dO = 0, delta = 0, lse = +inf), which makes
-        # both their p and their ds exactly 0: no pair mask needed for them.
-        q_MD = _load_rows(
-            q_head_ptr, q_start, offs_m, stride_q_row, offs_d, in_M, row_map_ptr, ROW_MAP, ROWS_PER_INDEX
-        )
-        do_MD = _load_rows(
-            do_head_ptr, out_start, offs_m, stride_do_row, offs_d, in_M, row_map_ptr, ROW_MAP, ROWS_PER_INDEX
-        )
-        s_NM = _dot(k_ND, tl.trans(q_MD), None, DOT_PRECISION) * qk_scale
-        if HAS_BIAS:
-            bias_NM = _tile_bias(
-                bias_head_ptr,
-                offs_m[None, :],
-                offs_n[:, None],
-                start_m,
-                n0,
-                NUM_BUCKETS,
-                LOG2_EXACT,
-                BLOCK_M,
-                BLOCK_N,
-            )
-            s_NM += bias_NM * bias_scale
-        dp_NM = _dot(v_ND, tl.trans(do_MD), None, DOT_PRECISION)
-        if ACTIVATION == "softmax":
-            lse_M = tl.load(lse_seq_ptr + offs_m, mask=in_M, other=float("inf"))
-            delta_M = tl.load(delta_seq_ptr + offs_m, mask=in_M, other=0.0)
-            p_NM = tl.exp2(s_NM - lse_M[None, :])
-            ds_NM = p_NM * (dp_NM - delta_M[None, :])
-        else:
-            p_NM, grad_NM = _activation_and_grad(s_NM, ACTIVATION, SILU)
-            ds_NM = dp_NM * grad_NM
-        if MASKED:
-            allowed_NM = _allowed(
-                offs_m[None, :], offs_n[:, None], n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN
-            )
-            # where, not a product: p of a masked pair may overflow to inf.
-            p_NM = tl.where(allowed_NM, p_NM, 0.0)
-            ds_NM = tl.where(allowed_NM, ds_NM, 0.0)
-        elif HAS_BIAS:
-            # Padded keys of the sequence's last block: their dk/dv rows are never stored, but
-            # their ds would land in the bias sums.
-            ds_NM = tl.where(in_N[:, None], ds_NM, 0.0)
-        dv_ND = _dot(p_NM.to(do_MD.dtype), do_MD, dv_ND, DOT_PRECISION)
-        dk_ND = _dot(ds_NM.to(q_MD.dtype), q_MD, dk_ND, DOT_PRECISION)
-        if HAS_BIAS:
-            two, sign, split, b_near, b_far = _bias_split(
-                start_m, n0, NUM_BUCKETS, LOG2_EXACT, BLOCK_M, BLOCK_N
-            )
-            if two:
-                # Two buckets at most: the far one's sum and the rest, no skew.
-                far_sum = tl.sum(
-                    tl.sum(tl.where((offs_m[None, :] - offs_n[:, None]) * sign >= split, ds_NM, 0.0), 1), 0
-                )
-                near_sum = tl.sum(tl.sum(ds_NM, 1), 0) - far_sum
-                buckets_B = tl.arange(0, NUM_BUCKETS)
-                dbias_B += tl.where(buckets_B == b_far, far_sum, 0.0) + tl.where(
-                    buckets_B == b_near, near_sum, 0.0
-                )
-            else:
-                dbias_B += _bucket_sums(ds_NM, start_m - n0, NUM_BUCKETS, LOG2_EXACT, BLOCK_M, BLOCK_N)
-    return dk_ND, dv_ND, dbias_B
-
-
-@triton.jit
-def _attn_bwd_dkdv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    dk_ptr,
-    dv_ptr,
-    dbias_ptr,
-    q_offsets_ptr,
-    kv_offsets_ptr,
-    num_targets_ptr,
-    rel_bias_ptr,
-    row_map_ptr,
-    stride_q_row,
-    stride_q_head,
-    stride_k_row,
-    stride_k_head,
-    stride_v_row,
-    stride_v_head,
-    stride_do_row,
-    stride_do_head,
-    stride_dk_row,
-    stride_dk_head,
-    stride_dv_row,
-    stride_dv_head,
-    stride_lse_head,
-    stride_bias_head,
-    stride_dbias_head,
-    work_ptr,
-    num_heads,
-    num_k_blocks,
-    qk_scale,
-    bias_scale,
-    scale,
-    act_scale,
-    ACTIVATION: tl.constexpr,
-    SILU: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_TARGETS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SELF_ATTN: tl.constexpr,
-    BROADCAST_Q: tl.constexpr,
-    ROW_MAP: tl.constexpr,
-    ROWS_PER_INDEX: tl.constexpr,
-    NUM_BUCKETS: tl.constexpr,
-    LOG2_EXACT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    WORK_LIST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    seq, block, head = _work_item(work_ptr, num_heads, num_k_blocks, False, WORK_LIST)
-    if seq < 0:
-        return
-    item = tl.program_id(0) // num_heads
-    n0 = block * BLOCK_N
-    out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
-        q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
-    )
-    if n0 >= n_k:
-        return
-
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    in_N = offs_n < n_k
-    k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
-    v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
-    k_ND = tl.load(
-        k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :], mask=in_N[:, None], other=0.0
-    )
-    v_ND = tl.load(
-        v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :], mask=in_N[:, None], other=0.0
-    )
-    q_head_ptr = q_ptr + head * stride_q_head
-    do_head_ptr = do_ptr + head * stride_do_head
-    lse_seq_ptr = lse_ptr + head * stride_lse_head + out_start
-    delta_seq_ptr = delta_ptr + head * stride_lse_head + out_start
-    bias_head_ptr = rel_bias_ptr + head * stride_bias_head
-
-    dk_ND = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv_ND = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dbias_B = tl.zeros([NUM_BUCKETS], dtype=tl.float32)
-    lo, mid, hi = _query_ranges(n0, n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N)
-    dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
-        dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_head_ptr, do_head_ptr, lse_seq_ptr, delta_seq_ptr,
-        bias_head_ptr, row_map_ptr, q_start, out_start, stride_q_row, stride_do_row, n0, lo, mid, n_q, n_k,
-        n_hist,
-        qk_scale, bias_scale, ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-    dk_ND, dv_ND, dbias_B = _bwd_dkdv_inner(
-        dk_ND, dv_ND, dbias_B, k_ND, v_ND, q_head_ptr, do_head_ptr, lse_seq_ptr, delta_seq_ptr,
-        bias_head_ptr, row_map_ptr, q_start, out_start, stride_q_row, stride_do_row, n0, mid, hi, n_q, n_k,
-        n_hist,
-        qk_scale, bias_scale, ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N, ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-
-    dk_seq_ptr = dk_ptr + kv_start * stride_dk_row + head * stride_dk_head
-    dv_seq_ptr = dv_ptr + kv_start * stride_dv_row + head * stride_dv_head
-    tl.store(
-        dk_seq_ptr + offs_n[:, None] * stride_dk_row + offs_d[None, :],
-        (dk_ND * (scale * act_scale)).to(dk_ptr.dtype.element_ty),
-        mask=in_N[:, None],
-    )
-    tl.store(
-        dv_seq_ptr + offs_n[:, None] * stride_dv_row + offs_d[None, :],
-        (dv_ND * act_scale).to(dv_ptr.dtype.element_ty),
-        mask=in_N[:, None],
-    )
-    if HAS_BIAS:
-        # One row of partial sums per program, added up by the launcher: deterministic, and no
-        # contention on the few hundred bias entries.
-        buckets_B = tl.arange(0, NUM_BUCKETS)
-        tl.store(dbias_ptr + head * stride_dbias_head + item * NUM_BUCKETS + buckets_B, dbias_B * act_scale)
-
-
-@triton.jit
-def _bwd_dq_inner(
-    dq_MD,
-    q_MD,
-    do_MD,
-    lse_M,
-    delta_M,
-    k_seq_ptr,
-    v_seq_ptr,
-    bias_head_ptr,
-    stride_k_row,
-    stride_v_row,
-    m0,
-    lo,
-    hi,
-    n_q,
-    n_k,
-    n_hist,
-    qk_scale,
-    bias_scale,
-    ACTIVATION: tl.constexpr,
-    SILU: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_TARGETS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SELF_ATTN: tl.constexpr,
-    MASKED: tl.constexpr,
-    NUM_BUCKETS: tl.constexpr,
-    LOG2_EXACT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        if MASKED:
-            in_N = offs_n < n_k
-            k_ND = tl.load(
-                k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :], mask=in_N[:, None], other=0.0
-            )
-            v_ND = tl.load(
-                v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :], mask=in_N[:, None], other=0.0
-            )
-        else:
-            k_ND = tl.load(k_seq_ptr + offs_n[:, None] * stride_k_row + offs_d[None, :])
-            v_ND = tl.load(v_seq_ptr + offs_n[:, None] * stride_v_row + offs_d[None, :])
-        s_MN = _dot(q_MD, tl.trans(k_ND), None, DOT_PRECISION) * qk_scale
-        if HAS_BIAS:
-            bias_MN = _tile_bias(
-                bias_head_ptr,
-                offs_m[:, None],
-                offs_n[None, :],
-                m0,
-                start_n,
-                NUM_BUCKETS,
-                LOG2_EXACT,
-                BLOCK_M,
-                BLOCK_N,
-            )
-            s_MN += bias_MN * bias_scale
-        dp_MN = _dot(do_MD, tl.trans(v_ND), None, DOT_PRECISION)
-        if ACTIVATION == "softmax":
-            ds_MN = tl.exp2(s_MN - lse_M[:, None]) * (dp_MN - delta_M[:, None])
-        else:
-            ds_MN = dp_MN * _activation_grad(s_MN, ACTIVATION, SILU)
-        if MASKED:
-            allowed_MN = _allowed(
-                offs_m[:, None], offs_n[None, :], n_q, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN
-            )
-            ds_MN = tl.where(allowed_MN, ds_MN, 0.0)
-        dq_MD = _dot(ds_MN.to(k_ND.dtype), k_ND, dq_MD, DOT_PRECISION)
-    return dq_MD
-
-
-@triton.jit
-def _attn_bwd_dq_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    dq_ptr,
-    q_offsets_ptr,
-    kv_offsets_ptr,
-    num_targets_ptr,
-    rel_bias_ptr,
-    row_map_ptr,
-    stride_q_row,
-    stride_q_head,
-    stride_k_row,
-    stride_k_head,
-    stride_v_row,
-    stride_v_head,
-    stride_do_row,
-    stride_do_head,
-    stride_dq_row,
-    stride_dq_head,
-    stride_lse_head,
-    stride_bias_head,
-    work_ptr,
-    num_heads,
-    num_q_blocks,
-    qk_scale,
-    bias_scale,
-    scale,
-    act_scale,
-    ACTIVATION: tl.constexpr,
-    SILU: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_TARGETS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SELF_ATTN: tl.constexpr,
-    BROADCAST_Q: tl.constexpr,
-    ROW_MAP: tl.constexpr,
-    ROWS_PER_INDEX: tl.constexpr,
-    NUM_BUCKETS: tl.constexpr,
-    LOG2_EXACT: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    WORK_LIST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # dq goes to the out rows: with BROADCAST_Q that is one partial dq per sequence, summed by
-    # the launcher.
-    seq, block, head = _work_item(work_ptr, num_heads, num_q_blocks, True, WORK_LIST)
-    if seq < 0:
-        return
-    out_start, q_start, kv_start, n_q, n_k, n_hist = _sequence(
-        q_offsets_ptr, kv_offsets_ptr, num_targets_ptr, seq, SELF_ATTN, HAS_TARGETS, BROADCAST_Q
-    )
-    m0 = block * BLOCK_M
-    if m0 >= n_q:
-        return
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    in_M = offs_m < n_q
-    q_MD = _load_rows(
-        q_ptr + head * stride_q_head, q_start, offs_m, stride_q_row, offs_d, in_M, row_map_ptr,
-        ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-    do_MD = _load_rows(
-        do_ptr + head * stride_do_head, out_start, offs_m, stride_do_row, offs_d, in_M, row_map_ptr,
-        ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-    lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
-    delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ACTIVATION == "softmax":
-        lse_M = tl.load(lse_ptr + head * stride_lse_head + out_start + offs_m, mask=in_M, other=float("inf"))
-        delta_M = tl.load(delta_ptr + head * stride_lse_head + out_start + offs_m, mask=in_M, other=0.0)
-    k_seq_ptr = k_ptr + kv_start * stride_k_row + head * stride_k_head
-    v_seq_ptr = v_ptr + kv_start * stride_v_row + head * stride_v_head
-    bias_head_ptr = rel_bias_ptr + head * stride_bias_head
-
-    dq_MD = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    full_end, masked_end, diag_lo, diag_hi = _key_ranges(
-        m0, n_k, n_hist, CAUSAL, HAS_TARGETS, SELF_ATTN, BLOCK_M, BLOCK_N
-    )
-    dq_MD = _bwd_dq_inner(
-        dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
-        stride_v_row, m0, 0, full_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-        ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, False,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-    dq_MD = _bwd_dq_inner(
-        dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
-        stride_v_row, m0, full_end, masked_end, n_q, n_k, n_hist, qk_scale, bias_scale,
-        ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-        NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
-    if HAS_TARGETS:
-        dq_MD = _bwd_dq_inner(
-            dq_MD, q_MD, do_MD, lse_M, delta_M, k_seq_ptr, v_seq_ptr, bias_head_ptr, stride_k_row,
-            stride_v_row, m0, diag_lo, diag_hi, n_q, n_k, n_hist, qk_scale, bias_scale,
-            ACTIVATION, SILU, CAUSAL, HAS_TARGETS, HAS_BIAS, SELF_ATTN, True,
-            NUM_BUCKETS, LOG2_EXACT, HEAD_DIM, DOT_PRECISION, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
-    dq_ptrs = _row_ptrs(
-        dq_ptr + head * stride_dq_head, out_start, offs_m, stride_dq_row, offs_d, in_M, row_map_ptr,
-        ROW_MAP, ROWS_PER_INDEX,
-    )  # fmt: skip
-    tl.store(dq_ptrs, (dq_MD * (scale * act_scale)).to(dq_ptr.dtype.element_ty), mask=in_M[:, None])
 
 
 # --- launch configuration ---------------------------------------------------------------------
@@ -1708,20 +990,6 @@ def _rank_chunk(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 16)), 1024)
 
 
-def _stable_argsort(keys: torch.Tensor, descending: bool = False) -> torch.Tensor:
-    """torch.argsort(keys, stable=True, descending=descending) as int64 indices, for the short
-    1-d integer keys of the launch set-up (sequences' work)."""
-    n = keys.numel()
-    if n > RANK_SORT_MAX:
-        return torch.argsort(keys, descending=descending, stable=True)
-    order = torch.empty(n, dtype=torch.int64, device=keys.device)
-    if n:
-        _stable_rank_kernel[(triton.cdiv(n, RANK_BLOCK),)](
-            keys.contiguous(), order, n, DESCENDING=descending, BLOCK=RANK_BLOCK, CHUNK=_rank_chunk(n)
-        )
-    return order
-
-
 def _group_by_request(
     cand_to_request: torch.Tensor, num_requests: int, seeds: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1747,60 +1015,6 @@ def _group_by_request(
         BLOCK=RANK_BLOCK, CHUNK=_rank_chunk(num_cand),
     )  # fmt: skip
     return q_offsets, order
-
-
-SCHEDULES = ("longest_first", "grid")
-# Measured on an H200 (BENCHMARKS.md): the work list's two loads per program and its set-up cost
-# more than the empty programs of the grid save, at power-law lengths too (0.69x to 1.02x), also
-# with its sort in one launch. The grid with its sequences sorted by work (one load per program,
-# no work list) lost too (0.89x to 0.98x), so it was not kept.
-DEFAULT_SCHEDULE = "grid"
-
-
-def _work_list(
-    lengths: torch.Tensor, weights: torch.Tensor, block: int, max_len: int, rows: int, reverse: bool
-) -> tuple[torch.Tensor, int]:
-    """The programs' (sequence, block) pairs as an int32 [items, 2] tensor, the sequences of most
-    work (`weights`) first, and the number of items; no host sync. `lengths` (rows per sequence,
-    in blocks of `block`) bound the items by rows / block + sequences (and by sequences x
-    max_len / block): the spare items at the end get sequence -1 and return at once, where a
-    grid over every (sequence, block of the longest) pair leaves most programs empty at
-    power-law lengths. Blocks of a sequence are listed last first with `reverse`."""
-    num_seqs = lengths.numel()
-    num_items = min(triton.cdiv(rows, block) + num_seqs, num_seqs * triton.cdiv(max_len, block))
-    blocks = (lengths.to(torch.int32) + (block - 1)) // block
-    order = _stable_argsort(weights, descending=True).to(torch.int32)
-    sorted_blocks = blocks[order]
-    cum_blocks = torch.cumsum(sorted_blocks, 0, dtype=torch.int32)
-    work = torch.empty((num_items, 2), dtype=torch.int32, device=lengths.device)
-    _schedule_kernel[(triton.cdiv(num_items, 256),)](
-        cum_blocks, order, sorted_blocks, work, num_seqs, num_items,
-        REVERSE=reverse, SEARCH_STEPS=num_seqs.bit_length() + 1, BLOCK=256,
-    )  # fmt: skip
-    return work, num_items
-
-
-def _schedule_grid(
-    schedule: str,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    block: int,
-    max_len: int,
-    rows: int,
-    *,
-    keys: bool,
-) -> tuple[torch.Tensor | None, int]:
-    """(work list or None, programs per head) for blocks of query rows (keys=False, last block
-    of a sequence first) or of key rows (keys=True)."""
-    num_seqs = q_offsets.numel() - 1
-    if schedule == "grid":
-        return None, num_seqs * triton.cdiv(max_len, block)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    q_lengths = q_offsets[1:] - q_offsets[:-1]
-    kv_lengths = q_lengths if kv_offsets is q_offsets else kv_offsets[1:] - kv_offsets[:-1]
-    weights = q_lengths * kv_lengths
-    return _work_list(kv_lengths if keys else q_lengths, weights, block, max_len, rows, reverse=not keys)
 
 
 def _score_scales(scale: float, activation: str, config: dict) -> tuple[float, float]:
@@ -1843,216 +1057,6 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, config: dict) -> tuple[boo
     return True, describe(k), describe(v)
 
 
-# The forward's last key tile of a sequence (without targets): either a masked loop of its own
-# after the pipelined one (reading past the sequence, masking and zeroing what it read, and the
-# causal diagonal), or shifted back to end at the last key inside the pipelined loop
-# (SHIFT_LAST; a uniform branch masks, in the last tiles only, the keys the tile before did and
-# the causal mask). On an H200 (BENCHMARKS.md) the shifted tile saved 1.5 to 1.9 µs of each
-# program's fixed cost and added up to 0.06 µs to each tile with TMA loads: 1.03x to 1.04x at target
-# histories up to 2000 keys and 1.11x for causal N 1024, 0.96x to 0.98x at a 16k history and
-# 0.99x for causal power-law N 8192; with pointer loads (pointwise activations) 0.53x. So by
-# default only with TMA, and at most this many keys in a program's span (a causal block sees
-# half its sequence's keys on average). None: the default; True or False forces.
-SHIFT_LAST_MAX_KEYS = 2048
-
-
-def _launch_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    *,
-    num_out_rows: int,
-    max_q_len: int,
-    max_kv_len: int,
-    activation: str,
-    scale: float,
-    act_scale: float,
-    self_attn: bool,
-    causal: bool,
-    num_targets: torch.Tensor | None,
-    rel_bias: torch.Tensor | None,
-    broadcast_q: bool,
-    return_lse: bool,
-    config: dict,
-    schedule: str,
-    row_map: torch.Tensor | None = None,
-    rows_per_index: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """With row_map, q's rows and out's are in the tensors' own order and the offsets count rows
-    of a grouped order, mapped by row_map in groups of rows_per_index (see _row_ptrs); lse stays
-    in the grouped order."""
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
-    num_seqs = q_offsets.numel() - 1
-    out = torch.empty((num_out_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    softmax = activation == "softmax"
-    lse = None
-    if softmax and return_lse:
-        lse = torch.empty((num_heads, num_out_rows), dtype=torch.float32, device=q.device)
-    if num_out_rows == 0 or num_seqs == 0 or max_q_len == 0 or max_kv_len == 0:
-        # Nothing to attend to: zeros, as the reference gives (lse = log 0).
-        return out.zero_(), lse.fill_(float("-inf")) if lse is not None else None
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    q_offsets, kv_offsets, num_targets = map(_dense, (q_offsets, kv_offsets, num_targets))
-    rel_bias = _fp32_bias(rel_bias)
-    _check_row_offsets(max_q_len, max_kv_len, [q, out], [k, v])
-    num_buckets, log2_exact = _bias_args(rel_bias)
-    block_m = config["BLOCK_M"]
-    num_q_blocks = triton.cdiv(max_q_len, block_m)
-    work, num_items = _schedule_grid(
-        schedule, q_offsets, kv_offsets, block_m, max_q_len, num_out_rows, keys=False
-    )
-    use_tma, k_desc, v_desc = _kv_descriptors(k, v, config)
-    qk_scale, bias_scale = _score_scales(scale, activation, config)
-    # Softmax scales s inside the exponent's multiply-add where it may (see _fwd_inner).
-    fold_scale = softmax and rel_bias is None and qk_scale > 0
-    shift_last = config["SHIFT_LAST"]
-    if shift_last is None:
-        span = max_kv_len // 2 if self_attn and causal else max_kv_len
-        shift_last = use_tma and span <= SHIFT_LAST_MAX_KEYS
-    # A shifted last key tile overlaps the one before it, its keys masked by position (and the
-    # causal mask): not with targets, whose own diagonal is a range of its own.
-    shift_last = shift_last and num_targets is None
-    _attn_fwd_kernel[(num_items * num_heads,)](
-        q, k, v, k_desc, v_desc, out, lse if lse is not None else out,
-        q_offsets, kv_offsets, num_targets if num_targets is not None else q_offsets,
-        rel_bias if rel_bias is not None else q, row_map if row_map is not None else q_offsets,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-        rel_bias.stride(0) if rel_bias is not None else 0,
-        work if work is not None else q_offsets, num_heads, num_q_blocks,
-        qk_scale, bias_scale, act_scale,
-        ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
-        HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
-        ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index, STORE_LSE=lse is not None,
-        NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(q), WORK_LIST=work is not None, FOLD_SCALE=fold_scale,
-        **{**config, "USE_TMA": use_tma, "SHIFT_LAST": shift_last},
-    )  # fmt: skip
-    return out, lse
-
-
-def _launch_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    q_offsets: torch.Tensor,
-    kv_offsets: torch.Tensor,
-    *,
-    max_q_len: int,
-    max_kv_len: int,
-    activation: str,
-    scale: float,
-    act_scale: float,
-    self_attn: bool,
-    causal: bool,
-    num_targets: torch.Tensor | None,
-    rel_bias: torch.Tensor | None,
-    broadcast_q: bool,
-    dkdv_config: dict,
-    dq_config: dict,
-    schedule: str,
-    row_map: torch.Tensor | None = None,
-    rows_per_index: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """grad_out [out rows, H, D] -> dq (like q), dk, dv, d rel_bias (fp32 [H, num_buckets]).
-    With row_map, grad_out, q, out and dq are in their own row order, as in _launch_forward."""
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
-    num_seqs = q_offsets.numel() - 1
-    num_out_rows = grad_out.shape[0]
-    softmax = activation == "softmax"
-    device = q.device
-    # Every row of dk, dv and dq_rows belongs to some program (offsets cover the rows).
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    # Broadcast seeds get one partial dq per sequence (in fp32), summed below.
-    dq_rows = torch.empty(
-        (num_out_rows, num_heads, head_dim), dtype=torch.float32 if broadcast_q else q.dtype, device=device
-    )
-    bias_dtype = None if rel_bias is None else rel_bias.dtype
-    rel_bias = _fp32_bias(rel_bias)
-    num_buckets, log2_exact = _bias_args(rel_bias)
-    dbias_partial = None
-    if rel_bias is not None:
-        dbias_partial = torch.zeros((num_heads, 1, num_buckets), dtype=torch.float32, device=device)
-
-    if num_out_rows == 0 or num_seqs == 0 or max_q_len == 0 or max_kv_len == 0:
-        # Nothing attends to anything.
-        for grad in (dk, dv, dq_rows):
-            grad.zero_()
-    else:
-        num_k_blocks = triton.cdiv(max_kv_len, dkdv_config["BLOCK_N"])
-        dkdv_work, dkdv_items = _schedule_grid(
-            schedule, q_offsets, kv_offsets, dkdv_config["BLOCK_N"], max_kv_len, k.shape[0], keys=True
-        )
-        if rel_bias is not None:
-            # One row of partial sums per dK/dV program (zeros for programs that return early).
-            dbias_partial = torch.zeros(
-                (num_heads, dkdv_items, num_buckets), dtype=torch.float32, device=device
-            )
-        grad_out, q, k, v = _unit_last(grad_out), _unit_last(q), _unit_last(k), _unit_last(v)
-        q_offsets, kv_offsets, num_targets = map(_dense, (q_offsets, kv_offsets, num_targets))
-        _check_row_offsets(max_q_len, max_kv_len, [q, grad_out, dq_rows, out], [k, v, dk, dv])
-        map_arg = row_map if row_map is not None else q_offsets
-        delta = lse
-        if softmax:
-            assert lse is not None and lse.shape == (num_heads, num_out_rows), "softmax backward needs lse"
-            out = _unit_last(out)
-            delta = torch.empty_like(lse)
-            _attn_bwd_delta_kernel[(triton.cdiv(num_out_rows, 64), num_heads)](
-                out, grad_out, delta, map_arg, out.stride(0), out.stride(1), grad_out.stride(0),
-                grad_out.stride(1), delta.stride(0), num_out_rows, HEAD_DIM=head_dim, BLOCK_M=64,
-                ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index,
-            )  # fmt: skip
-        else:
-            lse = delta = grad_out  # unused pointers
-        common = dict(
-            ACTIVATION=activation, CAUSAL=causal, HAS_TARGETS=num_targets is not None,
-            HAS_BIAS=rel_bias is not None, SELF_ATTN=self_attn, BROADCAST_Q=broadcast_q,
-            ROW_MAP=row_map is not None, ROWS_PER_INDEX=rows_per_index,
-            NUM_BUCKETS=num_buckets, LOG2_EXACT=log2_exact, HEAD_DIM=head_dim,
-            DOT_PRECISION=_dot_precision(q),
-        )  # fmt: skip
-        scalars = (*_score_scales(scale, activation, dkdv_config), scale, act_scale)
-        targets_arg = num_targets if num_targets is not None else q_offsets
-        bias_arg = rel_bias if rel_bias is not None else q
-        lse_stride = lse.stride(0) if softmax else 0
-        bias_stride = rel_bias.stride(0) if rel_bias is not None else 0
-        _attn_bwd_dkdv_kernel[(dkdv_items * num_heads,)](
-            q, k, v, grad_out, lse, delta, dk, dv,
-            dbias_partial if dbias_partial is not None else dk,
-            q_offsets, kv_offsets, targets_arg, bias_arg, map_arg,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            lse_stride, bias_stride, dbias_partial.stride(0) if dbias_partial is not None else 0,
-            dkdv_work if dkdv_work is not None else q_offsets, num_heads, num_k_blocks, *scalars,
-            **common, WORK_LIST=dkdv_work is not None, **dkdv_config,
-        )  # fmt: skip
-        num_q_blocks = triton.cdiv(max_q_len, dq_config["BLOCK_M"])
-        dq_work, dq_items = _schedule_grid(
-            schedule, q_offsets, kv_offsets, dq_config["BLOCK_M"], max_q_len, num_out_rows, keys=False
-        )
-        _attn_bwd_dq_kernel[(dq_items * num_heads,)](
-            q, k, v, grad_out, lse, delta, dq_rows, q_offsets, kv_offsets, targets_arg, bias_arg, map_arg,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
-            lse_stride, bias_stride, dq_work if dq_work is not None else q_offsets, num_heads, num_q_blocks,
-            *scalars, **common, WORK_LIST=dq_work is not None, **dq_config,
-        )  # fmt: skip
-
-    dq = dq_rows
-    if broadcast_q:
-        dq = dq_rows.view(num_seqs, q.shape[0], num_heads, head_dim).sum(0).to(q.dtype)
-    d_rel_bias = None
-    if dbias_partial is not None:
-        d_rel_bias = dbias_partial.sum(1).to(bias_dtype)
-    return dq, dk, dv, d_rel_bias
-
-
 def _default_scale(head_dim: int, scale: float | None) -> float:
     return head_dim**-0.5 if scale is None else float(scale)
 
@@ -2075,7 +1079,6 @@ _CAPABILITY_MAJOR: dict[int, int] = {}
 def _capability_major() -> int:
     """The compute capability's major version of the current CUDA device, as Triton targets it.
     Cached per device: the target query takes microseconds of host time, twice per forward."""
-    # Spelled out each time: the screen allows these two calls, not the driver as a value.
     index = triton.runtime.driver.active.get_current_device()
     if index not in _CAPABILITY_MAJOR:
         _CAPABILITY_MAJOR[index] = triton.runtime.driver.active.get_current_target().arch // 10
@@ -2108,13 +1111,12 @@ def _configs(
     *,
     fast_silu: bool | None = None,
     tma: bool | None = None,
-    warp_specialize: bool = False,
     shift_last: bool | None = None,
 ) -> dict | tuple[dict, dict]:
     """The default launch configuration with the caller's overrides: the forward's, or with
     dq_overrides the backward's (dK/dV, dQ); each carries the kernels' SILU form, the forward
-    also whether its key loop loads by TMA (None: the default, settled at launch) and is warp
-    specialised."""
+    also whether its key loop loads by TMA (None: the default, settled at launch) and whether
+    its last key tile is shifted (SHIFT_LAST)."""
     head_dim, dtype, device = q.shape[-1], q.dtype, q.device
     silu = {"SILU": _silu_form(q, activation, fast_silu)}
     if dq_overrides is None:
@@ -2123,7 +1125,7 @@ def _configs(
         defaults = _forward_config(
             head_dim, dtype, device, has_bias, activation == "softmax", tma is not False
         )
-        loads = {"USE_TMA": tma, "WARP_SPECIALIZE": warp_specialize, "SHIFT_LAST": shift_last}
+        loads = {"USE_TMA": tma, "SHIFT_LAST": shift_last}
         return {**_with_overrides(defaults, block_m, block_n, num_warps, num_stages), **silu, **loads}
     defaults = _backward_config(head_dim, dtype, device, has_bias)
     return (
@@ -2152,11 +1154,10 @@ def jagged_attention_forward(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
     tma: bool | None = None,
-    warp_specialize: bool = False,
     shift_last: bool | None = None,
+    launch: LaunchForward,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """HSTU self-attention over jagged sequences; no host sync.
 
@@ -2176,7 +1177,7 @@ def jagged_attention_forward(
         num_targets=num_targets,
         rel_bias=rel_bias,
     )
-    out, lse = _launch_forward(
+    out, lse = launch(
         q, k, v, offsets, offsets,
         num_out_rows=q.shape[0], max_q_len=max_seq_len, max_kv_len=max_seq_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale),
@@ -2185,9 +1186,8 @@ def jagged_attention_forward(
         return_lse=return_lse,
         config=_configs(
             q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
-            tma=tma, warp_specialize=warp_specialize, shift_last=shift_last,
+            tma=tma, shift_last=shift_last,
         ),
-        schedule=schedule,
     )  # fmt: skip
     return (out, _or_empty(lse, q)) if return_lse else out
 
@@ -2220,8 +1220,8 @@ def jagged_attention_backward(
     dq_block_n: int | None = None,
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
+    launch: LaunchBackward,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """grad_out [total_tokens, H, D], the forward's out and lse (softmax) -> dq, dk, dv
     [total_tokens, H, D] and d rel_bias [H, num_buckets] (None without a bias). block_m / block_n /
@@ -2230,13 +1230,13 @@ def jagged_attention_backward(
         q, rel_bias is not None, activation, block_m, block_n, num_warps, num_stages,
         (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,
     )  # fmt: skip
-    return _launch_backward(
+    return launch(
         grad_out, q, k, v, out, lse, offsets, offsets,
         max_q_len=max_seq_len, max_kv_len=max_seq_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale),
         act_scale=1.0 / max_seq_len if activation == "silu" and max_seq_len > 0 else 1.0,
         self_attn=True, causal=causal, num_targets=num_targets, rel_bias=rel_bias, broadcast_q=False,
-        dkdv_config=dkdv_config, dq_config=dq_config, schedule=schedule,
+        dkdv_config=dkdv_config, dq_config=dq_config,
     )  # fmt: skip
 
 
@@ -2284,11 +1284,10 @@ def gdpa_forward(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
     tma: bool | None = None,
-    warp_specialize: bool = False,
     shift_last: bool | None = None,
+    launch: LaunchForward,
 ) -> torch.Tensor:
     """Generalized dot-product attention (non-causal, unnormalised activation).
 
@@ -2306,16 +1305,15 @@ def gdpa_forward(
         q, k, q_offsets, kv_offsets, broadcast_q, max_q_len, max_kv_len
     )
     num_out_rows = (kv_offsets.numel() - 1) * q.shape[0] if broadcast_q else q.shape[0]
-    out, _ = _launch_forward(
+    out, _ = launch(
         q, k, v, out_offsets, kv_offsets,
         num_out_rows=num_out_rows, max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=broadcast_q, return_lse=False,
         config=_configs(
             q, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu, tma=tma,
-            warp_specialize=warp_specialize, shift_last=shift_last,
+            shift_last=shift_last,
         ),
-        schedule=schedule,
     )  # fmt: skip
     return out
 
@@ -2341,8 +1339,8 @@ def gdpa_backward(
     dq_block_n: int | None = None,
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
+    launch: LaunchBackward,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_out like gdpa's out -> dq (like q; summed over samples with broadcast_q), dk, dv.
     Bounds as gdpa_forward's (the inputs are the forward's, checked there)."""
@@ -2354,12 +1352,12 @@ def gdpa_backward(
         q, False, activation, block_m, block_n, num_warps, num_stages,
         (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,
     )  # fmt: skip
-    dq, dk, dv, _ = _launch_backward(
+    dq, dk, dv, _ = launch(
         grad_out, q, k, v, grad_out, None, out_offsets, kv_offsets,
         max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(q.shape[-1], scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=broadcast_q,
-        dkdv_config=dkdv_config, dq_config=dq_config, schedule=schedule,
+        dkdv_config=dkdv_config, dq_config=dq_config,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -2380,11 +1378,10 @@ def target_attention_forward(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
     tma: bool | None = None,
-    warp_specialize: bool = False,
     shift_last: bool | None = None,
+    launch: LaunchForward,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Request-broadcast target attention.
 
@@ -2409,7 +1406,7 @@ def target_attention_forward(
     q_offsets, order, max_q_len, max_kv_len = _request_groups(
         cand_to_request, kv_offsets, seeds, k.shape[0], _bounds(max_candidates, max_history)
     )
-    out_rows, lse = _launch_forward(
+    out_rows, lse = launch(
         q_cand.reshape(num_cand * seeds, num_heads, head_dim), k, v, q_offsets, kv_offsets,
         num_out_rows=num_cand * seeds, max_q_len=max_q_len, max_kv_len=max_kv_len,
         activation=activation,
@@ -2417,9 +1414,9 @@ def target_attention_forward(
         num_targets=None, rel_bias=None, broadcast_q=False, return_lse=return_lse,
         config=_configs(
             q_cand, False, activation, block_m, block_n, num_warps, num_stages, fast_silu=fast_silu,
-            tma=tma, warp_specialize=warp_specialize, shift_last=shift_last,
+            tma=tma, shift_last=shift_last,
         ),
-        schedule=schedule, row_map=order, rows_per_index=seeds,
+        row_map=order, rows_per_index=seeds,
     )  # fmt: skip
     out = out_rows.view(num_cand, seeds, num_heads, head_dim)
     if lse is not None and order is not None:  # the kernel wrote it in grouped row order
@@ -2449,8 +1446,8 @@ def target_attention_backward(
     dq_block_n: int | None = None,
     dq_num_warps: int | None = None,
     dq_num_stages: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
     fast_silu: bool | None = None,
+    launch: LaunchBackward,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad_out [C, S, H, D], the forward's out and lse (candidate order) -> dq_cand [C, S, H, D],
     dk, dv. Groups the candidates as the forward did: one host sync, or none with the forward's
@@ -2473,12 +1470,12 @@ def target_attention_backward(
         q_cand, False, activation, block_m, block_n, num_warps, num_stages,
         (dq_block_m, dq_block_n, dq_num_warps, dq_num_stages), fast_silu=fast_silu,
     )  # fmt: skip
-    dq_rows, dk, dv, _ = _launch_backward(
+    dq_rows, dk, dv, _ = launch(
         as_rows(grad_out), as_rows(q_cand), k, v, as_rows(out), lse, q_offsets, kv_offsets,
         max_q_len=max_q_len, max_kv_len=max_kv_len, activation=activation,
         scale=_default_scale(head_dim, scale), act_scale=1.0, self_attn=False, causal=False,
         num_targets=None, rel_bias=None, broadcast_q=False,
-        dkdv_config=dkdv_config, dq_config=dq_config, schedule=schedule,
+        dkdv_config=dkdv_config, dq_config=dq_config,
         row_map=order, rows_per_index=seeds,
     )  # fmt: skip
     return dq_rows.view(num_cand, seeds, num_heads, head_dim), dk, dv

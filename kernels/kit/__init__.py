@@ -1,0 +1,49 @@
+"""The kit: the kernel library's shared Triton helpers and launch utilities, the one package a
+candidate may import besides the kernel languages (sandbox.screen allows `from kernels.kit.<module>
+import <name>` for the names a module lists in its `__all__`). A candidate then holds the kernels
+it changes and its entry, not a copy of the library.
+
+The kit is part of what a candidate's source means: its content hash (`kit_hash`) is part of
+every candidate's identity and is recorded in each library entry, and dispatch refuses an entry
+built against another kit (kernels.registry), with the reason shown by `recforge library list`.
+Modules: `attention`, the attention families' device helpers, checks, host-side layout and
+public launchers (which take the kernels' launch function); `attention_forward`, their forward
+kernel, which forward candidates start from and gradient candidates run for the statistics
+their backward reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+from pathlib import Path
+
+MODULES = ("attention", "attention_forward")
+# What a candidate may import of a module whose text candidates start from (a candidate binds no
+# dunder name, so such a module declares no __all__); the others' is their __all__.
+LISTED = {"attention_forward": ("launch_forward",)}
+_HERE = Path(__file__).parent
+
+
+def exports(name: str) -> frozenset[str]:
+    """The names a candidate may import from kit module `name` (empty for one outside MODULES)."""
+    if name not in MODULES:
+        return frozenset()
+    if name in LISTED:
+        return frozenset(LISTED[name])
+    return frozenset(importlib.import_module(f"{__name__}.{name}").__all__)
+
+
+def uses_kit(source: str) -> bool:
+    """Whether a candidate's source imports the kit (the screen allows no other way to reach it)."""
+    return "kernels.kit" in source
+
+
+@functools.cache
+def kit_hash() -> str:
+    """sha256 over the kit's files (names and bytes, in name order), first 16 hex digits."""
+    digest = hashlib.sha256()
+    for path in sorted(_HERE.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
