@@ -7,7 +7,12 @@ integer or boolean argument of a launch may hold what the kernel made of floatin
 other torch op with a floating-point tensor among its inputs or outputs is host code computing
 the op itself (a gather by indexing, a product by an operator, a sum by a builtin), which no
 static screen of Python can see: tensors and numbers look alike there; so is reading
-floating-point values into Python (tolist, item), which dispatches no such op. The runner
+floating-point values into Python (tolist, item), which dispatches no such op. Integers made
+from floating-point data on the host (a cast) count as a kernel's, and so do integer tensors the
+call made before a launch (a compiled kernel can write any of the runner's GPU memory, not only
+its arguments). The call's own inputs are read-only: host code never writes them (such a write
+is refused and reported), and a kernel that writes them is reported (on a GPU their memory is
+mapped read-only, sandbox.shared; elsewhere they are compared after each launch). The runner
 watches its calls with a torch dispatch mode and a torch function mode (every call, timed or
 not: a watch that were on for some calls only could be detected from Python, and host code
 could compute while it is off) and reports the first finding; only Triton's autotuning
@@ -91,6 +96,34 @@ class HostOps(TorchDispatchMode):
         self.device_written: set[tuple[int, int]] = set()
         self.inputs = {_storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
         self.values_read = 0
+        # Integer and boolean tensors the call made (by storage): a compiled kernel can reach
+        # them by pointer arithmetic from its arguments, so each launch marks them all.
+        self.made: set[tuple[int, int]] = set()
+        # The inputs whose writes no mapping prevents, with their bits at the call's start.
+        self.guarded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.reads: HostReads | None = None
+        self.launching = 0  # inside a Triton launch (the interpreter writes its arguments back)
+
+    def guard(self, tensors) -> None:
+        """Keep the bits of `tensors` (inputs on writable memory) to compare after each launch."""
+        with _disable_current_modes():
+            self.guarded = [(t, _bits(t).clone()) for t in tensors if isinstance(t, torch.Tensor)]
+
+    def after_launch(self, args) -> None:
+        """What a launch may have written: its integer arguments and every integer tensor the
+        call made, and, where writes are not prevented, the call's inputs."""
+        self.mark_written(args)
+        self.device_written |= self.made
+        if self.first is None and self.guarded:
+            with _disable_current_modes():
+                for t, before in self.guarded:
+                    if not torch.equal(_bits(t), before):
+                        self.first = (
+                            f"a kernel writing into the call's input ({t.dtype}, {list(t.shape)})".replace(
+                                "torch.", ""
+                            )
+                        )
+                        break
 
     def mark_written(self, tensors) -> None:
         for t in tensors:
@@ -125,6 +158,17 @@ class HostOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # Rule read-only inputs: host code never writes the call's inputs (a stash for the
+        # data's bits, put back before the call returns, would otherwise pass every check). The
+        # write is not made; the first such op is reported.
+        # Inside a launch the interpreter copies every argument back, changed or not: a kernel's
+        # (or a launch hook's) write there is the comparison's to find (after_launch), or faults
+        # on read-only memory.
+        target = None if self.launching else _written_input(func, args, kwargs, self.inputs)
+        if target is not None:
+            if self.first is None:
+                self.first = f"{func} writing into the call's input ({target.dtype})".replace("torch.", "")
+            return target
         out = func(*args, **kwargs)
         # Floating-point data viewed as integers, or integers viewed as floating-point data:
         # either way host code holds the data's bits in a tensor the rest of this watch takes
@@ -139,9 +183,19 @@ class HostOps(TorchDispatchMode):
         if self.first is None and read:
             self.first = f"{func} on {args[0].dtype} (a value read into Python)".replace("torch.", "")
         inputs = [*tree_leaves(args), *tree_leaves(kwargs)]
+        outputs = tree_leaves(out)
         written = [t for t in inputs if self._written(t)]
-        if written:  # a copy of device-written data is device-written too
-            self.mark_written(tree_leaves(out))
+        if written or any(_floating(t) for t in inputs):
+            # A copy of device-written data is device-written too, and integers made from
+            # floating-point data (a cast of values scaled to integers) are the data.
+            self.mark_written(outputs)
+        for t in outputs:
+            if (
+                isinstance(t, torch.Tensor)
+                and not _floating(t)
+                and (key := _storage_key(t)) not in self.inputs
+            ):
+                self.made.add(key)
         if self.first is None and func.overloadpacket.__name__ not in self.allowed:
             floating = [t for t in [*inputs, *tree_leaves(out)] if _floating(t)]
             if floating:
@@ -153,10 +207,57 @@ class HostOps(TorchDispatchMode):
         return out
 
 
-def _unwatched(run):
-    def wrapper(*args, **kwargs):
-        with _disable_current_modes():
-            return run(*args, **kwargs)
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as integers of its element size (NaNs compare equal to themselves so)."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+_MUTATED: dict[object, tuple[tuple[int, str], ...]] = {}
+
+
+def _written_input(func, args, kwargs, inputs: set) -> torch.Tensor | None:
+    """The first of the call's inputs (by storage) that op `func` writes, or None."""
+    mutated = _MUTATED.get(func)
+    if mutated is None:
+        mutated = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _MUTATED[func] = mutated
+    for i, name in mutated:
+        t = args[i] if i < len(args) else kwargs.get(name)
+        for leaf in tree_leaves(t):
+            if isinstance(leaf, torch.Tensor) and _storage_key(leaf) in inputs:
+                return leaf
+    return None
+
+
+def _bench_unwatched(bench):
+    """The autotuner's benchmark of one config, its timing statistics unwatched (triton.testing
+    computes on floats) and the launches it times watched again: the kernel's launch runs the
+    candidate's own host code (a heuristics function, the grid), which is never unwatched."""
+
+    def wrapper(self, *args, **kwargs):
+        ops = _CURRENT[-1] if _CURRENT else None
+        if ops is None:
+            return bench(self, *args, **kwargs)
+        fn, run = self.fn, self.fn.run
+
+        def watched(*a, **k):
+            with ops, ops.reads:
+                return run(*a, **k)
+
+        fn.run = watched  # the instance's, over its class's, for this benchmark only
+        try:
+            with _disable_current_modes():
+                return bench(self, *args, **kwargs)
+        finally:
+            del fn.run
 
     wrapper.recforge_wrapped = True
     return wrapper
@@ -212,9 +313,15 @@ def _checked_launch(run):
                 and any(isinstance(v, torch.Tensor) for v in tree_leaves(value))
             ):
                 raise TypeError(f"a tensor passed as the compile-time constant {name} of a kernel")
-        launched = run(self, *args, **kwargs)
-        if _CURRENT:
-            _CURRENT[-1].mark_written([*tree_leaves(args), *tree_leaves(kwargs)])
+        ops = _CURRENT[-1] if _CURRENT else None
+        if ops is None:
+            return run(self, *args, **kwargs)
+        ops.launching += 1
+        try:
+            launched = run(self, *args, **kwargs)
+        finally:
+            ops.launching -= 1
+        ops.after_launch([*tree_leaves(args), *tree_leaves(kwargs)])
         return launched
 
     wrapper.recforge_wrapped = True
@@ -224,9 +331,10 @@ def _checked_launch(run):
 def prepare_triton(kernel_classes: list[type]) -> None:
     """Triton's launches are watched like the rest of the host code (the grid function runs in
     them, and the interpreter's own copies of the arguments are bookkeeping), and refuse tensors
-    as compile-time constants. Only the autotuner's benchmarking (triton.testing's statistics on
-    its timings) runs with the watch suspended; the screen refuses the hooks that would run the
-    candidate's code there (sandbox.screen, rule hooks). In the interpreter, where a kernel's
+    as compile-time constants. Only the autotuner's timing statistics (triton.testing's, on
+    floats) run with the watch suspended, not the launches it times (_bench_unwatched); the
+    screen refuses the hooks that would run the candidate's code beside them (sandbox.screen,
+    rule hooks). In the interpreter, where a kernel's
     body is host Python, the autotuner benchmarks nothing (_untimed)."""
     from triton.runtime.autotuner import Autotuner
 
@@ -237,7 +345,7 @@ def prepare_triton(kernel_classes: list[type]) -> None:
     bench = Autotuner.__dict__.get("_bench")
     if bench is not None and not getattr(bench, "recforge_wrapped", False):
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        Autotuner._bench = _untimed if interpreted else _unwatched(bench)
+        Autotuner._bench = _untimed if interpreted else _bench_unwatched(bench)
 
 
 # Tensor methods that read values into host Python, which no aten op shows (tolist; printing,
@@ -274,17 +382,25 @@ class HostReads(TorchFunctionMode):
 
 @contextlib.contextmanager
 def watching(
-    enabled: bool, allowed: frozenset[str] = frozenset(), *, copies_compute: bool = False, inputs=()
+    enabled: bool,
+    allowed: frozenset[str] = frozenset(),
+    *,
+    copies_compute: bool = False,
+    inputs=(),
+    guarded=(),
 ) -> Iterator[HostOps | None]:
-    """The watch over one call; `inputs`: the call's own tensors, which no launch marks as written
-    by a kernel (the judge checks them unchanged after the call)."""
+    """The watch over one call; `inputs`: the call's own tensors, which host code may not write
+    and no launch marks as written by a kernel; `guarded`: those of them on memory this process
+    can write (compared after each launch: a kernel must not write them either)."""
     if not enabled:
         yield None
         return
     ops = HostOps(allowed, copies_compute=copies_compute, inputs=inputs)
+    ops.guard(guarded)
+    ops.reads = HostReads(ops)
     _CURRENT.append(ops)
     try:
-        with ops, HostReads(ops):
+        with ops, ops.reads:
             yield ops
     finally:
         _CURRENT.remove(ops)

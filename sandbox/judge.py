@@ -319,13 +319,20 @@ class RunnerProcess:
                 return f"died (signal {signal.Signals(code - 128).name})"
         return f"died (exit code {code})"
 
-    def share(self, region: shared.Region, fd: int, device: str) -> int:
+    def share(self, region: shared.Region, fd: int, device: str, *, writable: bool = True) -> int:
+        """Hand `region` to the runner; one of inputs is not `writable` there (rule read-only
+        inputs: sandbox.shared.import_region, sandbox.host_ops)."""
         rid = self.next_region
         self.next_region += 1
         try:
-            self.ask(
-                {"op": "region", "id": rid, "device": device, "nbytes": region.nbytes}, (fd,), where="share"
-            )
+            message = {
+                "op": "region",
+                "id": rid,
+                "device": device,
+                "nbytes": region.nbytes,
+                "writable": writable,
+            }
+            self.ask(message, (fd,), where="share")
         finally:
             os.close(fd)
         return rid
@@ -445,7 +452,7 @@ class Session:
             self.drop(regions=[self.input_region[1]])
             self.input_region[0].close()
         region, fd = shared.create_region(self.kind, nbytes)
-        self.input_region = (region, self.runner.share(region, fd, self.kind))
+        self.input_region = (region, self.runner.share(region, fd, self.kind, writable=False))
         return self.input_region
 
     def place(

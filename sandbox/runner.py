@@ -186,7 +186,8 @@ class Runner:
     def op_region(self, message: dict, fds: list[int]) -> dict:
         if len(fds) != 1:
             raise RunnerError("a region comes with exactly one descriptor")
-        region = shared.import_region(message["device"], fds[0], int(message["nbytes"]))
+        writable = message.get("writable", True) is not False
+        region = shared.import_region(message["device"], fds[0], int(message["nbytes"]), writable=writable)
         self.regions[int(message["id"])] = region
         return {"ok": True}
 
@@ -296,7 +297,10 @@ class Runner:
         if self.watch:
             copies = self.host_copies_compute
             inputs = [*args, *kwargs.values()]
-            with host_ops.watching(True, self.host_float_ops, copies_compute=copies, inputs=inputs) as watch:
+            guarded = [t for t in inputs if isinstance(t, torch.Tensor) and not self._read_only(t)]
+            with host_ops.watching(
+                True, self.host_float_ops, copies_compute=copies, inputs=inputs, guarded=guarded
+            ) as watch:
                 out = self.fn(*args, **kwargs)
             if watch.first is not None:
                 self.host_compute[cid] = watch.first
@@ -313,6 +317,11 @@ class Runner:
         if held:
             self.held[cid] = held
         self.outputs[cid] = items
+
+    def _read_only(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies on a region this process has mapped read-only."""
+        ptr = t.data_ptr()
+        return t.numel() > 0 and any(r.read_only and _inside(ptr, r) for r in self.regions.values())
 
     def _describe(self, cid: int) -> dict:
         host = self.host_compute.pop(cid, None)

@@ -69,10 +69,14 @@ class SharedMemoryError(RuntimeError):
 class Region:
     """`nbytes` of memory on `device` ("cpu" or "cuda"), mapped in this process at `base`."""
 
-    def __init__(self, device: str, nbytes: int, base: int, keep: object, close) -> None:
+    def __init__(
+        self, device: str, nbytes: int, base: int, keep: object, close, read_only: bool = False
+    ) -> None:
         self.device, self.nbytes, self.base = device, nbytes, base
         self._keep = keep  # the mmap or the CUDA mapping: alive as long as the region
         self._close = close
+        # Mapped so that this process cannot write it (nothing it runs, a kernel included).
+        self.read_only = read_only
 
     def view(self, offset: int, dtype: torch.dtype, shape, strides) -> torch.Tensor:
         """A tensor on this region's memory at byte `offset`; the whole extent it can reach must
@@ -167,6 +171,7 @@ def _cpu_map(fd: int, nbytes: int) -> Region:
 _ALLOCATION_PINNED = 1
 _HANDLE_POSIX_FD = 1
 _LOCATION_DEVICE = 1
+_ACCESS_READ = 1
 _ACCESS_READWRITE = 3
 _GRANULARITY_MINIMUM = 0
 
@@ -226,13 +231,15 @@ def _granularity(prop: _AllocationProp) -> int:
     return gran.value
 
 
-def _cuda_map(handle: ctypes.c_ulonglong, size: int, prop: _AllocationProp) -> tuple[int, callable]:
+def _cuda_map(
+    handle: ctypes.c_ulonglong, size: int, prop: _AllocationProp, flags: int = _ACCESS_READWRITE
+) -> tuple[int, callable]:
     ptr = ctypes.c_ulonglong()
     _cu("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
         ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))  # fmt: skip
     try:
         _cu("cuMemMap", ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
-        access = _AccessDesc(prop.location, _ACCESS_READWRITE)
+        access = _AccessDesc(prop.location, flags)
         _cu("cuMemSetAccess", ptr, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1))
     except SharedMemoryError:
         _cu("cuMemAddressFree", ptr, ctypes.c_size_t(size))
@@ -270,17 +277,25 @@ def _cuda_create(nbytes: int) -> tuple[Region, int]:
     return Region("cuda", nbytes, base, None, close), fd.value
 
 
-def _cuda_import(fd: int, nbytes: int) -> Region:
+def _cuda_import(fd: int, nbytes: int, writable: bool) -> Region:
     prop = _device_prop()
     size = _padded(nbytes, prop)
     handle = ctypes.c_ulonglong()
     _cu("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd), _HANDLE_POSIX_FD)
+    read_only = not writable
     try:
-        base, close = _cuda_map(handle, size, prop)
+        try:
+            base, close = _cuda_map(handle, size, prop, _ACCESS_READWRITE if writable else _ACCESS_READ)
+        except SharedMemoryError:
+            if writable:
+                raise
+            # A driver that maps this memory writable only: the caller compares instead.
+            base, close = _cuda_map(handle, size, prop)
+            read_only = False
     except SharedMemoryError:
         _cu("cuMemRelease", handle)
         raise
-    return Region("cuda", nbytes, base, None, close)
+    return Region("cuda", nbytes, base, None, close, read_only=read_only)
 
 
 # ---- public ---------------------------------------------------------------------------------
@@ -293,8 +308,11 @@ def create_region(device: str, nbytes: int) -> tuple[Region, int]:
     return _cuda_create(nbytes) if device == "cuda" else _cpu_create(nbytes)
 
 
-def import_region(device: str, fd: int, nbytes: int) -> Region:
-    """Map the region that `fd` shares (the fd may be closed afterwards)."""
+def import_region(device: str, fd: int, nbytes: int, *, writable: bool = True) -> Region:
+    """Map the region that `fd` shares (the fd may be closed afterwards). Not `writable`: on a
+    GPU mapped read-only where the driver allows (Region.read_only), so that a kernel's write
+    faults; a CPU mapping stays writable (Triton's interpreter writes every argument back after
+    a launch, changed or not), and the caller compares what must not change instead."""
     if device not in ("cpu", "cuda"):
         raise SharedMemoryError(f"unknown device {device!r}")
-    return _cuda_import(fd, nbytes) if device == "cuda" else _cpu_map(fd, nbytes)
+    return _cuda_import(fd, nbytes, writable) if device == "cuda" else _cpu_map(fd, nbytes)

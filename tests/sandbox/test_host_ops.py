@@ -39,8 +39,13 @@ def test_every_incumbent_runs_clean_under_the_watch(problem: str, tmp_path: Path
         fn = _load(candidate.source, candidate.entry, tmp_path, f"incumbent_{problem}_{i}")
         for shape in p.check_shapes[:1]:
             inputs = p.make_inputs(shape, fresh_seed(), device)
-            copies = p.host_copies_compute  # as the runner watches this problem's calls
-            with host_ops.watching(True, frozenset(p.host_float_ops), copies_compute=copies) as watch:
+            # As the runner watches this problem's calls, its inputs read-only (compared after
+            # each launch, as on memory no mapping protects).
+            copies, given = p.host_copies_compute, [*inputs.args, *inputs.kwargs.values()]
+            allowed = frozenset(p.host_float_ops)
+            with host_ops.watching(
+                True, allowed, copies_compute=copies, inputs=given, guarded=given
+            ) as watch:
                 fn(*inputs.args, **inputs.kwargs)
             assert watch.first is None, f"{candidate.entry} on {shape.describe()}: {watch.first}"
 
@@ -108,3 +113,87 @@ def test_the_watch_sees_host_compute_on_integers_a_kernel_wrote(
         assert watch.first is None, watch.first
     else:
         assert seen in (watch.first or ""), watch.first
+
+
+def test_host_code_never_writes_the_calls_inputs() -> None:
+    """A write into an input (or a view of one) is not made, and is reported: an input used as a
+    stash for the data's bits and put back before the call returns would pass every check."""
+    x, i = torch.randn(8), torch.arange(8)
+    keep = i.clone()
+    with host_ops.watching(True, inputs=[x, i]) as watch:
+        i[2:].copy_(torch.arange(6))
+        i.add_(1)
+    assert watch.first == "aten.copy_.default writing into the call's input (int64)", watch.first
+    assert torch.equal(i, keep)
+    fresh = torch.arange(8)
+    with host_ops.watching(True, inputs=[x, i]) as watch:
+        fresh.add_(1)  # the call's own tensors are its business
+    assert watch.first is None, watch.first
+
+
+def test_a_kernel_that_writes_an_input_is_seen(tmp_path: Path, device) -> None:
+    """Where no read-only mapping stops it, a kernel's write into the call's input is found by
+    comparing the inputs after each launch (whatever the interpreter writes back)."""
+    host_ops.prepare_triton(_kernel_classes())
+    copy_bits = _load(_BITS_KERNEL, "copy_bits", tmp_path, "bits_kernel_inputs")
+    x = torch.randn(40, device=device)
+    i = torch.zeros(40, dtype=torch.int32, device=device)
+    out = torch.empty(40, dtype=torch.int32, device=device)
+    with host_ops.watching(True, inputs=[x, i], guarded=[x, i]) as watch:
+        copy_bits(x, out)  # reads an input, writes its own buffer
+    assert watch.first is None, watch.first
+    with host_ops.watching(True, inputs=[x, i], guarded=[x, i]) as watch:
+        copy_bits(x, i)
+    assert watch.first == "a kernel writing into the call's input (int32, [40])"
+
+
+def test_integers_cast_from_floating_point_data_are_the_data() -> None:
+    """A cast is bookkeeping, but what it makes of floating-point values (scaled to integers,
+    say) is the data: host compute on it counts."""
+    x = torch.randn(16) * 2**20
+    with host_ops.watching(True, inputs=[x]) as watch:
+        fixed = x.to(torch.int64)  # the cast itself: bookkeeping
+        assert watch.first is None
+        fixed.cumsum(0)
+    assert "aten.cumsum.default on int64 a kernel wrote" in (watch.first or ""), watch.first
+
+
+def test_a_launch_marks_every_integer_tensor_the_call_made(tmp_path: Path, device) -> None:
+    """A compiled kernel can write memory it was not given (pointer arithmetic from an argument),
+    so after a launch every integer tensor the call made counts as a kernel's."""
+    host_ops.prepare_triton(_kernel_classes())
+    copy_bits = _load(_BITS_KERNEL, "copy_bits", tmp_path, "bits_kernel_made")
+    x = torch.randn(40, device=device)
+    with host_ops.watching(True, inputs=[x]) as watch:
+        scratch = torch.zeros(40, dtype=torch.int64, device=device)
+        scratch.cumsum(0)  # before any launch: integers the host made
+        assert watch.first is None
+        copy_bits(x, torch.empty(40, dtype=torch.int32, device=device))
+        scratch.cumsum(0)
+    assert "aten.cumsum.default on int64 a kernel wrote" in (watch.first or ""), watch.first
+
+
+def test_the_autotuners_benchmark_watches_the_launches_it_times() -> None:
+    """Only triton.testing's statistics run unwatched in an autotuner's benchmark: the launch it
+    times (a heuristics function, the grid: the candidate's code) is watched."""
+
+    class Fn:
+        def run(self, *args, **kwargs):
+            return torch.ones(3) * 2  # host compute where the launch runs
+
+    class Tuner:
+        fn = Fn()
+
+    def bench(self, *args, config, **meta):
+        torch.tensor([3.0, 1.0, 2.0]).quantile(0.5)  # the statistics
+        self.fn.run(*args)
+        return [1.0, 1.0, 1.0]
+
+    tuner = Tuner()
+    with host_ops.watching(True) as watch:
+        assert host_ops._bench_unwatched(bench)(tuner, config=None) == [1.0, 1.0, 1.0]
+    assert "aten.mul.Tensor" in (watch.first or ""), watch.first
+    assert "run" not in vars(tuner.fn), "the launch is the class's own again"
+    with host_ops.watching(True) as watch:
+        host_ops._bench_unwatched(lambda self, config: torch.tensor([1.0]).quantile(0.5))(tuner, config=None)
+    assert watch.first is None, watch.first
