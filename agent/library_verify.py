@@ -72,7 +72,7 @@ def verify_library(
             out.append(Verified(entry, "demoted", f"already: {entry.demoted}"))
             continue
         refused = library.refusal(entry)
-        new_kit = refused is not None and kit_refusal(entry) is not None
+        new_kit = refused is not None and refused == kit_refusal(entry)
         if refused is not None and not new_kit:  # its source was edited: nothing to verify
             out.append(Verified(entry, "refused", refused))
             continue

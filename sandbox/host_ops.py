@@ -1,18 +1,17 @@
 """The host-compute watch: which torch ops a candidate's host code runs on floating-point data.
 
 A candidate computes its op in Triton kernels; its host code allocates, views, copies and casts
-tensors and may compute on integer ones (offsets, lengths, schedules) that no kernel wrote: an
-integer or boolean argument of a launch may hold what the kernel made of floating-point data
-(its bits, its values scaled), so host ops on it, or on a copy of it, count as on floats. Any
-other torch op with a floating-point tensor among its inputs or outputs is host code computing
-the op itself (a gather by indexing, a product by an operator, a sum by a builtin), which no
-static screen of Python can see: tensors and numbers look alike there; so is reading
-floating-point values into Python (tolist, item), which dispatches no such op. Integers made
-from floating-point data on the host (a cast) count as a kernel's, and so do integer tensors the
-call made before a launch (a compiled kernel can write any of the runner's GPU memory, not only
-its arguments). The call's own inputs are read-only: host code never writes them (such a write
-is refused and reported), and a kernel that writes them is reported (on a GPU their memory is
-mapped read-only, sandbox.shared; elsewhere they are compared after each launch). The runner
+tensors and may compute on integer ones (offsets, lengths, schedules) that no kernel can have
+written: integer data a kernel may have written can hold what it made of floating-point data
+(its bits, its values scaled), so host ops on it, or on a copy of it, count as on floats
+(HostOps says which integer data is clean). Any other torch op with a floating-point tensor
+among its inputs or outputs is host code computing the op itself (a gather by indexing, a
+product by an operator, a sum by a builtin), which no static screen of Python can see: tensors
+and numbers look alike there; so is reading floating-point values into Python (tolist, item),
+which dispatches no such op. The call's own inputs are read-only: host code never writes them
+(such a write is refused and reported), and a kernel that writes them is reported (on a GPU
+their memory is mapped read-only, sandbox.shared; elsewhere they are compared after each
+launch). The runner
 watches its calls with a torch dispatch mode and a torch function mode (every call, timed or
 not: a watch that were on for some calls only could be detected from Python, and host code
 could compute while it is off) and reports the first finding; only Triton's autotuning
@@ -43,6 +42,23 @@ BOOKKEEPING = frozenset(
         "permute", "unsqueeze", "squeeze", "select", "slice", "narrow", "split",
         "split_with_sizes", "chunk", "unbind", "alias", "detach", "lift_fresh",
         "lift_fresh_copy", "_local_scalar_dense", "contiguous", "resize_", "set_",
+    }
+)  # fmt: skip
+
+
+# Of BOOKKEEPING, views (their output shares its input's storage) and allocations (which read
+# no values of a tensor they are given, only its shape and dtype).
+VIEWS = frozenset(
+    {
+        "view", "_unsafe_view", "_reshape_alias", "as_strided", "expand", "t", "transpose", "permute",
+        "unsqueeze", "squeeze", "select", "slice", "narrow", "split", "split_with_sizes", "chunk",
+        "unbind", "alias", "detach",
+    }
+)  # fmt: skip
+ALLOCATIONS = frozenset(
+    {
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
+        "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "arange",
     }
 )  # fmt: skip
 
@@ -81,7 +97,17 @@ _CURRENT: list[HostOps] = []
 
 class HostOps(TorchDispatchMode):
     """Records the first torch op outside BOOKKEEPING (and `allowed`, the problem's own) that
-    touches floating-point data, or floating-point data viewed as integers."""
+    touches floating-point data, or integer data a kernel may have written, or floating-point
+    data viewed as integers.
+
+    Integer data is clean while no kernel can have written it: the call's own inputs (read-only
+    for the call), and what host code made from clean data since the call's last launch. A
+    compiled kernel can write any of the runner's GPU memory, not only its arguments (pointer
+    arithmetic from one), so a launch leaves nothing else clean: not its arguments, not what the
+    call made before it, not what earlier calls or the module's import made. Integers cast from
+    floating-point data are not clean either (values scaled to integers are the data). Host ops
+    on integer data that is not clean count as on floats; a few of its values may be read (a
+    flag, a count): READ_BUDGET."""
 
     def __init__(
         self, allowed: frozenset[str] = frozenset(), *, copies_compute: bool = False, inputs=()
@@ -89,64 +115,46 @@ class HostOps(TorchDispatchMode):
         super().__init__()
         self.allowed = (BOOKKEEPING - DATA_MOVEMENT if copies_compute else BOOKKEEPING) | allowed
         self.first: str | None = None
-        # Integer and boolean data a Triton kernel may have written (every such argument of a
-        # launch but the call's own inputs, and copies of it), by storage: what a kernel writes
-        # can be a floating-point tensor's bits or values, whatever its dtype, so host ops on it
-        # count as on floats. A few of its values may be read (a flag, a count): READ_BUDGET.
-        self.device_written: set[tuple[int, int]] = set()
         self.inputs = {_storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+        # Integer and boolean storages made from clean data since the last launch.
+        self.clean: set[tuple[int, int]] = set()
         self.values_read = 0
-        # Integer and boolean tensors the call made (by storage): a compiled kernel can reach
-        # them by pointer arithmetic from its arguments, so each launch marks them all.
-        self.made: set[tuple[int, int]] = set()
         # The inputs whose writes no mapping prevents, with their bits at the call's start.
         self.guarded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.reads: HostReads | None = None
-        self.launching = 0  # inside a Triton launch (the interpreter writes its arguments back)
+        # Inside the interpreter's own copies of a launch's arguments (to the host and back, every
+        # argument, changed or not): its bookkeeping, not the candidate's host code.
+        self.copying_arguments = 0
 
     def guard(self, tensors) -> None:
         """Keep the bits of `tensors` (inputs on writable memory) to compare after each launch."""
         with _disable_current_modes():
             self.guarded = [(t, _bits(t).clone()) for t in tensors if isinstance(t, torch.Tensor)]
 
-    def after_launch(self, args) -> None:
-        """What a launch may have written: its integer arguments and every integer tensor the
-        call made, and, where writes are not prevented, the call's inputs."""
-        self.mark_written(args)
-        self.device_written |= self.made
+    def after_launch(self) -> None:
+        """A launch: nothing but the inputs stays clean, and where no mapping prevents it, the
+        inputs must not have changed."""
+        self.clean.clear()
         if self.first is None and self.guarded:
             with _disable_current_modes():
                 for t, before in self.guarded:
                     if not torch.equal(_bits(t), before):
-                        self.first = (
-                            f"a kernel writing into the call's input ({t.dtype}, {list(t.shape)})".replace(
-                                "torch.", ""
-                            )
-                        )
+                        what = f"{t.dtype}, {list(t.shape)}".replace("torch.", "")
+                        self.first = f"a kernel writing into the call's input ({what})"
                         break
 
-    def mark_written(self, tensors) -> None:
-        for t in tensors:
-            if (
-                isinstance(t, torch.Tensor)
-                and not _floating(t)
-                and (key := _storage_key(t)) not in self.inputs
-            ):
-                self.device_written.add(key)
+    def _unclean(self, t) -> bool:
+        """Integer or boolean data a kernel may have written (see the class docstring)."""
+        if not isinstance(t, torch.Tensor) or _floating(t):
+            return False
+        key = _storage_key(t)
+        return key not in self.clean and key not in self.inputs
 
-    def _written(self, t) -> bool:
-        return (
-            bool(self.device_written)
-            and isinstance(t, torch.Tensor)
-            and not _floating(t)
-            and _storage_key(t) in self.device_written
-        )
-
-    def read_written(self, count: int, what: str) -> None:
-        """`count` values of device-written data read into Python: past READ_BUDGET, reading data."""
+    def read_unclean(self, count: int, what: str) -> None:
+        """`count` values of such data read into Python: past READ_BUDGET, reading data."""
         self.values_read += count
         if self.first is None and self.values_read > READ_BUDGET:
-            self.first = f"{what} ({self.values_read} values a kernel wrote, read into Python)"
+            self.first = f"{what} ({self.values_read} values a kernel may have written, read into Python)"
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -158,13 +166,12 @@ class HostOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.copying_arguments:
+            return func(*args, **kwargs)  # a kernel's writes there: after_launch compares
         # Rule read-only inputs: host code never writes the call's inputs (a stash for the
         # data's bits, put back before the call returns, would otherwise pass every check). The
         # write is not made; the first such op is reported.
-        # Inside a launch the interpreter copies every argument back, changed or not: a kernel's
-        # (or a launch hook's) write there is the comparison's to find (after_launch), or faults
-        # on read-only memory.
-        target = None if self.launching else _written_input(func, args, kwargs, self.inputs)
+        target = _written_input(func, args, kwargs, self.inputs)
         if target is not None:
             if self.first is None:
                 self.first = f"{func} writing into the call's input ({target.dtype})".replace("torch.", "")
@@ -183,27 +190,27 @@ class HostOps(TorchDispatchMode):
         if self.first is None and read:
             self.first = f"{func} on {args[0].dtype} (a value read into Python)".replace("torch.", "")
         inputs = [*tree_leaves(args), *tree_leaves(kwargs)]
-        outputs = tree_leaves(out)
-        written = [t for t in inputs if self._written(t)]
-        if written or any(_floating(t) for t in inputs):
-            # A copy of device-written data is device-written too, and integers made from
-            # floating-point data (a cast of values scaled to integers) are the data.
-            self.mark_written(outputs)
-        for t in outputs:
-            if (
-                isinstance(t, torch.Tensor)
-                and not _floating(t)
-                and (key := _storage_key(t)) not in self.inputs
-            ):
-                self.made.add(key)
-        if self.first is None and func.overloadpacket.__name__ not in self.allowed:
+        unclean = [t for t in inputs if self._unclean(t)]
+        name = func.overloadpacket.__name__
+        # What the op made is clean where everything it read is (an allocation like a float
+        # tensor reads none of its values); a view shares its base's storage, and so its state.
+        if name not in VIEWS:
+            from_floats = name not in ALLOCATIONS and any(_floating(t) for t in inputs)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and not _floating(t):
+                    key = _storage_key(t)
+                    if unclean or from_floats:
+                        self.clean.discard(key)
+                    elif key not in self.inputs:
+                        self.clean.add(key)
+        if self.first is None and name not in self.allowed:
             floating = [t for t in [*inputs, *tree_leaves(out)] if _floating(t)]
             if floating:
                 self.first = f"{func} on {floating[0].dtype}".replace("torch.", "")
-            elif written:
-                self.first = f"{func} on {written[0].dtype} a kernel wrote".replace("torch.", "")
-        elif written and func is torch.ops.aten._local_scalar_dense.default:
-            self.read_written(1, f"{func} on {written[0].dtype}".replace("torch.", ""))
+            elif unclean:
+                self.first = f"{func} on {unclean[0].dtype} a kernel may have written".replace("torch.", "")
+        elif unclean and func is torch.ops.aten._local_scalar_dense.default:
+            self.read_unclean(1, f"{func} on {unclean[0].dtype}".replace("torch.", ""))
         return out
 
 
@@ -211,7 +218,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     """`t`'s bytes as integers of its element size (NaNs compare equal to themselves so)."""
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
-    if not (t.is_floating_point() or t.is_complex()):
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if not t.is_floating_point():
         return t
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
@@ -258,6 +267,23 @@ def _bench_unwatched(bench):
                 return bench(self, *args, **kwargs)
         finally:
             del fn.run
+
+    wrapper.recforge_wrapped = True
+    return wrapper
+
+
+def _argument_copies(copy):
+    """The interpreter's copies of a launch's arguments, marked as such for the watch."""
+
+    def wrapper(*args, **kwargs):
+        ops = _CURRENT[-1] if _CURRENT else None
+        if ops is None:
+            return copy(*args, **kwargs)
+        ops.copying_arguments += 1
+        try:
+            return copy(*args, **kwargs)
+        finally:
+            ops.copying_arguments -= 1
 
     wrapper.recforge_wrapped = True
     return wrapper
@@ -313,15 +339,9 @@ def _checked_launch(run):
                 and any(isinstance(v, torch.Tensor) for v in tree_leaves(value))
             ):
                 raise TypeError(f"a tensor passed as the compile-time constant {name} of a kernel")
-        ops = _CURRENT[-1] if _CURRENT else None
-        if ops is None:
-            return run(self, *args, **kwargs)
-        ops.launching += 1
-        try:
-            launched = run(self, *args, **kwargs)
-        finally:
-            ops.launching -= 1
-        ops.after_launch([*tree_leaves(args), *tree_leaves(kwargs)])
+        launched = run(self, *args, **kwargs)
+        if _CURRENT:
+            _CURRENT[-1].after_launch()
         return launched
 
     wrapper.recforge_wrapped = True
@@ -342,10 +362,17 @@ def prepare_triton(kernel_classes: list[type]) -> None:
         run = cls.__dict__.get("run")
         if run is not None and not getattr(run, "recforge_wrapped", False):
             cls.run = _checked_launch(run)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     bench = Autotuner.__dict__.get("_bench")
     if bench is not None and not getattr(bench, "recforge_wrapped", False):
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         Autotuner._bench = _untimed if interpreted else _bench_unwatched(bench)
+    if interpreted:
+        from triton.runtime import interpreter
+
+        for name in ("_init_args_hst", "_restore_args_dev"):
+            copy = interpreter.GridExecutor.__dict__.get(name)
+            if copy is not None and not getattr(copy, "recforge_wrapped", False):
+                setattr(interpreter.GridExecutor, name, _argument_copies(copy))
 
 
 # Tensor methods that read values into host Python, which no aten op shows (tolist; printing,
@@ -375,8 +402,8 @@ class HostReads(TorchFunctionMode):
             what = f"Tensor.{name} on {getattr(args[0], 'dtype', '?')}".replace("torch.", "")
             if _floating(args[0]):
                 self.ops.first = what
-            elif name in BULK_READS and self.ops._written(args[0]):
-                self.ops.read_written(args[0].numel(), what)
+            elif name in BULK_READS and self.ops._unclean(args[0]):
+                self.ops.read_unclean(args[0].numel(), what)
         return func(*args, **(kwargs or {}))
 
 

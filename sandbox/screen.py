@@ -67,8 +67,9 @@ ALLOWED_TRITON = frozenset(
 )
 
 # Rule kit: the kernel library's shared helpers and launch utilities (kernels/kit): from each
-# module the names it exports (kernels.kit.exports), imported by name (`from kernels.kit.attention import
-# _dot`); the module itself is never a value, so nothing else of it (its own imports) is reachable.
+# module the names it exports (kernels.kit.exports), imported by name (`from kernels.kit.attention
+# import _dot`), and only so: never the kit or one of its modules as a value, through which its
+# other attributes (its own imports) would be reachable.
 KIT_PACKAGE = "kernels.kit"
 
 TORCH_DTYPES = frozenset(
@@ -350,6 +351,9 @@ class _Screen:
                     # never relative, never `*`.
                     ok = not node.level and alias.name != "*"
                     ok = ok and (self.allowed_name(target) or target in self.namespaces)
+                    # Rule kit: of the library, names a kit module exports, never a module.
+                    if target.split(".")[0] == KIT_PACKAGE.split(".")[0]:
+                        ok = ok and self.allowed_name(target)
                 detail = f"import from {'.' * node.level + module!r} of {alias.name!r}"
             if not ok:
                 self.flag("imports", node, detail)

@@ -237,11 +237,15 @@ def _cuda_map(
     ptr = ctypes.c_ulonglong()
     _cu("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
         ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))  # fmt: skip
+    mapped = False
     try:
         _cu("cuMemMap", ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
+        mapped = True
         access = _AccessDesc(prop.location, flags)
         _cu("cuMemSetAccess", ptr, ctypes.c_size_t(size), ctypes.byref(access), ctypes.c_size_t(1))
     except SharedMemoryError:
+        if mapped:
+            _cu("cuMemUnmap", ptr, ctypes.c_size_t(size))
         _cu("cuMemAddressFree", ptr, ctypes.c_size_t(size))
         raise
 

@@ -61,7 +61,9 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     lengths = lengths_of(shape, seed)
     offsets = offsets_of(lengths, torch.int32 if seed % 2 else torch.int64)
     rows, dim = len(lengths) * padded_len(shape), shape.params["dim"]
-    dense = random_rows(rows, dim, shape.torch_dtype, seed + 1, device).view(len(lengths), -1, dim)
+    dense = random_rows(rows, dim, shape.torch_dtype, seed + 1, device).view(
+        len(lengths), padded_len(shape), dim
+    )
     kwargs = {"total": int(offsets[-1])}
     return Inputs(args=(dense, offsets.to(device)), kwargs=kwargs)
 

@@ -79,7 +79,7 @@ TARGET_FOLD = [
     ("kernels.ops, bounds, CUDA graph", "ops-graph", BOUNDS, {}),
 ]
 # The last key tile of a sequence shifted back to end at its last key, against the masked loop
-# after the pipelined one, the default (kernels/attention.py: SHIFT_LAST_MAX_KEYS) and the
+# after the pipelined one, the default (kernels/kit/attention_forward.py: SHIFT_LAST_MAX_KEYS) and the
 # previous commit.
 NO_SHIFT = {"shift_last": False}
 SHIFT = [

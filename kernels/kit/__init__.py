@@ -3,9 +3,11 @@ candidate may import besides the kernel languages (sandbox.screen allows `from k
 import <name>` for the names a module lists in its `__all__`). A candidate then holds the kernels
 it changes and its entry, not a copy of the library.
 
-The kit is part of what a candidate's source means: its content hash (`kit_hash`) is part of
-every candidate's identity and is recorded in each library entry, and dispatch refuses an entry
-built against another kit (kernels.registry), with the reason shown by `recforge library list`.
+The kit is part of what a candidate's source means: its content hash (`kit_hash`, over every
+module of the kit, so that an edit of any of them re-verifies every entry built on it) is part of
+every kit-using candidate's identity and is recorded in each library entry, and dispatch refuses
+an entry built against another kit (kernels.registry), with the reason shown by `recforge
+library list`.
 Modules: `attention`, the attention families' device helpers, checks, host-side layout and
 public launchers (which take the kernels' launch function); `attention_forward`, their forward
 kernel, which forward candidates start from and gradient candidates run for the statistics
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import re
 from pathlib import Path
 
 MODULES = ("attention", "attention_forward")
@@ -36,8 +39,10 @@ def exports(name: str) -> frozenset[str]:
 
 
 def uses_kit(source: str) -> bool:
-    """Whether a candidate's source imports the kit (the screen allows no other way to reach it)."""
-    return "kernels.kit" in source
+    """Whether a candidate's source may import the kit: it names `kernels` (an import from the
+    kit, `from kernels.kit.<module> import <name>`, is the only way the screen lets it in, and
+    however it is spaced it names the package)."""
+    return re.search(r"\bkernels\b", source) is not None
 
 
 @functools.cache

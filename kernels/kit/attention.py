@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import MappingProxyType
 
 import torch
 import triton
@@ -158,11 +159,14 @@ __all__ = [
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ACTIVATIONS = {
-    "jagged_attention": ("softmax", "silu"),
-    "gdpa": ("gelu", "silu", "relu", "none"),
-    "target_attention": ("softmax", "silu"),
-}
+# Read-only: a candidate may import it, and the library's own kernels read it in the same process.
+ACTIVATIONS = MappingProxyType(
+    {
+        "jagged_attention": ("softmax", "silu"),
+        "gdpa": ("gelu", "silu", "relu", "none"),
+        "target_attention": ("softmax", "silu"),
+    }
+)
 
 
 # What the public launchers call to run the kernels: forward.launch_forward and

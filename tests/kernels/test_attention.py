@@ -1,5 +1,6 @@
-"""The attention family's default kernels (kernels/attention.py) and the recforge::jagged_attention,
-recforge::gdpa and recforge::target_attention ops, forward and every gradient, against autograd of
+"""The attention family's default kernels (kernels.attention: the kit's forward and
+kernels/attention/backward.py) and the recforge::jagged_attention, recforge::gdpa and
+recforge::target_attention ops, forward and every gradient, against autograd of
 search_space.attention's references computed in fp64 on the same inputs.
 
 On a CPU the kernels run in the Triton interpreter with 16 x 16 tiles, so the short sequences
