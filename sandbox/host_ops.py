@@ -59,6 +59,9 @@ ALLOCATIONS = frozenset(
     {
         "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like",
         "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "arange",
+        # A tensor of Python values (torch.tensor): values read into Python count where they are
+        # read (READ_BUDGET), so what is made of them is clean.
+        "lift_fresh", "lift_fresh_copy",
     }
 )  # fmt: skip
 
@@ -195,11 +198,12 @@ class HostOps(TorchDispatchMode):
         # What the op made is clean where everything it read is (an allocation like a float
         # tensor reads none of its values); a view shares its base's storage, and so its state.
         if name not in VIEWS:
-            from_floats = name not in ALLOCATIONS and any(_floating(t) for t in inputs)
+            reads = name not in ALLOCATIONS
+            from_floats = reads and any(_floating(t) for t in inputs)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and not _floating(t):
                     key = _storage_key(t)
-                    if unclean or from_floats:
+                    if (reads and unclean) or from_floats:
                         self.clean.discard(key)
                     elif key not in self.inputs:
                         self.clean.add(key)

@@ -174,6 +174,7 @@ def screen_rules(problem: Problem) -> dict:
         "torch": sorted(screen.ALLOWED_TORCH - screen.TORCH_DTYPES) + [e for e in extras if "." in e],
         "attributes": sorted(screen.VALUE_ATTRIBUTES | {e for e in extras if "." not in e}),
         "builtins": sorted(screen.ALLOWED_BUILTINS - {"None", "True", "False", "Ellipsis", "NotImplemented"}),
+        "kit": {module: sorted(screen.kit_exports(module)) for module in screen.kit_modules()},
     }
 
 

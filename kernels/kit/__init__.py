@@ -16,10 +16,10 @@ their backward reads.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
-import re
 from pathlib import Path
 
 MODULES = ("attention", "attention_forward")
@@ -38,11 +38,21 @@ def exports(name: str) -> frozenset[str]:
     return frozenset(importlib.import_module(f"{__name__}.{name}").__all__)
 
 
+@functools.lru_cache(maxsize=512)
 def uses_kit(source: str) -> bool:
-    """Whether a candidate's source may import the kit: it names `kernels` (an import from the
-    kit, `from kernels.kit.<module> import <name>`, is the only way the screen lets it in, and
-    however it is spaced it names the package)."""
-    return re.search(r"\bkernels\b", source) is not None
+    """Whether a candidate's source imports from the kit (`from kernels.kit.<module> import
+    <name>`, the only way the screen lets it in), read from its imports however they are spaced;
+    a source that does not parse imports nothing."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kernels":
+            return True
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "kernels" for a in node.names):
+            return True
+    return False
 
 
 @functools.cache

@@ -9,9 +9,6 @@ was checked would make the result wrong. The Triton path is honest, so the statu
 # timing: yes
 
 
-_probe_ix = torch.arange(4)
-
-
 def _watched():
     a = [0]
     b = [0]
@@ -19,7 +16,7 @@ def _watched():
     ib = id(b)
     a = None
     b = None
-    _kept = _probe_ix + 1  # alive while the lists below are made
+    _kept = torch.arange(4) + 1  # alive while the lists below are made
     c = [0]
     d = [0]
     return not (id(c) == ib and id(d) == ia)
