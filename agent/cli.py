@@ -686,8 +686,9 @@ def library_import(
 def bench_dispatch(
     calls: Annotated[int, typer.Option(min=100, help="resolves per measurement")] = 20_000,
 ) -> None:
-    """Host microseconds dispatch takes to choose the kernel for one call."""
-    from evals.bench_dispatch import run_dispatch_benchmark
+    """Host microseconds dispatch takes to choose the kernel for one call, and per op what every
+    call pays before its kernel: its shape bucket and the choice for it."""
+    from evals.bench_dispatch import run_dispatch_benchmark, run_op_dispatch_benchmark
 
     result = run_dispatch_benchmark(calls=calls)
     table = _table(
@@ -695,6 +696,11 @@ def bench_dispatch(
     )
     for name, row in result["rows"].items():
         table.add_row(name, f"{row['us_per_call']:.2f}", f"{row['spread']:.2f}")
+    console.print(table)
+    per_op = run_op_dispatch_benchmark(calls=max(100, calls // 4))
+    table = _table("op", "bucket", "bucket us", "bucket and choice us", title="per op, before its kernel")
+    for name, row in per_op["rows"].items():
+        table.add_row(name, row["bucket"], f"{row['bucket_us']:.2f}", f"{row['total_us']:.2f}")
     console.print(table)
 
 

@@ -5,10 +5,12 @@ this machine's device: a GPU's architecture where there is one, else the interpr
 A choice is made once per (op, device, dtype, bucket, graph) and manifest version; what every
 call pays is one cache lookup and the bookkeeping (the manifest is looked at again every
 `kernels.registry.RECHECK_S` seconds, or after a write in this process). The kernel's launch is not
-part of it (`recforge bench ops` times the ops whole)."""
+part of it (`recforge bench ops` times the ops whole). Per declared op, `run_op_dispatch_benchmark`
+times what every call pays before its kernel: the op's shape bucket and the choice for it."""
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -57,3 +59,52 @@ def run_dispatch_benchmark(calls: int = 20_000, repeats: int = 7) -> dict:
     finally:
         DISPATCHER._library = original
     return {"device": str(device), "arch": arch, "entries": len(ENTRIES), "calls": calls, "rows": rows}
+
+
+def _mean_us(fn, calls: int, repeats: int) -> float:
+    """Median over `repeats` of the mean host microseconds of `fn()` over `calls` calls."""
+    fn()  # once first: a choice's import, a cache's first entry
+    means = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(means)
+
+
+def run_op_dispatch_benchmark(calls: int = 5_000, repeats: int = 5) -> dict:
+    """Per declared op, the host microseconds of what every call pays before its kernel: the
+    op's shape bucket (from its arguments' shapes and bounds) and the choice of kernel for it,
+    on the inputs of the op's first check shape (a bucket reads shapes and bounds, never data,
+    so their size does not matter)."""
+    from kernels import ops
+    from search_space import get_problem, problem_names
+    from search_space.op import get_op
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    rows = {}
+    for name in problem_names():
+        try:
+            op = get_op(name)
+        except ValueError:  # a problem without an op of its own
+            continue
+        forward = name.removesuffix("_grad")
+        ops.op(forward)  # defines the op (and its gradient op) with its default kernels
+        problem = get_problem(name)
+        shape = problem.check_shapes[0]
+        inputs = problem.without_statistics(problem.make_inputs(shape, 7, device))
+        bucket = functools.partial(op.bucket, *inputs.args, **inputs.kwargs)
+        key = {"device": device, "dtype": shape.dtype}
+
+        def choice(b=bucket, k=key, n=name) -> None:
+            DISPATCHER.resolve(n, bucket=b(), **k)
+
+        rows[name] = {
+            "bucket": bucket(),
+            "bucket_us": _mean_us(bucket, calls, repeats),
+            "total_us": _mean_us(choice, calls, repeats),
+        }
+    return {"device": str(device), "arch": device_arch(device), "calls": calls, "rows": rows}

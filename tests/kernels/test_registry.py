@@ -226,6 +226,24 @@ def test_the_dispatch_benchmark_measures_both_choices_and_restores_the_library()
     assert all(row["us_per_call"] > 0 for row in result["rows"].values())
 
 
+def test_the_dispatch_benchmark_times_each_ops_bucket_and_choice() -> None:
+    """Every declared op gets a row: the bucket its first check shape falls in, the same as the
+    problem computes for that shape (one bucket function for problem and dispatch), and the host
+    time of the bucket alone and with the choice."""
+    from evals.bench_dispatch import run_op_dispatch_benchmark
+    from search_space import get_problem, problem_names
+
+    result = run_op_dispatch_benchmark(calls=20, repeats=1)
+    assert {"embedding_bag", "jagged_attention", "jagged_attention_grad", "dense_to_jagged"} <= set(
+        result["rows"]
+    )
+    for name, row in result["rows"].items():
+        problem = get_problem(name)
+        assert row["bucket"] == problem.bucket(problem.check_shapes[0]), name
+        assert row["bucket_us"] > 0 and row["total_us"] > 0, (name, row)
+    assert set(result["rows"]) <= set(problem_names())
+
+
 def test_triton_reads_the_verified_text_not_the_file(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
     """The module runs the text that was hashed, and source inspection (Triton's way to its
     kernels) sees that same text, even where the file changes after the check."""
