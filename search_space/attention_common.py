@@ -55,14 +55,17 @@ from search_space.template import Knob, KnobTemplate
 # Per row (a token's output over all heads, or a candidate's): the same two roundings err by at
 # most about 0.0032 (bf16) and 0.0004 (fp16) of the error scale per element, so a row's error
 # norm stays near that fraction of scale * sqrt(row width), concentrated (rows are hundreds of
-# elements wide); row_atol allows three times it, as the norm bound does, and row_rtol one more
-# unit of rounding of the row's own norm for rows far larger than the scale. A zeroed row fails
+# elements wide); row_atol allows three times it, as the norm bound does, and row_rtol four units
+# of rounding of the row's own norm for rows far larger than the scale (a silu row whose terms
+# cancel erred by 2.8 units in one interpreted CI run: bf16, head dim 16, targets and a bias,
+# against a bound of one unit then). A row 25% wrong, or rounded to a grid that coarse, is still
+# far outside it. A zeroed row fails
 # wherever its own RMS exceeds about a hundredth of the scale: short and medium softmax rows
 # average fewer than 10^4 keys, so theirs does.
 TOLERANCES = {
     "fp32": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=2e-5, row_rtol=1e-5, row_atol=2e-5),
-    "bf16": Tolerance(atol=2e-2, rtol=2e-2, norm_rtol=1e-2, row_rtol=2**-8, row_atol=1e-2),
-    "fp16": Tolerance(atol=3e-3, rtol=3e-3, norm_rtol=1.5e-3, row_rtol=2**-11, row_atol=1.5e-3),
+    "bf16": Tolerance(atol=2e-2, rtol=2e-2, norm_rtol=1e-2, row_rtol=2**-6, row_atol=1e-2),
+    "fp16": Tolerance(atol=3e-3, rtol=3e-3, norm_rtol=1.5e-3, row_rtol=2**-9, row_atol=1.5e-3),
 }
 
 # The softmax forwards' saved statistics: the log2-sum-exp of each query row's scores, which
