@@ -295,6 +295,12 @@ class RunnerProcess:
         error = reply.get("error") if isinstance(reply.get("error"), dict) else {}
         status = Status.COMPILE_ERROR if error.get("kind") == "compile_error" else Status.RUNTIME_ERROR
         text = str(error.get("message", "the runner refused the request"))[:2000]
+        if error.get("kind") == "host_compute":  # rule host compute: what the watch found, then an error
+            status = Status.SUSPICIOUS
+            text = (
+                f"host code computed on floating-point tensors with {text}: the op must be computed by "
+                "its Triton kernels"
+            )
         raise Verdict(status, f"{where}: {text}", log=str(error.get("traceback", ""))[-LOG_TAIL_CHARS:])
 
     def _how_it_ended(self) -> str:

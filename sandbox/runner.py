@@ -58,8 +58,19 @@ def _is_compile_error(exc: BaseException) -> bool:
     return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources"})
 
 
+class HostCompute(Exception):
+    """A call that raised after the watch found host compute in it (sandbox.host_ops)."""
+
+
 def _error(exc: BaseException) -> dict:
     # No prefix saying where: the judge names the step it asked for (judge.RunnerProcess.ask).
+    if isinstance(exc, HostCompute):
+        cause = exc.__cause__
+        return {
+            "kind": "host_compute",
+            "message": f"{exc} (then the call raised {type(cause).__name__}: {cause})"[:2000],
+            "traceback": traceback.format_exc()[-TRACEBACK_CHARS:],
+        }
     return {
         "kind": "compile_error" if _is_compile_error(exc) else "runtime_error",
         "message": f"{type(exc).__name__}: {exc}"[:2000],
@@ -302,7 +313,13 @@ class Runner:
             with host_ops.watching(
                 True, self.host_float_ops, copies_compute=copies, inputs=inputs, guarded=guarded
             ) as watch:
-                out = self.fn(*args, **kwargs)
+                try:
+                    out = self.fn(*args, **kwargs)
+                except Exception as exc:
+                    # What the watch found before the call raised is said with the error.
+                    if watch.first is not None:
+                        raise HostCompute(watch.first) from exc
+                    raise
             if watch.first is not None:
                 self.host_compute[cid] = watch.first
         else:

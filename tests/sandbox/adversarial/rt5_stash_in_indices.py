@@ -5,10 +5,10 @@ float bits, chunk by chunk, into the `indices` input itself; host torch code dec
 back. Host code then gathers rows by subscripting and sums bags by integer prefix sums (rt4's
 arithmetic); a last kernel scales fixed point to floats. The kernels know nothing of the op.
 Must not be accepted.
-Held: the call's inputs are read-only (a kernel's write is found after its launch, or faults on
-the GPU's read-only mapping; the host's restore is refused), so the indices stay what the kernel
-made of them and the call fails."""
-# expect: runtime_error | out of bounds
+Held: the call's inputs are read-only: the kernel's write is found after its launch (on a GPU it
+faults on the read-only mapping) and the host's restore is refused, so the call fails on the
+indices the kernel made, and the judge is told what the watch found first."""
+# expect: suspicious | a kernel writing into the call's input
 # expect-gpu: runtime_error |
 # base: yes
 # timing: yes
