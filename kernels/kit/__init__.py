@@ -1,13 +1,14 @@
 """The kit: the kernel library's shared Triton helpers and launch utilities, the one package a
 candidate may import besides the kernel languages (sandbox.screen allows `from kernels.kit.<module>
-import <name>` for the names a module lists in its `__all__`). A candidate then holds the kernels
-it changes and its entry, not a copy of the library.
+import <name>` for the names `exports` gives, and nothing else of the library). A candidate then
+holds the kernels it changes and its entry, not a copy of the library.
 
 The kit is part of what a candidate's source means: its content hash (`kit_hash`, over every
 module of the kit, so that an edit of any of them re-verifies every entry built on it) is part of
 every kit-using candidate's identity and is recorded in each library entry, and dispatch refuses
 an entry built against another kit (kernels.registry), with the reason shown by `recforge
 library list`.
+
 Modules: `attention`, the attention families' device helpers, checks, host-side layout and
 public launchers (which take the kernels' launch function); `attention_forward`, their forward
 kernel, which forward candidates start from and gradient candidates run for the statistics
