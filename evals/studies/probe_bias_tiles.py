@@ -26,7 +26,8 @@ def try_tile(shape_name: str, dtype: str, tile: dict | None) -> dict:
     """One forward at `shape_name` with `tile` forced on the launcher, against the reference."""
     import torch
 
-    from kernels import attention, ops
+    from kernels import ops
+    from kernels.kit import attention
     from sandbox.protocol import compare, fresh_seed
     from search_space import get_problem
 
