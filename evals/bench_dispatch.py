@@ -24,14 +24,33 @@ from search_space.embedding_bag import TEMPLATE
 ENTRIES = (4, 8, 16, 32)  # BLOCK_L of the entries registered for the measured key
 
 
+def _device() -> torch.device:
+    """The GPU, else the CPU with Triton's interpreter (where the library's kernels run there)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return device
+
+
+def _means_us(fn, calls: int, repeats: int) -> list[float]:
+    """The mean host microseconds of `fn()` over `calls` calls, `repeats` times (after one call:
+    a choice's import, a cache's first entry)."""
+    fn()
+    means = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - start) / calls * 1e6)
+    return means
+
+
 def run_dispatch_benchmark(calls: int = 20_000, repeats: int = 7) -> dict:
     """Median (over `repeats`) of the mean host microseconds per resolve, with entries of the
     key, and without (the default kernel)."""
     import kernels.ops  # noqa: F401  (registers the ops)
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # where the library's kernels run on a CPU
+    device = _device()
     arch = device_arch(device)
     original = DISPATCHER.library
     rows = {}
@@ -49,28 +68,11 @@ def run_dispatch_benchmark(calls: int = 20_000, repeats: int = 7) -> dict:
                 chosen = DISPATCHER.resolve("embedding_bag", **key).name  # the choice, the import
                 if chosen.startswith("library:") != (name == "library entry"):
                     raise RuntimeError(f"dispatch chose {chosen} for the {name} case")
-                means = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        DISPATCHER.resolve("embedding_bag", **key)
-                    means.append((time.perf_counter() - start) / calls * 1e6)
+                means = _means_us(lambda k=key: DISPATCHER.resolve("embedding_bag", **k), calls, repeats)
                 rows[name] = {"us_per_call": statistics.median(means), "spread": max(means) - min(means)}
     finally:
         DISPATCHER._library = original
     return {"device": str(device), "arch": arch, "entries": len(ENTRIES), "calls": calls, "rows": rows}
-
-
-def _mean_us(fn, calls: int, repeats: int) -> float:
-    """Median over `repeats` of the mean host microseconds of `fn()` over `calls` calls."""
-    fn()  # once first: a choice's import, a cache's first entry
-    means = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        means.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(means)
 
 
 def run_op_dispatch_benchmark(calls: int = 5_000, repeats: int = 5) -> dict:
@@ -82,9 +84,7 @@ def run_op_dispatch_benchmark(calls: int = 5_000, repeats: int = 5) -> dict:
     from search_space import get_problem, problem_names
     from search_space.op import get_op
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
+    device = _device()
     rows = {}
     for name in problem_names():
         try:
@@ -104,7 +104,7 @@ def run_op_dispatch_benchmark(calls: int = 5_000, repeats: int = 5) -> dict:
 
         rows[name] = {
             "bucket": bucket(),
-            "bucket_us": _mean_us(bucket, calls, repeats),
-            "total_us": _mean_us(choice, calls, repeats),
+            "bucket_us": statistics.median(_means_us(bucket, calls, repeats)),
+            "total_us": statistics.median(_means_us(choice, calls, repeats)),
         }
     return {"device": str(device), "arch": device_arch(device), "calls": calls, "rows": rows}

@@ -200,8 +200,7 @@ class Runner:
         writable = message.get("writable", True) is not False
         region = shared.import_region(message["device"], fds[0], int(message["nbytes"]), writable=writable)
         self.regions[int(message["id"])] = region
-        # Whether a kernel's write into it faults; where not, watched calls compare its inputs.
-        return {"ok": True, "read_only": region.read_only}
+        return {"ok": True}
 
     def op_drop(self, message: dict, fds: list[int]) -> dict:
         for cid in message.get("calls", []):
