@@ -376,7 +376,10 @@ def test_the_runner_cannot_exhaust_the_hosts_memory_or_pids(tmp_path: Path) -> N
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
 def test_a_judge_held_to_few_tasks_still_starts_its_runner(tmp_path: Path) -> None:
     """A judge held to fewer tasks than the budget (a small `ulimit -u`): its runner starts,
-    and forks until the judge's limit."""
+    and its forks end in EAGAIN below the judge's limit. Where the judge may not lift that limit
+    (no CAP_SYS_RESOURCE, as in a default container), every task of `nobody` on the host counts
+    against it, other tests' runners included, so the runner may find it spent before its first
+    fork: how many it makes is not this test's to fix, only that it started and ended there."""
     limit = isolation.TASK_BUDGET // 4
     code = (
         "import json, resource, sys\n"
@@ -394,8 +397,8 @@ def test_a_judge_held_to_few_tasks_still_starts_its_runner(tmp_path: Path) -> No
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    _forks_end_at_the_budget(report)
-    assert report["forks"][0] < limit, report
+    forks, error = report["forks"]
+    assert error == "EAGAIN" and 0 <= forks < limit, report
 
 
 def _groups_here() -> bool:
