@@ -65,31 +65,45 @@ class UserHistory:
 
 
 class HSTULayer(nn.Module):
-    """x + W_o(norm(attn) * u) with [u, v, q, k] = silu(W norm(x)) and pointwise silu attention,
-    causal within each history, with a learned relative-position bias."""
+    """x + W_o(norm(attn) * u) with [u, v, q, k] = silu(W norm(x)) and jagged attention
+    (pointwise silu, or softmax), causal within each sequence, a sequence's last `num_targets`
+    tokens seeing the history and themselves only, with a learned relative-position bias."""
 
-    def __init__(self, config: SequenceConfig, *, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model_dim: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        num_buckets: int,
+        max_seq_len: int,
+        activation: str = "silu",
+        device: torch.device | None = None,
+    ) -> None:
         super().__init__()
-        self.config = config
-        inner = config.num_heads * config.head_dim
-        self.norm_in = nn.LayerNorm(config.model_dim, device=device)
-        self.uvqk = nn.Linear(config.model_dim, 4 * inner, device=device)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.max_seq_len, self.activation = max_seq_len, activation
+        inner = num_heads * head_dim
+        self.norm_in = nn.LayerNorm(model_dim, device=device)
+        self.uvqk = nn.Linear(model_dim, 4 * inner, device=device)
         self.norm_attn = nn.LayerNorm(inner, device=device)
-        self.out = nn.Linear(inner, config.model_dim, device=device)
-        self.rel_bias = nn.Parameter(torch.zeros(config.num_heads, config.num_buckets, device=device))
+        self.out = nn.Linear(inner, model_dim, device=device)
+        self.rel_bias = nn.Parameter(torch.zeros(num_heads, num_buckets, device=device))
 
-    def forward(self, x_TM: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        c = self.config
+    def forward(
+        self, x_TM: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         u_TI, v_TI, q_TI, k_TI = F.silu(self.uvqk(self.norm_in(x_TM))).chunk(4, dim=1)
-        heads = (-1, c.num_heads, c.head_dim)
+        heads = (-1, self.num_heads, self.head_dim)
         attn_THD = jagged_attention(
             q_TI.reshape(heads),
             k_TI.reshape(heads),
             v_TI.reshape(heads),
             offsets,
-            max_seq_len=c.max_seq_len,
-            activation="silu",
+            max_seq_len=self.max_seq_len,
+            activation=self.activation,
             causal=True,
+            num_targets=num_targets,
             rel_bias=self.rel_bias,
         )
         gated_TI = self.norm_attn(attn_THD.reshape(x_TM.shape[0], -1)) * u_TI
@@ -104,7 +118,17 @@ class SequenceArch(nn.Module):
         self.config = config
         inner = config.num_heads * config.head_dim
         self.items = nn.Embedding(config.num_items, config.model_dim, device=device)
-        self.layers = nn.ModuleList(HSTULayer(config, device=device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            HSTULayer(
+                config.model_dim,
+                config.num_heads,
+                config.head_dim,
+                num_buckets=config.num_buckets,
+                max_seq_len=config.max_seq_len,
+                device=device,
+            )
+            for _ in range(config.num_layers)
+        )
         self.kv = nn.Linear(config.model_dim, 2 * inner, device=device)
         self.seeds = nn.Linear(config.model_dim, config.num_seeds * inner, device=device)
 

@@ -1,0 +1,495 @@
+"""The GEM-class ads ranking model, request-oriented.
+
+    user tower (once per request)        candidate side (per candidate)
+    ─────────────────────────────        ──────────────────────────────
+    user features → pooled, projected    item features → pooled, projected
+    history (item, action, age) → HSTU   target attention (or GDPA) over the encoded history
+                                         dense features → one embedding
+                  └──────────── Wukong layers over the stacked embeddings ───┘
+                                 the first layer's user half once per request
+                         (sparse mixture of experts) → CTR and CVR heads
+
+Every op with a kernel of its own goes through `kernels.ops` (embedding bags, jagged and target
+attention, GDPA, jagged concat and split), so kernels the library registers later speed the
+model up with no change here; the rest is plain torch (linear layers, norms, small reductions).
+Nothing here imports triton.
+
+`forward` computes everything that depends only on the user once per request and broadcasts it
+to the request's candidates; `naive_forward` gives every candidate its own copy of its request
+(what a ranking service without request-oriented inference computes), for comparison: both
+score a batch alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.ops import embedding_bag, gdpa, jagged_concat, jagged_split, target_attention
+from model.config import FeatureConfig, ModelConfig
+from model.data import Bags, RequestBatch
+from model.sequence import HSTULayer
+
+
+def mlp(in_dim: int, dims: Sequence[int], *, last_activation: bool = True, device=None) -> nn.Sequential:
+    """Linear + ReLU for each size in `dims` (the last without ReLU unless last_activation)."""
+    layers: list[nn.Module] = []
+    for i, out_dim in enumerate(dims):
+        layers.append(nn.Linear(in_dim, out_dim, device=device))
+        if last_activation or i < len(dims) - 1:
+            layers.append(nn.ReLU())
+        in_dim = out_dim
+    return nn.Sequential(*layers)
+
+
+def _offsets_cat(
+    parts: Sequence[Bags], hash_sizes: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Several features' bags as one jagged input (feature-major: all of the first's bags, then
+    the second's), their ids hashed into each feature's rows: (ids, offsets, weights)."""
+    ids, offsets, weights = [], [], []
+    shift = 0
+    for bags, hash_size in zip(parts, hash_sizes, strict=True):
+        ids.append(bags.ids.remainder(hash_size))
+        offsets.append(bags.offsets[:-1] + shift)
+        shift += bags.ids.shape[0]
+        if bags.weights is not None:
+            weights.append(bags.weights)
+    end = parts[-1].offsets[-1:] + (shift - parts[-1].ids.shape[0])
+    return torch.cat(ids), torch.cat([*offsets, end]), torch.cat(weights) if weights else None
+
+
+class SparseArch(nn.Module):
+    """The embedding tables, and each side's features pooled and projected to the interaction
+    dim: one `embedding_bag` call per (table, pooling) group of a side, its features' bags
+    concatenated (features that share a table share its rows: unified embeddings)."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.interaction.dim
+        # A list, not a ParameterDict: table names ("items", "keys") may be a dict's methods.
+        self.tables = nn.ParameterList(
+            nn.Parameter(torch.empty(t.num_rows, t.dim, device=device)) for t in config.tables
+        )
+        self.table_index = {t.name: i for i, t in enumerate(config.tables)}
+        self.projections = nn.ModuleDict(
+            {
+                f"from_{t.name}": nn.Linear(t.dim, dim, bias=False, device=device)
+                for t in config.tables
+                if t.dim != dim
+            }
+        )
+        self.groups: dict[str, list[tuple[str, str, bool, list[FeatureConfig]]]] = {}
+        for side in ("user", "item"):
+            grouped: dict[tuple[str, str, bool], list[FeatureConfig]] = {}
+            for f in config.features_of(side):
+                grouped.setdefault((f.table, f.pooling, f.weighted), []).append(f)
+            self.groups[side] = [(t, p, w, fs) for (t, p, w), fs in grouped.items()]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # U(-1/sqrt(rows), 1/sqrt(rows)): pooled sums of hot rows start small whatever the size.
+        for t in self.config.tables:
+            bound = 1.0 / t.num_rows**0.5
+            nn.init.uniform_(self.table(t.name), -bound, bound)
+
+    def table(self, name: str) -> nn.Parameter:
+        return self.tables[self.table_index[name]]
+
+    def project(self, table: str, x: torch.Tensor) -> torch.Tensor:
+        key = f"from_{table}"
+        return self.projections[key](x) if key in self.projections else x
+
+    def forward(self, features: dict[str, Bags], side: str, num_bags: int) -> torch.Tensor:
+        """features: name -> bags (num_bags each) of this side's features -> [num_bags, n, dim]."""
+        pooled: dict[str, torch.Tensor] = {}
+        for table, pooling, _, feats in self.groups[side]:
+            missing = [f.name for f in feats if f.name not in features]
+            if missing:
+                raise ValueError(f"batch lacks {side} feature(s) {missing}")
+            ids, offsets, weights = _offsets_cat(
+                [features[f.name] for f in feats], [self.config.hash_size(f) for f in feats]
+            )
+            out = embedding_bag(self.table(table), ids, offsets, mode=pooling, per_sample_weights=weights)
+            out = self.project(table, out.view(len(feats), num_bags, -1))
+            for i, f in enumerate(feats):
+                pooled[f.name] = out[i]
+        return torch.stack([pooled[f.name] for f in self.config.features_of(side)], dim=1)
+
+    def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """One row per id ([N, table dim]): bags of one, through the same op as the features."""
+        offsets = torch.arange(ids.shape[0] + 1, device=ids.device)
+        return embedding_bag(self.table(table), ids, offsets)
+
+
+class HistoryEncoder(nn.Module):
+    """A request's history of (item, action, age) events, embedded (the item's row of the
+    unified item table, projected, plus learned action and age embeddings) and encoded by HSTU
+    layers; with candidates_as_targets, the request's candidates join it as targets."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | None = None) -> None:
+        super().__init__()
+        h = config.history
+        assert h is not None
+        self.config = h
+        item_dim = config.table(h.item_table).dim
+        self.item_proj = nn.Linear(item_dim, h.model_dim, device=device)
+        self.actions = nn.Embedding(h.num_actions, h.model_dim, device=device)
+        self.ages = nn.Embedding(h.time_buckets, h.model_dim, device=device)
+        self.target_marker = nn.Parameter(torch.zeros(h.model_dim, device=device))
+        self.max_seq_len = h.max_len + (h.max_targets if h.candidates_as_targets else 0)
+        self.layers = nn.ModuleList(
+            HSTULayer(
+                h.model_dim,
+                h.num_heads,
+                h.head_dim,
+                num_buckets=h.num_buckets,
+                max_seq_len=self.max_seq_len,
+                activation=h.attention,
+                device=device,
+            )
+            for _ in range(h.num_layers)
+        )
+
+    def forward(
+        self, batch: RequestBatch, items_TE: torch.Tensor, candidates_BM: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """items_TE: the history's item rows; candidates_BM: the candidates' item tokens ->
+        (encoded history [T, model_dim], encoded candidate tokens [B, model_dim] or None)."""
+        x_TM = self.item_proj(items_TE) + self.actions(batch.history_actions) + self.ages(batch.history_ages)
+        offsets, num_targets = batch.history_offsets, None
+        if self.config.candidates_as_targets:
+            if batch.max_candidates > self.config.max_targets:
+                raise ValueError(
+                    f"requests of up to {batch.max_candidates} candidates, but history.max_targets is "
+                    f"{self.config.max_targets}: raise it to encode candidates as targets"
+                )
+            targets_BM = (candidates_BM + self.target_marker).to(x_TM.dtype)
+            x_TM = jagged_concat(x_TM, batch.history_offsets, targets_BM, batch.candidate_offsets)
+            offsets = batch.history_offsets + batch.candidate_offsets
+            num_targets = batch.candidate_offsets[1:] - batch.candidate_offsets[:-1]
+        for layer in self.layers:
+            x_TM = layer(x_TM, offsets, num_targets)
+        if not self.config.candidates_as_targets:
+            return x_TM, None
+        history_TM, targets_BM = jagged_split(
+            x_TM, offsets, batch.history_offsets, first_total=batch.history_items.shape[0]
+        )
+        return history_TM, targets_BM
+
+
+class Scoring(nn.Module):
+    """Each candidate reads its request's encoded history: `num_seeds` queries from the
+    candidate's item token, by request-broadcast target attention (softmax) or by GDPA (the
+    request's candidates' queries as one jagged sequence over its history)."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | None = None) -> None:
+        super().__init__()
+        h, s = config.history, config.scoring
+        assert h is not None
+        self.config, self.heads, self.head_dim = s, h.num_heads, h.head_dim
+        inner = h.num_heads * h.head_dim
+        self.kv = nn.Linear(h.model_dim, 2 * inner, device=device)
+        self.seeds = nn.Linear(h.model_dim, s.num_seeds * inner, device=device)
+        self.out = nn.Linear(inner, config.interaction.dim, device=device)
+
+    def forward(
+        self, batch: RequestBatch, history_TM: torch.Tensor, candidates_BM: torch.Tensor
+    ) -> torch.Tensor:
+        """-> [B, num_seeds, dim]."""
+        s, shape = self.config, (-1, self.heads, self.head_dim)
+        k_TI, v_TI = self.kv(history_TM).chunk(2, dim=1)
+        k, v = k_TI.reshape(shape), v_TI.reshape(shape)
+        q = self.seeds(candidates_BM).to(k.dtype)
+        if s.attention == "target":
+            out = target_attention(
+                q.reshape(-1, s.num_seeds, self.heads, self.head_dim),
+                k,
+                v,
+                batch.history_offsets,
+                batch.cand_to_request,
+                activation="softmax",
+                max_candidates=batch.max_candidates,
+                max_history=batch.max_history,
+            )
+        else:
+            out = gdpa(
+                q.reshape(shape),
+                k,
+                v,
+                batch.candidate_offsets * s.num_seeds,
+                batch.history_offsets,
+                activation="gelu",
+                max_q_len=batch.max_candidates * s.num_seeds,
+                max_kv_len=batch.max_history,
+            )
+        return self.out(out.reshape(candidates_BM.shape[0], s.num_seeds, -1))
+
+
+class WukongLayer(nn.Module):
+    """One Wukong layer over n embeddings of `dim`: a factorization-machine block (X (X^T Y),
+    Y [n, rank], flattened, normed, an MLP to fm_outputs embeddings) beside a linear compress
+    block (W X, W [compressed_outputs, n]); their outputs, plus X (projected over n where the
+    count changes), normed.
+
+    The input may come in two parts, the user's embeddings once per request and the
+    candidate's: X = [X_u; X_c]. Whatever is linear in X is then split, and X_u's share
+    computed once per request: X^T Y = X_u^T Y_u + X_c^T Y_c, W X = W_u X_u + W_c X_c."""
+
+    def __init__(
+        self,
+        num_in: int,
+        dim: int,
+        *,
+        rank: int,
+        fm_outputs: int,
+        compressed_outputs: int,
+        mlp_dims: Sequence[int],
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_in, self.dim, self.fm_outputs = num_in, dim, fm_outputs
+        self.num_out = fm_outputs + compressed_outputs
+        self.fm_proj = nn.Parameter(torch.randn(num_in, rank, device=device) / num_in**0.5)
+        self.fm_norm = nn.LayerNorm(num_in * rank, device=device)
+        self.fm_mlp = mlp(num_in * rank, [*mlp_dims, fm_outputs * dim], last_activation=False, device=device)
+        self.compress = nn.Parameter(torch.randn(compressed_outputs, num_in, device=device) / num_in**0.5)
+        self.residual = (
+            nn.Parameter(torch.randn(self.num_out, num_in, device=device) / num_in**0.5)
+            if self.num_out != num_in
+            else None
+        )
+        self.norm = nn.LayerNorm(dim, device=device)
+
+    def forward(
+        self,
+        x_BCD: torch.Tensor,
+        x_RUD: torch.Tensor | None = None,
+        cand_to_request: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x_BCD: the candidates' embeddings [B, n_c, dim]; x_RUD: the user's, once per request
+        [R, n_u, dim] (cand_to_request [B] names each candidate's request) -> [B, n_out, dim]."""
+        n_u = 0 if x_RUD is None else x_RUD.shape[1]
+        if n_u + x_BCD.shape[1] != self.num_in:
+            raise ValueError(f"Wukong layer of {self.num_in} embeddings got {n_u} + {x_BCD.shape[1]}")
+        y_u, y_c = self.fm_proj[:n_u], self.fm_proj[n_u:]
+        p_BDK = torch.einsum("bnd,nk->bdk", x_BCD, y_c.to(x_BCD.dtype))
+        compressed = torch.einsum("ln,bnd->bld", self.compress[:, n_u:].to(x_BCD.dtype), x_BCD)
+        residual = self._mix(self.residual, n_u, x_BCD) if self.residual is not None else x_BCD
+        if x_RUD is not None:
+            assert cand_to_request is not None
+            x_RUD = x_RUD.to(x_BCD.dtype)
+            # The user's share, once per request, then broadcast to its candidates.
+            p_BDK = p_BDK + torch.einsum("rnd,nk->rdk", x_RUD, y_u.to(x_RUD.dtype))[cand_to_request]
+            compressed = (
+                compressed
+                + torch.einsum("ln,rnd->rld", self.compress[:, :n_u].to(x_RUD.dtype), x_RUD)[cand_to_request]
+            )
+            x_user_BUD = x_RUD[cand_to_request]
+            if self.residual is not None:
+                residual = (
+                    residual
+                    + torch.einsum("ln,rnd->rld", self.residual[:, :n_u].to(x_RUD.dtype), x_RUD)[
+                        cand_to_request
+                    ]
+                )
+            else:
+                residual = torch.cat([x_user_BUD, residual], dim=1)
+            fm_BNK = torch.cat([torch.bmm(x_user_BUD, p_BDK), torch.bmm(x_BCD, p_BDK)], dim=1)
+        else:
+            fm_BNK = torch.bmm(x_BCD, p_BDK)
+        fm = self.fm_mlp(self.fm_norm(fm_BNK.flatten(1))).view(-1, self.fm_outputs, self.dim)
+        return self.norm(torch.cat([fm, compressed.to(fm.dtype)], dim=1) + residual)
+
+    @staticmethod
+    def _mix(weight: torch.Tensor, n_u: int, x_BCD: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ln,bnd->bld", weight[:, n_u:].to(x_BCD.dtype), x_BCD)
+
+
+class MixtureOfExperts(nn.Module):
+    """Top-k routing over `num_experts` two-layer experts, run as grouped calls (the routed rows
+    sorted by expert, one matrix per expert), with the switch load-balancing loss."""
+
+    def __init__(self, in_dim: int, num_experts: int, top_k: int, expert_dim: int, *, device=None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = nn.Linear(in_dim, num_experts, device=device)
+        self.w1 = nn.Parameter(torch.randn(num_experts, in_dim, expert_dim, device=device) / in_dim**0.5)
+        self.b1 = nn.Parameter(torch.zeros(num_experts, expert_dim, device=device))
+        self.w2 = nn.Parameter(
+            torch.randn(num_experts, expert_dim, expert_dim, device=device) / expert_dim**0.5
+        )
+        self.b2 = nn.Parameter(torch.zeros(num_experts, expert_dim, device=device))
+
+    def forward(self, x_BF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (mixed expert outputs [B, expert_dim], load-balancing loss)."""
+        probs_BE = torch.softmax(self.gate(x_BF).float(), dim=-1)
+        top_p, top_e = probs_BE.topk(self.top_k, dim=-1)
+        weights = top_p / top_p.sum(-1, keepdim=True)
+        flat_e = top_e.flatten()
+        order = torch.argsort(flat_e, stable=True)
+        counts = F.one_hot(flat_e, self.num_experts).sum(0)
+        rows = x_BF[order // self.top_k]
+        hidden = F.relu(grouped_linear(rows, counts, self.w1, self.b1))
+        out = grouped_linear(hidden, counts, self.w2, self.b2)
+        routed = torch.empty_like(out).index_copy_(0, order, out).view(-1, self.top_k, out.shape[-1])
+        mixed = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
+        fraction = counts.float() / flat_e.numel()
+        balance = self.num_experts * (fraction * probs_BE.mean(0)).sum()
+        return mixed, balance
+
+
+def grouped_linear(
+    x_NI: torch.Tensor, counts: torch.Tensor, weight_EIO: torch.Tensor, bias_EO: torch.Tensor
+) -> torch.Tensor:
+    """Rows sorted by group, `counts[e]` rows for group e, each through its own x W_e + b_e."""
+    outs, start = [], 0
+    for e, count in enumerate(counts.tolist()):  # the group sizes, once per call
+        if count:
+            w, b = weight_EIO[e].to(x_NI.dtype), bias_EO[e].to(x_NI.dtype)
+            outs.append(torch.addmm(b, x_NI[start : start + count], w))
+        start += count
+    return torch.cat(outs) if outs else x_NI.new_zeros((0, weight_EIO.shape[-1]))
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor  # [B, tasks]
+    balance_loss: torch.Tensor  # scalar (zero without experts)
+
+
+class GEMModel(nn.Module):
+    def __init__(self, config: ModelConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        device = torch.device(device) if device is not None else None
+        self.config = c = config
+        self.sparse = SparseArch(c, device=device)
+        dim = c.interaction.dim
+        self.dense = nn.Linear(c.data.num_dense, dim, device=device)
+        self.history: HistoryEncoder | None = None
+        self.scoring: Scoring | None = None
+        self.target_out: nn.Linear | None = None
+        self.candidate_feature: FeatureConfig | None = None
+        # Embeddings: the user's features; the candidate's features, seeds, target token, dense.
+        n_user, n_item = len(c.features_of("user")), len(c.features_of("item")) + 1
+        if c.history is not None:
+            self.candidate_feature = candidate_item_feature(c)
+            self.history = HistoryEncoder(c, device=device)
+            self.scoring = Scoring(c, device=device)
+            n_item += c.scoring.num_seeds
+            if c.history.candidates_as_targets:
+                self.target_out = nn.Linear(c.history.model_dim, dim, device=device)
+                n_item += 1
+        i = c.interaction
+        layers, n = [], n_user + n_item
+        for _ in range(i.num_layers):
+            layers.append(
+                WukongLayer(
+                    n,
+                    dim,
+                    rank=i.fm_rank,
+                    fm_outputs=i.fm_outputs,
+                    compressed_outputs=i.compressed_outputs,
+                    mlp_dims=i.mlp_dims,
+                    device=device,
+                )
+            )
+            n = layers[-1].num_out
+        self.interaction = nn.ModuleList(layers)
+        self.num_user_embeddings = n_user
+        flat = n * dim
+        h = c.heads
+        self.experts = None
+        if h.num_experts:
+            self.experts = MixtureOfExperts(flat, h.num_experts, h.top_k, h.expert_dim, device=device)
+            flat = h.expert_dim
+        self.towers = nn.ModuleList(
+            nn.Sequential(mlp(flat, h.mlp_dims, device=device), nn.Linear(h.mlp_dims[-1], 1, device=device))
+            for _ in h.tasks
+        )
+
+    def user_tower(
+        self, batch: RequestBatch, candidates_BM: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What depends only on the user, once per request: (user embeddings [R, n_u, dim],
+        encoded history [T, model_dim] or None, the candidates' encoded tokens where they join
+        the history as targets, else None). candidates_BM: the candidates' item tokens."""
+        user = self.sparse(batch.user_features, "user", batch.num_requests)
+        if self.history is None or self.config.history is None:
+            return user, None, None
+        items = self.sparse.lookup(self.config.history.item_table, batch.history_items)
+        if candidates_BM is None:
+            candidates_BM = self.candidate_tokens(batch)
+        history_TM, targets_BM = self.history(batch, items, candidates_BM)
+        return user, history_TM, targets_BM
+
+    def candidate_tokens(self, batch: RequestBatch) -> torch.Tensor:
+        """Each candidate's item as a history token (its row of the unified item table)."""
+        assert self.history is not None and self.candidate_feature is not None
+        f = self.candidate_feature
+        ids = batch.item_features[f.name].ids.remainder(self.config.hash_size(f))
+        return self.history.item_proj(self.sparse.lookup(f.table, ids))
+
+    def forward(self, batch: RequestBatch) -> Output:
+        candidates_BM = self.candidate_tokens(batch) if self.history is not None else None
+        user_RUD, history_TM, targets_BM = self.user_tower(batch, candidates_BM)
+        parts = [self.sparse(batch.item_features, "item", batch.num_candidates)]
+        if self.scoring is not None:
+            assert history_TM is not None and candidates_BM is not None
+            parts.append(self.scoring(batch, history_TM, candidates_BM))
+        if targets_BM is not None:
+            assert self.target_out is not None
+            parts.append(self.target_out(targets_BM).unsqueeze(1))
+        parts.append(self.dense(batch.dense).unsqueeze(1))
+        dtype = parts[-1].dtype  # the matrix work's (bf16 under autocast)
+        x = torch.cat([p.to(dtype) for p in parts], dim=1)
+        x = self.interaction[0](x, user_RUD, batch.cand_to_request)
+        for layer in self.interaction[1:]:
+            x = layer(x)
+        flat = x.flatten(1)
+        balance = flat.new_zeros((), dtype=torch.float32)
+        if self.experts is not None:
+            flat, balance = self.experts(flat)
+        logits = torch.cat([tower(flat) for tower in self.towers], dim=1)
+        return Output(logits=logits.float(), balance_loss=balance)
+
+    def naive_forward(self, batch: RequestBatch) -> Output:
+        """The same scores with the user work repeated for every candidate (each candidate in
+        its own copy of its request): the baseline of request-oriented serving."""
+        with_all = self.config.history is not None and self.config.history.candidates_as_targets
+        copies, pick = batch.per_candidate_requests(with_all_candidates=with_all)
+        out = self.forward(copies)
+        return Output(logits=out.logits[pick], balance_loss=out.balance_loss)
+
+    def loss(self, batch: RequestBatch, output: Output | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Binary cross-entropy per task, averaged, plus the weighted load-balancing loss; the
+        per-task losses [tasks])."""
+        output = output if output is not None else self(batch)
+        per_task = F.binary_cross_entropy_with_logits(output.logits, batch.labels, reduction="none").mean(0)
+        loss = per_task.mean() + self.config.heads.balance_weight * output.balance_loss
+        return loss, per_task
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        return list(self.sparse.tables)
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        tables = {id(p) for p in self.embedding_parameters()}
+        return [p for p in self.parameters() if id(p) not in tables]
+
+
+def candidate_item_feature(config: ModelConfig) -> FeatureConfig:
+    """The item feature that names the candidate's item: a single-id feature of the history's
+    item table (its row is the candidate's token in the history's space)."""
+    assert config.history is not None
+    for f in config.features_of("item"):
+        if f.table == config.history.item_table and f.max_bag == 1:
+            return f
+    raise ValueError(
+        f"a model with a history needs an item feature of one id from table {config.history.item_table!r} "
+        "(the candidate's item)"
+    )

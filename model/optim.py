@@ -1,0 +1,54 @@
+"""Row-wise Adagrad for embedding tables: one accumulator per row, not per element.
+
+For each row i with gradient g_i (the sum over the bags that looked it up):
+    state_i += mean(g_i^2)
+    w_i     -= lr * g_i / (sqrt(state_i) + eps)
+Rows no bag looked up have a zero gradient and stay as they are, their state too. The state is
+fp32 whatever the table's dtype. A table's gradient may be dense or a sparse COO tensor of rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 0.05, eps: float = 1e-8) -> None:
+        if lr <= 0 or eps <= 0:
+            raise ValueError(f"lr and eps must be > 0, got {lr} and {eps}")
+        super().__init__(params, {"lr": lr, "eps": eps})
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(
+                        f"row-wise Adagrad updates tables [rows, dim], got shape {tuple(p.shape)}"
+                    )
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 (torch.optim.Optimizer's signature)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps = group["lr"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "sum" not in state:
+                    state["sum"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+                if p.grad.is_sparse:
+                    grad = p.grad.coalesce()
+                    rows, values = grad.indices()[0], grad.values().float()
+                    state["sum"].index_add_(0, rows, values.pow(2).mean(1))
+                    scale = lr / (state["sum"][rows].sqrt() + eps)
+                    p.index_add_(0, rows, (-values * scale.unsqueeze(1)).to(p.dtype))
+                else:
+                    grad = p.grad.float()
+                    state["sum"].add_(grad.pow(2).mean(1))
+                    step = grad * (lr / (state["sum"].sqrt() + eps)).unsqueeze(1)
+                    p.sub_(step.to(p.dtype))
+        return loss

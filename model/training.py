@@ -1,0 +1,242 @@
+"""Training the GEM-class model: AdamW for the dense parameters, row-wise Adagrad for the
+embedding tables, bf16 autocast on a GPU, optional torch.compile, held-out AUC, throughput and
+MFU, and checkpoints that resume where they stopped.
+
+Batch i of a run is a pure function of (seed, i), so a resumed run sees the batches the
+uninterrupted one would have. The held-out batches come from the same traffic (indices no
+training step reaches). Progress goes to a callback, so that a command line can draw it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.config import ModelConfig, config_from_dict
+from model.data import Batches, RequestBatch, TrafficGenerator
+from model.flops import BatchSizes, by_component, forward_flops, peak_flops, training_flops
+from model.gem import GEMModel
+from model.metrics import auc, log_loss
+from model.optim import RowWiseAdagrad
+
+# Held-out batches are drawn from indices no training run reaches.
+HELD_OUT_START = 1 << 40
+
+
+@dataclass
+class StepLog:
+    step: int
+    loss: float
+    examples_per_s: float
+    model_tflops_per_s: float
+    mfu: float | None  # None where the device's peak is unknown (a CPU)
+
+
+@dataclass
+class EvalLog:
+    step: int
+    auc: dict[str, float]
+    log_loss: dict[str, float]
+
+
+@dataclass
+class History:
+    steps: list[StepLog] = field(default_factory=list)
+    evals: list[EvalLog] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        t = config.train
+        torch.manual_seed(t.seed)
+        self.model = GEMModel(config, device=self.device)
+        self.dense_optimizer = torch.optim.AdamW(
+            self.model.dense_parameters(), lr=t.lr, weight_decay=t.weight_decay
+        )
+        self.sparse_optimizer = RowWiseAdagrad(self.model.embedding_parameters(), lr=t.embedding_lr)
+        self.traffic = TrafficGenerator(config, seed=t.seed)
+        self.step = 0
+        self.history = History()
+        self.autocast_dtype = torch.bfloat16 if t.autocast and self.device.type == "cuda" else None
+        self.peak = peak_flops(self.device, self.autocast_dtype or torch.float32)
+        self._forward: Callable[[RequestBatch], Any] = self.model
+        if t.compile:
+            self._forward = torch.compile(self.model)
+        self._held_out: list[RequestBatch] | None = None
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self, batch: RequestBatch) -> torch.Tensor:
+        """One step on `batch`; returns the loss (a device tensor: reading it syncs)."""
+        self.model.train()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        self.sparse_optimizer.zero_grad(set_to_none=True)
+        with self._autocast():
+            output = self._forward(batch)
+            loss, _ = self.model.loss(batch, output)
+        loss.backward()
+        self.dense_optimizer.step()
+        self.sparse_optimizer.step()
+        self.step += 1
+        return loss.detach()
+
+    def step_flops(self, sizes: BatchSizes) -> dict[str, float]:
+        return training_flops(forward_flops(self.config, sizes))
+
+    # --- evaluation -------------------------------------------------------------------------
+
+    def held_out(self) -> list[RequestBatch]:
+        if self._held_out is None:
+            self._held_out = [
+                self.traffic.batch(HELD_OUT_START + i).to(self.device)
+                for i in range(self.config.train.eval_batches)
+            ]
+        return self._held_out
+
+    @torch.no_grad()
+    def evaluate(self) -> EvalLog:
+        """AUC and log loss per task on the held-out batches."""
+        self.model.eval()
+        logits, labels = [], []
+        for batch in self.held_out():
+            with self._autocast():
+                logits.append(self.model(batch).logits.float())
+            labels.append(batch.labels)
+        logits_BT, labels_BT = torch.cat(logits), torch.cat(labels)
+        tasks = self.config.tasks
+        log = EvalLog(
+            step=self.step,
+            auc={t: auc(logits_BT[:, i], labels_BT[:, i]) for i, t in enumerate(tasks)},
+            log_loss={t: log_loss(logits_BT[:, i], labels_BT[:, i]) for i, t in enumerate(tasks)},
+        )
+        self.history.evals.append(log)
+        return log
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def fit(
+        self,
+        steps: int | None = None,
+        *,
+        checkpoint: Path | None = None,
+        on_step: Callable[[StepLog], None] | None = None,
+        on_eval: Callable[[EvalLog], None] | None = None,
+        log_every: int = 10,
+    ) -> History:
+        """Train until step `steps` (the config's by default), evaluating every eval_every steps
+        and at the end, saving to `checkpoint` every checkpoint_every steps and at the end."""
+        t = self.config.train
+        end = steps if steps is not None else t.steps
+        if end <= self.step:
+            return self.history
+        history = self.config.history
+        targets = history is not None and history.candidates_as_targets
+        loader = Batches(
+            self.traffic,
+            self.device,
+            start=self.step,
+            count=end - self.step,
+            measure=lambda b: BatchSizes.of(b, candidates_as_targets=targets),
+        )
+        if self.step == 0 and not self.history.evals:  # where the loss and AUC start from
+            evaluation = self.evaluate()
+            if on_eval is not None:
+                on_eval(evaluation)
+        window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
+        try:
+            for _, batch, sizes in loader:
+                loss = self.train_step(batch)
+                window_examples += sizes.candidates
+                window_flops += sum(self.step_flops(sizes).values())
+                if self.step % log_every == 0 or self.step == end:
+                    value = float(loss)  # syncs: the window's time is the device's
+                    elapsed = time.perf_counter() - window_start
+                    rate = window_flops / elapsed
+                    log = StepLog(
+                        step=self.step,
+                        loss=value,
+                        examples_per_s=window_examples / elapsed,
+                        model_tflops_per_s=rate / 1e12,
+                        mfu=None if self.peak is None else rate / self.peak,
+                    )
+                    if not math.isfinite(value):
+                        raise FloatingPointError(f"step {self.step}: the loss is {value}")
+                    self.history.steps.append(log)
+                    if on_step is not None:
+                        on_step(log)
+                    window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
+                if self.step % t.eval_every == 0 or self.step == end:
+                    evaluation = self.evaluate()
+                    if on_eval is not None:
+                        on_eval(evaluation)
+                    window_start = time.perf_counter()  # evaluation is not training time
+                if checkpoint is not None and (self.step % t.checkpoint_every == 0 or self.step == end):
+                    self.save(checkpoint)
+        finally:
+            loader.close()
+        return self.history
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Everything a resumed run needs, written atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "config": self.config.to_dict(),
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "dense_optimizer": self.dense_optimizer.state_dict(),
+            "sparse_optimizer": self.sparse_optimizer.state_dict(),
+            "history": {
+                "steps": [asdict(s) for s in self.history.steps],
+                "evals": [asdict(e) for e in self.history.evals],
+            },
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def resume(
+        cls, path: Path, device: torch.device | str = "cpu", config: ModelConfig | None = None
+    ) -> Trainer:
+        """The trainer saved at `path`. A `config` given must be the one it was trained with."""
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"no checkpoint at {path}")
+        state = torch.load(path, map_location=device, weights_only=False)
+        saved = config_from_dict(state["config"], where=f"{path} (its config)")
+        if config is not None and config.to_dict() != saved.to_dict():
+            changed = sorted(k for k in saved.to_dict() if saved.to_dict()[k] != config.to_dict().get(k))
+            raise ValueError(
+                f"{path} was trained with another config (differs in {changed}); resume without --config"
+            )
+        trainer = cls(saved, device)
+        trainer.model.load_state_dict(state["model"])
+        trainer.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        trainer.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
+        trainer.step = state["step"]
+        trainer.history = History(
+            steps=[StepLog(**s) for s in state["history"]["steps"]],
+            evals=[EvalLog(**e) for e in state["history"]["evals"]],
+        )
+        return trainer
+
+    def flops_summary(self, sizes: BatchSizes) -> dict[str, float]:
+        """A training step's FLOPs by component (for the command line's table)."""
+        return by_component(self.step_flops(sizes))
