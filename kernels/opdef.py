@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from kernels.registry import DISPATCHER, Implementation
+from kernels.trace import ACTIVE
 from search_space.op import Op, get_op
 from search_space.problem import DTYPES
 
@@ -363,6 +364,12 @@ def define(op: Op) -> Callable[..., Any]:
         return (*output, statistics) if outputs else (output, statistics)
 
     def run(args: tuple, kwargs: dict, extras: tuple):
+        """The call on the op's arguments and the extra ones, traced where a trace is on."""
+        if not ACTIVE:
+            return dispatch(args, kwargs, extras)
+        return ACTIVE[-1].record(op, args, kwargs, lambda: dispatch(args, kwargs, extras))
+
+    def dispatch(args: tuple, kwargs: dict, extras: tuple):
         """The call on the op's arguments and the extra ones: dispatch, then the implementation."""
         first = args[0] if isinstance(args[0], Tensor) else _first_tensor(args, kwargs)
         dtype = first.dtype if dtype_of is None else dtype_of(*args, **kwargs)

@@ -206,11 +206,15 @@ class HeadsConfig:
 class DataConfig:
     """The synthetic traffic: requests of power-law histories and about `candidates_per_request`
     candidates (a training batch holds `requests_per_batch` requests), `num_dense` dense
-    features per candidate, labels from a hidden ground-truth model."""
+    features per candidate, labels from a hidden ground-truth model. A serving batch holds
+    `serve_requests` requests of about `serve_candidates` candidates."""
 
     requests_per_batch: int = 256
     candidates_per_request: int = 32
     num_dense: int = 16
+    # A serving batch: about 15 requests of about 70 candidates (about 1024 candidates).
+    serve_requests: int = 15
+    serve_candidates: int = 70
     # Exponent of the power law of bag and history lengths (P(L) ~ L^-a).
     length_alpha: float = 1.1
     # The hidden model's signal strength: larger, an easier task (AUC nearer 1).
@@ -222,6 +226,8 @@ class DataConfig:
             requests_per_batch=self.requests_per_batch,
             candidates_per_request=self.candidates_per_request,
             num_dense=self.num_dense,
+            serve_requests=self.serve_requests,
+            serve_candidates=self.serve_candidates,
             length_alpha=self.length_alpha,
             signal=self.signal,
         )

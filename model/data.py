@@ -240,9 +240,11 @@ class TrafficGenerator:
         num_requests: int | None = None,
         candidates_per_request: int | None = None,
         exact_candidates: bool = False,
+        history_length: int | None = None,
     ) -> RequestBatch:
         """Batch `index` (the same batch for the same seed and index). `candidates_per_request`
-        is the mean (uniform in [c/2, 3c/2]), or every request's count with exact_candidates."""
+        is the mean (uniform in [c/2, 3c/2]), or every request's count with exact_candidates;
+        `history_length`, every request's history length (else drawn)."""
         c, d = self.config, self.config.data
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         num_requests = num_requests or d.requests_per_batch
@@ -268,6 +270,10 @@ class TrafficGenerator:
         h = c.history
         if h is not None:
             lengths = self._history_lengths(num_requests, gen)
+            if history_length is not None:
+                if not 0 <= history_length <= h.max_len:
+                    raise ValueError(f"history_length {history_length} is outside [0, max_len = {h.max_len}]")
+                lengths = torch.full_like(lengths, history_length)
             history_offsets = _offsets(lengths)
             total = int(history_offsets[-1])
             items_rows = c.table(h.item_table).num_rows

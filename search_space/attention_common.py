@@ -581,3 +581,18 @@ def library_template(problem: str, knobs: tuple[Knob, ...], constraint, module: 
 def tile_template(problem: str) -> KnobTemplate:
     """The forward of `problem` under a searchable tiling."""
     return library_template(problem, TILE_KNOBS, tile_constraint, FORWARD_MODULE)
+
+
+def attention_cost(pairs: float, rows: int, heads: int, dim: int, elem: int) -> tuple[float, float]:
+    """One attention call's FLOPs (a score and a weighted sum, 2 x head_dim multiply-adds, per
+    allowed pair and head) and minimum bytes (`rows` rows of heads x dim elements: q, k, v and
+    the output, each read or written once)."""
+    return 4.0 * pairs * heads * dim, float(rows * heads * dim * elem)
+
+
+def gradient_cost(forward_cost: tuple[float, float]) -> tuple[float, float]:
+    """A backward's from its forward's: five products per pair (the scores again, dV, dP, dQ,
+    dK) to the forward's two, and twice the traffic (q, k, v, out and grad_out read, dq, dk, dv
+    written)."""
+    flops, moved = forward_cost
+    return 2.5 * flops, 2.0 * moved

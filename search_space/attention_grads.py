@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 
 from search_space.attention import dense_attention
-from search_space.attention_common import BACKWARD_MODULE, library_template
+from search_space.attention_common import BACKWARD_MODULE, gradient_cost, library_template
 from search_space.op import Op, gradient_signature
 from search_space.problem import Inputs, Problem, Shape, Tolerance
 from search_space.template import Knob, KnobTemplate
@@ -206,6 +206,9 @@ def gradient_op(forward: Op, problem: Problem, *, default: str, default_from_sav
         reference=vjp_gradients_of(Op.resolve(forward.reference or forward.problem.reference)),
         fake=_gradient_fake,
         bucket=lambda grad_out, *args, **kwargs: forward.bucket(*args, **kwargs),
+        cost=None
+        if forward.cost is None
+        else lambda grad_out, *a, **kw: gradient_cost(forward.cost(*a, **kw)),
         bounds=forward.bounds,
         gradient_of=forward.name,
         signature=gradient_signature(forward, list[torch.Tensor]),

@@ -373,8 +373,18 @@ def _grads(ctx, grad_out: torch.Tensor) -> dict:
     return grads
 
 
+def call_cost(weight, indices, offsets, *, mode="sum", per_sample_weights=None) -> tuple[float, float]:
+    """One call's FLOPs and minimum bytes (bytes_moved's count, on the call's own sizes)."""
+    nnz, num_bags, dim, elem = indices.shape[0], offsets.shape[0] - 1, weight.shape[1], weight.element_size()
+    weighted = per_sample_weights is not None
+    moved = nnz * dim * elem + nnz * indices.element_size() + (num_bags + 1) * offsets.element_size()
+    moved += nnz * per_sample_weights.element_size() if weighted else 0
+    return nnz * dim * (2 if weighted else 1), moved + num_bags * dim * elem
+
+
 OP = Op(
     name="embedding_bag",
+    cost=call_cost,
     problem=PROBLEM,
     default="kernels.embedding_bag:embedding_bag_forward",
     check="kernels.embedding_bag:check_arguments",

@@ -88,8 +88,22 @@ def _call_bucket(grad_out, indices, offsets, num_rows, *, mode="sum", per_sample
     return forward.call_bucket(grad_out.shape[1], indices, offsets)
 
 
+def _cost(
+    grad_out, indices, offsets, num_rows, *, mode="sum", per_sample_weights=None
+) -> tuple[float, float]:
+    """grad_out read, each id's row of the gradient accumulated once, the dense gradient written."""
+    nnz, dim, elem = indices.shape[0], grad_out.shape[1], grad_out.element_size()
+    moved = (
+        grad_out.numel() * elem
+        + nnz * (dim * elem + indices.element_size())
+        + offsets.numel() * offsets.element_size()
+    )
+    return nnz * dim, moved + num_rows * dim * elem
+
+
 OP = Op(
     name="embedding_bag_backward",
+    cost=_cost,
     problem=PROBLEM,
     default="kernels.embedding_bag:embedding_bag_backward",
     fake=_fake,

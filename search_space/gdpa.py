@@ -19,6 +19,7 @@ from search_space.attention_common import (
     FORBIDDEN_OPS,
     SCREEN_EXTRAS,
     TOLERANCES,
+    attention_cost,
     bucket,
     call_bucket,
     dense_pointwise,
@@ -381,7 +382,31 @@ def _call_bucket(q, k, v, q_offsets, kv_offsets, *, activation="gelu", scale=Non
     return call_bucket(q.shape[-1], max_kv_len, kv_offsets)
 
 
+def call_cost(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    *,
+    activation="gelu",
+    scale=None,
+    broadcast_q=False,
+    max_q_len=None,
+    max_kv_len=None,
+) -> tuple[float, float]:
+    """Each sample's queries against its keys (lengths read from the offsets)."""
+    kv = (kv_offsets[1:] - kv_offsets[:-1]).long()
+    queries = torch.full_like(kv, q.shape[0]) if broadcast_q else (q_offsets[1:] - q_offsets[:-1]).long()
+    pairs = float((queries * kv).sum())
+    flops, _ = attention_cost(pairs, 0, q.shape[1], q.shape[2], q.element_size())
+    q_rows = int(queries.sum())
+    moved = (2 * q_rows * q.shape[1] * q.shape[2] + k.numel() + v.numel()) * q.element_size()
+    return flops, float(moved)
+
+
 OP = Op(
+    cost=call_cost,
     name="gdpa",
     problem=PROBLEM,
     default="kernels.attention:gdpa_forward",

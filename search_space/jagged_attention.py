@@ -25,6 +25,7 @@ from search_space.attention_common import (
     SOFTMAX_LSE,
     TOLERANCES,
     IndexCache,
+    attention_cost,
     block_mask,
     bucket,
     bucket_of,
@@ -490,7 +491,30 @@ def _call_bucket(q, k, v, offsets, *, max_seq_len, activation="softmax", causal=
     return bucket_of(q.shape[-1], max_seq_len)
 
 
+def call_cost(
+    q,
+    k,
+    v,
+    offsets,
+    *,
+    max_seq_len,
+    activation="softmax",
+    causal=True,
+    num_targets=None,
+    rel_bias=None,
+    scale=None,
+) -> tuple[float, float]:
+    """The call's allowed pairs (read from its offsets: a profile's, which may sync)."""
+    n = (offsets[1:] - offsets[:-1]).long()
+    t = torch.zeros_like(n) if num_targets is None else torch.minimum(num_targets.long(), n)
+    n_hist = n - t
+    history = n_hist * (n_hist + 1) // 2 if causal else n_hist * n_hist
+    pairs = float((history + t * (n_hist + 1)).sum())
+    return attention_cost(pairs, 4 * q.shape[0], q.shape[1], q.shape[2], q.element_size())
+
+
 OP = Op(
+    cost=call_cost,
     name="jagged_attention",
     problem=PROBLEM,
     default="kernels.attention:jagged_attention_forward",

@@ -146,6 +146,10 @@ def _grads(ctx, grad_out: torch.Tensor) -> dict:
 
 OP = Op(
     name=NAME,
+    cost=lambda first, first_offsets, second, second_offsets: (
+        0.0,
+        2.0 * (first.numel() + second.numel()) * first.element_size(),
+    ),
     problem=PROBLEM,
     default="kernels.jagged_concat:jagged_concat",
     check=_check,

@@ -132,6 +132,10 @@ def _fake(values, offsets, first_offsets, *, first_total):
 
 OP = Op(
     name=NAME,
+    cost=lambda values, offsets, first_offsets, *, first_total: (
+        0.0,
+        2.0 * values.numel() * values.element_size(),
+    ),
     problem=PROBLEM,
     default="kernels.jagged_split:jagged_split",
     check=_check,

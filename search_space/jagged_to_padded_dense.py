@@ -114,6 +114,10 @@ def _grads(ctx, grad_out: torch.Tensor) -> dict:
 
 OP = Op(
     name=NAME,
+    cost=lambda values, offsets, *, max_len, padding_value=0.0: (
+        0.0,
+        float(values.numel() + (offsets.shape[0] - 1) * max_len * values.shape[1]) * values.element_size(),
+    ),
     problem=PROBLEM,
     default="kernels.jagged_to_padded_dense:jagged_to_padded_dense",
     check=_check,

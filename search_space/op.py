@@ -104,6 +104,9 @@ class Op:
     # of recomputing them, fn(grad_out, *positional arguments, saved_output, saved_statistics,
     # **keyword arguments), called where dispatch picks the default and the backward gives them.
     default_from_saved: Callable[..., Any] | str | None = None
+    # One call's (FLOPs, minimum bytes moved) from its arguments, for profiles (roofline
+    # fractions per call): it may read sizes from the data, since only a profile calls it.
+    cost: Callable[..., tuple[float, float]] | None = None
     # What dispatch runs where Triton cannot run at all; None: the problem's reference.
     reference: Callable[..., Any] | str | None = None
     # Parameters of the reference that are not the op's (how the reference computes, e.g. the

@@ -31,6 +31,7 @@ from search_space.attention_common import (
     SOFTMAX_LSE,
     TOLERANCES,
     IndexCache,
+    attention_cost,
     block_mask,
     bucket,
     call_bucket,
@@ -543,7 +544,30 @@ def _call_bucket(q_cand, k, v, kv_offsets, cand_to_request, *, activation="softm
     return call_bucket(q_cand.shape[-1], max_history, kv_offsets)
 
 
+def call_cost(
+    q_cand,
+    k,
+    v,
+    kv_offsets,
+    cand_to_request,
+    *,
+    activation="softmax",
+    scale=None,
+    max_candidates=None,
+    max_history=None,
+) -> tuple[float, float]:
+    """Every candidate's seeds against its request's history (read from the offsets)."""
+    lengths = (kv_offsets[1:] - kv_offsets[:-1]).long()
+    seeds = q_cand.shape[1]
+    pairs = float(lengths[cand_to_request.long()].sum()) * seeds
+    flops, _ = attention_cost(pairs, 0, q_cand.shape[2], q_cand.shape[3], q_cand.element_size())
+    elem = q_cand.element_size()
+    moved = 2 * q_cand.numel() * elem + (k.numel() + v.numel()) * elem
+    return flops, float(moved)
+
+
 OP = Op(
+    cost=call_cost,
     name="target_attention",
     problem=PROBLEM,
     default="kernels.attention:target_attention_forward",

@@ -1,0 +1,190 @@
+"""Where a training or serving step of the GEM-class model spends its time, per kernel-library
+op and shape bucket, with each one's roofline fraction: what the campaign's plan reads.
+
+Every call through `kernels.ops` is traced (kernels.trace): its bucket, the implementation that
+ran, its FLOPs and minimum bytes (the op's declared cost) and its time (CUDA events around it on
+a GPU, the host's clock on a CPU). The step's time less the ops' is the rest of the model
+(linear layers, norms, the optimizer): one row of its own. The roofline time of a call is the
+larger of its FLOPs at the device's dense peak for its dtype and its bytes at the device's
+memory bandwidth; the fraction is that over the measured time (1.0: at the roofline). On a CPU
+no peak is known and fractions are left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernels.trace import Call, trace
+from model.config import ModelConfig
+from model.data import TrafficGenerator
+from model.flops import peak_flops
+from model.serving import score
+from model.training import Trainer
+
+# Memory bandwidth (bytes/s) by device name: the vendors' figures (HBM3e, HBM3, HBM2e).
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+GRAPHS = ("train", "serve")
+OTHER = "torch (linear layers, norms, optimizer)"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+
+
+@dataclass
+class OpRow:
+    op: str
+    bucket: str
+    dtype: str
+    implementations: list[str]
+    calls: float  # per step
+    ms: float  # per step
+    share: float  # of the step's time
+    gflops: float | None = None  # per step
+    mbytes: float | None = None  # per step
+    roofline_ms: float | None = None
+    fraction: float | None = None  # roofline_ms / ms
+
+    @property
+    def gain_ms(self) -> float:
+        """What reaching the roofline would save per step (the whole time where it is unknown)."""
+        return self.ms - (self.roofline_ms or 0.0) if self.fraction is not None else self.ms
+
+
+@dataclass
+class Profile:
+    graph: str
+    config: str
+    device: str
+    steps: int
+    step_ms: float
+    rows: list[OpRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rows": [{**asdict(r), "gain_ms": r.gain_ms} for r in self.rows]}
+
+    @property
+    def ops(self) -> list[str]:
+        return sorted({r.op for r in self.rows if r.op != OTHER})
+
+
+def _rows(calls: list[Call], steps: int, step_s: float, device: torch.device) -> list[OpRow]:
+    grouped: dict[tuple[str, str, str], list[Call]] = {}
+    for c in calls:
+        grouped.setdefault((c.op, c.bucket, c.dtype), []).append(c)
+    bandwidth = peak_bandwidth(device)
+    rows = []
+    for (op, bucket, dtype), group in grouped.items():
+        seconds = sum(c.seconds or 0.0 for c in group) / steps
+        row = OpRow(
+            op=op,
+            bucket=bucket,
+            dtype=dtype,
+            implementations=sorted({c.implementation for c in group}),
+            calls=len(group) / steps,
+            ms=1e3 * seconds,
+            share=seconds / step_s if step_s else 0.0,
+        )
+        if all(c.flops is not None for c in group):
+            flops = sum(c.flops or 0.0 for c in group) / steps
+            moved = sum(c.bytes or 0.0 for c in group) / steps
+            row.gflops, row.mbytes = flops / 1e9, moved / 1e6
+            peak = peak_flops(device, _DTYPES.get(dtype, torch.float32))
+            if peak is not None and bandwidth is not None and seconds > 0:
+                roofline = max(flops / peak, moved / bandwidth)
+                row.roofline_ms, row.fraction = 1e3 * roofline, roofline / seconds
+        rows.append(row)
+    return rows
+
+
+def profile_model(
+    config: ModelConfig,
+    graph: str,
+    device: torch.device | str,
+    *,
+    steps: int = 3,
+    warmup: int = 2,
+    trace_file: Path | None = None,
+) -> Profile:
+    """Profile `steps` steps of `graph` ("train": a training step on a training batch; "serve":
+    scoring a serving batch) after `warmup` steps. With `trace_file`, the torch profiler's
+    trace of the profiled steps is written there too (chrome://tracing, Perfetto), each op's
+    call a range named recforge::<op>::<bucket>."""
+    if graph not in GRAPHS:
+        raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps} and {warmup}")
+    device = torch.device(device)
+    trainer = Trainer(config, device)
+    traffic = TrafficGenerator(config, seed=config.train.seed)
+    d = config.data
+    if graph == "train":
+        batches = [traffic.batch(i).to(device) for i in range(steps + warmup)]
+
+        def step(i: int) -> None:
+            trainer.train_step(batches[i])
+    else:
+        batches = [
+            traffic.batch(i, num_requests=d.serve_requests, candidates_per_request=d.serve_candidates).to(
+                device
+            )
+            for i in range(steps + warmup)
+        ]
+
+        def step(i: int) -> None:
+            score(trainer.model, batches[i])
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for i in range(warmup):
+        step(i)
+    sync()
+    profiler = (
+        torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]
+            + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        )
+        if trace_file is not None
+        else contextlib.nullcontext()
+    )
+    with profiler as prof, trace(timed=True) as recorded:
+        start = time.perf_counter()
+        for i in range(warmup, warmup + steps):
+            step(i)
+        sync()
+        step_s = (time.perf_counter() - start) / steps
+    calls = recorded.seconds()
+    if trace_file is not None:
+        Path(trace_file).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_file))
+    rows = _rows(calls, steps, step_s, device)
+    rest = step_s - sum(r.ms for r in rows) / 1e3
+    rows.append(
+        OpRow(
+            op=OTHER, bucket="-", dtype="-", implementations=[], calls=0, ms=1e3 * rest, share=rest / step_s
+        )
+    )
+    rows.sort(key=lambda r: -r.ms)
+    return Profile(
+        graph=graph,
+        config=config.name,
+        device=_device_name(device),
+        steps=steps,
+        step_ms=1e3 * step_s,
+        rows=rows,
+    )
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -1,0 +1,171 @@
+"""Serving the GEM-class model: a batch of requests scored in one pass, the top ads of each
+request, and the latency benchmark of the request-oriented path against the naive one.
+
+The ranking score of a candidate is the product of its task probabilities (pCTR x pCVR, the
+probability of a conversion). The top-k of a request comes from its candidates padded into a
+row (`kernels.ops.jagged_to_padded_dense`, padding -inf); a request with fewer than k
+candidates has index -1 in the slots it cannot fill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.ops import jagged_to_padded_dense
+from model.config import ModelConfig
+from model.data import RequestBatch, TrafficGenerator
+from model.gem import GEMModel
+
+# The naive path copies each request's history once per candidate; above this many history
+# tokens a copy batch is not built (it would take minutes, or the GPU's memory).
+NAIVE_TOKEN_BUDGET = 4_000_000
+
+
+def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on a GPU (as serving runs), nothing on a CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.inference_mode()
+def score(model: GEMModel, batch: RequestBatch, *, naive: bool = False) -> torch.Tensor:
+    """Each candidate's probability per task [B, tasks], in eval mode."""
+    model.eval()
+    device = batch.dense.device
+    with autocast_for(device):
+        output = model.naive_forward(batch) if naive else model(batch)
+    return torch.sigmoid(output.logits.float())
+
+
+def ranking_score(probabilities_BT: torch.Tensor) -> torch.Tensor:
+    """The product of the task probabilities [B]."""
+    return probabilities_BT.prod(dim=1)
+
+
+def top_k_per_request(
+    scores_B: torch.Tensor, candidate_offsets: torch.Tensor, k: int, *, max_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [R, k], candidate rows [R, k]) of each request's k best candidates, best first;
+    -inf and -1 where a request has fewer than k. `max_candidates` bounds a request's
+    candidates (a static bound: the call does not read it from the device)."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    width = max(max_candidates, k)
+    padded = jagged_to_padded_dense(
+        scores_B.float().unsqueeze(1), candidate_offsets, max_len=width, padding_value=-math.inf
+    ).squeeze(2)
+    values, slots = padded.topk(k, dim=1)
+    rows = candidate_offsets[:-1].unsqueeze(1) + slots
+    return values, torch.where(torch.isinf(values), torch.full_like(rows, -1), rows)
+
+
+def serve(
+    model: GEMModel, batch: RequestBatch, k: int, *, naive: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k ads of every request of `batch`: (ranking scores [R, k], candidate rows [R, k])."""
+    probabilities = score(model, batch, naive=naive)
+    return top_k_per_request(
+        ranking_score(probabilities), batch.candidate_offsets, k, max_candidates=batch.max_candidates
+    )
+
+
+@dataclass
+class LatencyRow:
+    path: str  # "request" or "naive"
+    candidates_per_request: int
+    history_length: int
+    requests: int
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    candidates_per_s: float | None = None
+    skipped: str | None = None  # why the row was not measured
+
+
+def _time(fn, device: torch.device, repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def serve_bench(
+    config: ModelConfig,
+    device: torch.device | str,
+    *,
+    candidates: tuple[int, ...] = (64, 256, 1024, 4096),
+    history_lengths: tuple[int, ...] | None = None,
+    requests: int = 1,
+    k: int = 10,
+    repeats: int = 20,
+    warmup: int = 3,
+    naive: bool = True,
+    model: GEMModel | None = None,
+    naive_token_budget: int = NAIVE_TOKEN_BUDGET,
+) -> list[LatencyRow]:
+    """Latency of serving `requests` requests of each candidate count and history length
+    (default: the config's median and max), on the request-oriented path and (naive) the path
+    that repeats the user's work for every candidate: scores and top-k, end to end."""
+    device = torch.device(device)
+    if model is None:
+        torch.manual_seed(config.train.seed)
+        model = GEMModel(config, device=device)
+    h = config.history
+    if history_lengths is None:
+        history_lengths = (h.median_len, h.max_len) if h is not None else (0,)
+    traffic = TrafficGenerator(config, seed=config.train.seed)
+    rows: list[LatencyRow] = []
+    for length in history_lengths:
+        for count in candidates:
+            batch = traffic.batch(
+                0,
+                num_requests=requests,
+                candidates_per_request=count,
+                exact_candidates=True,
+                history_length=length if h is not None else None,
+            ).to(device)
+            for path in ("request", "naive") if naive else ("request",):
+                row = LatencyRow(path, count, length, requests)
+                copies = requests * count * (count if h is not None and h.candidates_as_targets else 1)
+                if path == "naive" and copies * max(length, 1) > naive_token_budget:
+                    row.skipped = (
+                        f"{copies * length:,} history tokens in the copies (budget {naive_token_budget:,})"
+                    )
+                    rows.append(row)
+                    continue
+                times = _time(
+                    lambda b=batch, p=path: serve(model, b, k, naive=p == "naive"), device, repeats, warmup
+                )
+                row.p50_ms, row.p99_ms = 1e3 * percentile(times, 50), 1e3 * percentile(times, 99)
+                row.candidates_per_s = requests * count / percentile(times, 50)
+                rows.append(row)
+    return rows
+
+
+def sublinearity(rows: list[LatencyRow], small: int = 256, large: int = 4096) -> dict[int, float]:
+    """Per history length, the request path's p50 at `large` candidates over its p50 at `small`
+    (the target: under 3 for 4096 over 256, the cost growing clearly sublinearly)."""
+    out = {}
+    by = {(r.history_length, r.candidates_per_request): r for r in rows if r.path == "request" and r.p50_ms}
+    for (length, count), row in by.items():
+        if count == large and (length, small) in by:
+            out[length] = row.p50_ms / by[(length, small)].p50_ms
+    return out
