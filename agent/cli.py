@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
+from agent.model_cli import model_app
 from sandbox.result import EvalResult, ratio
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ app.add_typer(library_app, name="library")
 app.add_typer(bench_app, name="bench")
 app.add_typer(review_app, name="review")
 app.add_typer(llm_app, name="llm")
+app.add_typer(model_app, name="model")
 
 console = Console()
 

@@ -1,0 +1,292 @@
+"""`recforge model`: train, serve and profile the GEM-class model on the kernel library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+model_app = typer.Typer(help="Train, serve and profile the GEM-class model.", no_args_is_help=True)
+
+ConfigOption = Annotated[
+    str, typer.Option("--config", help="model config TOML file, or a preset: tiny, small, large")
+]
+DeviceOption = Annotated[
+    str | None, typer.Option(help="cuda, cuda:1, cpu (default: cuda where there is one)")
+]
+LibraryOption = Annotated[
+    Path | None, typer.Option(help="kernel library to dispatch through (default: the installed one)")
+]
+JsonOption = Annotated[Path | None, typer.Option("--json", help="also write the results here as JSON")]
+
+
+def _setup(config: str, device: str | None, library: Path | None):
+    """(the model config, the device), with dispatch pointed at `library`; a clear error for a
+    bad config or device."""
+    import torch
+
+    from agent.cli import fail
+    from model.config import load_config
+
+    try:
+        cfg = load_config(config)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    name = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise fail(f"bad --device {name!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise fail(f"--device {name}: no CUDA GPU here")
+    if library is not None:
+        from kernels import DISPATCHER
+
+        if not library.is_dir():
+            raise fail(f"no kernel library at {library}")
+        DISPATCHER.use_library(library)
+    return cfg, dev
+
+
+def _write_json(path: Path | None, data: object) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+@model_app.command("train")
+def model_train(
+    config: ConfigOption = "tiny",
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="train to this step (default: the config's)")
+    ] = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="checkpoint file (default: .recforge/model/<config name>.pt)")
+    ] = None,
+    resume: Annotated[bool, typer.Option(help="continue from the checkpoint if it exists")] = False,
+    compile: Annotated[
+        bool | None, typer.Option(help="torch.compile the model (default: the config's)")
+    ] = None,
+    device: DeviceOption = None,
+    library: LibraryOption = None,
+    json_out: JsonOption = None,
+) -> None:
+    """Train with AdamW (dense) and row-wise Adagrad (embeddings), bf16 autocast on a GPU: the
+    loss, held-out AUC, examples per second and MFU as it goes, a checkpoint to resume from."""
+    from dataclasses import asdict, replace
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from agent.cli import _table, console, fail
+    from model.data import TrafficGenerator
+    from model.flops import BatchSizes, by_component, forward_flops, training_flops
+    from model.training import Trainer
+
+    cfg, dev = _setup(config, device, library)
+    if compile is not None:
+        cfg = replace(cfg, train=replace(cfg.train, compile=compile))
+    checkpoint = checkpoint or Path(".recforge") / "model" / f"{cfg.name}.pt"
+    try:
+        if resume and checkpoint.exists():
+            trainer = Trainer.resume(checkpoint, dev)
+            console.print(f"resumed {checkpoint} at step {trainer.step}")
+        else:
+            trainer = Trainer(cfg, dev)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    cfg = trainer.config
+    end = steps or cfg.train.steps
+
+    history = cfg.history
+    sizes = BatchSizes.of(
+        TrafficGenerator(cfg, seed=cfg.train.seed).batch(0),
+        candidates_as_targets=history is not None and history.candidates_as_targets,
+    )
+    per_step = by_component(training_flops(forward_flops(cfg, sizes)))
+    total = sum(per_step.values())
+    table = _table(
+        "component", "GFLOP per step", "share", title=f"{cfg.name}: model FLOPs of a training step"
+    )
+    for name, value in sorted(per_step.items(), key=lambda kv: -kv[1]):
+        table.add_row(name, f"{value / 1e9:,.2f}", f"{value / total:.1%}")
+    console.print(table)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    console.print(
+        f"{params / 1e6:,.1f}M parameters on {dev}; {sizes.requests} requests, {sizes.candidates} candidates "
+        f"and {sizes.history_tokens:,} history tokens per batch; peak "
+        + ("unknown (no MFU)" if trainer.peak is None else f"{trainer.peak / 1e12:,.0f} TFLOP/s")
+    )
+
+    columns = (
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "loss {task.fields[loss]}  auc {task.fields[auc]}  {task.fields[rate]}  mfu {task.fields[mfu]}"
+        ),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task(
+            "train", total=end, completed=trainer.step, loss="-", auc="-", rate="-", mfu="-"
+        )
+
+        def on_step(log) -> None:
+            progress.update(
+                task,
+                completed=log.step,
+                loss=f"{log.loss:.4f}",
+                rate=f"{log.examples_per_s:,.0f} ex/s",
+                mfu="-" if log.mfu is None else f"{log.mfu:.1%}",
+            )
+
+        def on_eval(log) -> None:
+            aucs = "  ".join(f"{t} {v:.4f}" for t, v in log.auc.items())
+            progress.update(task, auc=f"{next(iter(log.auc.values())):.4f}")
+            progress.console.print(f"step {log.step}: held-out AUC {aucs}")
+
+        try:
+            result = trainer.fit(end, checkpoint=checkpoint, on_step=on_step, on_eval=on_eval)
+        except FloatingPointError as exc:
+            raise fail(str(exc)) from None
+    last = result.steps[-1] if result.steps else None
+    final = result.evals[-1] if result.evals else None
+    if last is not None and final is not None:
+        console.print(
+            f"step {last.step}: loss {last.loss:.4f}, AUC "
+            + ", ".join(f"{t} {v:.4f}" for t, v in final.auc.items())
+            + f", {last.examples_per_s:,.0f} examples/s"
+            + ("" if last.mfu is None else f", MFU {last.mfu:.1%}")
+            + f"; checkpoint {checkpoint}"
+        )
+    _write_json(
+        json_out,
+        {
+            "config": cfg.name,
+            "device": str(dev),
+            "flops_per_step": per_step,
+            "steps": [asdict(s) for s in result.steps],
+            "evals": [asdict(e) for e in result.evals],
+        },
+    )
+
+
+def _counts(text: str, option: str) -> tuple[int, ...]:
+    from agent.cli import fail
+
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise fail(f"{option} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise fail(f"{option} takes comma-separated integers >= 0, got {text!r}")
+    return values
+
+
+@model_app.command("serve-bench")
+def model_serve_bench(
+    config: ConfigOption = "tiny",
+    candidates: Annotated[
+        str, typer.Option(help="candidates per request, comma-separated")
+    ] = "64,256,1024,4096",
+    history: Annotated[
+        str | None,
+        typer.Option(help="history lengths, comma-separated (default: the config's median and max)"),
+    ] = None,
+    requests: Annotated[int, typer.Option(min=1, help="requests per served batch")] = 1,
+    top_k: Annotated[int, typer.Option(min=1, help="ads returned per request")] = 10,
+    repeats: Annotated[int, typer.Option(min=1, help="timed batches per row")] = 20,
+    naive: Annotated[
+        bool, typer.Option(help="also time the path that repeats the user's work per candidate")
+    ] = True,
+    device: DeviceOption = None,
+    library: LibraryOption = None,
+    json_out: JsonOption = None,
+) -> None:
+    """Serving latency (p50, p99) and candidates per second against candidates per request and
+    history length, on the request-oriented path beside the naive one."""
+    from dataclasses import asdict
+
+    from agent.cli import _table, console, fail
+    from model.serving import serve_bench, sublinearity
+
+    cfg, dev = _setup(config, device, library)
+    counts = _counts(candidates, "--candidates")
+    lengths = _counts(history, "--history") if history is not None else None
+    if cfg.history is not None and lengths is not None and max(lengths) > cfg.history.max_len:
+        raise fail(f"--history {max(lengths)} exceeds the config's history max_len {cfg.history.max_len}")
+    try:
+        rows = serve_bench(
+            cfg, dev, candidates=counts, history_lengths=lengths, requests=requests, k=top_k, repeats=repeats,
+            naive=naive,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    table = _table(
+        "history", "candidates", "path", "p50 ms", "p99 ms", "candidates/s", "naive / request",
+        title=f"{cfg.name} serving on {dev}: {requests} request(s) per batch, top {top_k}",
+    )  # fmt: skip
+    request_p50 = {
+        (r.history_length, r.candidates_per_request): r.p50_ms for r in rows if r.path == "request"
+    }
+    for r in rows:
+        if r.skipped:
+            table.add_row(
+                str(r.history_length), str(r.candidates_per_request), r.path, "-", "-", "-", r.skipped
+            )
+            continue
+        base = request_p50.get((r.history_length, r.candidates_per_request))
+        speedup = f"{r.p50_ms / base:.2f}x" if r.path == "naive" and base else ""
+        timings = (f"{r.p50_ms:.3f}", f"{r.p99_ms:.3f}", f"{r.candidates_per_s:,.0f}")
+        table.add_row(str(r.history_length), str(r.candidates_per_request), r.path, *timings, speedup)
+    console.print(table)
+    growth = sublinearity(rows)
+    for length, ratio in growth.items():
+        console.print(
+            f"history {length}: 4096 candidates take {ratio:.2f}x the time of 256 "
+            f"(target: under 3x, {'met' if ratio < 3 else 'not met'})"
+        )
+    _write_json(
+        json_out,
+        {"config": cfg.name, "device": str(dev), "rows": [asdict(r) for r in rows], "growth": growth},
+    )
+
+
+@model_app.command("profile")
+def model_profile(
+    graph: Annotated[str, typer.Option(help="train or serve")] = "train",
+    config: ConfigOption = "tiny",
+    steps: Annotated[int, typer.Option(min=1, help="profiled steps")] = 3,
+    warmup: Annotated[int, typer.Option(min=0, help="steps before profiling")] = 2,
+    trace: Annotated[Path | None, typer.Option(help="also write the torch profiler's trace here")] = None,
+    device: DeviceOption = None,
+    library: LibraryOption = None,
+    json_out: JsonOption = None,
+) -> None:
+    """Time per kernel-library op and shape bucket of a training or serving step, with each
+    one's roofline fraction (where the device's peaks are known) and the rest of the step."""
+    from agent.cli import _table, console, fail
+    from model.profile import GRAPHS, profile_model
+
+    if graph not in GRAPHS:
+        raise fail(f"--graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
+    cfg, dev = _setup(config, device, library)
+    result = profile_model(cfg, graph, dev, steps=steps, warmup=warmup, trace_file=trace)
+    table = _table(
+        "op", "bucket", "dtype", "implementation", "calls", "ms", "share", "GFLOP", "MB", "roofline",
+        title=f"{cfg.name} {graph} step on {result.device}: {result.step_ms:.3f} ms",
+    )  # fmt: skip
+    for r in result.rows:
+        cost = (
+            "-" if r.gflops is None else f"{r.gflops:.3f}",
+            "-" if r.mbytes is None else f"{r.mbytes:.2f}",
+            "-" if r.fraction is None else f"{r.fraction:.1%}",
+        )
+        implementations = ", ".join(r.implementations)
+        table.add_row(
+            r.op, r.bucket, r.dtype, implementations, f"{r.calls:g}", f"{r.ms:.3f}", f"{r.share:.1%}", *cost
+        )
+    console.print(table)
+    _write_json(json_out, result.to_dict())
