@@ -20,6 +20,19 @@ LibraryOption = Annotated[
     Path | None, typer.Option(help="kernel library to dispatch through (default: the installed one)")
 ]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="also write the results here as JSON")]
+ReferenceOption = Annotated[
+    bool,
+    typer.Option("--reference-ops", help="run every op's plain PyTorch reference, not the library's kernels"),
+]
+
+
+def _ops(reference_ops: bool):
+    """Dispatch as usual, or (reference_ops) to every op's reference."""
+    import contextlib
+
+    from kernels import DISPATCHER
+
+    return DISPATCHER.references_only() if reference_ops else contextlib.nullcontext()
 
 
 def _setup(config: str, device: str | None, library: Path | None):
@@ -71,6 +84,7 @@ def model_train(
     ] = None,
     device: DeviceOption = None,
     library: LibraryOption = None,
+    reference_ops: ReferenceOption = False,
     json_out: JsonOption = None,
 ) -> None:
     """Train with AdamW (dense) and row-wise Adagrad (embeddings), bf16 autocast on a GPU: the
@@ -148,7 +162,8 @@ def model_train(
             progress.console.print(f"step {log.step}: held-out AUC {aucs}")
 
         try:
-            result = trainer.fit(end, checkpoint=checkpoint, on_step=on_step, on_eval=on_eval)
+            with _ops(reference_ops):
+                result = trainer.fit(end, checkpoint=checkpoint, on_step=on_step, on_eval=on_eval)
         except FloatingPointError as exc:
             raise fail(str(exc)) from None
     last = result.steps[-1] if result.steps else None
@@ -203,6 +218,7 @@ def model_serve_bench(
     ] = True,
     device: DeviceOption = None,
     library: LibraryOption = None,
+    reference_ops: ReferenceOption = False,
     json_out: JsonOption = None,
 ) -> None:
     """Serving latency (p50, p99) and candidates per second against candidates per request and
@@ -218,10 +234,17 @@ def model_serve_bench(
     if cfg.history is not None and lengths is not None and max(lengths) > cfg.history.max_len:
         raise fail(f"--history {max(lengths)} exceeds the config's history max_len {cfg.history.max_len}")
     try:
-        rows = serve_bench(
-            cfg, dev, candidates=counts, history_lengths=lengths, requests=requests, k=top_k, repeats=repeats,
-            naive=naive,
-        )  # fmt: skip
+        with _ops(reference_ops):
+            rows = serve_bench(
+                cfg,
+                dev,
+                candidates=counts,
+                history_lengths=lengths,
+                requests=requests,
+                k=top_k,
+                repeats=repeats,
+                naive=naive,
+            )
     except ValueError as exc:
         raise fail(str(exc)) from None
     table = _table(
@@ -263,6 +286,7 @@ def model_profile(
     trace: Annotated[Path | None, typer.Option(help="also write the torch profiler's trace here")] = None,
     device: DeviceOption = None,
     library: LibraryOption = None,
+    reference_ops: ReferenceOption = False,
     json_out: JsonOption = None,
 ) -> None:
     """Time per kernel-library op and shape bucket of a training or serving step, with each
@@ -273,7 +297,8 @@ def model_profile(
     if graph not in GRAPHS:
         raise fail(f"--graph must be one of {', '.join(GRAPHS)}, got {graph!r}")
     cfg, dev = _setup(config, device, library)
-    result = profile_model(cfg, graph, dev, steps=steps, warmup=warmup, trace_file=trace)
+    with _ops(reference_ops):
+        result = profile_model(cfg, graph, dev, steps=steps, warmup=warmup, trace_file=trace)
     table = _table(
         "op", "bucket", "dtype", "implementation", "calls", "ms", "share", "GFLOP", "MB", "roofline",
         title=f"{cfg.name} {graph} step on {result.device}: {result.step_ms:.3f} ms",

@@ -12,6 +12,7 @@ in training as soon as it is in the library.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import functools
@@ -24,7 +25,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,10 +399,22 @@ class Dispatcher:
         self._resolved: dict[tuple, tuple[KernelLibrary, int, Implementation]] = {}
         self.calls: Counter[tuple[str, str]] = Counter()
         self.last: dict[str, str] = {}
+        # Every op's plain PyTorch reference, whatever the library holds (references_only).
+        self._references_only = False
 
     @property
     def library(self) -> KernelLibrary:
         return self._library
+
+    @contextlib.contextmanager
+    def references_only(self) -> Iterator[None]:
+        """Within the block, every call runs its op's plain PyTorch reference: the model on the
+        reference ops, to measure the library's kernels against."""
+        before, self._references_only = self._references_only, True
+        try:
+            yield
+        finally:
+            self._references_only = before
 
     def use_library(self, root: str | os.PathLike) -> KernelLibrary:
         self._library = KernelLibrary(root)
@@ -440,7 +453,7 @@ class Dispatcher:
         index = device.index
         if device.type == "cuda" and index is None:
             index = torch.cuda.current_device()
-        key = (op, device.type, index, dtype, bucket, graph, interpret_enabled())
+        key = (op, device.type, index, dtype, bucket, graph, interpret_enabled(), self._references_only)
         library = self._library
         hit = self._resolved.get(key)
         if hit is not None and hit[0] is library and hit[1] == library.dispatch_version():
@@ -455,7 +468,7 @@ class Dispatcher:
     def _choose(
         self, op: str, *, device: torch.device, dtype: str, bucket: str, graph: str
     ) -> Implementation:
-        if not triton_usable(device):
+        if self._references_only or not triton_usable(device):
             impl = Implementation("reference", self._references[op])
         else:
             entry = self._library.best(op, device_arch(device), dtype, bucket, graph)
