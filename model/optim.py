@@ -42,6 +42,8 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     state["sum"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
                 if p.grad.is_sparse:
                     grad = p.grad.coalesce()
+                    if grad.sparse_dim() != 1:  # element-sparse: as rows
+                        grad = grad.to_dense().to_sparse(sparse_dim=1)
                     rows, values = grad.indices()[0], grad.values().float()
                     state["sum"].index_add_(0, rows, values.pow(2).mean(1))
                     scale = lr / (state["sum"][rows].sqrt() + eps)

@@ -1,0 +1,285 @@
+"""The GEM-class model: the request-oriented path scores as the naive one does while doing the
+user's work once per request, trains on the library's kernels as on the reference ops, compiles,
+counts its FLOPs right, and follows the kernel library when it changes."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from kernels.registry import ARCH_INTERPRETER, DISPATCHER, KernelLibrary, device_arch
+from kernels.trace import trace
+from model.config import ModelConfig, config_from_dict
+from model.data import RequestBatch, TrafficGenerator
+from model.flops import BatchSizes, forward_flops
+from model.gem import GEMModel
+from model.metrics import auc
+from model.optim import RowWiseAdagrad
+from model.serving import score, top_k_per_request
+from search_space import embedding_bag as eb_problem
+
+VARIANTS = {
+    "target-silu": {},
+    "targets-gdpa-softmax": {
+        "history": {"candidates_as_targets": True, "attention": "softmax", "max_targets": 32},
+        "scoring": {"attention": "gdpa"},
+    },
+    "experts": {"heads": {"num_experts": 4, "top_k": 2, "expert_dim": 16}},
+}
+
+
+def _config(name: str = "target-silu") -> ModelConfig:
+    return config_from_dict({"size": "tiny", **VARIANTS[name]})
+
+
+def _model(config: ModelConfig, device: torch.device) -> GEMModel:
+    torch.manual_seed(0)
+    return GEMModel(config, device=device)
+
+
+def _batch(config: ModelConfig, device: torch.device, requests: int = 3, index: int = 0) -> RequestBatch:
+    return TrafficGenerator(config, seed=1).batch(index, num_requests=requests).to(device)
+
+
+@pytest.fixture
+def references():
+    with DISPATCHER.references_only():
+        yield
+
+
+@pytest.mark.usefixtures("references")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_request_path_scores_as_the_naive_path(variant: str, device: torch.device) -> None:
+    config = _config(variant)
+    model, batch = _model(config, device), _batch(config, device, requests=4)
+    with torch.no_grad():  # a bias that matters
+        for layer in model.history.layers:
+            layer.rel_bias.normal_()
+    request, naive = score(model, batch), score(model, batch, naive=True)
+    assert request.shape == (batch.num_candidates, 2)
+    torch.testing.assert_close(request, naive, atol=1e-5, rtol=1e-4)
+
+
+def test_the_request_path_scores_as_the_naive_path_on_the_librarys_kernels(device: torch.device) -> None:
+    config = _config()
+    model, batch = _model(config, device), _batch(config, device, requests=2)
+    before = DISPATCHER.calls.copy()
+    request, naive = score(model, batch), score(model, batch, naive=True)
+    assert {impl for _, impl in DISPATCHER.calls - before} == {"default"}
+    torch.testing.assert_close(request, naive, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("references")
+def test_the_users_work_is_done_once_per_request(device: torch.device) -> None:
+    """Counted by hooks on the modules that do it: the history encoder's sequences and tokens,
+    and the user features' bags."""
+    config = _config()
+    model, batch = _model(config, device), _batch(config, device, requests=3)
+    seen: Counter[str] = Counter()
+
+    def on_history(module, args, output) -> None:
+        seen["sequences"] += args[0].num_requests
+        seen["tokens"] += args[1].shape[0]
+
+    def on_sparse(module, args, output) -> None:
+        seen[f"{args[1]} bags"] += args[2]
+
+    hooks = [model.history.register_forward_hook(on_history), model.sparse.register_forward_hook(on_sparse)]
+    try:
+        score(model, batch)
+        request = seen.copy()
+        seen.clear()
+        score(model, batch, naive=True)
+        naive = seen.copy()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    tokens = batch.history_offsets.diff()
+    assert request == Counter(
+        {"sequences": 3, "tokens": int(tokens.sum()), "user bags": 3, "item bags": batch.num_candidates}
+    )
+    copies = int(tokens[batch.cand_to_request].sum())
+    assert naive == Counter(
+        {"sequences": batch.num_candidates, "tokens": copies, "user bags": batch.num_candidates,
+         "item bags": batch.num_candidates}
+    )  # fmt: skip
+
+
+def test_training_on_the_librarys_kernels_matches_the_reference_ops(device: torch.device) -> None:
+    """Two steps of the same model on the default kernels and on the references: losses and
+    every parameter after them agree. (Plain SGD for the dense part: Adam's first steps are
+    about lr x sign(gradient), which turns a rounding difference in a near-zero gradient into
+    a whole step.)"""
+    config = _config()
+    model = _model(config, device)
+    twin = copy.deepcopy(model)
+    batches = [_batch(config, device, requests=2, index=i) for i in range(2)]
+
+    def train(m: GEMModel) -> list[float]:
+        dense = torch.optim.SGD(m.dense_parameters(), lr=0.1)
+        sparse = RowWiseAdagrad(m.embedding_parameters(), lr=0.1)
+        losses = []
+        for batch in batches:
+            dense.zero_grad(), sparse.zero_grad()
+            loss, _ = m.loss(batch)
+            loss.backward()
+            dense.step(), sparse.step()
+            losses.append(loss.item())
+        return losses
+
+    before = DISPATCHER.calls.copy()
+    kernels = train(model)
+    ran = {op for op, impl in DISPATCHER.calls - before if impl == "default"}
+    assert {"embedding_bag", "jagged_attention", "target_attention", "jagged_attention_grad"} <= ran
+    with DISPATCHER.references_only():
+        reference = train(twin)
+    assert kernels == pytest.approx(reference, rel=1e-4)
+    for (name, got), (_, want) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.usefixtures("references")
+def test_the_compiled_model_scores_as_the_eager_one(device: torch.device) -> None:
+    config = _config("experts")
+    model, batch = _model(config, device), _batch(config, device)
+    model.eval()
+    # aot_eager traces what inductor would (dynamo, fake kernels, functionalization) without
+    # its C++ code generation, which costs tens of seconds cold on a CPU.
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        eager, traced = model(batch).logits, compiled(batch).logits
+    torch.testing.assert_close(traced, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("references")
+def test_the_analytic_flops_are_the_matrix_products_counted() -> None:
+    """Without a history every matrix product is torch's, so torch's counter must find exactly
+    the analytic count (pooling sums are not matrix products, and not counted by it)."""
+    config = config_from_dict({"size": "tiny", "history": None, "heads": VARIANTS["experts"]["heads"]})
+    model, batch = _model(config, torch.device("cpu")), _batch(config, torch.device("cpu"), requests=5)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(batch)
+    analytic = forward_flops(config, BatchSizes.of(batch))
+    matmul = sum(v for k, v in analytic.items() if k.endswith(".matmul"))
+    assert counter.get_total_flops() == matmul
+    assert analytic["embeddings.pooling"] == sum(
+        bags.ids.numel() * config.table(f.table).dim
+        for f in config.features
+        for bags in [(batch.user_features | batch.item_features)[f.name]]
+    )
+
+
+@pytest.mark.usefixtures("references")
+def test_the_attention_flops_are_the_ops_declared_costs() -> None:
+    """With a history, the analytic attention FLOPs are what the attention ops' declared costs
+    add up to on the calls the model makes."""
+    for name in ("target-silu", "targets-gdpa-softmax"):
+        config = _config(name)
+        model, batch = _model(config, torch.device("cpu")), _batch(config, torch.device("cpu"), requests=4)
+        with trace() as recorded, torch.no_grad():
+            model(batch)
+        calls = {c.op: c.flops for c in recorded.calls if "attention" in c.op or c.op == "gdpa"}
+        h = config.history
+        analytic = forward_flops(config, BatchSizes.of(batch, candidates_as_targets=h.candidates_as_targets))
+        scoring_op = "gdpa" if config.scoring.attention == "gdpa" else "target_attention"
+        assert calls["jagged_attention"] * h.num_layers == analytic["history.attention"]
+        assert calls[scoring_op] == analytic["scoring.attention"]
+
+
+def test_the_profile_lists_every_op_a_step_calls(device: torch.device) -> None:
+    from model.profile import OTHER, profile_model
+
+    config = _config("targets-gdpa-softmax")
+    with DISPATCHER.references_only():
+        profile = profile_model(config, "train", device, steps=1, warmup=0)
+    expected = {
+        "embedding_bag", "embedding_bag_backward", "jagged_attention", "jagged_attention_grad", "gdpa",
+        "gdpa_grad", "jagged_concat", "jagged_split",
+    }  # fmt: skip
+    assert set(profile.ops) == expected
+    assert profile.rows[-1].op == OTHER or any(r.op == OTHER for r in profile.rows)
+    assert sum(r.share for r in profile.rows) == pytest.approx(1.0, abs=1e-6)
+    for row in profile.rows:
+        if row.op != OTHER:
+            assert row.calls >= 1 and row.ms >= 0 and row.gflops is not None and row.mbytes > 0, row
+
+
+def test_a_registered_kernel_replaces_the_default_in_training_and_serving(
+    empty_library: KernelLibrary, device: torch.device
+) -> None:
+    config = _config()
+    model, batch = _model(config, device), _batch(config, device, requests=2)
+    with trace() as recorded:
+        model.loss(batch)[0].backward()
+    buckets = sorted({c.bucket for c in recorded.calls if c.op == "embedding_bag"})
+    arch = device_arch(device)
+    source = eb_problem.TEMPLATE.render({"BLOCK_D": 16, "BLOCK_L": 8, "BLOCK_B": 2, "ACC_3D": True})
+    entry = empty_library.add(
+        op="embedding_bag",
+        entry=eb_problem.TEMPLATE.entry,
+        source=source,
+        arch=arch,
+        dtype="fp32",
+        buckets=buckets,
+        median_us=None,
+        interpreted=arch == ARCH_INTERPRETER,
+        evidence={},
+        provenance={"test": "gem registered kernel"},
+    )
+    name = f"library:{entry.kernel_id}"
+    probabilities = score(model, batch)
+    with trace() as served:
+        again = score(model, batch)
+    assert {c.implementation for c in served.calls if c.op == "embedding_bag"} == {name}
+    torch.testing.assert_close(again, probabilities, atol=1e-6, rtol=1e-5)
+    with trace() as trained:
+        model.loss(batch)[0].backward()
+    assert {c.implementation for c in trained.calls if c.op == "embedding_bag"} == {name}
+
+
+def test_row_wise_adagrad_updates_the_rows_looked_up_and_no_other() -> None:
+    torch.manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(10, 4))
+    before = table.detach().clone()
+    optimizer = RowWiseAdagrad([table], lr=0.5, eps=1e-8)
+    grad = torch.zeros(10, 4)
+    grad[[2, 7]] = torch.randn(2, 4)
+    for _ in range(2):
+        table.grad = grad.clone()
+        optimizer.step()
+    state = 2 * grad.pow(2).mean(1)
+    first = before - 0.5 * grad / (grad.pow(2).mean(1).sqrt() + 1e-8).unsqueeze(1)
+    expected = first - 0.5 * grad / (state.sqrt() + 1e-8).unsqueeze(1)
+    expected[[0, 1, 3, 4, 5, 6, 8, 9]] = before[[0, 1, 3, 4, 5, 6, 8, 9]]
+    torch.testing.assert_close(table.detach(), expected)
+    sparse = torch.nn.Parameter(before.clone())
+    sparse_optimizer = RowWiseAdagrad([sparse], lr=0.5, eps=1e-8)
+    for form in (grad.to_sparse(sparse_dim=1), grad.to_sparse()):  # row-sparse, element-sparse
+        sparse.grad = form
+        sparse_optimizer.step()
+    torch.testing.assert_close(sparse.detach(), expected)
+
+
+def test_auc_is_the_probability_a_positive_outranks_a_negative() -> None:
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (60,), generator=gen).float()  # many ties
+    labels = torch.bernoulli(torch.full((60,), 0.4), generator=gen)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    brute = ((pos[:, None] > neg[None, :]).double() + 0.5 * (pos[:, None] == neg[None, :]).double()).mean()
+    assert auc(scores, labels) == pytest.approx(float(brute))
+    assert auc(scores, torch.ones(60)) != auc(scores, torch.ones(60))  # NaN without negatives
+
+
+def test_top_k_per_request_leaves_slots_it_cannot_fill() -> None:
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.3, 0.7])
+    offsets = torch.tensor([0, 3, 3, 5])  # requests of 3, 0 and 2 candidates
+    values, rows = top_k_per_request(scores, offsets, 3, max_candidates=3)
+    assert rows.tolist() == [[1, 2, 0], [-1, -1, -1], [4, 3, -1]]
+    assert values[0].tolist() == pytest.approx([0.9, 0.5, 0.1])
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        top_k_per_request(scores, offsets, 0, max_candidates=3)

@@ -1,0 +1,118 @@
+"""Training: the loss falls and AUC rises on the synthetic traffic, a resumed run continues
+exactly where it stopped, and the command line trains, serves and profiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from agent.cli import app
+from kernels.registry import DISPATCHER
+from model.config import config_from_dict
+from model.training import Trainer
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def references():
+    with DISPATCHER.references_only():
+        yield
+
+
+def _config(**train):
+    return config_from_dict({"size": "tiny", "train": {"eval_every": 20, "checkpoint_every": 10, **train}})
+
+
+@pytest.mark.usefixtures("references")
+def test_the_tiny_model_learns_the_hidden_model() -> None:
+    trainer = Trainer(_config(steps=60))
+    history = trainer.fit()
+    first, last = history.evals[0], history.evals[-1]
+    assert first.step == 0 and last.step == 60
+    assert last.auc["ctr"] > 0.6 and last.auc["ctr"] > first.auc["ctr"] + 0.05, history.evals
+    assert last.log_loss["ctr"] < first.log_loss["ctr"]
+    assert all(s.examples_per_s > 0 and s.mfu is None for s in history.steps)  # no peak on a CPU
+
+
+@pytest.mark.usefixtures("references")
+def test_a_resumed_run_continues_exactly(tmp_path: Path) -> None:
+    straight = Trainer(_config(steps=4))
+    straight.fit()
+    checkpoint = tmp_path / "run.pt"
+    first = Trainer(_config(steps=4))
+    first.fit(2, checkpoint=checkpoint)
+    resumed = Trainer.resume(checkpoint)
+    assert resumed.step == 2
+    resumed.fit(4)
+    for (name, a), (_, b) in zip(
+        straight.model.named_parameters(), resumed.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    # The resumed run logged step 2 before its checkpoint, and step 4 as the straight one did.
+    assert [s.step for s in resumed.history.steps] == [2, 4]
+    assert straight.history.steps[-1].loss == resumed.history.steps[-1].loss
+
+
+def test_resuming_with_another_config_is_refused(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "run.pt"
+    Trainer(_config(steps=1)).save(checkpoint)
+    with pytest.raises(ValueError, match=r"trained with another config \(differs in \['train'\]\)"):
+        Trainer.resume(checkpoint, config=_config(steps=9))
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        Trainer.resume(tmp_path / "absent.pt")
+
+
+def test_the_command_line_trains_and_resumes(tmp_path: Path) -> None:
+    checkpoint, out = tmp_path / "tiny.pt", tmp_path / "train.json"
+    args = ["model", "train", "--config", "tiny", "--reference-ops", "--checkpoint", str(checkpoint)]
+    done = runner.invoke(app, [*args, "--steps", "3", "--json", str(out)])
+    assert done.exit_code == 0, done.output
+    assert "model FLOPs of a training step" in done.output and "held-out AUC" in done.output
+    result = json.loads(out.read_text())
+    assert [s["step"] for s in result["steps"]][-1] == 3 and result["evals"][-1]["auc"]["ctr"] > 0
+    assert set(result["flops_per_step"]) >= {"embeddings", "history", "scoring", "interaction", "heads"}
+    done = runner.invoke(app, [*args, "--steps", "5", "--resume"])
+    assert done.exit_code == 0, done.output
+    assert "resumed" in done.output and "at step 3" in done.output
+    assert torch.load(checkpoint, weights_only=False)["step"] == 5
+
+
+def test_the_command_line_serves_and_profiles(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    serve = ["model", "serve-bench", "--config", "tiny", "--reference-ops", "--candidates", "4,16"]
+    done = runner.invoke(app, [*serve, "--history", "8", "--repeats", "2", "--json", str(out)])
+    assert done.exit_code == 0, done.output
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["path"], r["candidates_per_request"]) for r in rows} == {
+        ("request", 4), ("naive", 4), ("request", 16), ("naive", 16)
+    }  # fmt: skip
+    assert all(r["p50_ms"] > 0 and r["history_length"] == 8 for r in rows)
+    out = tmp_path / "profile.json"
+    done = runner.invoke(
+        app, ["model", "profile", "--graph", "serve", "--config", "tiny", "--steps", "1", "--json", str(out)]
+    )
+    assert done.exit_code == 0, done.output
+    profile = json.loads(out.read_text())
+    assert profile["graph"] == "serve" and {"embedding_bag", "jagged_attention", "target_attention"} <= {
+        r["op"] for r in profile["rows"]
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["model", "train", "--config", "absent.toml"], "no model config at absent.toml"),
+        (["model", "serve-bench", "--candidates", "4,x"], "--candidates takes comma-separated integers"),
+        (["model", "serve-bench", "--history", "100000"], "exceeds the config's history max_len"),
+        (["model", "profile", "--graph", "eval"], "--graph must be one of train, serve"),
+        (["model", "train", "--library", "absent-library"], "no kernel library at absent-library"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
+    done = runner.invoke(app, args)
+    assert done.exit_code == 2 and message in done.output, done.output
