@@ -1,22 +1,9 @@
-"""A small GEM-like ads-ranking model whose embedding bags and attention run on the kernel library."""
+"""The GEM-class ads ranking model, on the kernel library: its config (model.config), synthetic
+traffic (model.data), the model (model.gem), training (model.training), serving (model.serving)
+and profiles per op (model.profile). It imports torch and kernels only."""
 
-from model.embeddings import EmbeddingBagCollection, JaggedFeature, SparseFeatureConfig
-from model.recommender import Recommender, RecommenderConfig
-from model.sequence import HSTULayer, SequenceArch, SequenceConfig, UserHistory
-from model.train import Batch, make_synthetic_batch, serve, train_step
+from model.config import ModelConfig, load_config
+from model.data import Batches, RequestBatch, TrafficGenerator
+from model.gem import GEMModel
 
-__all__ = [
-    "Batch",
-    "EmbeddingBagCollection",
-    "HSTULayer",
-    "JaggedFeature",
-    "Recommender",
-    "RecommenderConfig",
-    "SequenceArch",
-    "SequenceConfig",
-    "SparseFeatureConfig",
-    "UserHistory",
-    "make_synthetic_batch",
-    "serve",
-    "train_step",
-]
+__all__ = ["Batches", "GEMModel", "ModelConfig", "RequestBatch", "TrafficGenerator", "load_config"]

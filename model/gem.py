@@ -32,7 +32,7 @@ from torch import nn
 from kernels.ops import embedding_bag, gdpa, jagged_concat, jagged_split, target_attention
 from model.config import FeatureConfig, ModelConfig
 from model.data import Bags, RequestBatch
-from model.sequence import HSTULayer
+from model.hstu import HSTULayer
 
 
 def mlp(in_dim: int, dims: Sequence[int], *, last_activation: bool = True, device=None) -> nn.Sequential:
@@ -141,7 +141,10 @@ class HistoryEncoder(nn.Module):
         self.item_proj = nn.Linear(item_dim, h.model_dim, device=device)
         self.actions = nn.Embedding(h.num_actions, h.model_dim, device=device)
         self.ages = nn.Embedding(h.time_buckets, h.model_dim, device=device)
-        self.target_marker = nn.Parameter(torch.zeros(h.model_dim, device=device))
+        # Marks the candidates' tokens among the history's, where they join it as targets.
+        self.target_marker = (
+            nn.Parameter(torch.zeros(h.model_dim, device=device)) if h.candidates_as_targets else None
+        )
         self.max_seq_len = h.max_len + (h.max_targets if h.candidates_as_targets else 0)
         self.layers = nn.ModuleList(
             HSTULayer(
@@ -169,6 +172,7 @@ class HistoryEncoder(nn.Module):
                     f"requests of up to {batch.max_candidates} candidates, but history.max_targets is "
                     f"{self.config.max_targets}: raise it to encode candidates as targets"
                 )
+            assert self.target_marker is not None
             targets_BM = (candidates_BM + self.target_marker).to(x_TM.dtype)
             x_TM = jagged_concat(x_TM, batch.history_offsets, targets_BM, batch.candidate_offsets)
             offsets = batch.history_offsets + batch.candidate_offsets

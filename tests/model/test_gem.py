@@ -283,3 +283,32 @@ def test_top_k_per_request_leaves_slots_it_cannot_fill() -> None:
     assert values[0].tolist() == pytest.approx([0.9, 0.5, 0.1])
     with pytest.raises(ValueError, match="k must be >= 1"):
         top_k_per_request(scores, offsets, 0, max_candidates=3)
+
+
+@pytest.mark.usefixtures("references")
+@pytest.mark.parametrize("variant", ["target-silu", "targets-gdpa-softmax"])
+def test_a_training_step_reaches_every_parameter(variant: str, device: torch.device) -> None:
+    config = _config(variant)
+    model, batch = _model(config, device), _batch(config, device, requests=4)
+    model.loss(batch)[0].backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+
+
+@pytest.mark.usefixtures("references")
+def test_a_training_step_updates_the_rows_looked_up_and_no_other(device: torch.device) -> None:
+    config = _config()
+    model, batch = _model(config, device), _batch(config, device, requests=4)
+    before = [t.detach().clone() for t in model.embedding_parameters()]
+    optimizer = RowWiseAdagrad(model.embedding_parameters(), lr=0.1)
+    model.loss(batch)[0].backward()
+    optimizer.step()
+    looked_up = {t.name: torch.zeros(t.num_rows, dtype=torch.bool, device=device) for t in config.tables}
+    for f in config.features:
+        bags = (batch.user_features | batch.item_features)[f.name]
+        looked_up[f.table][bags.ids % config.hash_size(f)] = True
+    looked_up[config.history.item_table][batch.history_items] = True
+    for t, old in zip(config.tables, before, strict=True):
+        changed = (model.sparse.table(t.name).detach() != old).any(dim=1)
+        assert looked_up[t.name].any() and not looked_up[t.name].all(), t.name
+        assert torch.equal(changed, looked_up[t.name]), t.name

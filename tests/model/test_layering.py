@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import model
-import model.train
+import model.config
 from search_space import workload
 
 ALLOWED = {"torch", "kernels", "model"}
@@ -32,4 +32,4 @@ def test_model_imports_only_torch_and_kernels() -> None:
 
 def test_synthetic_lengths_follow_the_workloads_pooling_factors() -> None:
     """The model's own copy of the workload's length law: the same exponent."""
-    assert model.train.LENGTH_ALPHA == workload.BAG_LENGTH_ALPHA
+    assert model.config.DataConfig().length_alpha == workload.BAG_LENGTH_ALPHA

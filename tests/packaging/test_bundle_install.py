@@ -28,7 +28,7 @@ from search_space import embedding_bag as eb_problem
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-DIMS = (16, 32)  # the training script's feature dims: the bundle's entries serve both regimes of each
+DIMS = (16, 32)  # the training script's table dims: the bundle's entries serve both regimes of each
 BUCKETS = sorted({eb_problem.bucket_of(d, ids) for d in DIMS for ids in (1, 20)})
 AGENT = ["typer", "rich", "optuna", "langgraph", "ray", "docker", "openai", "tenacity", "matplotlib", "agent"]
 
@@ -37,22 +37,33 @@ import importlib.metadata, json, sys
 import torch
 import kernels.ops  # noqa: F401
 from kernels.registry import DISPATCHER, PACKAGE_LIBRARY
-from model import RecommenderConfig, SparseFeatureConfig
-from model.train import make_synthetic_batch, train_step
+from model.config import config_from_dict
+from model.data import TrafficGenerator
+from model.gem import GEMModel
+from model.optim import RowWiseAdagrad
 
-config = RecommenderConfig(
-    sparse_features=[
-        SparseFeatureConfig(name="user_ids", num_rows=200, dim=16),
-        SparseFeatureConfig(name="history", num_rows=300, dim=32, max_bag_length=24),
+config = config_from_dict({
+    "name": "bundle",
+    "tables": [{"name": "users", "num_rows": 200, "dim": 16}, {"name": "items", "num_rows": 300, "dim": 32}],
+    "features": [
+        {"name": "user_id", "table": "users", "side": "user"},
+        {"name": "item_id", "table": "items"},
+        {"name": "item_tags", "table": "items", "max_bag": 24},
     ],
-    num_dense_features=4, dense_mlp_dims=[16], interaction_mlp_dims=[16],
-)
+    "interaction": {"dim": 16, "num_layers": 1, "fm_rank": 4, "fm_outputs": 2, "compressed_outputs": 2,
+                    "mlp_dims": [16]},
+    "heads": {"mlp_dims": [16]},
+    "data": {"num_dense": 4},
+})
 torch.manual_seed(0)
-model = config.build(torch.device("cpu"))
-batch = make_synthetic_batch(config, 8, seed=1, device=torch.device("cpu"))
-loss = train_step(model, batch, torch.optim.SGD(model.parameters(), lr=0.1))
+model = GEMModel(config)
+batch = TrafficGenerator(config, seed=1).batch(0, num_requests=3, candidates_per_request=4)
+loss, _ = model.loss(batch)
+loss.backward()
+torch.optim.SGD(model.dense_parameters(), lr=0.1).step()
+RowWiseAdagrad(model.embedding_parameters()).step()
 print(json.dumps({
-    "loss": loss,
+    "loss": loss.item(),
     "calls": sorted([op, impl, n] for (op, impl), n in DISPATCHER.calls.items()),
     "library": str(DISPATCHER.library.root), "package_library": str(PACKAGE_LIBRARY),
     "distributions": sorted({d.metadata["Name"].lower() for d in importlib.metadata.distributions()}),
@@ -170,7 +181,8 @@ def test_a_fresh_worker_environment_installs_a_bundle_and_trains_with_its_kernel
         report["distributions"]
     )
     assert report["agent_modules"] == []
-    # The training step ran the bundle's kernels, forward and backward, for both features.
+    # The training step ran the bundle's kernels, forward and backward, for both tables (one
+    # call per table and side: the user's features, then the candidate's).
     calls = {(op, impl): n for op, impl, n in report["calls"]}
     assert calls == {
         ("embedding_bag", f"library:{ids['embedding_bag']}"): 2,
