@@ -20,6 +20,8 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from agent.config import CampaignConfig, LLMConfigError, SandboxConfig
 from agent.graph import compile_graph
 from agent.incumbents import campaign_arch, incumbents
+from agent.model_plan import ModelPlan
+from agent.model_plan import prepare as prepare_model
 from agent.nodes import campaign_progress
 from agent.population import pick_best
 from agent.proposers import make_proposers
@@ -128,6 +130,16 @@ class Campaigns:
         """Run a new campaign (under `campaign_id`, default a new_id) to its end."""
         endpoint = self._preflight(config)  # before anything is recorded or spent
         campaign_id = campaign_id or self.new_id(config)
+        if config.model is not None:
+            # Profile the model once (and keep the library as it is): the plan works from it,
+            # and where the config names no problems they come from it (stored so).
+            (events or _QuietEvents()).message(
+                f"profiling the {config.model.config} model's {config.model.graph} step to plan from"
+            )
+            try:
+                config = prepare_model(config, config.output_dir / campaign_id, campaign_library(config).root)
+            except ValueError as exc:
+                raise CampaignError(str(exc)) from None
         self.store.create_campaign(campaign_id, config.name, config.model_dump_json())
         if endpoint is not None:
             self.store.add_llm_preflight(campaign_id, endpoint)
@@ -193,6 +205,9 @@ class Campaigns:
             library=self.library_for(config),
             proposers=proposers,
             report_dir=str(config.output_dir / campaign_id),
+            model_plan=ModelPlan.load(config.output_dir / campaign_id, config.problems)
+            if config.model
+            else None,
             events=events,
             wall_offset_s=row.wall_s,
             segment_start=time.monotonic(),

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from agent.model_cli import model_app
 from sandbox.result import EvalResult, ratio
@@ -91,6 +92,7 @@ class _CampaignProgress(Progress):
         self.problems: dict[str, dict] = {
             p: {"evaluations": 0, "best": "", "last": ""} for p in config.problems
         }
+        self.plan: str | None = None  # why the plan chose the problem it works on (a model's campaign)
         # Wall time runs on between reports: the last one reported and when it came.
         self._wall_s, self._wall_at = 0.0, time.monotonic()
         self.tasks_by_budget: dict[str, TaskID] = {}  # Progress.__init__ draws the display once, empty
@@ -112,6 +114,8 @@ class _CampaignProgress(Progress):
     def report(self, progress: CampaignProgress) -> None:
         spent = progress.spent
         self._wall_s, self._wall_at = spent.wall_s, time.monotonic()
+        if progress.plan is not None:
+            self.plan = progress.plan
         values = {
             "evaluations": (spent.evaluations, _amount(spent.evaluations, self.budget.max_evaluations)),
             "gpu": (spent.gpu_s, _amount(spent.gpu_s, self.budget.max_gpu_s or 0, " s", 1)),
@@ -140,6 +144,8 @@ class _CampaignProgress(Progress):
                 amount=_amount(wall, self.budget.max_wall_s, " s"),
             )
         yield from super().get_renderables()
+        if self.plan:
+            yield Text(f"plan: {self.plan}", overflow="fold")
         table = Table.grid(padding=(0, 2))
         for problem, line in self.problems.items():
             table.add_row(problem, f"{line['evaluations']} evaluated", line["best"], line["last"])

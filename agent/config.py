@@ -236,9 +236,35 @@ class ReviewConfig(_Strict):
     remote: str = Field("origin", min_length=1, description="the git remote that pull requests push to")
 
 
+class ModelSection(_Strict):
+    """The model a campaign works for: its plan profiles the model's step once and chooses the
+    problem with the most to gain; its report measures the model's step with the library as it
+    was at the start and as it is at the end."""
+
+    config: str = Field(..., description="model config TOML file, or a preset: tiny, small, large")
+    graph: Literal["train", "serve"] = Field("train", description="the step the campaign speeds up")
+    device: str | None = Field(
+        None, description="where to profile: cuda, cpu (default: cuda where there is one)"
+    )
+    profile_steps: int = Field(2, ge=1, description="steps the profile times (after one warm-up step)")
+    measure_steps: int = Field(3, ge=1, description="steps per library in the report's before-and-after")
+
+    @field_validator("config")
+    @classmethod
+    def _loads(cls, value: str) -> str:
+        from model.config import load_config
+
+        load_config(value)  # a ValueError naming what is wrong
+        return value
+
+
 class CampaignConfig(_Strict):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    problems: list[str] = Field(..., min_length=1)
+    problems: list[str] = Field(
+        default_factory=list,
+        description="problems to work on; with a [model] section, by default those of the ops its step calls",
+    )
+    model: ModelSection | None = Field(None, description="plan from this model's profile")
     proposer: ProposerConfig = Field(default_factory=ProposerConfig)
     llm: LLMConfig | None = Field(None, description="the endpoint of the `llm` proposer")
     budget: BudgetConfig
@@ -261,6 +287,12 @@ class CampaignConfig(_Strict):
         if unknown:
             raise ValueError(f"unknown problem(s) {unknown}; known: {problem_names()}")
         return value
+
+    @model_validator(mode="after")
+    def _something_to_work_on(self) -> CampaignConfig:
+        if not self.problems and self.model is None:
+            raise ValueError("name the problems to work on, or a [model] whose profile chooses them")
+        return self
 
     @model_validator(mode="after")
     def _proposers_can_work(self) -> CampaignConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from statistics import geometric_mean
 from typing import Literal
 
@@ -13,6 +14,7 @@ from langgraph.runtime import Runtime
 from agent.config import BudgetSpent
 from agent.incumbents import ORIGIN as INCUMBENT
 from agent.incumbents import campaign_arch, incumbents, unmeasured_incumbents
+from agent.model_plan import measure_model
 from agent.population import (
     beats,
     bucket_us,
@@ -40,15 +42,24 @@ SUSPICIOUS_SPEEDUP = 10.0
 def plan(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     ctx = runtime.context
     spent = ctx.spent()
-    ctx.events.progress(campaign_progress(ctx, spent))
     if reached := ctx.config.budget.reached(spent):
+        ctx.events.progress(campaign_progress(ctx, spent))
         return {"stop_reason": reached}
-    # Every problem gets its turn: the one with the fewest evaluations goes next.
-    problem = min(ctx.config.problems, key=lambda p: ctx.store.count_evaluations(ctx.campaign_id, p))
+    counts = {p: ctx.store.count_evaluations(ctx.campaign_id, p) for p in ctx.config.problems}
+    reason = None
+    if ctx.model_plan is not None:
+        # The most expected gain in the model's step left (agent.model_plan).
+        problem, reason = ctx.model_plan.choose(counts, ctx.config.proposer.batch_size)
+    else:
+        # Every problem gets its turn: the one with the fewest evaluations goes next.
+        problem = min(ctx.config.problems, key=counts.__getitem__)
+    ctx.events.progress(campaign_progress(ctx, spent, plan=reason))
     return {"problem": problem, "iteration": state.get("iteration", 0) + 1, "stop_reason": None}
 
 
-def campaign_progress(ctx: CampaignContext, spent: BudgetSpent | None = None) -> CampaignProgress:
+def campaign_progress(
+    ctx: CampaignContext, spent: BudgetSpent | None = None, plan: str | None = None
+) -> CampaignProgress:
     problems = {}
     for problem in ctx.config.problems:
         best = ctx.store.evaluations(ctx.campaign_id, problem, best_only=True)
@@ -58,7 +69,7 @@ def campaign_progress(ctx: CampaignContext, spent: BudgetSpent | None = None) ->
             baseline=primary_baseline(problem),
             interpreted=bool(best) and best[0].result.interpreted,
         )
-    return CampaignProgress(spent=spent or ctx.spent(), problems=problems)
+    return CampaignProgress(spent=spent or ctx.spent(), problems=problems, plan=plan)
 
 
 def _device_budget_left(ctx: CampaignContext) -> bool:
@@ -234,6 +245,9 @@ def register(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
                 continue  # done before a kill; the library write is idempotent anyway
             registered += _register_problem(ctx, problem)
     # The campaign's last step: the report says so, with its wall time as the CLI shows it.
+    if ctx.config.model is not None:
+        ctx.events.message("measuring the model's step with the library at the start and now")
+        measure_model(ctx.config, Path(ctx.report_dir), ctx.library.root)
     ctx.store.set_wall(ctx.campaign_id, ctx.wall_s())
     ctx.store.set_status(ctx.campaign_id, "finished", state.get("stop_reason"))
     report = write_report(ctx, state.get("best", {}), state.get("stop_reason"), state.get("bucket_best"))

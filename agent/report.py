@@ -341,6 +341,40 @@ def _budgets(config: CampaignConfig, store: Store, campaign_id: str, wall_s: flo
     ]
 
 
+# Rows of the model's profile the report shows (the rest are in model/profile.json).
+MODEL_ROWS = 12
+
+
+def _model(store: Store, campaign_id: str, config: CampaignConfig) -> dict | None:
+    """The model section: the profile the plan worked from, the gains per problem with the
+    evaluations each had, and the step before and after (None for a campaign without a model)."""
+    from agent.model_plan import PROFILE_FILE, ModelPlan, load_step, model_dir
+
+    if config.model is None:
+        return None
+    report_dir = config.output_dir / campaign_id
+    plan = ModelPlan.load(report_dir, config.problems)
+    if plan is None:
+        return None
+    profile = plan.profile
+    gains = [
+        {**vars(g), "evaluations": store.count_evaluations(campaign_id, p)}
+        for p, g in sorted(plan.gains.items(), key=lambda kv: -kv[1].gain_ms)
+    ]
+    step = load_step(report_dir)
+    return {
+        "config": profile["config"],
+        "graph": profile["graph"],
+        "device": profile["device"],
+        "step_ms": profile["step_ms"],
+        "gains": gains,
+        "rows": profile["rows"][:MODEL_ROWS],
+        "step": step if step and "error" not in step else None,
+        "step_error": step.get("error") if step else None,
+        "profile_file": str(model_dir(report_dir) / PROFILE_FILE),
+    }
+
+
 def render_report(
     store: Store,
     campaign_id: str,
@@ -388,6 +422,7 @@ def render_report(
         "plots": PLOTS,
         "plot_data": {over: base64.b64encode(png).decode("ascii") for over, png in pngs.items()},
         "generated": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "model": _model(store, campaign_id, config),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, TypedDict
+from typing import Any, Protocol, TypedDict
 
 from agent.config import BudgetSpent, CampaignConfig
 from agent.proposers import Proposer
@@ -43,6 +43,8 @@ class CampaignProgress:
 
     spent: BudgetSpent
     problems: dict[str, ProblemProgress]
+    # Why the plan chose the problem it works on now (campaigns that plan from a model).
+    plan: str | None = None
 
 
 class Events(Protocol):
@@ -76,6 +78,8 @@ class CampaignContext:
     proposers: dict[str, list[Proposer]]  # per problem, in the order of proposer.kinds
     report_dir: str
     events: Events = field(default_factory=_QuietEvents)
+    # The plan's gains from the model's profile (agent.model_plan), for a campaign with a model.
+    model_plan: Any = None
     wall_offset_s: float = 0.0  # spent by earlier runs of this campaign
     segment_start: float = field(default_factory=time.monotonic)
 

@@ -416,6 +416,15 @@ class Dispatcher:
         finally:
             self._references_only = before
 
+    @contextlib.contextmanager
+    def library_at(self, root: str | os.PathLike) -> Iterator[KernelLibrary]:
+        """Within the block, dispatch through the library at `root`; then the one before."""
+        before = self._library
+        try:
+            yield self.use_library(root)
+        finally:
+            self._library = before
+
     def use_library(self, root: str | os.PathLike) -> KernelLibrary:
         self._library = KernelLibrary(root)
         return self._library
