@@ -173,7 +173,7 @@ def model_train(
             f"step {last.step}: loss {last.loss:.4f}, AUC "
             + ", ".join(f"{t} {v:.4f}" for t, v in final.auc.items())
             + f", {last.examples_per_s:,.0f} examples/s"
-            + ("" if last.mfu is None else f", MFU {last.mfu:.1%}")
+            + ("" if last.mfu is None else f", MFU {last.mfu:.1%} (target: 40% or more)")
             + f"; checkpoint {checkpoint}"
         )
     _write_json(

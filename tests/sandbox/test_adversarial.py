@@ -362,7 +362,14 @@ def test_the_runner_cannot_exhaust_the_hosts_memory_or_pids(tmp_path: Path) -> N
     """Its /tmp and /dev/shm (in the host's memory) are sized, and end there (under a root judge
     they are root's, so closed to the runner's user altogether); forking ends at the task
     budget; each with the error a full system gives, not with a host out of memory or PIDs."""
-    report = _exhaust_report(tmp_path / "runner")
+    # The budget is of every task of `nobody` (on kernels before 5.14, or where the judge may not
+    # lift its own limit), and another test's runner may hold it for a moment: a probe that
+    # could not fork once is run again, a few times, before its count is taken as the answer.
+    for attempt in range(4):
+        report = _exhaust_report(tmp_path / f"runner-{attempt}")
+        if report["forks"][0] > 0:
+            break
+        time.sleep(2.0)
     for place in ("tmp", "shm"):
         written, error = report[place]
         full = error == "ENOSPC" and written <= isolation.TMPFS_BYTES

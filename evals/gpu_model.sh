@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GEM-class model on a GPU, in one call: the model tests, then the large config's training
+# step on the library's kernels, on the reference ops and compiled (examples per second and MFU
+# side by side), its serving latency against candidates per request beside the naive path, and
+# where the training and serving steps spend their time. Logs and JSON go to $OUT.
+# Usage (repo root, on a GPU host whose python3 has torch and triton):
+#   bash evals/gpu_model.sh [CONFIG] [STEPS]        (default: large 40)
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh"
+export COLUMNS=200 RECFORGE_HOME=$PWD/.recforge
+CONFIG=${1:-large}
+STEPS=${2:-40}
+rf() { python3 -m agent "$@"; }
+python3 -m pytest tests/model tests/agent/test_model_campaign.py -q -p no:cacheprovider -x 2>&1 | tail -5 | tee "$OUT/pytest_model.txt"
+for variant in library reference compiled; do
+  case $variant in
+    library) extra=() ;;
+    reference) extra=(--reference-ops) ;;
+    compiled) extra=(--compile) ;;
+  esac
+  rf model train --config "$CONFIG" --steps "$STEPS" --checkpoint "$OUT/ckpt-$variant.pt" \
+    --json "$OUT/train_$variant.json" "${extra[@]}" 2>&1 | tee "$OUT/train_$variant.txt" | tail -4
+  rm -f "$OUT/ckpt-$variant.pt"
+done
+rf model serve-bench --config "$CONFIG" --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt" | tail -20
+for graph in train serve; do
+  rf model profile --graph "$graph" --config "$CONFIG" --json "$OUT/profile_$graph.json" 2>&1 | tee "$OUT/profile_$graph.txt" | tail -30
+done
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print("variant     examples/s   MFU     loss")
+for variant in ("library", "reference", "compiled"):
+    path = out / f"train_{variant}.json"
+    if not path.exists():
+        print(f"{variant:<11} (no result)")
+        continue
+    steps = json.loads(path.read_text())["steps"][1:]  # the first window holds warm-up and compiles
+    if not steps:
+        print(f"{variant:<11} (too few steps)")
+        continue
+    rate = sum(s["examples_per_s"] for s in steps) / len(steps)
+    mfu = [s["mfu"] for s in steps if s["mfu"] is not None]
+    print(f"{variant:<11} {rate:>10,.0f}   {sum(mfu) / len(mfu) if mfu else float('nan'):6.1%}  {steps[-1]['loss']:.4f}")
+print("MFU target: 40% or more (published GEM-class systems report 20% to 37%)")
+PY
