@@ -25,15 +25,17 @@ def campaign_arch() -> str:
 
 
 def default_candidate(problem: str) -> Candidate:
-    """The default kernel of `problem` as a candidate. An op's gradients (dispatched inside its
-    backward, whose default reads the statistics the forward saved, so it is not a candidate
-    going from inputs to gradients) are their template at the default knobs instead: the
-    library's kernels as they launch today."""
-    if problem in DISPATCHER.ops() and DISPATCHER.gradient_of(problem) is None:
+    """The default kernel of `problem` as a candidate: its template at the default knobs, the
+    candidate form of the library's kernels as they launch today (a default kernel's own module
+    may be no candidate: the attention ops' wrap the kit's launchers and the backward's, and an
+    op's gradients read the statistics the forward saved). A problem without a template: its
+    default kernel's module, whole."""
+    try:
+        template = get_template(problem)
+    except ValueError:
         default = DISPATCHER.default(problem)
         source, entry = Path(inspect.getsourcefile(default)).read_text(), default.__name__
     else:
-        template = get_template(problem)
         source, entry = template.render(template.defaults()), template.entry
     return Candidate(problem=problem, source=source, entry=entry, origin=ORIGIN)
 

@@ -4,25 +4,40 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import kernels.embedding_bag as embedding_bag_kernels
 from agent.incumbents import incumbents
 from kernels.registry import KernelLibrary
 from sandbox.screen import screen_candidate
+from search_space import problem_names
 from search_space.template import get_template
 
 
-def test_an_op_incumbent_is_its_default_kernel(tmp_path: Path) -> None:
-    (only,) = incumbents("gdpa", KernelLibrary(tmp_path / "lib"), "interpreter")
-    assert only.entry == "gdpa_forward" and "def gdpa_forward(" in only.source
+def test_every_problems_incumbent_is_a_candidate_the_screen_admits(tmp_path: Path) -> None:
+    """What a campaign measures first must be evaluable, or nothing is ever registered for its
+    problem: the attention ops' default functions wrap the kit's launchers and are no candidate,
+    so every problem with a template starts from its template at the default knobs."""
+    for problem in problem_names():
+        (only,) = incumbents(problem, KernelLibrary(tmp_path / "lib"), "interpreter")
+        assert screen_candidate(only) is None, (problem, screen_candidate(only).message)
+        assert only.origin == "library"
 
 
-def test_a_gradient_problem_incumbent_is_its_template_at_the_defaults(tmp_path: Path) -> None:
+def test_an_incumbent_is_the_default_kernel_as_it_launches_today(tmp_path: Path) -> None:
     """Gradients are dispatched inside an op's backward, whose default reads the forward's saved
     statistics: the library's kernels at their default launch configuration, going from inputs
-    to gradients, are what a proposal has to beat."""
-    template = get_template("jagged_attention_grad")
-    (only,) = incumbents("jagged_attention_grad", KernelLibrary(tmp_path / "lib"), "interpreter")
-    assert only.source == template.render(template.defaults()) and only.origin == "library"
-    assert screen_candidate(only) is None
+    to gradients, are what a proposal has to beat. The embedding bag's template is its default
+    kernel's own module; a problem without a template starts from its default kernel's module."""
+    for problem in ("jagged_attention_grad", "gdpa"):
+        template = get_template(problem)
+        (only,) = incumbents(problem, KernelLibrary(tmp_path / "lib"), "interpreter")
+        assert only.source == template.render(template.defaults()) and only.entry == template.entry
+    (bag,) = incumbents("embedding_bag", KernelLibrary(tmp_path / "lib"), "interpreter")
+    assert (
+        bag.source == Path(embedding_bag_kernels.__file__).read_text()
+        and bag.entry == "embedding_bag_forward"
+    )
+    (backward,) = incumbents("embedding_bag_backward", KernelLibrary(tmp_path / "lib"), "interpreter")
+    assert backward.entry == "embedding_bag_backward" and backward.source == bag.source
 
 
 def test_nothing_is_registered_when_what_dispatch_runs_cannot_be_evaluated(

@@ -6,15 +6,21 @@ and step are real (the tiny model, interpreted on a CPU)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 from quick_backend import QuickBackend
 
 import agent.campaign
+from agent import review
 from agent.campaign import Campaigns
 from agent.config import ConfigError, parse_config
 from agent.model_plan import LIBRARY_AT_START, ModelPlan, expected_gains, model_dir, problems_from_profile
+
+GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t"}
+GIT_ENV |= {"GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
 
 
 def _profile(rows: list[tuple[str, float, float | None]], step_ms: float = 10.0) -> dict:
@@ -85,11 +91,16 @@ class _Events:
 @pytest.mark.slow
 def test_a_campaign_plans_from_the_model_and_reports_its_step(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: QuickBackend())
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for args in (["init", "-q", "-b", "main"], ["commit", "-q", "--allow-empty", "-m", "start"]):
+        subprocess.run(["git", *args], cwd=repo, check=True, env=GIT_ENV)
     config = parse_config(
         {
             "name": "model",
             "output_dir": str(tmp_path / "out"),
             "library": str(tmp_path / "library"),
+            "review": {"changes": True, "repo": str(repo), "pull_requests": False},
             "model": {
                 "config": "tiny",
                 "graph": "serve",
@@ -121,3 +132,11 @@ def test_a_campaign_plans_from_the_model_and_reports_its_step(tmp_path: Path, mo
     assert "## Model" in report and "with the library as the campaign found it" in report
     html = outcome.report.with_name("report.html").read_text()
     assert 'id="model-gains"' in html and 'id="model-step"' in html
+    # Each kernel change carries the model's step with and without it, in its evidence and message.
+    changes = review.list_changes(repo)
+    assert changes and len(changes) == len(outcome.registered)
+    for change in changes:
+        _, message, _, evidence = review.show(repo, change.id)
+        step = evidence["model_step"]
+        assert set(step["step_ms"]) == {"start", "with"} and step["graph"] == "serve", step
+        assert "Model step (tiny serve" in message and "with this kernel registered" in message
