@@ -91,8 +91,7 @@ def run_op_dispatch_benchmark(calls: int = 5_000, repeats: int = 5) -> dict:
             op = get_op(name)
         except ValueError:  # a problem without an op of its own
             continue
-        forward = name.removesuffix("_grad")
-        ops.op(forward)  # defines the op (and its gradient op) with its default kernels
+        ops.op(op.gradient_of or name)  # defines the op (and its gradient op) with its default kernels
         problem = get_problem(name)
         shape = problem.check_shapes[0]
         inputs = problem.without_statistics(problem.make_inputs(shape, 7, device))

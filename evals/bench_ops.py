@@ -9,6 +9,9 @@ read once per occurrence, indices and offsets read, output written once):
     achieved GB/s      = min_bytes / median_time
     fraction of copy   = achieved bandwidth / device-to-device copy bandwidth measured in
                          this same run (bytes read plus written)
+
+and every op's TFLOP/s on the problem's FLOPs (`Problem.flops`), for the compute-bound ones
+(grouped GEMMs).
 """
 
 from __future__ import annotations
@@ -61,8 +64,11 @@ def measure_copy_bandwidth(device: torch.device) -> float | None:
 
 
 def _providers(problem: Problem, library: KernelLibrary, device: torch.device, shape) -> dict[str, Callable]:
-    from kernels import ops  # noqa: F401 - registers the op's default with the dispatcher
+    from kernels import ops
+    from search_space.op import get_op
 
+    with contextlib.suppress(ValueError):  # defines the op (a gradient op: its forward) and its default
+        ops.op(get_op(problem.name).gradient_of or problem.name)
     # The baselines exactly as the sandbox worker times them.
     providers: dict[str, Callable] = baseline_providers(problem, all_baselines(problem), device)
     with contextlib.suppress(ValueError):  # not every problem has a hand-written kernel
@@ -113,6 +119,7 @@ def run_op_benchmark(
         "p20-p80 us",
         "GB/s",
         "of copy BW",
+        "TFLOP/s",
         "vs torch",
         "check",
         title=title,
@@ -122,7 +129,7 @@ def run_op_benchmark(
         arg_sets = run.input_sets(problem, shape)
         args, kwargs = arg_sets[0]
         ref = problem.reference(*args, **kwargs)
-        nbytes = problem.bytes(shape)
+        nbytes, nflops = problem.bytes(shape), problem.flops(shape)
         tol, scale = problem.tolerance(shape.dtype), problem.tolerance_scale(Inputs(args=args, kwargs=kwargs))
         results = {}
         for name, fn in _providers(problem, lib, device, shape).items():
@@ -141,6 +148,7 @@ def run_op_benchmark(
                 f"{stats.p20_us:.1f}-{stats.p80_us:.1f}",
                 f"{gbps:.0f}",
                 f"{100 * frac:.0f}%" if frac else "n/a",
+                f"{nflops / (stats.median_us * 1e-6) / 1e12:.2f}",
                 f"{speedup:.2f}x" if speedup else "n/a",
                 "ok" if ok else f"WRONG {msg[:40]}",
             )
@@ -155,6 +163,7 @@ def run_op_benchmark(
                     "p80_us": stats.p80_us,
                     "gbps": gbps,
                     "copy_fraction": frac,
+                    "tflops": nflops / (stats.median_us * 1e-6) / 1e12,
                     "speedup_vs_torch": speedup,
                     "correct": ok,
                     **run.fields(),

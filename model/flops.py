@@ -70,7 +70,7 @@ class BatchSizes:
 
 def forward_flops(config: ModelConfig, s: BatchSizes) -> dict[str, float]:
     """FLOPs of one forward, by component: embeddings, history, scoring, dense, interaction,
-    heads (each split into `.matmul`, `.attention`, `.pooling` where it has them)."""
+    heads (each split into `.matmul`, `.attention`, `.pooling`, `.experts` where it has them)."""
     c, d = config, config.interaction.dim
     R, B = s.requests, s.candidates
     out: dict[str, float] = {}
@@ -133,8 +133,9 @@ def forward_flops(config: ModelConfig, s: BatchSizes) -> dict[str, float]:
     flat = n * d
     heads = 0.0
     if hd.num_experts:
-        heads += 2 * B * flat * hd.num_experts
-        heads += hd.top_k * B * (2 * flat * hd.expert_dim + 2 * hd.expert_dim * hd.expert_dim)
+        heads += 2 * B * flat * hd.num_experts  # the gate
+        # The experts' two grouped products over the top_k rows routed per candidate.
+        out["heads.experts"] = hd.top_k * B * (2 * flat * hd.expert_dim + 2 * hd.expert_dim * hd.expert_dim)
         flat = hd.expert_dim
     dims = [flat, *hd.mlp_dims, 1]
     heads += len(hd.tasks) * sum(2 * B * a * b for a, b in zip(dims, dims[1:], strict=False))

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ops import embedding_bag, gdpa, jagged_concat, jagged_split, target_attention
+from kernels.ops import embedding_bag, gdpa, grouped_gemm, jagged_concat, jagged_split, target_attention
 from model.config import FeatureConfig, ModelConfig
 from model.data import Bags, RequestBatch
 from model.hstu import HSTULayer
@@ -316,8 +316,9 @@ class WukongLayer(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """Top-k routing over `num_experts` two-layer experts, run as grouped calls (the routed rows
-    sorted by expert, one matrix per expert), with the switch load-balancing loss."""
+    """Top-k routing over `num_experts` two-layer experts, each layer one `grouped_gemm` call
+    (the routed rows sorted by expert, one matrix per expert), with the switch load-balancing
+    loss."""
 
     def __init__(self, in_dim: int, num_experts: int, top_k: int, expert_dim: int, *, device=None) -> None:
         super().__init__()
@@ -338,9 +339,13 @@ class MixtureOfExperts(nn.Module):
         flat_e = top_e.flatten()
         order = torch.argsort(flat_e, stable=True)
         counts = F.one_hot(flat_e, self.num_experts).sum(0)
-        rows = x_BF[order // self.top_k]
-        hidden = F.relu(grouped_linear(rows, counts, self.w1, self.b1))
-        out = grouped_linear(hidden, counts, self.w2, self.b2)
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x_BF.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        dtype = compute_dtype(x_BF)
+        rows = x_BF[order // self.top_k].to(dtype)
+        # Every expert's rows through one grouped call per layer (no sync for the group sizes).
+        hidden = F.relu(grouped_gemm(rows, offsets, self.w1.to(dtype), self.b1.to(dtype)))
+        out = grouped_gemm(hidden, offsets, self.w2.to(dtype), self.b2.to(dtype))
         routed = torch.empty_like(out).index_copy_(0, order, out).view(-1, self.top_k, out.shape[-1])
         mixed = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
         fraction = counts.float() / flat_e.numel()
@@ -348,17 +353,11 @@ class MixtureOfExperts(nn.Module):
         return mixed, balance
 
 
-def grouped_linear(
-    x_NI: torch.Tensor, counts: torch.Tensor, weight_EIO: torch.Tensor, bias_EO: torch.Tensor
-) -> torch.Tensor:
-    """Rows sorted by group, `counts[e]` rows for group e, each through its own x W_e + b_e."""
-    outs, start = [], 0
-    for e, count in enumerate(counts.tolist()):  # the group sizes, once per call
-        if count:
-            w, b = weight_EIO[e].to(x_NI.dtype), bias_EO[e].to(x_NI.dtype)
-            outs.append(torch.addmm(b, x_NI[start : start + count], w))
-        start += count
-    return torch.cat(outs) if outs else x_NI.new_zeros((0, weight_EIO.shape[-1]))
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matrix products run in here: autocast's where it is on (custom ops are not cast
+    by it), else x's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
 @dataclass

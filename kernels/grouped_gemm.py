@@ -1,0 +1,106 @@
+"""The default kernel of grouped_gemm (search_space/grouped_gemm.py declares the op): rows sorted
+by group, each group's rows times its own matrix, in one launch.
+
+Programs are laid out as (row tile, column block). A group of n rows takes cdiv(n, BLOCK_R) row
+tiles, so the launch holds at most cdiv(N, BLOCK_R) + G of them, whatever the split; each
+program finds its group by walking the group offsets (G is tens), so the host reads nothing
+back from the device and the call is capturable. Products accumulate in fp32 (tensor cores for
+bf16 and fp16; fp32 inputs are multiplied in full fp32, as torch.matmul does by default).
+Self-contained, like any candidate: it is also the op's knob template (its KNOBS dict).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+KNOBS = {"BLOCK_R": 64, "BLOCK_M": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
+
+
+# Triton's interpreter multiplies bfloat16 dot operands as their raw 16 bits; interpreted (CPU
+# tensors), bfloat16 operands go through exact fp32 products instead, the ones a GPU forms.
+# fp32 operands are multiplied in full fp32 (not TF32), as torch.matmul does by default.
+def _precision(x):
+    if x.dtype == torch.float32:
+        return "ieee"
+    return "via_fp32" if x.device.type != "cuda" else "tf32"
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    if PRECISION == "via_fp32":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    x_ptr, offsets_ptr, w_ptr, b_ptr, out_ptr,
+    K, M, G,
+    stride_xn, stride_xk, stride_wg, stride_wk, stride_wm, stride_bg, stride_on,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # This program's group and its first tile: the group whose tiles cover `tile`.
+    group = -1
+    group_first = 0
+    tiles_before = 0
+    start = tl.load(offsets_ptr).to(tl.int64)
+    for g in range(0, G):
+        end = tl.load(offsets_ptr + g + 1).to(tl.int64)
+        tiles = tl.cdiv(end - start, BLOCK_R)
+        hit = (tile >= tiles_before) & (tile < tiles_before + tiles)
+        group = tl.where(hit, g, group)
+        group_first = tl.where(hit, tiles_before, group_first)
+        tiles_before += tiles
+        start = end
+    if group >= 0:
+        row_start = tl.load(offsets_ptr + group).to(tl.int64)
+        row_end = tl.load(offsets_ptr + group + 1).to(tl.int64)
+        rows = row_start + (tile - group_first) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < row_end
+        w_group = w_ptr + group.to(tl.int64) * stride_wg
+        acc = tl.zeros([BLOCK_R, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xn + ks[None, :] * stride_xk,
+                mask=row_ok[:, None] & (ks[None, :] < K),
+                other=0.0,
+            )
+            b = tl.load(
+                w_group + ks[:, None] * stride_wk + cols[None, :] * stride_wm,
+                mask=(ks[:, None] < K) & (cols[None, :] < M),
+                other=0.0,
+            )
+            acc = _dot(a, b, acc, PRECISION)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + group.to(tl.int64) * stride_bg + cols, mask=cols < M, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        out = out_ptr + rows[:, None] * stride_on + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < M))
+
+
+def grouped_gemm(x, group_offsets, weight, bias=None):
+    """x [N, K] (rows sorted by group), group_offsets [G + 1] (group g's rows are
+    group_offsets[g]:group_offsets[g + 1]), weight [G, K, M], bias [G, M] or None -> [N, M]:
+    each row times its group's matrix, plus its group's bias."""
+    rows, depth = x.shape
+    groups, _, width = weight.shape
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    if rows == 0 or width == 0:
+        return out
+    grid = (triton.cdiv(rows, KNOBS["BLOCK_R"]) + groups, triton.cdiv(width, KNOBS["BLOCK_M"]))
+    has_bias = bias is not None
+    _grouped_gemm_kernel[grid](
+        x, group_offsets, weight, bias if has_bias else weight, out,
+        depth, width, groups,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
+        bias.stride(0) if has_bias else 0, out.stride(0),
+        HAS_BIAS=has_bias, PRECISION=_precision(x),
+        BLOCK_R=KNOBS["BLOCK_R"], BLOCK_M=KNOBS["BLOCK_M"], BLOCK_K=KNOBS["BLOCK_K"],
+        num_warps=KNOBS["num_warps"], num_stages=KNOBS["num_stages"],
+    )  # fmt: skip
+    return out
