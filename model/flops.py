@@ -70,7 +70,8 @@ class BatchSizes:
 
 def forward_flops(config: ModelConfig, s: BatchSizes) -> dict[str, float]:
     """FLOPs of one forward, by component: embeddings, history, scoring, dense, interaction,
-    heads (each split into `.matmul`, `.attention`, `.pooling`, `.experts` where it has them)."""
+    heads (each split into `.matmul`, `.attention`, `.pooling`, and the Wukong block's `.fm` and
+    the experts' `.experts`, where it has them)."""
     c, d = config, config.interaction.dim
     R, B = s.requests, s.candidates
     out: dict[str, float] = {}
@@ -113,14 +114,13 @@ def forward_flops(config: ModelConfig, s: BatchSizes) -> dict[str, float]:
     n = n_user + len(c.features_of("item")) + 1
     if h is not None:
         n += c.scoring.num_seeds + (1 if h.candidates_as_targets else 0)
-    interaction = 0.0
+    interaction = fm = 0.0
     for index in range(i.num_layers):
         n_u = n_user if index == 0 else 0
         n_c = n - n_u
         n_out = i.outputs
-        # X^T Y and W X: the user's rows once per request; X (X^T Y) for every candidate.
-        interaction += 2 * (R * n_u + B * n_c) * d * i.fm_rank
-        interaction += 2 * B * n * d * i.fm_rank
+        # X^T Y (the user's rows once per request) and X (X^T Y) for every candidate: wukong_fm.
+        fm += 2 * (R * n_u + B * n_c) * d * i.fm_rank + 2 * B * n * d * i.fm_rank
         dims = [n * i.fm_rank, *i.mlp_dims, i.fm_outputs * d]
         interaction += sum(2 * B * a * b for a, b in zip(dims, dims[1:], strict=False))
         interaction += 2 * (R * n_u + B * n_c) * i.compressed_outputs * d
@@ -128,6 +128,7 @@ def forward_flops(config: ModelConfig, s: BatchSizes) -> dict[str, float]:
             interaction += 2 * (R * n_u + B * n_c) * n_out * d
         n = n_out
     out["interaction.matmul"] = interaction
+    out["interaction.fm"] = fm
 
     hd = c.heads
     flat = n * d

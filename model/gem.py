@@ -29,7 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ops import embedding_bag, gdpa, grouped_gemm, jagged_concat, jagged_split, target_attention
+from kernels.ops import (
+    embedding_bag,
+    gdpa,
+    grouped_gemm,
+    jagged_concat,
+    jagged_split,
+    target_attention,
+    wukong_fm,
+)
 from model.config import FeatureConfig, ModelConfig
 from model.data import Bags, RequestBatch
 from model.hstu import HSTULayer
@@ -242,8 +250,9 @@ class WukongLayer(nn.Module):
     count changes), normed.
 
     The input may come in two parts, the user's embeddings once per request and the
-    candidate's: X = [X_u; X_c]. Whatever is linear in X is then split, and X_u's share
-    computed once per request: X^T Y = X_u^T Y_u + X_c^T Y_c, W X = W_u X_u + W_c X_c."""
+    candidate's: X = [X_u; X_c]. The factorization-machine block reads X_u from the request
+    (kernels.ops.wukong_fm); the linear blocks are split, X_u's share computed once per request:
+    W X = W_u X_u + W_c X_c."""
 
     def __init__(
         self,
@@ -281,34 +290,27 @@ class WukongLayer(nn.Module):
         n_u = 0 if x_RUD is None else x_RUD.shape[1]
         if n_u + x_BCD.shape[1] != self.num_in:
             raise ValueError(f"Wukong layer of {self.num_in} embeddings got {n_u} + {x_BCD.shape[1]}")
-        y_u, y_c = self.fm_proj[:n_u], self.fm_proj[n_u:]
-        p_BDK = torch.einsum("bnd,nk->bdk", x_BCD, y_c.to(x_BCD.dtype))
-        compressed = torch.einsum("ln,bnd->bld", self.compress[:, n_u:].to(x_BCD.dtype), x_BCD)
+        dtype = compute_dtype(x_BCD)
+        x_BCD = x_BCD.to(dtype)
+        x_RUD = None if x_RUD is None else x_RUD.to(dtype)
+        # X (X^T Y), the user's rows read from the request (kernels.ops.wukong_fm).
+        fm_BNK = wukong_fm(x_BCD, self.fm_proj.to(dtype), x_RUD, cand_to_request)
+        compressed = self._mix(self.compress, n_u, x_BCD)
         residual = self._mix(self.residual, n_u, x_BCD) if self.residual is not None else x_BCD
         if x_RUD is not None:
             assert cand_to_request is not None
-            x_RUD = x_RUD.to(x_BCD.dtype)
-            # The user's share, once per request, then broadcast to its candidates.
-            p_BDK = p_BDK + torch.einsum("rnd,nk->rdk", x_RUD, y_u.to(x_RUD.dtype))[cand_to_request]
-            compressed = (
-                compressed
-                + torch.einsum("ln,rnd->rld", self.compress[:, :n_u].to(x_RUD.dtype), x_RUD)[cand_to_request]
-            )
-            x_user_BUD = x_RUD[cand_to_request]
+            # The user's share of the linear blocks, once per request, then broadcast.
+            compressed = compressed + self._user_share(self.compress, x_RUD)[cand_to_request]
             if self.residual is not None:
-                residual = (
-                    residual
-                    + torch.einsum("ln,rnd->rld", self.residual[:, :n_u].to(x_RUD.dtype), x_RUD)[
-                        cand_to_request
-                    ]
-                )
+                residual = residual + self._user_share(self.residual, x_RUD)[cand_to_request]
             else:
-                residual = torch.cat([x_user_BUD, residual], dim=1)
-            fm_BNK = torch.cat([torch.bmm(x_user_BUD, p_BDK), torch.bmm(x_BCD, p_BDK)], dim=1)
-        else:
-            fm_BNK = torch.bmm(x_BCD, p_BDK)
+                residual = torch.cat([x_RUD[cand_to_request], residual], dim=1)
         fm = self.fm_mlp(self.fm_norm(fm_BNK.flatten(1))).view(-1, self.fm_outputs, self.dim)
         return self.norm(torch.cat([fm, compressed.to(fm.dtype)], dim=1) + residual)
+
+    @staticmethod
+    def _user_share(weight: torch.Tensor, x_RUD: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("ln,rnd->rld", weight[:, : x_RUD.shape[1]].to(x_RUD.dtype), x_RUD)
 
     @staticmethod
     def _mix(weight: torch.Tensor, n_u: int, x_BCD: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,13 @@ def uses_kit(source: str) -> bool:
     """Whether a candidate's source imports from the kit (`from kernels.kit.<module> import
     <name>`, the only way the screen lets it in), read from its imports however they are spaced;
     a source that does not parse imports nothing."""
+    # One parse at a time, under the lock every parse of candidate source takes (CPython 3.11's
+    # parser is not thread-safe). Imported here: the runner, which sees the kit but not the
+    # search space, never asks.
+    from search_space.template import parse_source
+
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except (SyntaxError, ValueError):
         return False
     for node in ast.walk(tree):

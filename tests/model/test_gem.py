@@ -137,7 +137,13 @@ def test_training_on_the_librarys_kernels_matches_the_reference_ops(
     before = DISPATCHER.calls.copy()
     kernels = train(model)
     ran = {op for op, impl in DISPATCHER.calls - before if impl == "default"}
-    assert {"embedding_bag", "jagged_attention", "target_attention", "jagged_attention_grad"} <= ran
+    assert {
+        "embedding_bag",
+        "jagged_attention",
+        "target_attention",
+        "jagged_attention_grad",
+        "wukong_fm",
+    } <= ran
     if config.heads.num_experts:
         assert {"grouped_gemm", "grouped_gemm_weight_grad"} <= ran
     with DISPATCHER.references_only():
@@ -162,8 +168,9 @@ def test_the_compiled_model_scores_as_the_eager_one(device: torch.device) -> Non
 
 @pytest.mark.usefixtures("references")
 def test_the_analytic_flops_are_the_matrix_products_counted() -> None:
-    """Without a history every matrix product but the experts' is torch's, so torch's counter must
-    find exactly the analytic count (pooling sums are not matrix products, and not counted by it)."""
+    """Without a history every matrix product but the experts' and the Wukong blocks' is torch's,
+    so torch's counter must find exactly the analytic count of the rest (pooling sums are not
+    matrix products, and not counted by it)."""
     config = config_from_dict({"size": "tiny", "history": None, "heads": VARIANTS["experts"]["heads"]})
     model, batch = _model(config, torch.device("cpu")), _batch(config, torch.device("cpu"), requests=5)
     counter = FlopCounterMode(display=False)
@@ -174,9 +181,10 @@ def test_the_analytic_flops_are_the_matrix_products_counted() -> None:
     analytic = forward_flops(config, BatchSizes.of(batch))
     matmul = sum(v for k, v in analytic.items() if k.endswith(".matmul"))
     assert counter.get_total_flops() == matmul
-    # The experts run as grouped_gemm calls, which torch's counter does not see into: their
-    # declared cost is the analytic count.
+    # The experts and the Wukong blocks run as library ops, which torch's counter does not see
+    # into: their declared costs are the analytic counts.
     assert sum(c.flops for c in recorded.calls if c.op == "grouped_gemm") == analytic["heads.experts"]
+    assert sum(c.flops for c in recorded.calls if c.op == "wukong_fm") == analytic["interaction.fm"]
     assert analytic["embeddings.pooling"] == sum(
         bags.ids.numel() * config.table(f.table).dim
         for f in config.features
@@ -209,7 +217,7 @@ def test_the_profile_lists_every_op_a_step_calls(device: torch.device) -> None:
         profile = profile_model(config, "train", device, steps=1, warmup=0)
     expected = {
         "embedding_bag", "embedding_bag_backward", "jagged_attention", "jagged_attention_grad", "gdpa",
-        "gdpa_grad", "jagged_concat", "jagged_split",
+        "gdpa_grad", "jagged_concat", "jagged_split", "wukong_fm",
     }  # fmt: skip
     assert set(profile.ops) == expected
     assert profile.rows[-1].op == OTHER or any(r.op == OTHER for r in profile.rows)
