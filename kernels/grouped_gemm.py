@@ -4,33 +4,19 @@ by group, each group's rows times its own matrix, in one launch.
 Programs are laid out as (row tile, column block). A group of n rows takes cdiv(n, BLOCK_R) row
 tiles, so the launch holds at most cdiv(N, BLOCK_R) + G of them, whatever the split; each
 program finds its group by walking the group offsets (G is tens), so the host reads nothing
-back from the device and the call is capturable. Products accumulate in fp32 (tensor cores for
-bf16 and fp16; fp32 inputs are multiplied in full fp32, as torch.matmul does by default).
-Self-contained, like any candidate: it is also the op's knob template (its KNOBS dict).
+back from the device and the call is capturable. Products accumulate in fp32 through the kit's
+tile product (kernels.kit.tiles: tensor cores for bf16, full fp32 for fp32). A candidate like
+any other, importing nothing of the library but the kit: it is also the op's knob template (its
+KNOBS dict).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.kit.tiles import mma, mma_precision
+
 KNOBS = {"BLOCK_R": 64, "BLOCK_M": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
-
-
-# Triton's interpreter multiplies bfloat16 dot operands as their raw 16 bits; interpreted (CPU
-# tensors), bfloat16 operands go through exact fp32 products instead, the ones a GPU forms.
-# fp32 operands are multiplied in full fp32 (not TF32), as torch.matmul does by default.
-def _precision(x):
-    if x.dtype == torch.float32:
-        return "ieee"
-    return "via_fp32" if x.device.type != "cuda" else "tf32"
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    if PRECISION == "via_fp32":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -75,7 +61,7 @@ def _grouped_gemm_kernel(
                 mask=(ks[:, None] < K) & (cols[None, :] < M),
                 other=0.0,
             )
-            acc = _dot(a, b, acc, PRECISION)
+            acc = mma(a, b, acc, PRECISION)
         if HAS_BIAS:
             bias = tl.load(b_ptr + group.to(tl.int64) * stride_bg + cols, mask=cols < M, other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -99,7 +85,7 @@ def grouped_gemm(x, group_offsets, weight, bias=None):
         depth, width, groups,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
         bias.stride(0) if has_bias else 0, out.stride(0),
-        HAS_BIAS=has_bias, PRECISION=_precision(x),
+        HAS_BIAS=has_bias, PRECISION=mma_precision(x),
         BLOCK_R=KNOBS["BLOCK_R"], BLOCK_M=KNOBS["BLOCK_M"], BLOCK_K=KNOBS["BLOCK_K"],
         num_warps=KNOBS["num_warps"], num_stages=KNOBS["num_stages"],
     )  # fmt: skip

@@ -1,30 +1,16 @@
 """The default kernel of grouped_gemm_weight_grad (search_space/grouped_gemm_weight_grad.py):
 each group's weight gradient, its rows of x transposed times its rows of grad_out, in one
-launch of (group, K block, M block) programs that each walk their group's rows in fp32. A
-group without rows gets zeros. Self-contained, like any candidate (its KNOBS dict)."""
+launch of (group, K block, M block) programs that each walk their group's rows in fp32 (the
+kit's tile multiply-accumulate). A group without rows gets zeros. A candidate like any other, importing
+nothing of the library but the kit (its KNOBS dict is the op's knob template)."""
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.kit.tiles import mma, mma_precision
+
 KNOBS = {"BLOCK_R": 32, "BLOCK_K": 64, "BLOCK_M": 64, "num_warps": 4, "num_stages": 3}
-
-
-# Triton's interpreter multiplies bfloat16 dot operands as their raw 16 bits; interpreted (CPU
-# tensors), bfloat16 operands go through exact fp32 products instead, the ones a GPU forms.
-# fp32 operands are multiplied in full fp32 (not TF32), as torch.matmul does by default.
-def _precision(x):
-    if x.dtype == torch.float32:
-        return "ieee"
-    return "via_fp32" if x.device.type != "cuda" else "tf32"
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    if PRECISION == "via_fp32":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -47,7 +33,7 @@ def _weight_grad_kernel(
                     mask=ok[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
         d = tl.load(dy_ptr + rows[:, None] * stride_dn + ms[None, :] * stride_dm,
                     mask=ok[:, None] & (ms[None, :] < M), other=0.0)  # fmt: skip
-        acc = _dot(tl.trans(a), d, acc, PRECISION)
+        acc = mma(tl.trans(a), d, acc, PRECISION)
     out = dw_ptr + group * stride_wg + ks[:, None] * stride_wk + ms[None, :]
     tl.store(out, acc.to(dw_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (ms[None, :] < M))
 
@@ -65,7 +51,7 @@ def grouped_gemm_weight_grad(x, grad_out, group_offsets):
         x, grad_out, group_offsets, out,
         depth, width,
         x.stride(0), x.stride(1), grad_out.stride(0), grad_out.stride(1), out.stride(0), out.stride(1),
-        PRECISION=_precision(x),
+        PRECISION=mma_precision(x),
         BLOCK_R=KNOBS["BLOCK_R"], BLOCK_K=KNOBS["BLOCK_K"], BLOCK_M=KNOBS["BLOCK_M"],
         num_warps=KNOBS["num_warps"], num_stages=KNOBS["num_stages"],
     )  # fmt: skip

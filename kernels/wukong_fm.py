@@ -2,32 +2,18 @@
 candidate holds its n embeddings (the user's, read from its request, then its own) and the
 projection, and forms X (X^T Y) a slice of the embedding dim at a time: each slice's share of
 X^T Y is [BLOCK_D, k], and X times it adds that slice's share of the output, so X is read once
-and X^T Y never leaves the program. Products accumulate in fp32 (bf16 operands on tensor
-cores; fp32 ones in full fp32). Self-contained, like any candidate: its KNOBS dict is the op's
-knob template.
+and X^T Y never leaves the program. Products accumulate in fp32 through the kit's tile multiply-accumulate
+(kernels.kit.tiles). A candidate like any other, importing nothing of the library but the kit:
+its KNOBS dict is the op's knob template.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.kit.tiles import mma, mma_precision
+
 KNOBS = {"BLOCK_D": 64, "num_warps": 4}
-
-
-# Triton's interpreter multiplies bfloat16 dot operands as their raw 16 bits; interpreted (CPU
-# tensors), bfloat16 operands go through exact fp32 products instead, the ones a GPU forms.
-def _precision(x):
-    if x.dtype == torch.float32:
-        return "ieee"
-    return "via_fp32" if x.device.type != "cuda" else "tf32"
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    if PRECISION == "via_fp32":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -60,8 +46,8 @@ def _wukong_fm_kernel(
         x = tl.load(cand_rows + ds[None, :], mask=is_cand[:, None] & d_ok, other=0.0)
         if HAS_USER:
             x += tl.load(user_rows + ds[None, :], mask=is_user[:, None] & d_ok, other=0.0)
-        share = _dot(tl.trans(x), y, tl.zeros([BLOCK_D, BLOCK_K], dtype=tl.float32), PRECISION)
-        acc = _dot(x, share.to(x.dtype), acc, PRECISION)
+        share = mma(tl.trans(x), y, tl.zeros([BLOCK_D, BLOCK_K], dtype=tl.float32), PRECISION)
+        acc = mma(x, share.to(x.dtype), acc, PRECISION)
     out = out_ptr + b * stride_ob + n[:, None] * stride_on + ks[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(n[:, None] < total) & (ks[None, :] < K))
 
@@ -85,7 +71,7 @@ def wukong_fm(x, proj, x_user=None, cand_to_request=None):
         n_user, n_cand, dim, k,
         x.stride(0), x.stride(1), user.stride(0) if has_user else 0, user.stride(1) if has_user else 0,
         proj.stride(0), out.stride(0), out.stride(1),
-        HAS_USER=has_user, PRECISION=_precision(x),
+        HAS_USER=has_user, PRECISION=mma_precision(x),
         BLOCK_N=max(16, triton.next_power_of_2(n_user + n_cand)),
         BLOCK_D=KNOBS["BLOCK_D"], BLOCK_K=max(16, triton.next_power_of_2(k)),
         num_warps=KNOBS["num_warps"],
