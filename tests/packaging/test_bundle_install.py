@@ -182,11 +182,13 @@ def test_a_fresh_worker_environment_installs_a_bundle_and_trains_with_its_kernel
     )
     assert report["agent_modules"] == []
     # The training step ran the bundle's kernels, forward and backward, for both tables (one
-    # call per table and side: the user's features, then the candidate's).
+    # call per table and side: the user's features, then the candidate's), and the default
+    # kernel of the op the bundle holds nothing for (the Wukong layer's block).
     calls = {(op, impl): n for op, impl, n in report["calls"]}
     assert calls == {
         ("embedding_bag", f"library:{ids['embedding_bag']}"): 2,
         ("embedding_bag_backward", f"library:{ids['embedding_bag_backward']}"): 2,
+        ("wukong_fm", "default"): 1,
     }, report["calls"]
     assert 0 < report["loss"] < float("inf")
 
@@ -202,4 +204,8 @@ def test_without_the_bundle_the_same_step_runs_the_defaults(worker_venv: Path, t
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     calls = {(op, impl) for op, impl, _ in json.loads(done.stdout.strip().splitlines()[-1])["calls"]}
-    assert calls == {("embedding_bag", "default"), ("embedding_bag_backward", "default")}
+    assert calls == {
+        ("embedding_bag", "default"),
+        ("embedding_bag_backward", "default"),
+        ("wukong_fm", "default"),
+    }
