@@ -116,6 +116,7 @@ class Gain:
     fraction: float | None  # time-weighted roofline fraction, where known
     step_ms: float
     graph: str
+    buckets: tuple[str, ...] = ()  # the shape buckets the model's calls of the op fall in
 
     def reason(self, evaluations: int) -> str:
         at = "roofline unknown" if self.fraction is None else f"at {self.fraction:.0%} of its roofline"
@@ -147,8 +148,20 @@ def expected_gains(profile: dict[str, Any]) -> dict[str, Gain]:
             fraction=fraction,
             step_ms=profile["step_ms"],
             graph=profile["graph"],
+            buckets=tuple(sorted({r["bucket"] for r in rows})),
         )
     return gains
+
+
+def untimed_buckets(problem: str, buckets: tuple[str, ...]) -> list[str]:
+    """The model's buckets of `problem` that none of the problem's timing shapes falls in: a
+    campaign times its candidates on the problem's shapes, so a winner there says nothing of
+    these (dispatch keeps what it ran for them)."""
+    from search_space import get_problem
+
+    spec = get_problem(problem)
+    timed = {spec.bucket(shape) for shape in spec.timing_shapes}
+    return [b for b in buckets if b not in timed]
 
 
 class ModelPlan:

@@ -348,7 +348,7 @@ MODEL_ROWS = 12
 def _model(store: Store, campaign_id: str, config: CampaignConfig) -> dict | None:
     """The model section: the profile the plan worked from, the gains per problem with the
     evaluations each had, and the step before and after (None for a campaign without a model)."""
-    from agent.model_plan import PROFILE_FILE, ModelPlan, load_step, model_dir
+    from agent.model_plan import PROFILE_FILE, ModelPlan, load_step, model_dir, untimed_buckets
 
     if config.model is None:
         return None
@@ -358,7 +358,11 @@ def _model(store: Store, campaign_id: str, config: CampaignConfig) -> dict | Non
         return None
     profile = plan.profile
     gains = [
-        {**vars(g), "evaluations": store.count_evaluations(campaign_id, p)}
+        {
+            **vars(g),
+            "evaluations": store.count_evaluations(campaign_id, p),
+            "untimed": untimed_buckets(p, g.buckets),
+        }
         for p, g in sorted(plan.gains.items(), key=lambda kv: -kv[1].gain_ms)
     ]
     step = load_step(report_dir)

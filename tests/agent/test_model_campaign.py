@@ -130,6 +130,7 @@ def test_a_campaign_plans_from_the_model_and_reports_its_step(tmp_path: Path, mo
     assert set(step["implementations"]["start"]) >= {"embedding_bag", "jagged_attention", "target_attention"}
     report = outcome.report.read_text()
     assert "## Model" in report and "with the library as the campaign found it" in report
+    assert "not in the problem's timing shapes" in report
     html = outcome.report.with_name("report.html").read_text()
     assert 'id="model-gains"' in html and 'id="model-step"' in html
     # Each kernel change carries the model's step with and without it, in its evidence and message.
