@@ -31,8 +31,8 @@ def _grouped_gemm_kernel(
     cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     # This program's group and its first tile: the group whose tiles cover `tile`.
     group = -1
-    group_first = 0
-    tiles_before = 0
+    group_first = tl.zeros([], dtype=tl.int64)  # int64 from the start: loop-carried values keep their type
+    tiles_before = tl.zeros([], dtype=tl.int64)
     start = tl.load(offsets_ptr).to(tl.int64)
     for g in range(0, G):
         end = tl.load(offsets_ptr + g + 1).to(tl.int64)
