@@ -76,7 +76,7 @@ def model_train(
         int | None, typer.Option(min=1, help="train to this step (default: the config's)")
     ] = None,
     checkpoint: Annotated[
-        Path | None, typer.Option(help="checkpoint file (default: .recforge/model/<config name>.pt)")
+        Path | None, typer.Option(help="checkpoint file (default: .recforge/model/<config file stem>.pt)")
     ] = None,
     resume: Annotated[bool, typer.Option(help="continue from the checkpoint if it exists")] = False,
     compile: Annotated[
@@ -101,10 +101,11 @@ def model_train(
     cfg, dev = _setup(config, device, library)
     if compile is not None:
         cfg = replace(cfg, train=replace(cfg.train, compile=compile))
-    checkpoint = checkpoint or Path(".recforge") / "model" / f"{cfg.name}.pt"
+    # Named after the config file (or preset) trained: two configs never share a checkpoint.
+    checkpoint = checkpoint or Path(".recforge") / "model" / f"{Path(config).stem}.pt"
     try:
         if resume and checkpoint.exists():
-            trainer = Trainer.resume(checkpoint, dev)
+            trainer = Trainer.resume(checkpoint, dev, config=cfg)
             console.print(f"resumed {checkpoint} at step {trainer.step}")
         else:
             trainer = Trainer(cfg, dev)
@@ -188,15 +189,15 @@ def model_train(
     )
 
 
-def _counts(text: str, option: str) -> tuple[int, ...]:
+def _counts(text: str, option: str, least: int) -> tuple[int, ...]:
     from agent.cli import fail
 
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
         raise fail(f"{option} takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise fail(f"{option} takes comma-separated integers >= 0, got {text!r}")
+    if not values or min(values) < least:
+        raise fail(f"{option} takes comma-separated integers >= {least}, got {text!r}")
     return values
 
 
@@ -212,7 +213,7 @@ def model_serve_bench(
     ] = None,
     requests: Annotated[int, typer.Option(min=1, help="requests per served batch")] = 1,
     top_k: Annotated[int, typer.Option(min=1, help="ads returned per request")] = 10,
-    repeats: Annotated[int, typer.Option(min=1, help="timed batches per row")] = 20,
+    repeats: Annotated[int, typer.Option(min=1, help="timed batches per row (p99 needs 100)")] = 100,
     naive: Annotated[
         bool, typer.Option(help="also time the path that repeats the user's work per candidate")
     ] = True,
@@ -229,8 +230,10 @@ def model_serve_bench(
     from model.serving import serve_bench, sublinearity
 
     cfg, dev = _setup(config, device, library)
-    counts = _counts(candidates, "--candidates")
-    lengths = _counts(history, "--history") if history is not None else None
+    counts = _counts(candidates, "--candidates", 1)
+    lengths = _counts(history, "--history", 0) if history is not None else None
+    if lengths is not None and cfg.history is None:
+        raise fail("--history given, but the config has no history")
     if cfg.history is not None and lengths is not None and max(lengths) > cfg.history.max_len:
         raise fail(f"--history {max(lengths)} exceeds the config's history max_len {cfg.history.max_len}")
     try:

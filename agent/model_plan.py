@@ -116,7 +116,12 @@ class Gain:
     fraction: float | None  # time-weighted roofline fraction, where known
     step_ms: float
     graph: str
-    buckets: tuple[str, ...] = ()  # the shape buckets the model's calls of the op fall in
+    # The (dtype, shape bucket) pairs the model's calls of the op fall in.
+    calls: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def buckets(self) -> list[str]:
+        return [f"{dtype} {bucket}" for dtype, bucket in self.calls]
 
     def reason(self, evaluations: int) -> str:
         at = "roofline unknown" if self.fraction is None else f"at {self.fraction:.0%} of its roofline"
@@ -148,20 +153,21 @@ def expected_gains(profile: dict[str, Any]) -> dict[str, Gain]:
             fraction=fraction,
             step_ms=profile["step_ms"],
             graph=profile["graph"],
-            buckets=tuple(sorted({r["bucket"] for r in rows})),
+            calls=tuple(sorted({(r["dtype"], r["bucket"]) for r in rows})),
         )
     return gains
 
 
-def untimed_buckets(problem: str, buckets: tuple[str, ...]) -> list[str]:
-    """The model's buckets of `problem` that none of the problem's timing shapes falls in: a
-    campaign times its candidates on the problem's shapes, so a winner there says nothing of
-    these (dispatch keeps what it ran for them)."""
+def untimed_buckets(problem: str, calls: tuple[tuple[str, str], ...], *, interpreted: bool) -> list[str]:
+    """The model's (dtype, bucket) pairs of `problem` that none of the shapes a campaign times
+    it on falls in (its interpreted timing shapes on the interpreter): a winner says nothing of
+    them, and dispatch keeps what it ran there."""
     from search_space import get_problem
 
     spec = get_problem(problem)
-    timed = {spec.bucket(shape) for shape in spec.timing_shapes}
-    return [b for b in buckets if b not in timed]
+    shapes = spec.interpreted_timing_shapes if interpreted else spec.timing_shapes
+    timed = {(str(s.torch_dtype).removeprefix("torch."), spec.bucket(s)) for s in shapes}
+    return [f"{dtype} {bucket}" for dtype, bucket in calls if (dtype, bucket) not in timed]
 
 
 class ModelPlan:
@@ -203,6 +209,7 @@ def measure_step(
     import torch
 
     from kernels import DISPATCHER
+    from kernels.registry import KernelLibrary
     from model.config import load_config
     from model.data import TrafficGenerator
     from model.serving import score
@@ -238,14 +245,16 @@ def measure_step(
 
     times: dict[str, list[float]] = {label: [] for label in libraries}
     implementations: dict[str, dict[str, str]] = {}
-    for label, path in libraries.items():  # warm-up: compiles and loads each library's kernels
-        with DISPATCHER.library_at(path):
+    # One library object each, so that a round's switch loads nothing again.
+    loaded = {label: KernelLibrary(path) for label, path in libraries.items()}
+    for label, library in loaded.items():  # warm-up: compiles and loads each library's kernels
+        with DISPATCHER.library_at(library):
             DISPATCHER.last.clear()
             step()
             implementations[label] = dict(DISPATCHER.last)
     for _ in range(rounds):
-        for label, path in libraries.items():
-            with DISPATCHER.library_at(path):
+        for label, library in loaded.items():
+            with DISPATCHER.library_at(library):
                 times[label].append(timed())
     medians = {label: 1e3 * statistics.median(ts) for label, ts in times.items()}
     return {

@@ -415,8 +415,9 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
 
 def _model_step_with(ctx: CampaignContext, entry) -> dict | None:
     """For a campaign with a model: its step with the library as the campaign found it and as it
-    is with `entry` registered, measured side by side (agent.model_plan.measure_step); None
-    without a model, and the failure's text if the model cannot be measured."""
+    is now that `entry` is registered (with every kernel the campaign registered before it),
+    measured side by side (agent.model_plan.measure_step); None without a model, and the
+    failure's text if the model cannot be measured."""
     from agent.model_plan import LIBRARY_AT_START, measure_step, model_dir
 
     section = ctx.config.model
@@ -424,15 +425,16 @@ def _model_step_with(ctx: CampaignContext, entry) -> dict | None:
     if section is None or not snapshot.is_dir():
         return None
     try:
-        measured = measure_step(section, {"start": snapshot, "with": ctx.library.root})
+        measured = measure_step(section, {"start": snapshot, "now": ctx.library.root})
     except Exception as exc:  # the model's failure: the change opens without its figure
         return {"error": f"{type(exc).__name__}: {exc}", "summary": f"Model step: not measured ({exc})."}
-    start, now = measured["step_ms"]["start"], measured["step_ms"]["with"]
+    start, now = measured["step_ms"]["start"], measured["step_ms"]["now"]
     speedup = ratio(start / now) if now else "n/a"
     measured["summary"] = (
         f"Model step ({measured['config']} {measured['graph']}, {measured['device']}, median of "
         f"{measured['rounds']} side by side): {start:.3f} ms with the library as the campaign found it, "
-        f"{now:.3f} ms with this kernel registered ({entry.kernel_id}): {speedup}."
+        f"{now:.3f} ms with the library as it is with this kernel ({entry.kernel_id}) and those the "
+        f"campaign registered before it: {speedup}."
     )
     return measured
 

@@ -345,7 +345,7 @@ def _budgets(config: CampaignConfig, store: Store, campaign_id: str, wall_s: flo
 MODEL_ROWS = 12
 
 
-def _model(store: Store, campaign_id: str, config: CampaignConfig) -> dict | None:
+def _model(store: Store, campaign_id: str, config: CampaignConfig, *, interpreted: bool) -> dict | None:
     """The model section: the profile the plan worked from, the gains per problem with the
     evaluations each had, and the step before and after (None for a campaign without a model)."""
     from agent.model_plan import PROFILE_FILE, ModelPlan, load_step, model_dir, untimed_buckets
@@ -361,7 +361,8 @@ def _model(store: Store, campaign_id: str, config: CampaignConfig) -> dict | Non
         {
             **vars(g),
             "evaluations": store.count_evaluations(campaign_id, p),
-            "untimed": untimed_buckets(p, g.buckets),
+            "buckets": g.buckets,
+            "untimed": untimed_buckets(p, g.calls, interpreted=interpreted),
         }
         for p, g in sorted(plan.gains.items(), key=lambda kv: -kv[1].gain_ms)
     ]
@@ -426,7 +427,7 @@ def render_report(
         "plots": PLOTS,
         "plot_data": {over: base64.b64encode(png).decode("ascii") for over, png in pngs.items()},
         "generated": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "model": _model(store, campaign_id, config),
+        "model": _model(store, campaign_id, config, interpreted=interpreted),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = []

@@ -290,6 +290,20 @@ def _through_gradient_op(
     return save, backward
 
 
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+
+
+def _autocast_off(args: tuple, kwargs: dict):
+    """Autocast off for an op's implementation or backward formula: the op is not cast by autocast
+    (its arguments arrive in the dtypes the caller gave), and neither may the torch ops inside
+    it be (a reference's fp32 accumulation, a formula's index_add into a buffer of the
+    argument's dtype)."""
+    tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+    device = tensor.device.type if tensor is not None else "cuda"
+    return torch.autocast(device_type=device, enabled=False)
+
+
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor:
     return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
 
@@ -364,7 +378,11 @@ def define(op: Op) -> Callable[..., Any]:
         return (*output, statistics) if outputs else (output, statistics)
 
     def run(args: tuple, kwargs: dict, extras: tuple):
-        """The call on the op's arguments and the extra ones, traced where a trace is on."""
+        """The call on the op's arguments and the extra ones, traced where a trace is on, and
+        outside autocast (see _autocast_off)."""
+        if _autocast_on():
+            with _autocast_off(args, kwargs):
+                return run(args, kwargs, extras)
         if not ACTIVE:
             return dispatch(args, kwargs, extras)
         return ACTIVE[-1].record(op, args, kwargs, lambda: dispatch(args, kwargs, extras))
@@ -440,7 +458,11 @@ def define(op: Op) -> Callable[..., Any]:
                 grad_outputs = grad_outputs[:-1]
             flags = ctx.needs_input_grad
             ctx.needs_grad = _NeedsGrad(index, flags)
-            grads = formula.grads(ctx, *grad_outputs)
+            if _autocast_on():
+                with _autocast_off(grad_outputs, {}):
+                    grads = formula.grads(ctx, *grad_outputs)
+            else:
+                grads = formula.grads(ctx, *grad_outputs)
             assert grads.keys() <= known, f"{op.name}'s backward returned gradients of {set(grads) - known}"
             return tuple(map(grads.get, all_names if len(flags) == n_all else all_names[: len(flags)]))
 

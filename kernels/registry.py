@@ -393,7 +393,9 @@ class Dispatcher:
         self._defaults: dict[str, Callable[..., torch.Tensor]] = {}
         self._references: dict[str, Callable[..., torch.Tensor]] = {}
         self._gradient_of: dict[str, str] = {}
-        self._loaded: dict[str, Implementation] = {}  # kernel id -> its loaded implementation
+        # (library, kernel id) -> its loaded implementation: switching between libraries (a
+        # measurement of the model with each) loads each library's kernels once.
+        self._loaded: dict[tuple[int, str], Implementation] = {}
         # (op, device type, index, dtype, bucket, graph, interpreted) -> (library, its dispatch
         # version, the choice): what every call pays is this lookup and the bookkeeping.
         self._resolved: dict[tuple, tuple[KernelLibrary, int, Implementation]] = {}
@@ -417,11 +419,14 @@ class Dispatcher:
             self._references_only = before
 
     @contextlib.contextmanager
-    def library_at(self, root: str | os.PathLike) -> Iterator[KernelLibrary]:
-        """Within the block, dispatch through the library at `root`; then the one before."""
+    def library_at(self, library: KernelLibrary | str | os.PathLike) -> Iterator[KernelLibrary]:
+        """Within the block, dispatch through `library` (or the library at that root); then the
+        one before. Pass the same KernelLibrary to switch back and forth without loading its
+        kernels again."""
         before = self._library
+        self._library = library if isinstance(library, KernelLibrary) else KernelLibrary(library)
         try:
-            yield self.use_library(root)
+            yield self._library
         finally:
             self._library = before
 
@@ -482,16 +487,15 @@ class Dispatcher:
         else:
             entry = self._library.best(op, device_arch(device), dtype, bucket, graph)
             if entry is not None:
-                impl = self._loaded.get(entry.kernel_id)
+                key = (id(self._library), entry.kernel_id)
+                impl = self._loaded.get(key)
                 if impl is None or impl.library is not self._library:
                     try:
                         fn = self._library.load(entry)
                     except ValueError as exc:  # edited after it was checked: down the chain
                         self._library.refuse(entry, str(exc))
                         return self._choose(op, device=device, dtype=dtype, bucket=bucket, graph=graph)
-                    impl = self._loaded[entry.kernel_id] = Implementation(
-                        f"library:{entry.kernel_id}", fn, self._library
-                    )
+                    impl = self._loaded[key] = Implementation(f"library:{entry.kernel_id}", fn, self._library)
             else:
                 impl = Implementation("default", self._defaults[op])
         return impl

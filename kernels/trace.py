@@ -7,8 +7,9 @@ so its time (the device's, on a GPU) is attributed to the op and bucket.
         model(batch)
     calls.calls  # [Call(op="embedding_bag", bucket="fp32/d64/short", ...), ...]
 
-Tracing costs a cost function per call (which may sync the host); without it, an op's call
-pays one list check.
+Tracing costs a cost function per call (which may read sizes back from the device: a timed
+trace calls them after the timing, in `seconds()`); without a trace, an op's call pays one list
+check.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Call:
     # read once the trace's `seconds()` syncs; on a CPU, the host's clock).
     seconds: float | None = None
     _events: tuple[Any, Any] | None = field(default=None, repr=False)
+    _cost: Callable[[], tuple[float, float]] | None = field(default=None, repr=False)
 
     @property
     def label(self) -> str:
@@ -59,7 +61,9 @@ class Trace:
         """Run `call` (op `op`'s call on args and kwargs) as a named profiler range, and note it."""
         first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
         bucket = op.bucket(*args, **kwargs)
-        cost = op.cost(*args, **kwargs) if op.cost is not None else (None, None)
+        # A cost may read sizes back from the device: a timed trace reads it after the timing.
+        later = self.timed and op.cost is not None
+        cost = op.cost(*args, **kwargs) if op.cost is not None and not later else (None, None)
         events, started = None, 0.0
         if self.timed and first.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -75,17 +79,21 @@ class Trace:
             seconds = time.perf_counter() - started
         dtype = str(first.dtype).removeprefix("torch.")
         implementation = DISPATCHER.last.get(op.name, "?")
-        self.calls.append(
-            Call(op.name, bucket, dtype, implementation, *cost, seconds=seconds, _events=events)
-        )
+        call_ = Call(op.name, bucket, dtype, implementation, *cost, seconds=seconds, _events=events)
+        if later:
+            call_._cost = lambda: op.cost(*args, **kwargs)
+        self.calls.append(call_)
         return out
 
     def seconds(self) -> list[Call]:
-        """The calls, each with its time (syncing the device where events time them)."""
+        """The calls, each with its time (syncing the device where events time them) and cost."""
         for c in self.calls:
             if c._events is not None and c.seconds is None:
                 c._events[1].synchronize()
                 c.seconds = c._events[0].elapsed_time(c._events[1]) / 1e3
+            if c._cost is not None:
+                c.flops, c.bytes = c._cost()
+                c._cost = None
         return self.calls
 
 

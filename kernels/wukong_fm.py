@@ -2,9 +2,10 @@
 candidate holds its n embeddings (the user's, read from its request, then its own) and the
 projection, and forms X (X^T Y) a slice of the embedding dim at a time: each slice's share of
 X^T Y is [BLOCK_D, k], and X times it adds that slice's share of the output, so X is read once
-and X^T Y never leaves the program. Products accumulate in fp32 through the kit's tile multiply-accumulate
-(kernels.kit.tiles). A candidate like any other, importing nothing of the library but the kit:
-its KNOBS dict is the op's knob template.
+and X^T Y never leaves the program. Products accumulate in fp32 through the kit's tile
+multiply-accumulate (kernels.kit.tiles); X^T Y is kept in fp32 for the second product (TF32
+products on a GPU where X is bf16, full fp32 where it is fp32). A candidate like any other,
+importing nothing of the library but the kit: its KNOBS dict is the op's knob template.
 """
 
 import torch
@@ -21,7 +22,7 @@ def _wukong_fm_kernel(
     x_ptr, user_ptr, c2r_ptr, proj_ptr, out_ptr,
     N_USER, N_CAND, D, K,
     stride_xb, stride_xn, stride_ur, stride_un, stride_pn, stride_ob, stride_on,
-    HAS_USER: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_USER: tl.constexpr, PRECISION: tl.constexpr, SECOND: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
@@ -47,7 +48,8 @@ def _wukong_fm_kernel(
         if HAS_USER:
             x += tl.load(user_rows + ds[None, :], mask=is_user[:, None] & d_ok, other=0.0)
         share = mma(tl.trans(x), y, tl.zeros([BLOCK_D, BLOCK_K], dtype=tl.float32), PRECISION)
-        acc = mma(x, share.to(x.dtype), acc, PRECISION)
+        # X^T proj stays fp32: the second product takes X in fp32 too (TF32 on a GPU).
+        acc = mma(x.to(tl.float32), share, acc, SECOND)
     out = out_ptr + b * stride_ob + n[:, None] * stride_on + ks[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(n[:, None] < total) & (ks[None, :] < K))
 
@@ -72,6 +74,7 @@ def wukong_fm(x, proj, x_user=None, cand_to_request=None):
         x.stride(0), x.stride(1), user.stride(0) if has_user else 0, user.stride(1) if has_user else 0,
         proj.stride(0), out.stride(0), out.stride(1),
         HAS_USER=has_user, PRECISION=mma_precision(x),
+        SECOND="tf32" if x.device.type == "cuda" and x.dtype != torch.float32 else "ieee",
         BLOCK_N=max(16, triton.next_power_of_2(n_user + n_cand)),
         BLOCK_D=KNOBS["BLOCK_D"], BLOCK_K=max(16, triton.next_power_of_2(k)),
         num_warps=KNOBS["num_warps"],

@@ -112,6 +112,11 @@ class RequestBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RequestBatch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks every tensor as used on `stream` (copied on another): the allocator then keeps
+        its memory from the next copies until the work queued on `stream` is done."""
+        self._map(lambda t: t.record_stream(stream) or t)
+
     def pin_memory(self) -> RequestBatch:
         return self._map(lambda t: t.pin_memory())
 
@@ -178,7 +183,7 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
 
 def power_law(count: int, max_len: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
     """`count` lengths in [1, max_len], P(L) proportional to L^-alpha."""
-    if max_len == 1:
+    if max_len == 1 or count == 0:
         return torch.ones(count, dtype=torch.int64)
     probs = torch.arange(1, max_len + 1, dtype=torch.float64).pow(-alpha)
     return torch.multinomial(probs / probs.sum(), count, replacement=True, generator=gen) + 1
@@ -186,7 +191,7 @@ def power_law(count: int, max_len: int, alpha: float, gen: torch.Generator) -> t
 
 def zipf_ids(count: int, num: int, gen: torch.Generator) -> torch.Tensor:
     """`count` ids in [0, num), log-uniform (P(id near k) ~ 1/k: popularity as in production logs)."""
-    log_ids = torch.rand(count, generator=gen, dtype=torch.float64) * math.log(num)
+    log_ids = torch.rand(count, generator=gen, dtype=torch.float64) * math.log(num + 1)
     return (log_ids.exp().floor().long() - 1).clamp_(0, num - 1)
 
 
@@ -247,8 +252,12 @@ class TrafficGenerator:
         `history_length`, every request's history length (else drawn)."""
         c, d = self.config, self.config.data
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        num_requests = num_requests or d.requests_per_batch
-        mean_cands = candidates_per_request or d.candidates_per_request
+        num_requests = d.requests_per_batch if num_requests is None else num_requests
+        mean_cands = d.candidates_per_request if candidates_per_request is None else candidates_per_request
+        if num_requests < 1 or mean_cands < 1:
+            raise ValueError(f"a batch needs requests and candidates, got {num_requests} and {mean_cands}")
+        if history_length is not None and c.history is None:
+            raise ValueError("history_length given, but the config has no history")
         if exact_candidates:
             counts = torch.full((num_requests,), mean_cands, dtype=torch.int64)
         else:
@@ -278,8 +287,12 @@ class TrafficGenerator:
             total = int(history_offsets[-1])
             items_rows = c.table(h.item_table).num_rows
             history_items = zipf_ids(total, items_rows, gen)
-            history_actions = torch.multinomial(
-                torch.linspace(1.0, 0.1, h.num_actions), total, replacement=True, generator=gen
+            history_actions = (
+                torch.multinomial(
+                    torch.linspace(1.0, 0.1, h.num_actions), total, replacement=True, generator=gen
+                )
+                if total
+                else torch.zeros(0, dtype=torch.int64)
             )
             ages = torch.rand(total, generator=gen, dtype=torch.float64) * (h.time_buckets - 1)
             history_ages = ages.floor().long()
@@ -392,7 +405,9 @@ class Batches:
             following = self._fetch()  # its copy overlaps the caller's work on `pending`
             index, batch, measured, ready = pending
             if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(ready)
+                batch.record_stream(stream)
             yield index, batch, measured
             pending = following
 

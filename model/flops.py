@@ -17,11 +17,13 @@ import torch
 from model.config import ModelConfig
 from model.data import RequestBatch
 
-# Dense tensor-core peaks (FLOP/s, without sparsity) by device name and compute dtype.
+# Dense peaks (FLOP/s, without sparsity) by device name and compute dtype: tensor cores for
+# bf16 and fp16; for fp32 the vector units' (the library multiplies fp32 in full fp32, and
+# torch.matmul does by default: no TF32).
 PEAKS: dict[str, dict[torch.dtype, float]] = {
-    "H200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},  # fp32: TF32
-    "H100": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 494.7e12},
-    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12},
+    "H200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 66.9e12},
+    "H100": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, torch.float32: 66.9e12},
+    "A100": {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
 }
 
 
@@ -119,7 +121,8 @@ def forward_flops(config: ModelConfig, s: BatchSizes) -> dict[str, float]:
         n_u = n_user if index == 0 else 0
         n_c = n - n_u
         n_out = i.outputs
-        # X^T Y (the user's rows once per request) and X (X^T Y) for every candidate: wukong_fm.
+        # wukong_fm: X^T Y with the user's rows once per request (what the model needs; the
+        # default kernel forms it per candidate) and X (X^T Y) for every candidate.
         fm += 2 * (R * n_u + B * n_c) * d * i.fm_rank + 2 * B * n * d * i.fm_rank
         dims = [n * i.fm_rank, *i.mlp_dims, i.fm_outputs * d]
         interaction += sum(2 * B * a * b for a, b in zip(dims, dims[1:], strict=False))

@@ -113,8 +113,11 @@ class SparseArch(nn.Module):
         key = f"from_{table}"
         return self.projections[key](x) if key in self.projections else x
 
-    def forward(self, features: dict[str, Bags], side: str, num_bags: int) -> torch.Tensor:
-        """features: name -> bags (num_bags each) of this side's features -> [num_bags, n, dim]."""
+    def forward(self, features: dict[str, Bags], side: str, num_bags: int) -> torch.Tensor | None:
+        """features: name -> bags (num_bags each) of this side's features -> [num_bags, n, dim]
+        (None for a side without features)."""
+        if not self.groups[side]:
+            return None
         pooled: dict[str, torch.Tensor] = {}
         for table, pooling, _, feats in self.groups[side]:
             missing = [f.name for f in feats if f.name not in features]
@@ -240,7 +243,7 @@ class Scoring(nn.Module):
                 max_q_len=batch.max_candidates * s.num_seeds,
                 max_kv_len=batch.max_history,
             )
-        return self.out(out.reshape(candidates_BM.shape[0], s.num_seeds, -1))
+        return self.out(out.reshape(candidates_BM.shape[0], s.num_seeds, self.heads * self.head_dim))
 
 
 class WukongLayer(nn.Module):
@@ -294,7 +297,7 @@ class WukongLayer(nn.Module):
         x_BCD = x_BCD.to(dtype)
         x_RUD = None if x_RUD is None else x_RUD.to(dtype)
         # X (X^T Y), the user's rows read from the request (kernels.ops.wukong_fm).
-        fm_BNK = wukong_fm(x_BCD, self.fm_proj.to(dtype), x_RUD, cand_to_request)
+        fm_BNK = wukong_fm(x_BCD, self.fm_proj.to(dtype), x_RUD, None if x_RUD is None else cand_to_request)
         compressed = self._mix(self.compress, n_u, x_BCD)
         residual = self._mix(self.residual, n_u, x_BCD) if self.residual is not None else x_BCD
         if x_RUD is not None:
@@ -420,8 +423,9 @@ class GEMModel(nn.Module):
 
     def user_tower(
         self, batch: RequestBatch, candidates_BM: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """What depends only on the user, once per request: (user embeddings [R, n_u, dim],
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """What depends only on the user, once per request: (user embeddings [R, n_u, dim] or
+        None without user features,
         encoded history [T, model_dim] or None, the candidates' encoded tokens where they join
         the history as targets, else None). candidates_BM: the candidates' item tokens."""
         user = self.sparse(batch.user_features, "user", batch.num_requests)

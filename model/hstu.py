@@ -55,5 +55,5 @@ class HSTULayer(nn.Module):
             num_targets=num_targets,
             rel_bias=self.rel_bias,
         )
-        gated_TI = self.norm_attn(attn_THD.reshape(x_TM.shape[0], -1)) * u_TI
+        gated_TI = self.norm_attn(attn_THD.reshape(x_TM.shape[0], self.num_heads * self.head_dim)) * u_TI
         return x_TM + self.out(gated_TI)

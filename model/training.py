@@ -52,6 +52,27 @@ class History:
     evals: list[EvalLog] = field(default_factory=list)
 
 
+# What a resumed run may change: how long it trains, how often it evaluates and saves, and
+# whether it compiles. Anything else makes it another run.
+SCHEDULE = ("steps", "eval_every", "eval_batches", "checkpoint_every", "compile")
+
+
+def _run_differences(saved: ModelConfig, given: ModelConfig) -> list[str]:
+    """The keys (dotted, within a section) in which `given` describes another run than `saved`."""
+    a, b = saved.to_dict(), given.to_dict()
+    changed = []
+    for key in sorted(set(a) | set(b)):
+        if key == "name" or a.get(key) == b.get(key):
+            continue
+        if key == "train":
+            changed += [
+                f"train.{k}" for k in sorted(a[key]) if k not in SCHEDULE and a[key][k] != b[key].get(k)
+            ]
+        else:
+            changed.append(key)
+    return changed
+
+
 class Trainer:
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         self.config = config
@@ -179,13 +200,15 @@ class Trainer:
                     if on_step is not None:
                         on_step(log)
                     window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
+                # Evaluating and saving are not training: the window's clock skips them.
+                paused = time.perf_counter()
                 if self.step % t.eval_every == 0 or self.step == end:
                     evaluation = self.evaluate()
                     if on_eval is not None:
                         on_eval(evaluation)
-                    window_start = time.perf_counter()  # evaluation is not training time
                 if checkpoint is not None and (self.step % t.checkpoint_every == 0 or self.step == end):
                     self.save(checkpoint)
+                window_start += time.perf_counter() - paused
         finally:
             loader.close()
         return self.history
@@ -215,17 +238,22 @@ class Trainer:
     def resume(
         cls, path: Path, device: torch.device | str = "cpu", config: ModelConfig | None = None
     ) -> Trainer:
-        """The trainer saved at `path`. A `config` given must be the one it was trained with."""
+        """The trainer saved at `path`. A `config` given must describe the same run (the same
+        model, data and optimizer; how long it trains, how often it evaluates and saves, and
+        whether it compiles may differ, and are then the given config's)."""
         path = Path(path)
         if not path.exists():
             raise ValueError(f"no checkpoint at {path}")
         state = torch.load(path, map_location=device, weights_only=False)
         saved = config_from_dict(state["config"], where=f"{path} (its config)")
-        if config is not None and config.to_dict() != saved.to_dict():
-            changed = sorted(k for k in saved.to_dict() if saved.to_dict()[k] != config.to_dict().get(k))
-            raise ValueError(
-                f"{path} was trained with another config (differs in {changed}); resume without --config"
-            )
+        if config is not None:
+            changed = _run_differences(saved, config)
+            if changed:
+                raise ValueError(
+                    f"{path} was trained with another config (differs in {changed}): resume it with its own "
+                    "config, or train this one from the start with another checkpoint"
+                )
+            saved = config
         trainer = cls(saved, device)
         trainer.model.load_state_dict(state["model"])
         trainer.dense_optimizer.load_state_dict(state["dense_optimizer"])

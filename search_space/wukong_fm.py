@@ -80,7 +80,9 @@ def _requests(shape: Shape) -> int:
 
 
 def flops(shape: Shape) -> float:
-    """X^T proj (the user's share once per request) and X times it, per candidate."""
+    """The least the op needs: X^T proj with the user's share once per request, and X times it
+    per candidate. (The default kernel forms the user's share again for every candidate: its
+    roofline fraction shows what sharing it would gain.)"""
     p = shape.params
     n_user, n_cand = p.get("n_user", 0), p["n_cand"]
     first = 2.0 * (_requests(shape) * n_user + p["batch"] * n_cand) * p["dim"] * p["k"]
@@ -132,9 +134,10 @@ TIMING_SHAPES = (
 INTERPRETED_TIMING_SHAPES = (_s("interp-b8", "fp32", batch=8, n_user=2, n_cand=6, dim=32, k=8, requests=2),)
 
 # Two chained products of fp32 accumulation, rounded once to the output dtype (half an ulp:
-# 2^-9 of an element in bf16); with bf16 operands the kernel also rounds X^T proj to bf16
-# before the second product (another 2^-9 of each term), so a row's error is about 2^-8 of its
-# norm: the row bound allows twice that (2^-7) with a floor far below. fp32 rounds nothing.
+# 2^-9 of an element in bf16; a truncating cast, as the interpreter's, a whole ulp). A kernel
+# that keeps X^T proj in fp32 adds at most TF32's 2^-11 per term; one that rounds it to bf16
+# before the second product adds 2^-9 of each term and may not fit. The row bound allows 2^-7
+# with a floor far below. fp32 rounds nothing.
 TOLERANCES = {
     "fp32": Tolerance(atol=1e-4, rtol=1e-4, norm_rtol=1e-5, row_rtol=2**-13, row_atol=2**-20),
     "bf16": Tolerance(atol=2e-2, rtol=2e-2, norm_rtol=8e-3, row_rtol=2**-7, row_atol=2**-12),

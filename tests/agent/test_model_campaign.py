@@ -31,11 +31,12 @@ def _profile(rows: list[tuple[str, float, float | None]], step_ms: float = 10.0)
         "steps": 1,
         "step_ms": step_ms,
         "rows": [
-            {"op": op, "bucket": "b", "implementations": ["default"], "ms": ms, "fraction": fraction,
+            {"op": op, "bucket": "b", "dtype": "bfloat16", "implementations": ["default"], "ms": ms,
+             "fraction": fraction,
              "gain_ms": ms * (1 - fraction) if fraction is not None else ms}
             for op, ms, fraction in rows
-        ] + [{"op": "torch (rest)", "bucket": "-", "implementations": [], "ms": 1.0, "fraction": None,
-              "gain_ms": 1.0}],
+        ] + [{"op": "torch (rest)", "bucket": "-", "dtype": "-", "implementations": [], "ms": 1.0,
+              "fraction": None, "gain_ms": 1.0}],
     }  # fmt: skip
 
 
@@ -139,5 +140,5 @@ def test_a_campaign_plans_from_the_model_and_reports_its_step(tmp_path: Path, mo
     for change in changes:
         _, message, _, evidence = review.show(repo, change.id)
         step = evidence["model_step"]
-        assert set(step["step_ms"]) == {"start", "with"} and step["graph"] == "serve", step
-        assert "Model step (tiny serve" in message and "with this kernel registered" in message
+        assert set(step["step_ms"]) == {"start", "now"} and step["graph"] == "serve", step
+        assert "Model step (tiny serve" in message and "as it is with this kernel" in message

@@ -45,6 +45,13 @@ def _batch(config: ModelConfig, device: torch.device, requests: int = 3, index: 
     return TrafficGenerator(config, seed=1).batch(index, num_requests=requests).to(device)
 
 
+def _same_scores(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> None:
+    """Scores of one batch computed in two layouts: equal to fp32 rounding on a CPU; on a GPU
+    serving runs in bf16 autocast, whose products the two layouts may tile differently."""
+    tol = 1e-5 if device.type == "cpu" else 2e-2
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
 @pytest.fixture
 def references():
     with DISPATCHER.references_only():
@@ -61,7 +68,7 @@ def test_the_request_path_scores_as_the_naive_path(variant: str, device: torch.d
             layer.rel_bias.normal_()
     request, naive = score(model, batch), score(model, batch, naive=True)
     assert request.shape == (batch.num_candidates, 2)
-    torch.testing.assert_close(request, naive, atol=1e-5, rtol=1e-4)
+    _same_scores(request, naive, device)
 
 
 def test_the_request_path_scores_as_the_naive_path_on_the_librarys_kernels(device: torch.device) -> None:
@@ -70,7 +77,7 @@ def test_the_request_path_scores_as_the_naive_path_on_the_librarys_kernels(devic
     before = DISPATCHER.calls.copy()
     request, naive = score(model, batch), score(model, batch, naive=True)
     assert {impl for _, impl in DISPATCHER.calls - before} == {"default"}
-    torch.testing.assert_close(request, naive, atol=1e-5, rtol=1e-4)
+    _same_scores(request, naive, device)
 
 
 @pytest.mark.usefixtures("references")
@@ -220,8 +227,8 @@ def test_the_profile_lists_every_op_a_step_calls(device: torch.device) -> None:
         "gdpa_grad", "jagged_concat", "jagged_split", "wukong_fm",
     }  # fmt: skip
     assert set(profile.ops) == expected
-    assert profile.rows[-1].op == OTHER or any(r.op == OTHER for r in profile.rows)
-    assert sum(r.share for r in profile.rows) == pytest.approx(1.0, abs=1e-6)
+    rest = next(r for r in profile.rows if r.op == OTHER)
+    assert 0 <= rest.ms < profile.step_ms  # the ops' calls lie inside the step
     for row in profile.rows:
         if row.op != OTHER:
             assert row.calls >= 1 and row.ms >= 0 and row.gflops is not None and row.mbytes > 0, row
@@ -330,3 +337,54 @@ def test_a_training_step_updates_the_rows_looked_up_and_no_other(device: torch.d
         changed = (model.sparse.table(t.name).detach() != old).any(dim=1)
         assert looked_up[t.name].any() and not looked_up[t.name].all(), t.name
         assert torch.equal(changed, looked_up[t.name]), t.name
+
+
+@pytest.mark.usefixtures("references")
+def test_the_first_wukong_layer_computes_the_user_half_once_as_the_whole_layer_would() -> None:
+    """The request-oriented split (the user's rows read from the request, its share of the
+    linear blocks once per request) equals the layer on every candidate's full, copied input."""
+    from model.gem import WukongLayer
+
+    torch.manual_seed(3)
+    layer = WukongLayer(7, 16, rank=4, fm_outputs=3, compressed_outputs=2, mlp_dims=[24])
+    x_user, x_cand = torch.randn(3, 3, 16), torch.randn(8, 4, 16)
+    cand_to_request = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2])
+    split = layer(x_cand, x_user, cand_to_request)
+    whole = layer(torch.cat([x_user[cand_to_request], x_cand], dim=1))
+    assert split.shape == (8, 5, 16)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("references", [True, False], ids=["reference-ops", "library-kernels"])
+def test_a_training_step_runs_under_bf16_autocast(references: bool) -> None:
+    """As a GPU trains (bf16 autocast), here on the CPU: the ops run outside autocast with the
+    dtypes they are given, their references and formulas too, and the loss agrees with fp32."""
+    import contextlib
+
+    config = _config("targets-gdpa-softmax")
+    model, batch = _model(config, torch.device("cpu")), _batch(config, torch.device("cpu"), requests=3)
+    ops = DISPATCHER.references_only() if references else contextlib.nullcontext()
+    with ops:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = model.loss(batch)
+        loss.backward()
+        full, _ = model.loss(batch)
+    assert all(p.grad is not None for p in model.parameters())
+    assert loss.item() == pytest.approx(full.item(), rel=2e-2)
+
+
+@pytest.mark.usefixtures("references")
+def test_models_without_user_features_or_histories_train_and_serve(device: torch.device) -> None:
+    tiny = config_from_dict({"size": "tiny"}).to_dict()
+    no_user = config_from_dict({**tiny, "features": [f for f in tiny["features"] if f["side"] == "item"]})
+    model = _model(no_user, device)
+    batch = _batch(no_user, device)
+    model.loss(batch)[0].backward()
+    assert score(model, batch).shape == (batch.num_candidates, 2)
+    # Every history of the batch empty: the encoder sees no token at all.
+    config = _config()
+    model = _model(config, device)
+    empty = TrafficGenerator(config, seed=1).batch(0, num_requests=3, history_length=0).to(device)
+    assert empty.history_items.numel() == 0
+    model.loss(empty)[0].backward()
+    _same_scores(score(model, empty), score(model, empty, naive=True), device)

@@ -61,8 +61,13 @@ def test_a_resumed_run_continues_exactly(tmp_path: Path) -> None:
 def test_resuming_with_another_config_is_refused(tmp_path: Path) -> None:
     checkpoint = tmp_path / "run.pt"
     Trainer(_config(steps=1)).save(checkpoint)
-    with pytest.raises(ValueError, match=r"trained with another config \(differs in \['train'\]\)"):
-        Trainer.resume(checkpoint, config=_config(steps=9))
+    with pytest.raises(ValueError, match=r"trained with another config \(differs in \['train.lr'\]\)"):
+        Trainer.resume(checkpoint, config=_config(steps=1, lr=0.5))
+    with pytest.raises(ValueError, match=r"differs in \['history'\]"):
+        Trainer.resume(checkpoint, config=config_from_dict({"size": "tiny", "history": {"num_layers": 2}}))
+    # Training longer, or compiled, is the same run.
+    longer = Trainer.resume(checkpoint, config=_config(steps=9, compile=False))
+    assert longer.config.train.steps == 9
     with pytest.raises(ValueError, match="no checkpoint at"):
         Trainer.resume(tmp_path / "absent.pt")
 

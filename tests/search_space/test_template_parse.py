@@ -20,13 +20,16 @@ def test_no_package_parses_source_outside_the_lock() -> None:
             if path == ROOT / "search_space" / "template.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                if (
+                direct = (
                     isinstance(node, ast.Call)
                     and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "parse"
                     and isinstance(node.func.value, ast.Name)
                     and node.func.value.id == "ast"
-                ):
+                )
+                imported = isinstance(node, ast.ImportFrom) and node.module == "ast"
+                imported = imported and any(a.name == "parse" for a in node.names)
+                if direct or imported:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == [], f"ast.parse outside search_space.template.parse_source: {found}"
 
