@@ -396,8 +396,9 @@ class Dispatcher:
         # (library, kernel id) -> its loaded implementation: switching between libraries (a
         # measurement of the model with each) loads each library's kernels once.
         self._loaded: dict[tuple[int, str], Implementation] = {}
-        # (op, device type, index, dtype, bucket, graph, interpreted) -> (library, its dispatch
-        # version, the choice): what every call pays is this lookup and the bookkeeping.
+        # (op, device type, index, dtype, bucket, graph, interpreted, references only) ->
+        # (library, its dispatch version, the choice): what every call pays is this lookup and
+        # the bookkeeping.
         self._resolved: dict[tuple, tuple[KernelLibrary, int, Implementation]] = {}
         self.calls: Counter[tuple[str, str]] = Counter()
         self.last: dict[str, str] = {}
