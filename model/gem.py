@@ -6,13 +6,13 @@
     history (item, action, age) → HSTU   target attention (or GDPA) over the encoded history
                                          dense features → one embedding
                   └──────────── Wukong layers over the stacked embeddings ───┘
-                                 the first layer's user half once per request
+                  (the first layer reads the user's embeddings from the request)
                          (sparse mixture of experts) → CTR and CVR heads
 
 Every op with a kernel of its own goes through `kernels.ops` (embedding bags, jagged and target
-attention, GDPA, jagged concat and split), so kernels the library registers later speed the
-model up with no change here; the rest is plain torch (linear layers, norms, small reductions).
-Nothing here imports triton.
+attention, GDPA, jagged concat and split, the Wukong block, the experts' grouped GEMM), so
+kernels the library registers later speed the model up with no change here; the rest is plain
+torch (linear layers, norms, small reductions). Nothing here imports triton.
 
 `forward` computes everything that depends only on the user once per request and broadcasts it
 to the request's candidates; `naive_forward` gives every candidate its own copy of its request
@@ -409,7 +409,6 @@ class GEMModel(nn.Module):
             )
             n = layers[-1].num_out
         self.interaction = nn.ModuleList(layers)
-        self.num_user_embeddings = n_user
         flat = n * dim
         h = c.heads
         self.experts = None
@@ -424,10 +423,10 @@ class GEMModel(nn.Module):
     def user_tower(
         self, batch: RequestBatch, candidates_BM: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """What depends only on the user, once per request: (user embeddings [R, n_u, dim] or
-        None without user features,
-        encoded history [T, model_dim] or None, the candidates' encoded tokens where they join
-        the history as targets, else None). candidates_BM: the candidates' item tokens."""
+        """What depends only on the user, once per request: (user embeddings [R, n_u, dim], or
+        None without user features; the encoded history [T, model_dim], or None without one;
+        the candidates' encoded tokens where they join the history as targets, else None).
+        candidates_BM: the candidates' item tokens."""
         user = self.sparse(batch.user_features, "user", batch.num_requests)
         if self.history is None or self.config.history is None:
             return user, None, None
