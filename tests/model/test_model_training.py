@@ -121,3 +121,14 @@ def test_the_command_line_serves_and_profiles(tmp_path: Path) -> None:
 def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
     done = runner.invoke(app, args)
     assert done.exit_code == 2 and message in done.output, done.output
+
+
+def test_the_profile_writes_the_torch_profilers_trace_with_a_range_per_op(tmp_path: Path) -> None:
+    from model.profile import profile_model
+
+    trace_file = tmp_path / "trace.json"
+    with DISPATCHER.references_only():
+        profile = profile_model(_config(), "serve", "cpu", steps=1, warmup=0, trace_file=trace_file)
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    ranges = {e["name"] for e in events if str(e.get("name", "")).startswith("recforge::")}
+    assert {f"recforge::{r.op}::{r.bucket}" for r in profile.rows if r.implementations} <= ranges
