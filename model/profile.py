@@ -57,7 +57,9 @@ class OpRow:
     @property
     def gain_ms(self) -> float:
         """What reaching the roofline would save per step (the whole time where it is unknown)."""
-        return self.ms - (self.roofline_ms or 0.0) if self.fraction is not None else self.ms
+        if self.fraction is None:
+            return self.ms
+        return max(0.0, self.ms - (self.roofline_ms or 0.0))  # nominal peaks: a row may beat them
 
 
 @dataclass
