@@ -278,5 +278,7 @@ OP = Op(
 
     x [N, K], group_offsets [G + 1] (int32/int64; group g's rows are offsets[g]:offsets[g + 1]),
     weight [G, K, M], bias [G, M] or None -> [N, M]. Differentiable in x, weight and bias.
+    The offsets must run from 0 to N without decreasing; that is not checked (it would read them
+    back from the device), and offsets past N make the kernel read and write past x and the output.
     """,
 )
