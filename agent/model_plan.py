@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.config import CampaignConfig, ModelSection
+from sandbox.result import ratio
 
 MODEL_DIR = "model"
 PROFILE_FILE = "profile.json"
@@ -211,37 +211,16 @@ def measure_step(
     from kernels import DISPATCHER
     from kernels.registry import KernelLibrary
     from model.config import load_config
-    from model.data import TrafficGenerator
-    from model.serving import score
-    from model.training import Trainer
+    from model.profile import model_step
+    from model.serving import timed
 
     config = load_config(section.config)
     device = _device(section)
     rounds = rounds or section.measure_steps
-    trainer = Trainer(config, device)
-    traffic = TrafficGenerator(config, seed=config.train.seed)
-    d = config.data
-    if section.graph == "train":
-        batch = traffic.batch(0).to(device)
+    one_step = model_step(config, section.graph, device, batches=1)
 
-        def step() -> None:
-            trainer.train_step(batch)
-    else:
-        batch = traffic.batch(0, num_requests=d.serve_requests, candidates_per_request=d.serve_candidates).to(
-            device
-        )
-
-        def step() -> None:
-            score(trainer.model, batch)
-
-    def timed() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+    def step() -> None:
+        one_step(0)
 
     times: dict[str, list[float]] = {label: [] for label in libraries}
     implementations: dict[str, dict[str, str]] = {}
@@ -255,7 +234,7 @@ def measure_step(
     for _ in range(rounds):
         for label, library in loaded.items():
             with DISPATCHER.library_at(library):
-                times[label].append(timed())
+                times[label].append(timed(step, device))
     medians = {label: 1e3 * statistics.median(ts) for label, ts in times.items()}
     return {
         "graph": section.graph,
@@ -281,6 +260,29 @@ def measure_at_end(config: CampaignConfig, report_dir: Path, library: Path) -> d
     result["speedup"] = start / end if end else None
     (out / STEP_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def measure_change(config: CampaignConfig, report_dir: Path, library: Path, kernel_id: str) -> dict | None:
+    """For a campaign with a model: its step with the library as the campaign found it and as it
+    is now that kernel `kernel_id` is registered (with every kernel the campaign registered
+    before it), measured side by side, with a summary line for the change's description; None
+    without a model, and the failure's text if the model cannot be measured."""
+    snapshot = model_dir(report_dir) / LIBRARY_AT_START
+    if config.model is None or not snapshot.is_dir():
+        return None
+    try:
+        measured = measure_step(config.model, {"start": snapshot, "now": library})
+    except Exception as exc:  # the model's failure: the change opens without its figure
+        return {"error": f"{type(exc).__name__}: {exc}", "summary": f"Model step: not measured ({exc})."}
+    start, now = measured["step_ms"]["start"], measured["step_ms"]["now"]
+    speedup = ratio(start / now) if now else "n/a"
+    measured["summary"] = (
+        f"Model step ({measured['config']} {measured['graph']}, {measured['device']}, median of "
+        f"{measured['rounds']} side by side): {start:.3f} ms with the library as the campaign found it, "
+        f"{now:.3f} ms with the library as it is with this kernel ({kernel_id}) and those the "
+        f"campaign registered before it: {speedup}."
+    )
+    return measured
 
 
 def measure_model(config: CampaignConfig, report_dir: Path, library: Path) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from langgraph.runtime import Runtime
 from agent.config import BudgetSpent
 from agent.incumbents import ORIGIN as INCUMBENT
 from agent.incumbents import campaign_arch, incumbents, unmeasured_incumbents
-from agent.model_plan import measure_model
+from agent.model_plan import measure_change, measure_model
 from agent.population import (
     beats,
     bucket_us,
@@ -33,7 +33,7 @@ from agent.report import lineage_of, write_report
 from agent.state import CampaignContext, CampaignProgress, CampaignState, ProblemProgress
 from agent.store import EvaluationRow, device_seconds
 from sandbox.protocol import campaign_baselines
-from sandbox.result import EvalResult, Status, TimingStats, ratio
+from sandbox.result import EvalResult, Status, TimingStats
 
 # Over this speedup against the fastest baseline, a result is suspicious until a person looks.
 SUSPICIOUS_SPEEDUP = 10.0
@@ -413,32 +413,6 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
     return kernel_ids
 
 
-def _model_step_with(ctx: CampaignContext, entry) -> dict | None:
-    """For a campaign with a model: its step with the library as the campaign found it and as it
-    is now that `entry` is registered (with every kernel the campaign registered before it),
-    measured side by side (agent.model_plan.measure_step); None without a model, and the
-    failure's text if the model cannot be measured."""
-    from agent.model_plan import LIBRARY_AT_START, measure_step, model_dir
-
-    section = ctx.config.model
-    snapshot = model_dir(ctx.report_dir) / LIBRARY_AT_START
-    if section is None or not snapshot.is_dir():
-        return None
-    try:
-        measured = measure_step(section, {"start": snapshot, "now": ctx.library.root})
-    except Exception as exc:  # the model's failure: the change opens without its figure
-        return {"error": f"{type(exc).__name__}: {exc}", "summary": f"Model step: not measured ({exc})."}
-    start, now = measured["step_ms"]["start"], measured["step_ms"]["now"]
-    speedup = ratio(start / now) if now else "n/a"
-    measured["summary"] = (
-        f"Model step ({measured['config']} {measured['graph']}, {measured['device']}, median of "
-        f"{measured['rounds']} side by side): {start:.3f} ms with the library as the campaign found it, "
-        f"{now:.3f} ms with the library as it is with this kernel ({entry.kernel_id}) and those the "
-        f"campaign registered before it: {speedup}."
-    )
-    return measured
-
-
 def _open_change(
     ctx: CampaignContext, problem: str, rows: list[EvaluationRow], row: EvaluationRow, entry
 ) -> None:
@@ -468,7 +442,7 @@ def _open_change(
         prompt_hash=prompt_hash, previous_knobs=previous.candidate.knobs if previous else None,
         rationale=llm.rationale if llm is not None else "",
     )  # fmt: skip
-    model_step = _model_step_with(ctx, entry)
+    model_step = measure_change(ctx.config, Path(ctx.report_dir), ctx.library.root, entry.kernel_id)
     if model_step is not None:
         message += "\n" + model_step["summary"] + "\n"
     evidence = {

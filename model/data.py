@@ -52,16 +52,12 @@ class Bags:
     def num_bags(self) -> int:
         return self.offsets.numel() - 1
 
+    def map(self, fn) -> Bags:
+        """The bags with `fn` applied to each tensor (a copy to a device, pinning)."""
+        return Bags(*(None if t is None else fn(t) for t in (self.ids, self.offsets, self.weights)))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Bags:
-        return Bags(
-            *(None if t is None else t.to(device, non_blocking=non_blocking) for t in self._tensors())
-        )
-
-    def pin_memory(self) -> Bags:
-        return Bags(*(None if t is None else t.pin_memory() for t in self._tensors()))
-
-    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.ids, self.offsets, self.weights)
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def select(self, bags: torch.Tensor) -> Bags:
         """The bags at `bags` (indices, repeats allowed), in that order."""
@@ -127,9 +123,7 @@ class RequestBatch:
             if isinstance(value, torch.Tensor):
                 value = fn(value)
             elif isinstance(value, dict):
-                value = {
-                    k: Bags(*(None if t is None else fn(t) for t in b._tensors())) for k, b in value.items()
-                }
+                value = {k: b.map(fn) for k, b in value.items()}
             values[f.name] = value
         return RequestBatch(**values)
 

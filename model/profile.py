@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from kernels.trace import Call, trace
 from model.config import ModelConfig
 from model.data import TrafficGenerator
 from model.flops import peak_flops
-from model.serving import score
+from model.serving import score, synchronize
 from model.training import Trainer
 
 # Memory bandwidth (bytes/s) by device name: the vendors' figures (HBM3e, HBM3, HBM2e).
@@ -108,6 +109,25 @@ def _rows(calls: list[Call], steps: int, step_s: float, device: torch.device) ->
     return rows
 
 
+def model_step(
+    config: ModelConfig, graph: str, device: torch.device, *, batches: int
+) -> Callable[[int], None]:
+    """step(i): one step of `graph` on batch i of `batches` made ahead on the device ("train": a
+    training step on a training batch; "serve": scoring a serving batch of the config's size),
+    of one model built for it."""
+    trainer = Trainer(config, device)
+    traffic = TrafficGenerator(config, seed=config.train.seed)
+    d = config.data
+    if graph == "train":
+        made = [traffic.batch(i).to(device) for i in range(batches)]
+        return lambda i: trainer.train_step(made[i])
+    made = [
+        traffic.batch(i, num_requests=d.serve_requests, candidates_per_request=d.serve_candidates).to(device)
+        for i in range(batches)
+    ]
+    return lambda i: score(trainer.model, made[i])
+
+
 def profile_model(
     config: ModelConfig,
     graph: str,
@@ -126,32 +146,10 @@ def profile_model(
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps} and {warmup}")
     device = torch.device(device)
-    trainer = Trainer(config, device)
-    traffic = TrafficGenerator(config, seed=config.train.seed)
-    d = config.data
-    if graph == "train":
-        batches = [traffic.batch(i).to(device) for i in range(steps + warmup)]
-
-        def step(i: int) -> None:
-            trainer.train_step(batches[i])
-    else:
-        batches = [
-            traffic.batch(i, num_requests=d.serve_requests, candidates_per_request=d.serve_candidates).to(
-                device
-            )
-            for i in range(steps + warmup)
-        ]
-
-        def step(i: int) -> None:
-            score(trainer.model, batches[i])
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+    step = model_step(config, graph, device, batches=steps + warmup)
     for i in range(warmup):
         step(i)
-    sync()
+    synchronize(device)
     profiler = (
         torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]
@@ -164,7 +162,7 @@ def profile_model(
         start = time.perf_counter()
         for i in range(warmup, warmup + steps):
             step(i)
-        sync()
+        synchronize(device)
         step_s = (time.perf_counter() - start) / steps
     calls = recorded.seconds()
     if trace_file is not None:

@@ -98,19 +98,25 @@ class LatencyRow:
     skipped: str | None = None  # why the row was not measured
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device) -> float:
+    """Seconds `fn` takes, its device work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def _time(fn, device: torch.device, repeats: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return times
+    return [timed(fn, device) for _ in range(repeats)]
 
 
 def percentile(values: list[float], q: float) -> float:
