@@ -428,7 +428,9 @@ def define(op: Op) -> Callable[..., Any]:
 
     impl.__signature__ = flat
     impl.__name__ = op.name
-    custom = torch.library.custom_op(f"{NAMESPACE}::{op.name}", mutates_args=())(impl)
+    # An op that updates arguments in place (an optimizer's weights and state) says so, so that
+    # torch.compile and export functionalize it.
+    custom = torch.library.custom_op(f"{NAMESPACE}::{op.name}", mutates_args=op.problem.updates)(impl)
 
     def fake(*values, **named):
         args, kwargs, extras = split(values, named)

@@ -325,9 +325,12 @@ class RunnerProcess:
                 return f"died (signal {signal.Signals(code - 128).name})"
         return f"died (exit code {code})"
 
-    def share(self, region: shared.Region, fd: int, device: str, *, writable: bool = True) -> int:
+    def share(
+        self, region: shared.Region, fd: int, device: str, *, writable: bool = True, updated: bool = False
+    ) -> int:
         """Hand `region` to the runner; one of inputs is not `writable` there (rule read-only
-        inputs: sandbox.shared.import_region, sandbox.host_ops)."""
+        inputs: sandbox.shared.import_region, sandbox.host_ops), one of arguments the op updates
+        in place is writable and `updated` (its kernels may write it)."""
         rid = self.next_region
         self.next_region += 1
         try:
@@ -337,6 +340,7 @@ class RunnerProcess:
                 "device": device,
                 "nbytes": region.nbytes,
                 "writable": writable,
+                "updated": updated,
             }
             self.ask(message, (fd,), where="share")
         finally:
@@ -413,8 +417,11 @@ class Call:
     id: int = 0
 
 
-def _layout(inputs: Inputs) -> int:
-    return sum(shared.aligned(t.numel() * t.element_size()) for t in inputs.tensors())
+def _layout(inputs: Inputs, keep: list[bool] | None = None) -> int:
+    """Bytes the inputs' tensors take in a shared region (those `keep` marks, where given)."""
+    tensors = inputs.tensors()
+    kept = keep if keep is not None else [True] * len(tensors)
+    return sum(shared.aligned(t.numel() * t.element_size()) for t, k in zip(tensors, kept, strict=True) if k)
 
 
 def _encode(value, region: shared.Region, rid: int, cursor: list[int], call: Call):
@@ -445,21 +452,28 @@ class Session:
         self.kind = "cuda" if device.type == "cuda" else "cpu"
         self.next_call = 1
         self.input_region: tuple[shared.Region, int] | None = None
+        # The arguments an op updates in place (Problem.updates): writable by the runner.
+        self.updated_region: tuple[shared.Region, int] | None = None
 
     def gpu(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         """The GPU's lock, taken on the runner's behalf (sandbox.locks): exclusive for timing,
         shared for everything else; the wait for it does not count against the deadline."""
         return gpu_use(self.lock, exclusive=exclusive, waited=self.runner.deadline.extend)
 
-    def _input_region(self, nbytes: int) -> tuple[shared.Region, int]:
-        if self.input_region is not None and self.input_region[0].nbytes >= nbytes:
-            return self.input_region
-        if self.input_region is not None:
-            self.drop(regions=[self.input_region[1]])
-            self.input_region[0].close()
-        region, fd = shared.create_region(self.kind, nbytes)
-        self.input_region = (region, self.runner.share(region, fd, self.kind, writable=False))
-        return self.input_region
+    def _input_region(self, nbytes: int, *, updated: bool = False) -> tuple[shared.Region, int]:
+        """The region of the calls' read-only inputs, or of the arguments they update, at least
+        `nbytes` long."""
+        slot = "updated_region" if updated else "input_region"
+        held = getattr(self, slot)
+        if held is not None and held[0].nbytes >= nbytes:
+            return held
+        if held is not None:
+            self.drop(regions=[held[1]])
+            held[0].close()
+        region, fd = shared.create_region(self.kind, max(nbytes, 1))
+        rid = self.runner.share(region, fd, self.kind, writable=updated, updated=updated)
+        setattr(self, slot, (region, rid))
+        return region, rid
 
     def place(
         self,
@@ -470,37 +484,56 @@ class Session:
         other_form: bool = False,
         parity: int | None = None,
         residues: list[int] | None = None,
+        copies: bool = False,
     ) -> list[Call]:
         """Inputs of `n` calls, each drawn here from a fresh seed and placed in the shared input
         region (each call's tensors at their own offsets); written there now, or by `write` later.
         `other_form`: the calls in the forward's other form (Problem.in_other_form); `parity`:
         seeds of that parity, whose settings a shape draws per call take their other value on the
         other parity (search_space.attention_common.drawn_scale); `residues`: call i's seed is
-        residues[i] modulo SEED_FORMS."""
-        seeds = [fresh_seed() for _ in range(n)]
+        residues[i] modulo SEED_FORMS; `copies`: the calls on copies of one draw of inputs."""
+        seeds = [fresh_seed() for _ in range(1 if copies else n)]
         if parity is not None:
             seeds = [(seed & ~1) | parity for seed in seeds]
         if residues is not None:
             seeds = [(seed & ~(SEED_FORMS - 1)) | r for seed, r in zip(seeds, residues, strict=True)]
         sets = [self.problem.make_inputs(shape, seed, self.device) for seed in seeds]
+        if copies:
+            sets = [sets[0], *(sets[0].clone() for _ in range(n - 1))]
         if other_form:
             sets = [self.problem.in_other_form(s) for s in sets]
+        # Arguments the op updates in place go to a writable region of their own.
+        flags = [self.problem.updated(s) for s in sets]
         # Rule checks on the timed calls: where a call's inputs lie tells nothing of its kind.
         # Each call goes to the region in a random order after a random gap, whether it is
         # checked alone or timed in a batch (packed back to back, a batch's later calls began
         # exactly where another call's inputs ended, and a lone check never did).
         gaps = [secrets.randbelow(PLACEMENT_GAPS) * shared.ALIGN for _ in sets]
-        region, rid = self._input_region(sum(_layout(s) for s in sets) + sum(gaps))
+        read_only = [[not u for u in f] for f in flags]
+        places = [self._input_region(sum(map(_layout, sets, read_only)) + sum(gaps))]
+        if self.problem.updates:
+            updated_gaps = [secrets.randbelow(PLACEMENT_GAPS) * shared.ALIGN for _ in sets]
+            places.append(
+                self._input_region(sum(map(_layout, sets, flags)) + sum(updated_gaps), updated=True)
+            )
         calls = [Call(shape=shape, inputs=inputs) for inputs in sets]
         for call in calls:
             call.id = self.next_call
             self.next_call += 1
-        cursor = [0]
+        cursors = [[0], [0]]
         for i in random.SystemRandom().sample(range(len(calls)), len(calls)):
             call, inputs = calls[i], sets[i]
-            cursor[0] += gaps[i]
-            call.args = [_encode(a, region, rid, cursor, call) for a in inputs.args]
-            call.kwargs = {k: _encode(v, region, rid, cursor, call) for k, v in inputs.kwargs.items()}
+            cursors[0][0] += gaps[i]
+            if self.problem.updates:
+                cursors[1][0] += updated_gaps[i]
+            at = iter(flags[i])
+
+            def encode(value, call=call, at=at):
+                where = int(next(at)) if isinstance(value, torch.Tensor) else 0
+                return _encode(value, *places[where], cursors[where], call)
+
+            call.args = [encode(a) for a in inputs.args]
+            call.kwargs = {k: encode(v) for k, v in inputs.kwargs.items()}
         if write:
             self.write(calls)
         return calls
@@ -575,12 +608,23 @@ class Session:
 
     def fetch(self, call: Call, described: dict, ref: Output, where: str) -> Output:
         """The call's outputs, as tensors in the judge's own memory, after checking that the
-        runner describes exactly the reference's structure (rule plain outputs)."""
+        runner describes exactly the reference's structure (rule plain outputs). For an op that
+        updates its arguments in place, those arguments as the call left them."""
         refs = output_tensors(ref)
         problem = described.get("problem")
         if isinstance(problem, str):
             raise Verdict(Status.WRONG, f"{where}: {problem[:500]}")
         outs = described.get("outputs")
+        if self.problem.updates:
+            if outs != []:
+                got = f"{len(outs)} tensors" if isinstance(outs, list) else "something"
+                raise Verdict(
+                    Status.WRONG,
+                    f"{where}: returned {got}; an op that updates its arguments in place returns None",
+                )
+            # Copied out at once, as outputs are: the judge compares its own memory.
+            updated = self.problem.updated(call.inputs)
+            return tuple(v.clone() for v, u in zip(call.views, updated, strict=True) if u)
         if (
             not isinstance(outs, list)
             or len(outs) != len(refs)
@@ -636,8 +680,11 @@ class Session:
         )
 
     def inputs_unchanged(self, call: Call, pristine: Inputs) -> bool:
+        """Whether the runner left the call's inputs as they were placed, but those it updates."""
+        updated = self.problem.updated(pristine)
         return all(
-            torch.equal(v, p.contiguous()) for v, p in zip(call.views, pristine.tensors(), strict=True)
+            u or torch.equal(v, p.contiguous())
+            for v, p, u in zip(call.views, pristine.tensors(), updated, strict=True)
         )
 
 
@@ -680,9 +727,13 @@ class Evaluation:
         for call, described in zip(calls, outputs, strict=True):
             pristine = call.inputs
             ref_inputs = pristine.clone()
-            ref = self.problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
+            ref = self.problem.result(
+                ref_inputs, self.problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
+            )
             key = (call.shape.name, call.shape.dtype)
-            self._out_bytes[key] = max(self._out_bytes.get(key, 0), _nbytes(ref))
+            # An update's outputs are its inputs, placed fresh for every call: nothing to poison.
+            made = 0 if self.problem.updates else _nbytes(ref)
+            self._out_bytes[key] = max(self._out_bytes.get(key, 0), made)
             got = self.session.fetch(call, described, ref, where)
             base = {"shape": call.shape.name, "dtype": call.shape.dtype, "trial": trial}
             if not self.session.inputs_unchanged(call, pristine):
@@ -726,13 +777,18 @@ class Evaluation:
         for the output alone, and the reverse): every check shape is checked in both."""
         assert self.session is not None
         other_form = trial % 2 == 1 and self.problem.statistics is not None
-        (call,) = self.session.place(shape, 1, other_form=other_form, parity=trial % 2)
+        # Trial 0's second call is on the same inputs: the same placement, or for an op that
+        # updates its arguments, a copy of them placed apart (the first call changed its own).
+        twice = trial == 0 and bool(self.problem.updates)
+        call, *twin = self.session.place(
+            shape, 2 if twice else 1, other_form=other_form, parity=trial % 2, copies=twice
+        )
         # What the call drew (a scale, say), so that a failure can be reproduced.
         drawn = [f"{k}={call.inputs.kwargs.get(k)}" for k, v in shape.params.items() if v == DRAWN]
         where = (
             shape.describe() + "".join(f", {d}" for d in drawn) + (", the other form" if other_form else "")
         )
-        calls = [call] if trial else [call, dataclasses.replace(call, id=call.id + 10**9)]
+        calls = [call] if trial else [call, *(twin or [dataclasses.replace(call, id=call.id + 10**9)])]
         outputs = self.session.run(calls, poison=self.poison_bytes(shape), where=where)
         got = self.check(calls[:1], outputs[:1], trial, where=where)
         if trial == 0:
@@ -766,9 +822,12 @@ class Evaluation:
             return
         pristine = call.inputs
         ref_inputs = pristine.clone()
-        ref = self.problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
-        if not any(t.numel() and bool(t.ne(0).any()) for t in output_tensors(ref)):
-            # Empty or all zeros (no candidates, say): a candidate with no kernel gets it right.
+        ref = self.problem.result(ref_inputs, self.problem.reference(*ref_inputs.args, **ref_inputs.kwargs))
+        if not any(t.numel() and bool(t.ne(0).any()) for t in output_tensors(ref)) or (
+            self.problem.updates and all(map(torch.equal, ref, self.problem.result(pristine, None)))
+        ):
+            # Empty or all zeros (no candidates, say), or an update that changes nothing (no ids):
+            # a candidate with no kernel gets it right.
             self.session.drop(calls=[call])
             raise _EmptyOutput
         try:

@@ -228,6 +228,18 @@ def _compare_tensor(
     return True, details
 
 
+def _call(problem: Problem, fn: Callable, inputs: Inputs, device: torch.device, out_bytes: int) -> tuple:
+    """(what the call computed, None), or (None, what is wrong with what it returned): an op that
+    updates its arguments returns None (Problem.result)."""
+    poison_allocator(device, 2 * out_bytes + (1 << 20))
+    out = fn(*inputs.args, **inputs.kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if problem.updates and out is not None:
+        return None, f"returned {type(out).__name__}; an op that updates its arguments in place returns None"
+    return problem.result(inputs, out), None
+
+
 def check_shape(
     problem: Problem,
     fn: Callable,
@@ -246,40 +258,44 @@ def check_shape(
     inputs = problem.make_inputs(shape, fresh_seed(), device)
     pristine = inputs.clone()
     ref_inputs = pristine.clone()  # the reference gets its own copy: it may not see the candidate's
-    ref = problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
-    poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))
-    out = fn(*inputs.args, **inputs.kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    ref = problem.result(ref_inputs, problem.reference(*ref_inputs.args, **ref_inputs.kwargs))
     base = {"shape": shape.name, "dtype": shape.dtype, "trial": trial}
-    for got, want in zip(inputs.tensors(), pristine.tensors(), strict=True):
-        if not torch.equal(got, want):
+    out, problem_with_it = _call(problem, fn, inputs, device, _nbytes(ref))
+    if problem_with_it:
+        return ShapeCheck(**base, ok=False, message=problem_with_it)
+    updated = problem.updated(inputs)
+    for got, want, updates in zip(inputs.tensors(), pristine.tensors(), updated, strict=True):
+        if not updates and not torch.equal(got, want):
             return ShapeCheck(**base, ok=False, message="the candidate modified its inputs")
-    input_storages = _storages(inputs)
-    seen: set[int] = {h.untyped_storage().data_ptr() for h in held or ()}
-    for tensor in output_tensors(out):
-        if tensor.numel() == 0:
-            continue
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in input_storages:
-            return ShapeCheck(**base, ok=False, message="the output shares memory with an input")
-        if storage in seen:
-            return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
-        seen.add(storage)
-        if held is not None:
-            held.append(tensor)
+    if not problem.updates:  # an update's outputs are its arguments
+        input_storages = _storages(inputs)
+        seen: set[int] = {h.untyped_storage().data_ptr() for h in held or ()}
+        for tensor in output_tensors(out):
+            if tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage().data_ptr()
+            if storage in input_storages:
+                return ShapeCheck(**base, ok=False, message="the output shares memory with an input")
+            if storage in seen:
+                return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
+            seen.add(storage)
+            if held is not None:
+                held.append(tensor)
     tol, scale = problem.closeness(shape.dtype, pristine)
     ok, details = compare(out, ref, tol, scale)
     if ok and repeat:
-        poison_allocator(device, 2 * _nbytes(ref) + (1 << 20))
-        second = fn(*inputs.args, **inputs.kwargs)
+        # An update runs again on its own copy of the same inputs; any other call on the same ones.
+        again = pristine.clone() if problem.updates else inputs
+        second, problem_with_it = _call(problem, fn, again, device, _nbytes(ref))
+        if problem_with_it:
+            return ShapeCheck(**base, ok=False, message=problem_with_it)
         first_storages = {t.untyped_storage().data_ptr() for t in output_tensors(out) if t.numel() > 0}
-        if any(
+        if not problem.updates and any(
             t.numel() > 0 and t.untyped_storage().data_ptr() in first_storages for t in output_tensors(second)
         ):
             return ShapeCheck(**base, ok=False, message="the output shares memory with an earlier output")
-        again, _ = compare(second, out, tol, scale)
-        if not again:
+        again_ok, _ = compare(second, out, tol, scale)
+        if not again_ok:
             return ShapeCheck(
                 **base,
                 ok=False,

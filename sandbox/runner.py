@@ -111,6 +111,7 @@ class Runner:
         self.sock = sock
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.regions: dict[int, shared.Region] = {}
+        self.updated_regions: set[int] = set()  # ids of regions of arguments updated in place
         self.outputs: dict[int, list[torch.Tensor]] = {}  # call id -> its output tensors
         self.fn = None
         self._flush: torch.Tensor | None = None
@@ -200,6 +201,10 @@ class Runner:
         writable = message.get("writable", True) is not False
         region = shared.import_region(message["device"], fds[0], int(message["nbytes"]), writable=writable)
         self.regions[int(message["id"])] = region
+        # The arguments an op updates in place (Problem.updates) lie in a writable region of
+        # their own: its kernels write them, so they are not guarded against kernel writes.
+        if message.get("updated") is True and writable:
+            self.updated_regions.add(int(message["id"]))
         return {"ok": True}
 
     def op_drop(self, message: dict, fds: list[int]) -> dict:
@@ -210,6 +215,7 @@ class Runner:
             self._sync()
             for rid in message["regions"]:
                 region = self.regions.pop(int(rid), None)
+                self.updated_regions.discard(int(rid))
                 if region is not None:
                     region.close()
         return {"ok": True}
@@ -308,7 +314,11 @@ class Runner:
         if self.watch:
             copies = self.host_copies_compute
             inputs = [*args, *kwargs.values()]
-            guarded = [t for t in inputs if isinstance(t, torch.Tensor) and not self._read_only(t)]
+            guarded = [
+                t
+                for t in inputs
+                if isinstance(t, torch.Tensor) and not self._read_only(t) and not self._updated(t)
+            ]
             with host_ops.watching(
                 True, self.host_float_ops, copies_compute=copies, inputs=inputs, guarded=guarded
             ) as watch:
@@ -323,7 +333,8 @@ class Runner:
                 self.host_compute[cid] = watch.first
         else:
             out = self.fn(*args, **kwargs)
-        items = list(out) if isinstance(out, tuple | list) else [out]
+        # None: an op that updates its arguments in place (its outputs), nothing to fetch.
+        items = [] if out is None else list(out) if isinstance(out, tuple | list) else [out]
         del out  # from here on, `items` holds the outputs' only references the runner made
         # Only plain tensors: a subclass could compare equal to anything.
         other = next((type(t).__name__ for t in items if type(t) is not torch.Tensor), None)
@@ -334,6 +345,11 @@ class Runner:
         if held:
             self.held[cid] = held
         self.outputs[cid] = items
+
+    def _updated(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies on a region of arguments the call updates in place."""
+        ptr = t.data_ptr()
+        return t.numel() > 0 and any(_inside(ptr, self.regions[rid]) for rid in self.updated_regions)
 
     def _read_only(self, t: torch.Tensor) -> bool:
         """Whether `t` lies on a region this process has mapped read-only."""

@@ -138,6 +138,8 @@ class Op:
             if p.name not in left_out
         ]
         returns = hints.get("return", inspect.Signature.empty)
+        if returns is type(None):  # an op that updates its arguments: torch spells it None
+            returns = None
         if self.statistics_flag is not None:
             # `output | tuple[output, statistics]`: the reference returns the statistics on request.
             members = typing.get_args(returns)

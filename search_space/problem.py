@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import pkgutil
 from collections.abc import Callable, Mapping
@@ -173,10 +175,20 @@ class Problem:
     optimizes: str = "forward"
     # What its forward saves for the backward, returned on request; None: nothing.
     statistics: Statistics | None = None
+    # The arguments the op updates in place, by name (an optimizer's weights and state): such an
+    # op returns None, and what a call computed is their values after it (Problem.result).
+    updates: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.optimizes not in PASSES:
             raise ValueError(f"problem {self.name!r}: optimizes {self.optimizes!r}, not one of {PASSES}")
+        unknown = set(self.updates) - set(_parameter_names(self.reference))
+        if unknown:
+            raise ValueError(
+                f"problem {self.name!r}: updates {sorted(unknown)}, not arguments of its reference"
+            )
+        if self.updates and self.statistics is not None:
+            raise ValueError(f"problem {self.name!r}: an op that updates its arguments returns no statistics")
         for dtype, tol in self.tolerances.items():
             if not tol.bounds_rows:
                 raise ValueError(
@@ -220,10 +232,31 @@ class Problem:
             raise ValueError(f"problem {self.name!r} has no statistics tolerance for dtype {dtype!r}")
         return (tol, self.statistics.tolerances[dtype]), (scale, None)
 
+    def updated(self, inputs: Inputs) -> list[bool]:
+        """For each of `inputs.tensors()`, in order, whether the call updates it in place."""
+        if not self.updates:
+            return [False] * len(inputs.tensors())
+        names = _parameter_names(self.reference)
+        named = [*zip(names, inputs.args, strict=False), *inputs.kwargs.items()]
+        return [name in self.updates for name, value in named if isinstance(value, torch.Tensor)]
+
+    def result(self, inputs: Inputs, returned: Any) -> Any:
+        """What a call on `inputs` computed: what it returned, or, for an op that updates its
+        arguments in place (`updates`), those arguments as the call left them, a tuple in the
+        order the call takes them (it returned None, which the caller checks)."""
+        if not self.updates:
+            return returned
+        return tuple(t for t, updated in zip(inputs.tensors(), self.updated(inputs), strict=True) if updated)
+
     def tolerance(self, dtype: str) -> Tolerance:
         if dtype not in self.tolerances:
             raise ValueError(f"problem {self.name!r} has no tolerance for dtype {dtype!r}")
         return self.tolerances[dtype]
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_names(fn: Callable) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
 
 
 # --- where problems are declared ---------------------------------------------------------------

@@ -1,0 +1,455 @@
+"""The training update of table-batched embeddings, fused into their backward: the library's
+default kernels (the math: search_space/embedding_bags_update.py; the layout:
+search_space/packed_tables.py).
+
+No dense gradient, and no atomics on weights: the ids are sorted once by their row's key (the
+row's index in the row-wise state, unique across tables), so the ids of one row lie together.
+The sorted ids are cut into chunks, a new one at every row's first id and at every multiple of
+CHUNK positions, so a chunk holds at most CHUNK ids of one row. Then
+
+1. each program sums the gradients of BLOCK_I chunks (a [BLOCK_I, BLOCK_L, BLOCK_D] tile of
+   gathered gradient rows per step, for latency, as the forward gathers rows). A row whose ids
+   all lie in its chunk (nearly every row: most are looked up once or twice) is updated there
+   and then; a longer row (a hot id, held by many bags) leaves its chunks' sums in a buffer;
+2. one program per CHUNK positions finishes the long row that crosses its position, if any:
+   sums its chunks' sums and updates it once.
+
+Host code only sorts and numbers integer keys (torch.sort, torch.cumsum); both launches are
+sized from the number of ids, so nothing is read back: the call never syncs the host.
+
+This module is also the problem's knob template: a search writes values into KNOBS; None keeps
+the launch heuristic (_config) for that knob.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KNOBS = {
+    "BLOCK_I": None,
+    "BLOCK_L": None,
+    "CHUNK": 64,
+    "num_warps": None,
+}
+
+
+@triton.jit
+def _chunk_starts_kernel(chunk_end_ptr, starts_ptr, nnz, BLOCK: tl.constexpr):
+    """starts[c] = the first sorted position of chunk c (chunk_end: the inclusive count of chunk
+    starts up to each position)."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = pos < nnz
+    ends = tl.load(chunk_end_ptr + pos, mask=valid, other=0)
+    before = tl.load(chunk_end_ptr + pos - 1, mask=valid & (pos > 0), other=0)
+    tl.store(starts_ptr + ends - 1, pos, mask=valid & (ends != before))
+
+
+@triton.jit
+def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """fp32 w in the weights' dtype: to nearest, or stochastically (unbiased): rounded toward zero,
+    then one unit away from zero with probability the remainder's fraction of that unit."""
+    if STOCHASTIC:
+        low = w.to(OUT_DTYPE, fp_downcast_rounding="rtz")
+        high = (low.to(tl.int16, bitcast=True) + 1).to(OUT_DTYPE, bitcast=True)
+        low32, high32 = low.to(tl.float32), high.to(tl.float32)
+        frac = tl.abs(w - low32) / tl.maximum(tl.abs(high32 - low32), 1e-38)
+        up = tl.rand(seed, where) < frac
+        return tl.where(up, high, low)
+    return w.to(OUT_DTYPE)
+
+
+@triton.jit
+def _step(
+    weights_ptr,
+    state_ptr,
+    grad_ID,
+    key_I,
+    w_off_I,
+    r_off_I,
+    dim_I,
+    cols_D,
+    mask_I,
+    lr,
+    eps,
+    seed,
+    ADAGRAD: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
+    """The optimizer step on BLOCK_I whole rows (key: the row's index in the state) from their
+    summed gradients, each row once."""
+    mask_ID = mask_I[:, None] & (cols_D[None, :] < dim_I[:, None])
+    where_ID = w_off_I[:, None] + (key_I - r_off_I)[:, None] * dim_I[:, None] + cols_D[None, :]
+    w_ID = tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0).to(tl.float32)
+    if ADAGRAD:
+        total_I = tl.load(state_ptr + key_I, mask=mask_I, other=0.0)
+        total_I += tl.sum(grad_ID * grad_ID, axis=1) / tl.maximum(dim_I, 1).to(tl.float32)
+        tl.store(state_ptr + key_I, total_I, mask=mask_I)
+        w_ID -= (lr / (tl.sqrt(total_I) + eps))[:, None] * grad_ID
+    else:
+        w_ID -= lr * grad_ID
+    out = _round(w_ID, where_ID, seed, STOCHASTIC, weights_ptr.dtype.element_ty)
+    tl.store(weights_ptr + where_ID, out, mask=mask_ID)
+
+
+@triton.jit
+def _rows_kernel(
+    weights_ptr,
+    state_ptr,
+    grad_out_ptr,
+    w_off_ptr,
+    r_off_ptr,
+    d_off_ptr,
+    offsets_ptr,
+    psw_ptr,
+    keys_ptr,
+    order_ptr,
+    bag_ptr,
+    starts_ptr,
+    count_ptr,
+    partial_ptr,
+    stride_grad,
+    batch,
+    nnz,
+    lr,
+    eps,
+    seed,
+    ADAGRAD: tl.constexpr,
+    POOL_MEAN: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    count = tl.load(count_ptr)
+    chunks_I = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    valid_I = chunks_I < count
+    begin_I = tl.load(starts_ptr + chunks_I, mask=valid_I, other=0)
+    end_I = tl.load(starts_ptr + chunks_I + 1, mask=valid_I, other=0)
+    len_I = end_I - begin_I
+    key_I = tl.load(keys_ptr + begin_I, mask=valid_I, other=0)
+    # Whether the chunk holds its row's first id, and its last.
+    before_I = tl.load(keys_ptr + begin_I - 1, mask=valid_I & (begin_I > 0), other=-1)
+    after_I = tl.load(keys_ptr + end_I, mask=valid_I & (end_I < nnz), other=-1)
+    whole_I = valid_I & ((begin_I == 0) | (before_I != key_I)) & ((end_I >= nnz) | (after_I != key_I))
+    # The row's table: the feature of its first id (every feature of a row shares its table).
+    bag0_I = tl.load(bag_ptr + tl.load(order_ptr + begin_I, mask=valid_I, other=0), mask=valid_I, other=0)
+    f0_I = bag0_I // batch
+    w_off_I = tl.load(w_off_ptr + f0_I, mask=valid_I, other=0)
+    r_off_I = tl.load(r_off_ptr + f0_I, mask=valid_I, other=0)
+    dim_I = tl.load(d_off_ptr + f0_I + 1, mask=valid_I, other=0) - tl.load(
+        d_off_ptr + f0_I, mask=valid_I, other=0
+    )
+    cols_D = tl.arange(0, BLOCK_D)
+    col_mask_ID = cols_D[None, :] < dim_I[:, None]
+    grad_ID = tl.zeros([BLOCK_I, BLOCK_D], dtype=tl.float32)
+    for step in tl.range(0, tl.max(len_I, axis=0), BLOCK_L):
+        j_L = step + tl.arange(0, BLOCK_L)
+        mask_IL = valid_I[:, None] & (j_L[None, :] < len_I[:, None])
+        id_IL = tl.load(order_ptr + begin_I[:, None] + j_L[None, :], mask=mask_IL, other=0)
+        bag_IL = tl.load(bag_ptr + id_IL, mask=mask_IL, other=0)
+        f_IL = bag_IL // batch
+        col0_IL = tl.load(d_off_ptr + f_IL, mask=mask_IL, other=0)
+        g_ILD = tl.load(
+            grad_out_ptr
+            + (bag_IL - f_IL * batch)[:, :, None] * stride_grad
+            + col0_IL[:, :, None]
+            + cols_D[None, None, :],
+            mask=mask_IL[:, :, None] & col_mask_ID[:, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if HAS_PSW:
+            g_ILD *= tl.load(psw_ptr + id_IL, mask=mask_IL, other=0.0).to(tl.float32)[:, :, None]
+        if POOL_MEAN:
+            length_IL = tl.load(offsets_ptr + bag_IL + 1, mask=mask_IL, other=1) - tl.load(
+                offsets_ptr + bag_IL, mask=mask_IL, other=0
+            )
+            g_ILD /= tl.maximum(length_IL, 1).to(tl.float32)[:, :, None]
+        grad_ID += tl.sum(g_ILD, axis=1)
+    _step(
+        weights_ptr,
+        state_ptr,
+        grad_ID,
+        key_I,
+        w_off_I,
+        r_off_I,
+        dim_I,
+        cols_D,
+        whole_I,
+        lr,
+        eps,
+        seed,
+        ADAGRAD,
+        STOCHASTIC,
+    )
+    # A long row's chunks leave their sums: slot 2c for the chunk at position c * CHUNK, 2c + 1 for
+    # one that starts its row inside [c * CHUNK, (c + 1) * CHUNK) (only a row's first chunk does).
+    slot_I = 2 * (begin_I // CHUNK) + (begin_I % CHUNK != 0).to(tl.int64)
+    part_mask = (valid_I & ~whole_I)[:, None] & col_mask_ID
+    tl.store(partial_ptr + slot_I[:, None] * BLOCK_D + cols_D[None, :], grad_ID, mask=part_mask)
+
+
+@triton.jit
+def _long_rows_kernel(
+    weights_ptr,
+    state_ptr,
+    w_off_ptr,
+    r_off_ptr,
+    d_off_ptr,
+    keys_ptr,
+    order_ptr,
+    bag_ptr,
+    partial_ptr,
+    batch,
+    nnz,
+    lr,
+    eps,
+    seed,
+    ADAGRAD: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program c finishes the long row (over CHUNK ids) whose chunks first reach a multiple of
+    CHUNK at position p = c * CHUNK: one that starts at p and runs past p + CHUNK, or one that
+    started inside the previous CHUNK positions and runs into p."""
+    p = tl.program_id(0).to(tl.int64) * CHUNK
+    key = tl.load(keys_ptr + p)
+    before = tl.load(keys_ptr + p - 1, mask=p > 0, other=-1)
+    from_before = (p > 0) & (before == key)
+    if from_before:
+        started_here = tl.load(keys_ptr + p - CHUNK, mask=p >= CHUNK, other=-1) != key
+    else:
+        started_here = (p + CHUNK < nnz) & (
+            tl.load(keys_ptr + p + CHUNK, mask=p + CHUNK < nnz, other=-1) == key
+        )
+    if started_here:
+        cols = tl.arange(0, BLOCK_D)
+        grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+        if from_before:  # the row's first chunk, inside the previous CHUNK positions
+            grad += tl.load(partial_ptr + (2 * (p // CHUNK - 1) + 1) * BLOCK_D + cols)[None, :]
+        q = p
+        while tl.load(keys_ptr + q, mask=q < nnz, other=-1) == key:
+            grad += tl.load(partial_ptr + (2 * (q // CHUNK)) * BLOCK_D + cols)[None, :]
+            q += CHUNK
+        f = tl.load(bag_ptr + tl.load(order_ptr + p)) // batch
+        w_off = tl.load(w_off_ptr + f + tl.zeros([1], dtype=tl.int64))
+        r_off = tl.load(r_off_ptr + f + tl.zeros([1], dtype=tl.int64))
+        dim = tl.load(d_off_ptr + f + 1 + tl.zeros([1], dtype=tl.int64)) - tl.load(
+            d_off_ptr + f + tl.zeros([1], dtype=tl.int64)
+        )
+        grad = tl.where(cols[None, :] < dim[:, None], grad, 0.0)
+        keys = key + tl.zeros([1], dtype=tl.int64)
+        _step(
+            weights_ptr,
+            state_ptr,
+            grad,
+            keys,
+            w_off,
+            r_off,
+            dim,
+            cols,
+            keys >= 0,
+            lr,
+            eps,
+            seed,
+            ADAGRAD,
+            STOCHASTIC,
+        )
+
+
+def _config(max_dim: int, interpreted: bool) -> dict:
+    """Launch parameters: a whole row per program's tile (the row-wise step needs its full norm).
+    On a GPU (untuned until measured on the H200): 4 rows x 4 ids per step for rows of up to 128
+    columns, 2 x 4 beyond; interpreted, few wide programs: 16 rows x 8 ids."""
+    if interpreted:
+        return {"BLOCK_I": 16, "BLOCK_L": 8, "num_warps": 1}
+    return {"BLOCK_I": 4 if max_dim <= 128 else 2, "BLOCK_L": 4, "num_warps": 4 if max_dim > 64 else 2}
+
+
+MAX_DIM = 1024  # a row's tile holds it whole
+
+
+def check_arguments(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    grad_out: torch.Tensor,
+    weight_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    dim_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_dim: int,
+    optimizer: str = "adagrad",
+    lr: float = 0.01,
+    eps: float = 1e-8,
+    pooling: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> None:
+    """ValueError naming what is wrong; sizes only (never the data: no sync)."""
+    if optimizer not in ("sgd", "adagrad"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {optimizer!r}")
+    if pooling not in ("sum", "mean"):
+        raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
+    if weights.dim() != 1 or not weights.is_contiguous():
+        raise ValueError(f"weights must be a contiguous flat buffer [N], got shape {tuple(weights.shape)}")
+    if weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"weights must be fp32, bf16 or fp16, got {weights.dtype}")
+    if optimizer == "adagrad" and (
+        state.dtype != torch.float32 or state.dim() != 1 or not state.is_contiguous()
+    ):
+        raise ValueError(
+            f"adagrad's state must be a contiguous fp32 [rows], got {state.dtype} {tuple(state.shape)}"
+        )
+    num_features = weight_offsets.numel()
+    if (
+        num_features == 0
+        or row_offsets.shape != weight_offsets.shape
+        or dim_offsets.shape != (num_features + 1,)
+    ):
+        raise ValueError(
+            f"weight_offsets and row_offsets must be [F] (F >= 1) and dim_offsets [F + 1], got "
+            f"{tuple(weight_offsets.shape)}, {tuple(row_offsets.shape)}, {tuple(dim_offsets.shape)}"
+        )
+    for name, t in (
+        ("weight_offsets", weight_offsets),
+        ("row_offsets", row_offsets),
+        ("dim_offsets", dim_offsets),
+    ):
+        if t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {t.dtype}")
+    if (
+        indices.dim() != 1
+        or indices.dtype not in (torch.int32, torch.int64)
+        or offsets.dtype != indices.dtype
+    ):
+        raise ValueError(
+            f"indices must be [nnz] int32 or int64 and offsets of the same dtype, got "
+            f"{indices.dtype} {tuple(indices.shape)} and {offsets.dtype}"
+        )
+    if offsets.dim() != 1 or (offsets.numel() - 1) % num_features:
+        raise ValueError(f"offsets must be [F * B + 1] with F = {num_features}, got {tuple(offsets.shape)}")
+    batch = (offsets.numel() - 1) // num_features
+    if grad_out.dim() != 2 or grad_out.shape[0] != batch or grad_out.dtype != weights.dtype:
+        raise ValueError(
+            f"grad_out must be [B = {batch}, total_dim] in the weights' dtype {weights.dtype}, "
+            f"got {grad_out.dtype} {tuple(grad_out.shape)}"
+        )
+    if not 1 <= max_dim <= MAX_DIM:
+        raise ValueError(f"max_dim must be in [1, {MAX_DIM}], got {max_dim}")
+    if per_sample_weights is not None:
+        if pooling != "sum":
+            raise ValueError("per_sample_weights is only supported with pooling='sum'")
+        if per_sample_weights.shape != indices.shape:
+            raise ValueError(
+                f"per_sample_weights must be [nnz = {indices.numel()}], got {tuple(per_sample_weights.shape)}"
+            )
+    if stochastic_rounding and weights.dtype == torch.float32:
+        raise ValueError("stochastic_rounding is for bf16 and fp16 weights; these are fp32")
+
+
+def embedding_bags_update(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    grad_out: torch.Tensor,
+    weight_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    dim_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_dim: int,
+    optimizer: str = "adagrad",
+    lr: float = 0.01,
+    eps: float = 1e-8,
+    pooling: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> None:
+    """Updates weights (and adagrad's state) in place; see the module's docstring."""
+    nnz = indices.numel()
+    if nnz == 0:
+        return
+    num_features = weight_offsets.numel()
+    batch = (offsets.numel() - 1) // num_features
+    grad_out = grad_out.contiguous()
+    cfg = _config(max_dim, interpreted=weights.device.type == "cpu")
+    cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
+    chunk = KNOBS["CHUNK"]
+    block_d = triton.next_power_of_2(max_dim)
+    # Every id's bag, and its row's key (its index in the state); the ids sorted by key.
+    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)
+    bag = torch.searchsorted(offsets[1:], positions, right=True)
+    keys = row_offsets[bag // batch] + indices
+    sorted_keys, order = torch.sort(keys, stable=True)
+    # Chunks: a new one at each row's first id and every CHUNK positions; chunk_end[i] counts
+    # them up to position i, so the last entry is their number, read by the kernels themselves.
+    starts_chunk = torch.ones(nnz, dtype=torch.int32, device=indices.device)
+    starts_chunk[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    starts_chunk |= positions % chunk == 0
+    chunk_end = torch.cumsum(starts_chunk, 0, dtype=torch.int32)
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=indices.device)
+    _chunk_starts_kernel[(triton.cdiv(nnz, 1024),)](chunk_end, starts, nnz, BLOCK=1024)
+    partial = torch.empty((2 * triton.cdiv(nnz, chunk), block_d), dtype=torch.float32, device=weights.device)
+    has_psw = per_sample_weights is not None
+    adagrad = optimizer == "adagrad"
+    stochastic = bool(stochastic_rounding)
+    _rows_kernel[(triton.cdiv(nnz, cfg["BLOCK_I"]),)](
+        weights,
+        state,
+        grad_out,
+        weight_offsets,
+        row_offsets,
+        dim_offsets,
+        offsets,
+        per_sample_weights if has_psw else grad_out,
+        sorted_keys,
+        order,
+        bag,
+        starts,
+        chunk_end[nnz - 1 :],
+        partial,
+        grad_out.stride(0),
+        batch,
+        nnz,
+        lr,
+        eps,
+        seed,
+        ADAGRAD=adagrad,
+        POOL_MEAN=pooling == "mean",
+        HAS_PSW=has_psw,
+        STOCHASTIC=stochastic,
+        CHUNK=chunk,
+        BLOCK_I=cfg["BLOCK_I"],
+        BLOCK_L=cfg["BLOCK_L"],
+        BLOCK_D=block_d,
+        num_warps=cfg["num_warps"],
+    )
+    _long_rows_kernel[(triton.cdiv(nnz, chunk),)](
+        weights,
+        state,
+        weight_offsets,
+        row_offsets,
+        dim_offsets,
+        sorted_keys,
+        order,
+        bag,
+        partial,
+        batch,
+        nnz,
+        lr,
+        eps,
+        seed,
+        ADAGRAD=adagrad,
+        STOCHASTIC=stochastic,
+        CHUNK=chunk,
+        BLOCK_D=block_d,
+        num_warps=cfg["num_warps"],
+    )

@@ -1,0 +1,543 @@
+"""The training update of table-batched embeddings, fused into their backward: the optimizer
+step applied in place to the rows the batch looked up, with no dense gradient ever made.
+
+Layout as search_space.packed_tables says (flat `weights`, row-wise fp32 `state`, per-feature
+offsets, feature-major bags). For every row r of a table that some bag looked up, its gradient
+sums the pooled outputs' gradients of the bags that hold it, over every feature on that table:
+
+    g_r = sum_{i : id i is row r} s_i * grad_out[b(i), dim_offsets[f(i)] : dim_offsets[f(i)] + dim]
+
+with s_i = per_sample_weights[i] (sum pooling), 1 / len(bag(i)) (mean) or 1. Then, once per
+row, in fp32:
+
+    sgd:      w_r -= lr * g_r
+    adagrad:  state_r += mean(g_r^2);  w_r -= lr * g_r / (sqrt(state_r) + eps)   (row-wise)
+
+and w_r is rounded once to the weights' dtype: to nearest, or with `stochastic_rounding` (bf16
+and fp16 weights) up or down at random, with the probability that makes the rounding unbiased,
+from the counter-based generator seeded by `seed`. Rows no bag looked up stay as they are, their
+state too. The op returns None; what it computes is `weights` and `state` after the call. The
+reference rounds to nearest: a stochastic rounding is within one unit in the last place of it,
+which the tolerance admits.
+
+The forward's pooling is `pooling`, not `mode` as in embedding_bag: torch.compile's handling
+of ops that update their arguments takes a `mode` argument of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from search_space import embedding_bag, packed_tables
+from search_space.op import Op
+from search_space.problem import Inputs, Problem, Shape
+from search_space.template import Knob, KnobTemplate
+
+ENTRY = "embedding_bags_update"
+OPTIMIZERS = ("sgd", "adagrad")
+INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+
+
+def _bags_of(offsets: torch.Tensor, num_features: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(B, the bag of each id, each bag's length), from feature-major offsets."""
+    off = offsets.long()
+    lengths = off[1:] - off[:-1]
+    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    return (offsets.numel() - 1) // num_features, bag, lengths
+
+
+def reference(
+    weights: torch.Tensor,
+    state: torch.Tensor,
+    grad_out: torch.Tensor,
+    weight_offsets: torch.Tensor,
+    row_offsets: torch.Tensor,
+    dim_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    max_dim: int,
+    optimizer: str = "adagrad",
+    lr: float = 0.01,
+    eps: float = 1e-8,
+    pooling: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> None:
+    """Plain PyTorch: each table's rows' gradients summed in fp32 (fp64 for fp64 weights), then
+    the step, rounded to nearest."""
+    acc = torch.float64 if weights.dtype == torch.float64 else torch.float32
+    w_offs, r_offs, d_offs = packed_tables.metadata_lists(weight_offsets, row_offsets, dim_offsets)
+    num_features = len(w_offs)
+    batch, bag, lengths = _bags_of(offsets, num_features)
+    feature = bag // max(batch, 1)
+    sample = bag - feature * batch
+    ids = indices.long()
+    tables: dict[int, tuple[int, int, list, list]] = {}  # by row offset: w_off, dim, ids, grads
+    for f in range(num_features):
+        chosen = feature == f
+        dim = d_offs[f + 1] - d_offs[f]
+        grad = grad_out[sample[chosen], d_offs[f] : d_offs[f] + dim].to(acc)
+        if pooling == "mean":
+            grad = grad / lengths[bag[chosen]].clamp(min=1).to(acc)[:, None]
+        if per_sample_weights is not None:
+            grad = grad * per_sample_weights[chosen].to(acc)[:, None]
+        entry = tables.setdefault(r_offs[f], (w_offs[f], dim, [], []))
+        entry[2].append(ids[chosen])
+        entry[3].append(grad)
+    for r_off, (w_off, dim, table_ids, grads) in tables.items():
+        rows, inverse = torch.unique(torch.cat(table_ids), return_inverse=True)
+        if rows.numel() == 0:
+            continue
+        grad = torch.zeros(rows.numel(), dim, dtype=acc, device=weights.device)
+        grad.index_add_(0, inverse, torch.cat(grads))
+        elements = w_off + rows[:, None] * dim + torch.arange(dim, device=weights.device)
+        w = weights[elements].to(acc)
+        if optimizer == "sgd":
+            w = w - lr * grad
+        else:
+            total = state[r_off + rows].to(acc) + grad.pow(2).mean(1)
+            state[r_off + rows] = total.to(state.dtype)
+            w = w - lr * grad / (total.sqrt() + eps)[:, None]
+        weights[elements] = w.to(weights.dtype)
+
+
+def torch_sparse_update(
+    weights,
+    state,
+    grad_out,
+    weight_offsets,
+    row_offsets,
+    dim_offsets,
+    indices,
+    offsets,
+    *,
+    max_dim,
+    optimizer="adagrad",
+    lr=0.01,
+    eps=1e-8,
+    pooling="sum",
+    per_sample_weights=None,
+    stochastic_rounding=False,
+    seed=0,
+):
+    """What training does without the fused op: torch's embedding_bag backward per feature with
+    sparse gradients (autograd through F.embedding_bag(sparse=True)), then a sparse row-wise step
+    per table (coalesce the rows, then update them), as model.optim.RowWiseAdagrad does."""
+    w_offs, r_offs, d_offs = packed_tables.metadata_lists(weight_offsets, row_offsets, dim_offsets)
+    num_features = len(w_offs)
+    batch = (offsets.numel() - 1) // num_features
+    bounds = offsets[:: max(batch, 1)].tolist() if batch else [0] * (num_features + 1)
+    extents = packed_tables.table_rows(
+        w_offs, [d_offs[f + 1] - d_offs[f] for f in range(num_features)], weights.numel()
+    )
+    leaves: dict[int, torch.Tensor] = {}
+    outputs, grads = [], []
+    for f in range(num_features):
+        dim = d_offs[f + 1] - d_offs[f]
+        if w_offs[f] not in leaves:
+            rows = extents[w_offs[f]]
+            view = weights[w_offs[f] : w_offs[f] + rows * dim].view(rows, dim)
+            leaves[w_offs[f]] = view.detach().requires_grad_()
+        lo, hi = bounds[f], bounds[f + 1]
+        psw = per_sample_weights[lo:hi] if per_sample_weights is not None else None
+        local = offsets[f * batch : (f + 1) * batch] - lo
+        with torch.enable_grad():
+            outputs.append(
+                F.embedding_bag(
+                    indices[lo:hi],
+                    leaves[w_offs[f]],
+                    local,
+                    mode=pooling,
+                    per_sample_weights=psw,
+                    sparse=True,
+                )
+            )
+        grads.append(grad_out[:, d_offs[f] : d_offs[f] + dim])
+    torch.autograd.backward(outputs, grads)
+    with torch.no_grad():
+        for w_off, leaf in leaves.items():
+            if leaf.grad is None:
+                continue
+            grad = leaf.grad.coalesce()
+            rows, values = grad.indices()[0], grad.values().float()
+            table = weights[w_off : w_off + leaf.numel()].view(leaf.shape)
+            if optimizer == "sgd":
+                table.index_add_(0, rows, (-lr * values).to(table.dtype))
+                continue
+            r_off = r_offs[w_offs.index(w_off)]
+            sums = state[r_off : r_off + leaf.shape[0]]
+            sums.index_add_(0, rows, values.pow(2).mean(1))
+            step = values * (lr / (sums[rows].sqrt() + eps))[:, None]
+            table.index_add_(0, rows, (-step).to(table.dtype))
+
+
+def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
+    """Tables of small weights (0.01 scale) and states of a few steps' sums, so that one step
+    (about lr in size) moves every looked-up row far beyond the dtype's rounding: an update
+    left out fails. Params: tables, features, batch, max_lens or lengths, and optional
+    optimizer, pooling, weighted, hot_rows, index_dtype, stochastic_rounding."""
+    p = shape.params
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layout = packed_tables.Layout.of(p["tables"], p["features"])
+    dtype = shape.torch_dtype
+    bags = packed_tables.draw_bags(
+        layout,
+        p["batch"],
+        gen,
+        device,
+        max_lens=p.get("max_lens"),
+        lengths=p.get("lengths"),
+        hot_rows=p.get("hot_rows", 0),
+        weighted=p.get("weighted", False),
+        index_dtype=INDEX_DTYPES[p.get("index_dtype", "int64")],
+        weight_dtype=dtype,
+    )
+    weights = (torch.randn(layout.num_elements, generator=gen, device=device) * 0.01).to(dtype)
+    optimizer = p.get("optimizer", "adagrad")
+    if optimizer == "adagrad":
+        state = torch.rand(layout.num_rows, generator=gen, device=device) * 2.0
+    else:
+        state = torch.zeros(0, device=device)
+    grad_out = torch.randn(p["batch"], layout.total_dim, generator=gen, device=device).to(dtype)
+    weight_offsets, row_offsets, dim_offsets = layout.metadata(device)
+    kwargs = {
+        "max_dim": layout.max_dim,
+        "optimizer": optimizer,
+        "lr": 0.05,
+        "eps": 1e-8,
+        "pooling": p.get("pooling", "sum"),
+        "per_sample_weights": bags.per_sample_weights,
+        "stochastic_rounding": bool(p.get("stochastic_rounding", False)),
+        "seed": seed & 0x7FFFFFFF,
+    }
+    args = (weights, state, grad_out, weight_offsets, row_offsets, dim_offsets, bags.indices, bags.offsets)
+    return Inputs(args=args, kwargs=kwargs)
+
+
+def _mean_ids(shape: Shape) -> float:
+    """Mean ids per bag."""
+    p = shape.params
+    if "lengths" in p:
+        return sum(p["lengths"]) / max(len(p["lengths"]), 1)
+    lens = [packed_tables.mean_bag_length(m) for m in p["max_lens"]]
+    return sum(lens) / len(lens)
+
+
+def _layout(shape: Shape) -> packed_tables.Layout:
+    return packed_tables.Layout.of(shape.params["tables"], shape.params["features"])
+
+
+def _ids_and_columns(shape: Shape) -> tuple[float, float]:
+    """(ids in the batch, their gathered columns: sum over ids of their feature's dim)."""
+    p, layout = shape.params, _layout(shape)
+    dims = layout.dims()
+    if "lengths" in p:
+        per_feature = [sum(p["lengths"][f * p["batch"] : (f + 1) * p["batch"]]) for f in range(len(dims))]
+    else:
+        per_feature = [p["batch"] * packed_tables.mean_bag_length(m) for m in p["max_lens"]]
+    return sum(per_feature), sum(n * d for n, d in zip(per_feature, dims, strict=True))
+
+
+def flops(shape: Shape) -> float:
+    """A multiply-add per gathered gradient element and about four operations per updated one
+    (an upper bound: every id its own row)."""
+    _, columns = _ids_and_columns(shape)
+    return 6 * columns
+
+
+def bytes_moved(shape: Shape) -> float:
+    """Minimum traffic: grad_out read once, ids and offsets read, each looked-up row read and
+    written once (counted here as once per id: an upper bound where ids repeat), its state read
+    and written."""
+    elem = shape.torch_dtype.itemsize
+    p, layout = shape.params, _layout(shape)
+    ids, columns = _ids_and_columns(shape)
+    index = INDEX_DTYPES[p.get("index_dtype", "int64")].itemsize
+    total = (
+        p["batch"] * layout.total_dim * elem + ids * index + (layout.num_features * p["batch"] + 1) * index
+    )
+    total += 2 * columns * elem
+    if p.get("optimizer", "adagrad") == "adagrad":
+        total += 2 * ids * 4
+    if p.get("weighted"):
+        total += ids * elem
+    return total
+
+
+def bucket_of(max_dim: int, mean_ids_per_bag: float, optimizer: str) -> str:
+    """embedding_bag's bucket of the call's widest feature and bag regime, then the optimizer:
+    "d128-short-adagrad"."""
+    return f"{embedding_bag.bucket_of(max_dim, mean_ids_per_bag)}-{optimizer}"
+
+
+def bucket(shape: Shape) -> str:
+    return bucket_of(_layout(shape).max_dim, _mean_ids(shape), shape.params.get("optimizer", "adagrad"))
+
+
+def _s(name: str, dtype: str, **params) -> Shape:
+    return Shape(name=name, dtype=dtype, params=params)
+
+
+# Tables for the check shapes: dims 4 to 256, a table of one row, features sharing tables.
+_MIXED = dict(tables=[[50, 4], [200, 48], [1, 16], [300, 128]], features=[0, 1, 2, 3, 1])
+_WIDE = dict(tables=[[40, 256], [60, 100]], features=[0, 1])
+
+
+def _check_shapes(dtype: str, optimizer: str) -> tuple[Shape, ...]:
+    o = dict(optimizer=optimizer)
+    shapes = [
+        _s(f"mixed-{optimizer}", dtype, **_MIXED, **o, batch=7, max_lens=[3, 1, 2, 40, 5]),
+        _s(
+            f"empty-bags-{optimizer}",
+            dtype,
+            **_MIXED,
+            **o,
+            batch=3,
+            lengths=[0, 2, 0, 1, 0, 0, 0, 0, 3, 0, 0, 0, 1, 0, 0],
+        ),
+        # Every id one of the last two rows: rows held by many bags (split across programs).
+        _s(f"hot-rows-{optimizer}", dtype, **_MIXED, **o, batch=40, max_lens=[2, 8, 1, 30, 3], hot_rows=2),
+        _s(f"mean-{optimizer}", dtype, **_WIDE, **o, batch=5, max_lens=[6, 9], pooling="mean"),
+        _s(
+            f"weighted-int32-{optimizer}",
+            dtype,
+            **_MIXED,
+            **o,
+            batch=6,
+            max_lens=[3, 4, 1, 12, 2],
+            weighted=True,
+            index_dtype="int32",
+        ),
+    ]
+    if dtype != "fp32":
+        shapes.append(
+            _s(
+                f"stochastic-{optimizer}",
+                dtype,
+                **_MIXED,
+                **o,
+                batch=6,
+                max_lens=[3, 4, 1, 12, 2],
+                stochastic_rounding=True,
+            )
+        )
+    return tuple(shapes)
+
+
+CHECK_SHAPES = tuple(
+    s for dtype in ("fp32", "bf16", "fp16") for opt in OPTIMIZERS for s in _check_shapes(dtype, opt)
+) + (
+    _s("no-ids", "fp32", tables=[[10, 16]], features=[0], batch=4, lengths=[0, 0, 0, 0]),
+    _s("no-bags", "fp32", tables=[[10, 16]], features=[0, 0], batch=0, lengths=[]),
+    # Every id in one bag, of one row: a segment far longer than any chunk of ids.
+    _s("one-bag", "fp32", tables=[[3, 32]], features=[0], batch=2, lengths=[700, 0], hot_rows=1),
+)
+
+# Realistic batches (WORKLOAD.md: most features one to three ids, a few long bags up to 120;
+# dims mostly 64 and 128, mixed from 16 to 256) on tables of about a gigabyte in all: each timed
+# call gets its own copy of the tables, and the sandbox places several.
+_TIMING_TABLES = [[2_000_000, 64], [1_000_000, 128], [500_000, 256], [4_000_000, 16], [1_000_000, 32]]
+_SHORT_FEATURES = [0, 0, 1, 1, 3, 3, 3, 4, 4, 0, 1, 3, 4, 2, 0, 1, 3, 4, 0, 3]
+_MIXED_FEATURES = [*_SHORT_FEATURES, 0, 1, 2, 1, 0]
+
+# Most features hold one to three ids (max_len 1 or 3); a mixed batch adds five long features.
+_SHORT = dict(tables=_TIMING_TABLES, features=_SHORT_FEATURES, max_lens=[1, 3] * 10)
+_MIXED_TIMING = dict(
+    tables=_TIMING_TABLES, features=_MIXED_FEATURES, max_lens=[1, 3] * 10 + [120, 40, 60, 20, 120]
+)
+
+TIMING_SHAPES = (
+    _s("b64k-20f-short-adagrad", "bf16", **_SHORT, batch=65_536),
+    _s("b64k-25f-mixed-adagrad", "bf16", **_MIXED_TIMING, batch=65_536),
+    _s("b64k-25f-mixed-adagrad", "fp32", **_MIXED_TIMING, batch=65_536),
+    _s("b128k-20f-short-sgd", "bf16", **_SHORT, batch=131_072, optimizer="sgd", stochastic_rounding=True),
+)
+
+INTERPRETED_TIMING_SHAPES = (
+    _s(
+        "interp-b16-adagrad",
+        "fp32",
+        tables=[[500, 64], [300, 32]],
+        features=[0, 1, 0],
+        batch=16,
+        max_lens=[2, 6, 1],
+    ),
+)
+
+# The weights after the step, and the state, compared as the flat buffers they are: each
+# element is one fp32 computation rounded once (a row's gradients summed in some order, then the
+# step), so embedding_bag's element bounds hold (its comment derives them), and the tables'
+# untouched rows are exact. Each "row" of a flat buffer is one element: its row bound is its
+# element bound. (A row of hundreds of ids, a hot id, sums hundreds of fp32 terms: the sum's
+# rounding, times lr, can exceed a bound relative to the element alone where the step cancels
+# the weight; against the buffer's RMS it stays below 1e-5.)
+TOLERANCES = {
+    dtype: dataclasses.replace(tol, row_rtol=tol.rtol, row_atol=tol.atol)
+    for dtype, tol in embedding_bag.TOLERANCES.items()
+}
+
+
+def error_scale(inputs: Inputs) -> float | None:
+    """For fp32 weights, the magnitude of a row's summed gradient step: lr times the gradients'
+    RMS times the most ids of one row. A hot row sums hundreds of terms, and fp32 sums in
+    another order differ by about that times 2^-24 per term: where the step cancels the weight
+    (a result near zero), that is the error a correct kernel has, far above the result's own
+    rounding. (bf16 and fp16 weights round far more coarsely than that: their bounds stand.)"""
+    weights, grad_out, indices, offsets, row_offsets = (
+        inputs.args[0],
+        inputs.args[2],
+        inputs.args[6],
+        inputs.args[7],
+        inputs.args[4],
+    )
+    if weights.dtype != torch.float32 or indices.numel() == 0:
+        return None
+    batch, bag, _ = _bags_of(offsets, row_offsets.numel())
+    keys = row_offsets[bag // max(batch, 1)] + indices.long()
+    most = int(torch.unique(keys, return_counts=True)[1].max())
+    return inputs.kwargs["lr"] * grad_out.float().pow(2).mean().sqrt().item() * most
+
+
+KNOBS = (
+    Knob(
+        "BLOCK_I",
+        (None, 1, 2, 4, 8),
+        default=None,
+        help="rows (segments of sorted ids) a program updates together",
+    ),
+    Knob("BLOCK_L", (None, 2, 4, 8, 16, 32), default=None, help="ids of a row gathered per step"),
+    Knob(
+        "CHUNK",
+        (16, 32, 64, 128, 256),
+        default=64,
+        help="most ids of one row a program sums: longer rows (hot ids) are split across programs",
+    ),
+    Knob("num_warps", (None, 1, 2, 4, 8), default=None, help="warps per program"),
+)
+
+
+def _knob_constraints(knobs: dict) -> str | None:
+    if knobs["BLOCK_L"] is not None and knobs["BLOCK_L"] > knobs["CHUNK"]:
+        return f"BLOCK_L = {knobs['BLOCK_L']} > CHUNK = {knobs['CHUNK']}: a row's chunk never fills a step"
+    return None
+
+
+TEMPLATE = KnobTemplate(
+    problem="embedding_bags_update",
+    source_module="kernels.embedding_bags_update",
+    entry="embedding_bags_update",
+    knobs=KNOBS,
+    constraint=_knob_constraints,
+)
+
+PROBLEM = Problem(
+    name="embedding_bags_update",
+    op_family="embedding",
+    entry=ENTRY,
+    signature=(
+        "embedding_bags_update(weights: Tensor[N] (fp32, bf16 or fp16), state: fp32 Tensor[R] (adagrad; [0] "
+        "for sgd), grad_out: Tensor[B, total_dim] (weights' dtype), weight_offsets: int64 Tensor[F], "
+        "row_offsets: int64 Tensor[F], dim_offsets: int64 Tensor[F + 1], indices: int32|int64 Tensor[nnz], "
+        "offsets: Tensor[F * B + 1] (indices' dtype), *, max_dim: int, optimizer: 'sgd' | 'adagrad', "
+        "lr: float, eps: float, pooling: 'sum' | 'mean', per_sample_weights: Tensor[nnz] | None, "
+        "stochastic_rounding: bool, seed: int) -> None; updates weights and state in place"
+    ),
+    description=__doc__,
+    check_shapes=CHECK_SHAPES,
+    timing_shapes=TIMING_SHAPES,
+    interpreted_timing_shapes=INTERPRETED_TIMING_SHAPES,
+    tolerances=TOLERANCES,
+    make_inputs=make_inputs,
+    reference=reference,
+    baselines={"torch.embedding_bag_sparse+step": torch_sparse_update},
+    flops=flops,
+    bytes=bytes_moved,
+    bucket=bucket,
+    error_scale=error_scale,
+    template="embedding_bags_update",
+    optimizes="backward",
+    updates=("weights", "state"),
+    # Sorting the ids' row keys and numbering the rows' chunks: host code on integers (the
+    # host-compute watch holds it to the call's own integer inputs and what is made from them).
+    screen_extras=("torch.sort", "torch.cumsum", "torch.searchsorted"),
+    forbidden_ops=(
+        *embedding_bag.PROBLEM.forbidden_ops,
+        "index_put",
+        "index_put_",
+        "put_",
+        "autograd",
+        "unique",
+        "unique_consecutive",
+        "sparse_coo_tensor",
+    ),
+)
+
+
+# --- the op ------------------------------------------------------------------------------------
+
+
+def _call_bucket(
+    weights,
+    state,
+    grad_out,
+    weight_offsets,
+    row_offsets,
+    dim_offsets,
+    indices,
+    offsets,
+    *,
+    max_dim,
+    optimizer="adagrad",
+    **_,
+) -> str:
+    return bucket_of(max_dim, indices.numel() / max(offsets.numel() - 1, 1), optimizer)
+
+
+def _cost(
+    weights,
+    state,
+    grad_out,
+    weight_offsets,
+    row_offsets,
+    dim_offsets,
+    indices,
+    offsets,
+    *,
+    max_dim,
+    optimizer="adagrad",
+    per_sample_weights=None,
+    **_,
+) -> tuple[float, float]:
+    """grad_out read, each id's gradient row gathered, and its table row read and written (an
+    upper bound where ids repeat): the columns per id are the mean feature dim's."""
+    nnz, elem = indices.numel(), weights.element_size()
+    mean_dim = grad_out.shape[1] / max(weight_offsets.numel(), 1)
+    moved = grad_out.numel() * elem + nnz * indices.element_size() + offsets.numel() * offsets.element_size()
+    moved += 3 * nnz * mean_dim * elem + (8 * nnz if optimizer == "adagrad" else 0)
+    moved += nnz * per_sample_weights.element_size() if per_sample_weights is not None else 0
+    return 6 * nnz * mean_dim, moved
+
+
+OP = Op(
+    name="embedding_bags_update",
+    cost=_cost,
+    problem=PROBLEM,
+    default="kernels.embedding_bags_update:embedding_bags_update",
+    check="kernels.embedding_bags_update:check_arguments",
+    fake=lambda *args, **kwargs: None,
+    bucket=_call_bucket,
+    doc="""The optimizer step of table-batched embeddings, fused into their backward.
+
+    Updates `weights` (flat, every table) and `state` (row-wise fp32; adagrad) in place from the
+    pooled outputs' gradient grad_out [B, total_dim], for the rows the keyed bags (indices,
+    feature-major offsets [F * B + 1]) looked up: each row once, its gradient summed over every
+    bag and feature that holds it. optimizer 'sgd' or 'adagrad' (row-wise); pooling 'sum' or
+    'mean' (as the forward pooled); per_sample_weights with 'sum'; stochastic_rounding for bf16
+    and fp16 weights. Returns None. Layout: search_space.packed_tables.
+    """,
+)

@@ -1,0 +1,226 @@
+"""embedding_bags_update: the optimizer step fused into the table-batched embeddings' backward,
+in place. The default kernel against the reference on every check shape (the protocol's check,
+which compares the updated weights and state), several steps against the reference and against
+torch's sparse path, hot rows split across programs whatever the chunk, stochastic rounding
+unbiased, the public op (a custom op that says what it updates) under torch.compile, argument
+errors, and the sandbox's verdict on the default kernel, on one that skips the hot rows and on
+one that updates on the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.embedding_bags_update as kernel
+from kernels import ops
+from sandbox import Candidate, LocalBackend, Status, isolation
+from sandbox.protocol import check_shape
+from search_space import get_problem
+from search_space.embedding_bags_update import reference, torch_sparse_update
+from search_space.problem import Shape
+from search_space.template import get_template
+
+PROBLEM = get_problem("embedding_bags_update")
+
+
+def test_the_default_kernel_passes_every_check_shape(device: torch.device) -> None:
+    for trial, shape in enumerate(PROBLEM.check_shapes):
+        result = check_shape(PROBLEM, ops.embedding_bags_update, shape, trial, device, repeat=True)
+        assert result.ok, (shape.name, shape.dtype, result.message)
+
+
+def _hot(optimizer: str, dtype: str = "fp32") -> Shape:
+    return Shape(
+        name="hot",
+        dtype=dtype,
+        params=dict(
+            tables=[[30, 48], [5, 16]],
+            features=[0, 1, 0],
+            batch=50,
+            max_lens=[9, 4, 30],
+            hot_rows=2,
+            optimizer=optimizer,
+        ),
+    )
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 256])
+def test_rows_longer_than_a_chunk_are_summed_across_programs(chunk: int, monkeypatch) -> None:
+    """Hot ids (hundreds per row) span several chunks at 16 and 64, one at 256: each way, every
+    row is updated once with its whole gradient."""
+    monkeypatch.setitem(kernel.KNOBS, "CHUNK", chunk)
+    for optimizer in ("sgd", "adagrad"):
+        result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot(optimizer), 0, torch.device("cpu"))
+        assert result.ok, (chunk, optimizer, result.message)
+
+
+def test_without_the_long_rows_pass_hot_rows_are_wrong(monkeypatch) -> None:
+    """The check is not blind to the second launch: rows over a chunk updated by nobody fail."""
+    monkeypatch.setattr(kernel, "_long_rows_kernel", _NoLaunch())
+    result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot("adagrad"), 0, torch.device("cpu"))
+    assert not result.ok and "outside tolerance" in result.message
+
+
+class _NoLaunch:
+    """A kernel whose launches do nothing (kernel[grid](...) is a no-op)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _several_steps(
+    update, shape: Shape, steps: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = PROBLEM.make_inputs(shape, 7, device)
+    weights, state = inputs.args[0], inputs.args[1]
+    for step in range(steps):
+        fresh = PROBLEM.make_inputs(shape, 100 + step, device)  # new ids and gradients each step
+        update(weights, state, *fresh.args[2:], **fresh.kwargs)
+    return weights, state
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_several_steps_match_the_reference_and_torchs_sparse_path(
+    optimizer: str, device: torch.device
+) -> None:
+    shape = _hot(optimizer)
+    ours = _several_steps(ops.embedding_bags_update, shape, 3, device)
+    theirs = _several_steps(reference, shape, 3, device)
+    sparse = _several_steps(torch_sparse_update, shape, 3, device)
+    for got in (ours, sparse):
+        torch.testing.assert_close(got[0], theirs[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1], theirs[1], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(ours[0], PROBLEM.make_inputs(shape, 7, device).args[0])
+
+
+def test_stochastic_rounding_is_unbiased(device: torch.device) -> None:
+    """One sgd step that lands a quarter of the way between two bf16 values: rounded to nearest
+    it never moves; stochastically, its mean over many seeds is the exact fp32 result."""
+    weights0 = torch.full((8 * 16,), 1.0, dtype=torch.bfloat16, device=device)
+    ulp = 2.0**-7  # bf16's spacing just below 2, above 1
+    grad_out = torch.full((1, 16), -0.25 * ulp / 0.5, dtype=torch.bfloat16, device=device)
+    meta = [torch.tensor(v, device=device) for v in ([0], [0], [0, 16])]
+    indices = torch.tensor([5], device=device)
+    offsets = torch.tensor([0, 1], device=device)
+    rounded = []
+    for seed in range(300):
+        weights = weights0.clone()
+        ops.embedding_bags_update(
+            weights,
+            torch.zeros(0, device=device),
+            grad_out,
+            *meta,
+            indices,
+            offsets,
+            max_dim=16,
+            optimizer="sgd",
+            lr=0.5,
+            stochastic_rounding=True,
+            seed=seed,
+        )
+        row = weights[5 * 16 : 6 * 16].float()
+        assert set(row.tolist()) <= {1.0, 1.0 + ulp}
+        rounded.append(row)
+        assert torch.equal(weights[: 5 * 16], weights0[: 5 * 16])  # other rows untouched
+    mean = torch.stack(rounded).mean().item()
+    exact = 1.0 + 0.25 * ulp
+    # 4800 Bernoulli(1/4) draws in units of ulp: a standard error of 0.00625 ulp.
+    assert abs(mean - exact) < 0.04 * ulp, (mean, exact)
+    nearest = weights0.clone()
+    ops.embedding_bags_update(
+        nearest,
+        torch.zeros(0, device=device),
+        grad_out,
+        *meta,
+        indices,
+        offsets,
+        max_dim=16,
+        optimizer="sgd",
+        lr=0.5,
+    )
+    assert torch.equal(nearest, weights0)
+
+
+def test_the_custom_op_says_what_it_updates_and_compiles(device: torch.device) -> None:
+    schema = str(ops.embedding_bags_update.custom_op._opoverload._schema)
+    assert "Tensor(a0!) weights" in schema and "Tensor(a1!) state" in schema and schema.endswith("-> ()")
+    inputs = PROBLEM.make_inputs(_hot("adagrad"), 3, device)
+    eager, compiled_inputs = inputs.clone(), inputs.clone()
+    ops.embedding_bags_update(*eager.args, **eager.kwargs)
+
+    def step(*args, **kwargs):
+        ops.embedding_bags_update(*args, **kwargs)
+
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*compiled_inputs.args, **compiled_inputs.kwargs)
+    torch.testing.assert_close(compiled_inputs.args[0], eager.args[0])
+    torch.testing.assert_close(compiled_inputs.args[1], eager.args[1])
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(optimizer="adam"), "optimizer must be"),
+        (dict(pooling="max"), "pooling must be"),
+        (dict(max_dim=0), "max_dim must be"),
+        (dict(pooling="mean", per_sample_weights="psw"), "only supported with pooling='sum'"),
+        (dict(stochastic_rounding=True), "bf16 and fp16"),
+        (dict(offsets="odd"), "offsets must be"),
+        (dict(grad_out="short"), "grad_out must be"),
+        (dict(state="fp16"), "state must be"),
+    ],
+)
+def test_bad_arguments_are_named(change: dict, match: str) -> None:
+    inputs = PROBLEM.make_inputs(_hot("adagrad"), 0, torch.device("cpu"))
+    weights, state, grad_out, w_off, r_off, d_off, indices, offsets = inputs.args
+    kwargs = {**inputs.kwargs, **change}
+    if change.get("per_sample_weights") == "psw":
+        kwargs["per_sample_weights"] = torch.ones(indices.shape)
+    if change.get("offsets") == "odd":
+        offsets = offsets[:-1]
+    if change.get("grad_out") == "short":
+        grad_out = grad_out[:-1]
+    if change.get("state") == "fp16":
+        state = state.half()
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("offsets", "grad_out", "state")}
+    with pytest.raises(ValueError, match=match):
+        ops.embedding_bags_update(weights, state, grad_out, w_off, r_off, d_off, indices, offsets, **kwargs)
+
+
+@pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+def test_the_sandbox_accepts_the_default_and_refuses_skipped_rows_and_host_updates(tmp_path) -> None:
+    backend = LocalBackend(timeout_s=240, scratch_root=tmp_path)
+    template = get_template("embedding_bags_update")
+    source = template.render({})
+    result = backend.evaluate(Candidate(problem=PROBLEM.name, source=source, entry=template.entry))
+    assert result.status == Status.OK, f"{result.message}\n{result.log_tail}"
+    assert result.timings and all(t.candidate.median_us > 0 for t in result.timings)
+    # The hot rows' pass left out: their rows never change.
+    launch = "    _long_rows_kernel[(triton.cdiv(nnz, chunk),)]("
+    assert launch in source
+    skipped = source.replace(launch, "    (lambda *a, **k: None)(")
+    result = backend.evaluate(
+        Candidate(problem=PROBLEM.name, source=skipped, entry=template.entry), timing=False
+    )
+    assert result.status == Status.WRONG, result.message
+    # The step made by host code on the weights: refused however right it is.
+    host = source.replace(
+        "    grad_out = grad_out.contiguous()\n",
+        "    grad_out = grad_out.contiguous()\n    weights.mul_(1.0)\n",
+    )
+    assert host != source
+    result = backend.evaluate(
+        Candidate(problem=PROBLEM.name, source=host, entry=template.entry), timing=False
+    )
+    assert result.status in (Status.SUSPICIOUS, Status.STATIC_REJECTED), result.message
+
+
+def test_an_update_that_returns_something_is_wrong() -> None:
+    """The contract is in place: a kernel that returns the new weights instead is wrong, even
+    where it also updated them."""
+
+    def returns_weights(weights, *args, **kwargs):
+        kernel.embedding_bags_update(weights, *args, **kwargs)
+        return weights
+
+    result = check_shape(PROBLEM, returns_weights, _hot("sgd"), 0, torch.device("cpu"))
+    assert not result.ok and "returns None" in result.message
