@@ -119,6 +119,9 @@ class HostOps(TorchDispatchMode):
         self.allowed = (BOOKKEEPING - DATA_MOVEMENT if copies_compute else BOOKKEEPING) | allowed
         self.first: str | None = None
         self.inputs = {_storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+        # Where the inputs' bytes lie: a write is refused by address too, whatever tensor it goes
+        # through (a view of an earlier call's buffer that the shared region now reuses).
+        self.spans = [span for t in inputs if isinstance(t, torch.Tensor) and (span := _span(t))]
         # Integer and boolean storages made from clean data since the last launch.
         self.clean: set[tuple[int, int]] = set()
         self.values_read = 0
@@ -174,7 +177,7 @@ class HostOps(TorchDispatchMode):
         # Rule read-only inputs: host code never writes the call's inputs (a stash for the
         # data's bits, put back before the call returns, would otherwise pass every check). The
         # write is not made; the first such op is reported.
-        target = _written_input(func, args, kwargs, self.inputs)
+        target = _written_input(func, args, kwargs, self.inputs, self.spans)
         if target is not None:
             if self.first is None:
                 self.first = f"{func} writing into the call's input ({target.dtype})".replace("torch.", "")
@@ -232,8 +235,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 _MUTATED: dict[object, tuple[tuple[int, str], ...]] = {}
 
 
-def _written_input(func, args, kwargs, inputs: set) -> torch.Tensor | None:
-    """The first of the call's inputs (by storage) that op `func` writes, or None."""
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes [start, end) a tensor's elements lie in (None for an empty one)."""
+    if t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (extent + 1) * t.element_size()
+
+
+def _written_input(func, args, kwargs, inputs: set, spans: list[tuple[int, int]]) -> torch.Tensor | None:
+    """The first tensor op `func` writes that is one of the call's inputs (by storage) or lies
+    on one's bytes (by address), or None."""
     mutated = _MUTATED.get(func)
     if mutated is None:
         mutated = tuple(
@@ -245,7 +258,12 @@ def _written_input(func, args, kwargs, inputs: set) -> torch.Tensor | None:
     for i, name in mutated:
         t = args[i] if i < len(args) else kwargs.get(name)
         for leaf in tree_leaves(t):
-            if isinstance(leaf, torch.Tensor) and _storage_key(leaf) in inputs:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if _storage_key(leaf) in inputs:
+                return leaf
+            written = _span(leaf)
+            if written and any(written[0] < end and start < written[1] for start, end in spans):
                 return leaf
     return None
 

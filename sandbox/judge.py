@@ -616,8 +616,10 @@ class Session:
             raise Verdict(Status.WRONG, f"{where}: {problem[:500]}")
         outs = described.get("outputs")
         if self.problem.updates:
-            if outs != []:
-                got = f"{len(outs)} tensors" if isinstance(outs, list) else "something"
+            if outs != [] or described.get("none") is not True:
+                got = (
+                    f"{len(outs)} tensors" if isinstance(outs, list) and outs else "something other than None"
+                )
                 raise Verdict(
                     Status.WRONG,
                     f"{where}: returned {got}; an op that updates its arguments in place returns None",
@@ -740,6 +742,9 @@ class Evaluation:
                 self.checks.append(ShapeCheck(**base, ok=False, message="the candidate modified its inputs"))
                 raise Verdict(Status.WRONG, f"{where}: the candidate modified its inputs")
             ok, details = compare(got, ref, *self.problem.closeness(call.shape.dtype, pristine))
+            wrong = self.problem.verify(pristine, got) if ok and self.problem.verify is not None else None
+            if wrong is not None:
+                ok, details = False, {**details, "message": wrong}
             self.checks.append(ShapeCheck(**base, ok=ok, **details))
             if not ok:
                 raise Verdict(Status.WRONG, f"{where}: {details['message']}")

@@ -283,6 +283,9 @@ def check_shape(
                 held.append(tensor)
     tol, scale = problem.closeness(shape.dtype, pristine)
     ok, details = compare(out, ref, tol, scale)
+    wrong = problem.verify(pristine, out) if ok and problem.verify is not None else None
+    if wrong is not None:
+        return ShapeCheck(**base, ok=False, **{**details, "message": wrong})
     if ok and repeat:
         # An update runs again on its own copy of the same inputs; any other call on the same ones.
         again = pristine.clone() if problem.updates else inputs

@@ -112,6 +112,7 @@ class Runner:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.regions: dict[int, shared.Region] = {}
         self.updated_regions: set[int] = set()  # ids of regions of arguments updated in place
+        self.returned_none: set[int] = set()  # calls that returned None (an op's update in place)
         self.outputs: dict[int, list[torch.Tensor]] = {}  # call id -> its output tensors
         self.fn = None
         self._flush: torch.Tensor | None = None
@@ -211,6 +212,7 @@ class Runner:
         for cid in message.get("calls", []):
             self.outputs.pop(int(cid), None)
             self.held.pop(int(cid), None)
+            self.returned_none.discard(int(cid))
         if message.get("regions"):
             self._sync()
             for rid in message["regions"]:
@@ -333,7 +335,10 @@ class Runner:
                 self.host_compute[cid] = watch.first
         else:
             out = self.fn(*args, **kwargs)
-        # None: an op that updates its arguments in place (its outputs), nothing to fetch.
+        # None: an op that updates its arguments in place (its outputs), nothing to fetch; said
+        # apart from an empty tuple, which is no None.
+        if out is None:
+            self.returned_none.add(cid)
         items = [] if out is None else list(out) if isinstance(out, tuple | list) else [out]
         del out  # from here on, `items` holds the outputs' only references the runner made
         # Only plain tensors: a subclass could compare equal to anything.
@@ -367,6 +372,7 @@ class Runner:
         return {
             **found,
             "tuple": len(out) != 1 or None,
+            "none": cid in self.returned_none or None,
             "outputs": [
                 {
                     "dtype": shared.dtype_name(t.dtype),

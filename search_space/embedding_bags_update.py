@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from search_space import embedding_bag, packed_tables
+from search_space import embedding_bags as forward
 from search_space.op import Op
 from search_space.problem import Inputs, Problem, Shape
 from search_space.template import Knob, KnobTemplate
 
 ENTRY = "embedding_bags_update"
 OPTIMIZERS = ("sgd", "adagrad")
-INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
+INDEX_DTYPES = forward.INDEX_DTYPES
 
 
 def _bags_of(offsets: torch.Tensor, num_features: int) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -130,8 +131,8 @@ def torch_sparse_update(
     per table (coalesce the rows, then update them), as model.optim.RowWiseAdagrad does."""
     w_offs, r_offs, d_offs = packed_tables.metadata_lists(weight_offsets, row_offsets, dim_offsets)
     num_features = len(w_offs)
-    batch = (offsets.numel() - 1) // num_features
-    bounds = offsets[:: max(batch, 1)].tolist() if batch else [0] * (num_features + 1)
+    batch = forward.num_samples(num_features, offsets)
+    bounds = forward.feature_bounds(offsets, num_features)
     extents = packed_tables.table_rows(
         w_offs, [d_offs[f + 1] - d_offs[f] for f in range(num_features)], weights.numel()
     )
@@ -183,7 +184,7 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     optimizer, pooling, weighted, hot_rows, index_dtype, stochastic_rounding."""
     p = shape.params
     gen = torch.Generator(device=device).manual_seed(seed)
-    layout = packed_tables.Layout.of(p["tables"], p["features"])
+    layout = forward.layout_of(shape)
     dtype = shape.torch_dtype
     bags = packed_tables.draw_bags(
         layout,
@@ -219,27 +220,10 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     return Inputs(args=args, kwargs=kwargs)
 
 
-def _mean_ids(shape: Shape) -> float:
-    """Mean ids per bag."""
-    p = shape.params
-    if "lengths" in p:
-        return sum(p["lengths"]) / max(len(p["lengths"]), 1)
-    lens = [packed_tables.mean_bag_length(m) for m in p["max_lens"]]
-    return sum(lens) / len(lens)
-
-
-def _layout(shape: Shape) -> packed_tables.Layout:
-    return packed_tables.Layout.of(shape.params["tables"], shape.params["features"])
-
-
 def _ids_and_columns(shape: Shape) -> tuple[float, float]:
     """(ids in the batch, their gathered columns: sum over ids of their feature's dim)."""
-    p, layout = shape.params, _layout(shape)
-    dims = layout.dims()
-    if "lengths" in p:
-        per_feature = [sum(p["lengths"][f * p["batch"] : (f + 1) * p["batch"]]) for f in range(len(dims))]
-    else:
-        per_feature = [p["batch"] * packed_tables.mean_bag_length(m) for m in p["max_lens"]]
+    per_feature = forward.feature_ids(shape)
+    dims = forward.layout_of(shape).dims()
     return sum(per_feature), sum(n * d for n, d in zip(per_feature, dims, strict=True))
 
 
@@ -255,7 +239,7 @@ def bytes_moved(shape: Shape) -> float:
     written once (counted here as once per id: an upper bound where ids repeat), its state read
     and written."""
     elem = shape.torch_dtype.itemsize
-    p, layout = shape.params, _layout(shape)
+    p, layout = shape.params, forward.layout_of(shape)
     ids, columns = _ids_and_columns(shape)
     index = INDEX_DTYPES[p.get("index_dtype", "int64")].itemsize
     total = (
@@ -270,13 +254,13 @@ def bytes_moved(shape: Shape) -> float:
 
 
 def bucket_of(max_dim: int, mean_ids_per_bag: float, optimizer: str) -> str:
-    """embedding_bag's bucket of the call's widest feature and bag regime, then the optimizer:
+    """The forward's bucket of the call (its widest feature, its bag regime), then the optimizer:
     "d128-short-adagrad"."""
-    return f"{embedding_bag.bucket_of(max_dim, mean_ids_per_bag)}-{optimizer}"
+    return f"{forward.bucket_of(max_dim, mean_ids_per_bag)}-{optimizer}"
 
 
 def bucket(shape: Shape) -> str:
-    return bucket_of(_layout(shape).max_dim, _mean_ids(shape), shape.params.get("optimizer", "adagrad"))
+    return f"{forward.bucket(shape)}-{shape.params.get('optimizer', 'adagrad')}"
 
 
 def _s(name: str, dtype: str, **params) -> Shape:
@@ -290,8 +274,8 @@ _WIDE = dict(tables=[[40, 256], [60, 100]], features=[0, 1])
 
 def _check_shapes(dtype: str, optimizer: str) -> tuple[Shape, ...]:
     o = dict(optimizer=optimizer)
+    # The first has given lengths: the bucket of every draw of it is the shape's (dispatch tests).
     shapes = [
-        _s(f"mixed-{optimizer}", dtype, **_MIXED, **o, batch=7, max_lens=[3, 1, 2, 40, 5]),
         _s(
             f"empty-bags-{optimizer}",
             dtype,
@@ -300,6 +284,7 @@ def _check_shapes(dtype: str, optimizer: str) -> tuple[Shape, ...]:
             batch=3,
             lengths=[0, 2, 0, 1, 0, 0, 0, 0, 3, 0, 0, 0, 1, 0, 0],
         ),
+        _s(f"mixed-{optimizer}", dtype, **_MIXED, **o, batch=7, max_lens=[3, 1, 2, 40, 5]),
         # Every id one of the last two rows: rows held by many bags (split across programs).
         _s(f"hot-rows-{optimizer}", dtype, **_MIXED, **o, batch=40, max_lens=[2, 8, 1, 30, 3], hot_rows=2),
         _s(f"mean-{optimizer}", dtype, **_WIDE, **o, batch=5, max_lens=[6, 9], pooling="mean"),
@@ -382,12 +367,13 @@ TOLERANCES = {
 }
 
 
-def error_scale(inputs: Inputs) -> float | None:
-    """For fp32 weights, the magnitude of a row's summed gradient step: lr times the gradients'
-    RMS times the most ids of one row. A hot row sums hundreds of terms, and fp32 sums in
+def error_scale(inputs: Inputs) -> tuple[float | None, None]:
+    """(weights, state): for fp32 weights, the magnitude of a row's summed gradient step, lr
+    times the gradients' RMS times the most ids of one row. A hot row sums hundreds of terms, and fp32 sums in
     another order differ by about that times 2^-24 per term: where the step cancels the weight
     (a result near zero), that is the error a correct kernel has, far above the result's own
-    rounding. (bf16 and fp16 weights round far more coarsely than that: their bounds stand.)"""
+    rounding. (bf16 and fp16 weights round far more coarsely than that: their bounds stand; the
+    state's own fp32 bounds stand too.)"""
     weights, grad_out, indices, offsets, row_offsets = (
         inputs.args[0],
         inputs.args[2],
@@ -396,11 +382,94 @@ def error_scale(inputs: Inputs) -> float | None:
         inputs.args[4],
     )
     if weights.dtype != torch.float32 or indices.numel() == 0:
-        return None
+        return None, None
     batch, bag, _ = _bags_of(offsets, row_offsets.numel())
     keys = row_offsets[bag // max(batch, 1)] + indices.long()
     most = int(torch.unique(keys, return_counts=True)[1].max())
-    return inputs.kwargs["lr"] * grad_out.float().pow(2).mean().sqrt().item() * most
+    return inputs.kwargs["lr"] * grad_out.float().pow(2).mean().sqrt().item() * most, None
+
+
+def _touched(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masks of the weights' elements and the state's rows that the call's ids reach."""
+    weights, state, _, weight_offsets, row_offsets, dim_offsets, indices, offsets = inputs.args
+    w_offs, r_offs, d_offs = packed_tables.metadata_lists(weight_offsets, row_offsets, dim_offsets)
+    batch, bag, _ = _bags_of(offsets, len(w_offs))
+    feature = bag // max(batch, 1)
+    elements = torch.zeros(weights.numel(), dtype=torch.bool, device=weights.device)
+    rows = torch.zeros(state.numel(), dtype=torch.bool, device=weights.device)  # none for sgd
+    for f in range(len(w_offs)):
+        ids = indices[feature == f].long().unique()
+        dim = d_offs[f + 1] - d_offs[f]
+        elements[(w_offs[f] + ids[:, None] * dim + torch.arange(dim, device=ids.device)).reshape(-1)] = True
+        if state.numel():
+            rows[r_offs[f] + ids] = True
+    return elements, rows
+
+
+def _neighbours(exact: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values of `dtype` just below and just above each fp32 value (both the value itself
+    where it is one)."""
+    nearest = exact.to(dtype)
+    toward = torch.where(exact > nearest.float(), 1, -1)  # where the exact value lies from it
+    bits = nearest.view(torch.int16).to(torch.int32)
+    magnitude = bits & 0x7FFF
+    # Sign and magnitude: a step up the number line grows a positive magnitude, shrinks a negative
+    # one; from zero, the smallest subnormal on the exact value's side.
+    stepped = torch.where(bits < 0, bits - toward, bits + toward)
+    stepped = torch.where(magnitude == 0, torch.where(toward > 0, 1, -32767), stepped)
+    other = stepped.to(torch.int16).view(dtype).float()
+    other = torch.where(exact == nearest.float(), nearest.float(), other)
+    return torch.minimum(nearest.float(), other), torch.maximum(nearest.float(), other)
+
+
+# Stochastic rounding, judged over the elements whose exact step falls between two values: a
+# rounding that is not stochastic (to nearest, toward zero) rounds up far more or far less often
+# than the fractions say in one half of them or the other (a count at least SR_SIGMAS binomial
+# deviations off, with at least SR_MIN_ELEMENTS elements in the half).
+SR_SIGMAS = 6.0
+SR_MIN_ELEMENTS = 64
+
+
+def verify(inputs: Inputs, got: tuple[torch.Tensor, torch.Tensor]) -> str | None:
+    """What the tolerance cannot see: rows no id reaches stay bit for bit, weights and state;
+    with stochastic_rounding, each looked-up weight is one of the two values of its dtype around
+    the exact fp32 step, rounded up about as often as its place between them says."""
+    weights, state = got
+    elements, rows = _touched(inputs)
+    if not torch.equal(weights[~elements], inputs.args[0][~elements]):
+        changed = int((weights[~elements] != inputs.args[0][~elements]).sum())
+        return f"{changed} weights of rows that no id looks up changed"
+    if not torch.equal(state[~rows], inputs.args[1][~rows]):
+        return f"{int((state[~rows] != inputs.args[1][~rows]).sum())} state rows that no id looks up changed"
+    if not inputs.kwargs.get("stochastic_rounding") or not bool(elements.any()):
+        return None
+    exact_inputs = inputs.clone()
+    exact_weights = exact_inputs.args[0].float()
+    reference(exact_weights, *exact_inputs.args[1:], **exact_inputs.kwargs)
+    exact, mine = exact_weights[elements], weights[elements].float()
+    low, high = _neighbours(exact, weights.dtype)
+    spacing = high - low
+    outside = (mine - exact).abs() > spacing * (1 + 1e-3) + 1e-30
+    if bool(outside.any()):
+        far = int(outside.sum())
+        return (
+            f"{far} stochastically rounded weights lie more than one value of their dtype from the exact step"
+        )
+    between = spacing > 0
+    frac = ((exact - low) / spacing.clamp(min=1e-38))[between].clamp(0, 1)
+    up = (mine[between] > exact[between]).float()
+    for half, name in ((frac < 0.5, "below"), (frac >= 0.5, "above")):
+        if int(half.sum()) < SR_MIN_ELEMENTS:
+            continue
+        expected, counted = float(frac[half].sum()), float(up[half].sum())
+        sigma = float((frac[half] * (1 - frac[half])).sum()) ** 0.5
+        if abs(counted - expected) > SR_SIGMAS * sigma + 1:
+            return (
+                f"stochastic rounding is biased: of {int(half.sum())} weights whose exact step lies "
+                f"{name} the midpoint of its two values, {counted:.0f} rounded up where about "
+                f"{expected:.0f} should"
+            )
+    return None
 
 
 KNOBS = (
@@ -459,6 +528,7 @@ PROBLEM = Problem(
     bytes=bytes_moved,
     bucket=bucket,
     error_scale=error_scale,
+    verify=verify,
     template="embedding_bags_update",
     optimizes="backward",
     updates=("weights", "state"),

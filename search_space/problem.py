@@ -20,6 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,15 +170,22 @@ class Problem:
     # jagged sequences compile their per-sequence part instead (search_space.attention).
     compile_reference: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]] = compile_whole
     # The magnitude a correct kernel's rounding errors come with, from the call's inputs, where
-    # that exceeds the output's RMS (Tolerance's default); None: the output's RMS.
-    error_scale: Callable[[Inputs], float | None] | None = None
+    # that exceeds the output's RMS (Tolerance's default); None: the output's RMS. For several
+    # outputs, one such value, or a tuple of one per output.
+    error_scale: Callable[[Inputs], float | None | tuple] | None = None
     # The pass this problem's candidates compute (one of PASSES).
     optimizes: str = "forward"
     # What its forward saves for the backward, returned on request; None: nothing.
     statistics: Statistics | None = None
     # The arguments the op updates in place, by name (an optimizer's weights and state): such an
-    # op returns None, and what a call computed is their values after it (Problem.result).
+    # op returns None, and what a call computed is their values after it (Problem.result), each
+    # compared under the tolerance of its own dtype (an fp32 state beside bf16 weights).
     updates: tuple[str, ...] = ()
+    # What a correct result has that no tolerance can see (that a stochastic rounding is
+    # unbiased, that what the op must leave alone is left bit for bit): fn(the call's pristine
+    # inputs, what it computed (Problem.result)) -> what is wrong, or None. The judge asks it
+    # of every result that is within the tolerance.
+    verify: Callable[[Inputs, Any], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.optimizes not in PASSES:
@@ -225,6 +233,9 @@ class Problem:
         """(tolerance, error scale) to compare a call's output with: per output, (output,
         statistics), where the call asks for the statistics."""
         tol, scale = self.tolerance(dtype), self.tolerance_scale(inputs)
+        if self.updates:
+            updated = self.result(inputs, None)
+            return tuple(self.tolerance(DTYPE_NAMES[t.dtype]) for t in updated), scale
         if not self.wants_statistics(inputs):
             return tol, scale
         assert self.statistics is not None

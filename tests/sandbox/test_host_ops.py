@@ -44,9 +44,7 @@ def test_every_incumbent_runs_clean_under_the_watch(problem: str, tmp_path: Path
             copies, given = p.host_copies_compute, [*inputs.args, *inputs.kwargs.values()]
             kept = [t for t, u in zip(inputs.tensors(), p.updated(inputs), strict=True) if not u]
             allowed = frozenset(p.host_float_ops)
-            with host_ops.watching(
-                True, allowed, copies_compute=copies, inputs=given, guarded=kept
-            ) as watch:
+            with host_ops.watching(True, allowed, copies_compute=copies, inputs=given, guarded=kept) as watch:
                 fn(*inputs.args, **inputs.kwargs)
             assert watch.first is None, f"{candidate.entry} on {shape.describe()}: {watch.first}"
 
