@@ -33,6 +33,9 @@ def default_candidate(problem: str) -> Candidate:
     try:
         template = get_template(problem)
     except ValueError:
+        from kernels import ops
+
+        ops.op(problem)  # defined (and known to dispatch) on first use, a gradient op too
         default = DISPATCHER.default(problem)
         source, entry = Path(inspect.getsourcefile(default)).read_text(), default.__name__
     else:

@@ -128,12 +128,18 @@ def run_op_benchmark(
     for shape in run.shapes(problem, only_shapes):
         arg_sets = run.input_sets(problem, shape)
         args, kwargs = arg_sets[0]
-        ref = problem.reference(*args, **kwargs)
+        first = Inputs(args=args, kwargs=kwargs)
         nbytes, nflops = problem.bytes(shape), problem.flops(shape)
-        tol, scale = problem.tolerance(shape.dtype), problem.tolerance_scale(Inputs(args=args, kwargs=kwargs))
+        tol, scale = problem.closeness(shape.dtype, first)
+        # An op that updates its arguments is checked on copies of them (Problem.result); timed
+        # calls update the same ones again and again, as training steps do.
+        fresh = first.clone().clone if problem.updates else (lambda kept=first: kept)
+        checked = fresh()
+        ref = problem.result(checked, problem.reference(*checked.args, **checked.kwargs))
         results = {}
         for name, fn in _providers(problem, lib, device, shape).items():
-            ok, details = compare(fn(*args, **kwargs), ref, tol, scale)
+            call = fresh()
+            ok, details = compare(problem.result(call, fn(*call.args, **call.kwargs)), ref, tol, scale)
             results[name] = (benchmark(fn, arg_sets, device=device), ok, details.get("message", ""))
         torch_us = next((s.median_us for n, (s, _, _) in results.items() if n.startswith("torch.")), None)
         for name, (stats, ok, msg) in results.items():
@@ -171,7 +177,7 @@ def run_op_benchmark(
             )
             if on_row is not None:
                 on_row(rows[-1])
-        del arg_sets, args, kwargs, ref
+        del arg_sets, args, kwargs, ref, first, checked, fresh
         if device.type == "cuda":
             torch.cuda.empty_cache()
     run.finish(console, table)

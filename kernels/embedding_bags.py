@@ -1,0 +1,280 @@
+"""Table-batched pooled embedding lookup: the library's default kernels (search_space/embedding_bags.py).
+
+Forward:  out[b, dim_offsets[f] + c] = reduce_{i in bag (f, b)} psw[i] * W_f[indices[i], c]
+Backward: grad[weight_offsets[f] + indices[i] * dim_f + c] += psw[i] * grad_out[b, dim_offsets[f] + c]
+          (/ len(bag) for mean), W_f row r = weights[weight_offsets[f] + r * dim_f :][:dim_f]
+
+One launch serves every feature. A forward program takes one feature's block of bags and one
+block of columns of the widest feature; programs past their feature's dim exit at once. Inside,
+it is the single-table kernel (kernels/embedding_bag.py): BLOCK_B bags advance together and
+gather a [BLOCK_B, BLOCK_L, BLOCK_D] tile of rows per step (many independent loads in flight
+hide HBM latency on random rows), accumulated in fp32, rounded once. The backward scatters
+with fp32 atomics into a dense fp32 gradient of every table: ids repeat within and across
+bags, and features share tables.
+
+This module is also the knob template of both problems (embedding_bags; embedding_bags_backward,
+the GRAD_ knobs): a search writes values into KNOBS; None keeps the launch heuristic
+(_forward_config, _backward_config) for that knob, which is what the default kernels run.
+Arguments are checked by the op (search_space.embedding_bags).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+KNOBS = {
+    "BLOCK_B": None,
+    "BLOCK_L": None,
+    "BLOCK_D": None,
+    "ACC_3D": None,
+    "EVICT_ROWS": "",
+    "num_warps": None,
+    "num_stages": 1,
+    "GRAD_BLOCK_L": None,
+    "GRAD_BLOCK_D": None,
+    "GRAD_num_warps": None,
+}
+
+# A call whose bags hold at most this many ids on average holds short features only (one to three
+# ids): the bucket's regime (search_space.embedding_bags.SHORT_MEAN_IDS).
+SHORT_MEAN_IDS = 2.0
+
+
+@triton.jit
+def _embedding_bags_fwd_kernel(
+    weights_ptr,
+    weight_offsets_ptr,
+    dim_offsets_ptr,
+    indices_ptr,
+    offsets_ptr,
+    psw_ptr,
+    out_ptr,
+    stride_out_row,
+    num_bags,
+    num_bag_blocks,
+    HAS_PSW: tl.constexpr,
+    MODE_MEAN: tl.constexpr,
+    ACC_3D: tl.constexpr,
+    EVICT_ROWS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    feature = tl.program_id(0) // num_bag_blocks
+    first_col = tl.load(dim_offsets_ptr + feature)
+    dim = tl.load(dim_offsets_ptr + feature + 1) - first_col
+    cols_D = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if tl.program_id(1) * BLOCK_D >= dim:
+        return
+    col_mask_D = cols_D < dim
+    table_ptr = weights_ptr + tl.load(weight_offsets_ptr + feature)
+    bags_B = (tl.program_id(0) % num_bag_blocks).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bag_mask_B = bags_B < num_bags
+    keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
+    start_B = tl.load(offsets_ptr + keyed_B, mask=bag_mask_B, other=0).to(tl.int64)
+    len_B = tl.load(offsets_ptr + keyed_B + 1, mask=bag_mask_B, other=0).to(tl.int64) - start_B
+    acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    acc_BLD = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
+    # Bags that are done mask their loads off (no traffic) until the block's longest finishes.
+    for step in tl.range(0, tl.max(len_B, axis=0), BLOCK_L, num_stages=NUM_STAGES):
+        j_L = step + tl.arange(0, BLOCK_L)
+        pos_BL = start_B[:, None] + j_L[None, :]
+        mask_BL = j_L[None, :] < len_B[:, None]
+        rows_BL = tl.load(indices_ptr + pos_BL, mask=mask_BL, other=0).to(tl.int64)
+        vals_BLD = tl.load(
+            table_ptr + rows_BL[:, :, None] * dim + cols_D[None, None, :],
+            mask=mask_BL[:, :, None] & col_mask_D[None, None, :],
+            other=0.0,
+            eviction_policy=EVICT_ROWS,
+        )
+        vals_BLD = vals_BLD.to(tl.float32)
+        if HAS_PSW:
+            vals_BLD *= tl.load(psw_ptr + pos_BL, mask=mask_BL, other=0.0).to(tl.float32)[:, :, None]
+        if ACC_3D:
+            acc_BLD += vals_BLD
+        else:
+            acc_BD += tl.sum(vals_BLD, axis=1)
+    if ACC_3D:
+        acc_BD = tl.sum(acc_BLD, axis=1)
+    if MODE_MEAN:
+        acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
+    tl.store(
+        out_ptr + bags_B[:, None] * stride_out_row + first_col + cols_D[None, :],
+        acc_BD.to(out_ptr.dtype.element_ty),
+        mask=bag_mask_B[:, None] & col_mask_D[None, :],
+    )
+
+
+@triton.jit
+def _embedding_bags_bwd_kernel(
+    grad_out_ptr,
+    weight_offsets_ptr,
+    dim_offsets_ptr,
+    indices_ptr,
+    offsets_ptr,
+    psw_ptr,
+    grad_ptr,
+    stride_grad_out_row,
+    num_bags,
+    HAS_PSW: tl.constexpr,
+    MODE_MEAN: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    keyed = tl.program_id(0).to(tl.int64)  # bag (feature, b) = feature * num_bags + b
+    feature = keyed // num_bags
+    first_col = tl.load(dim_offsets_ptr + feature)
+    dim = tl.load(dim_offsets_ptr + feature + 1) - first_col
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if tl.program_id(1) * BLOCK_D >= dim:
+        return
+    col_mask = cols < dim
+    table_ptr = grad_ptr + tl.load(weight_offsets_ptr + feature)
+    start = tl.load(offsets_ptr + keyed).to(tl.int64)
+    end = tl.load(offsets_ptr + keyed + 1).to(tl.int64)
+    grad_row = grad_out_ptr + (keyed % num_bags) * stride_grad_out_row + first_col
+    grad_D = tl.load(grad_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if MODE_MEAN:
+        grad_D = grad_D / tl.maximum(end - start, 1).to(tl.float32)
+    for pos0 in range(start, end, BLOCK_L):
+        pos = pos0 + tl.arange(0, BLOCK_L)
+        pos_mask = pos < end
+        rows = tl.load(indices_ptr + pos, mask=pos_mask, other=0).to(tl.int64)
+        upd_LD = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32) + grad_D[None, :]
+        if HAS_PSW:
+            upd_LD *= tl.load(psw_ptr + pos, mask=pos_mask, other=0.0).to(tl.float32)[:, None]
+        tl.atomic_add(
+            table_ptr + rows[:, None] * dim + cols[None, :],
+            upd_LD,
+            mask=pos_mask[:, None] & col_mask[None, :],
+            sem="relaxed",
+        )
+
+
+def _whole_row(max_dim: int) -> int:
+    # Interpreted programs take whole rows (up to 1024 columns): one column block per feature.
+    return min(triton.next_power_of_2(max(max_dim, 16)), 1024)
+
+
+def _forward_config(max_dim: int, element_size: int, mean_ids: float, interpreted: bool = False) -> dict:
+    """Launch parameters of the forward. Untuned: reasoned from the single-table kernel's H200
+    sweep (kernels/embedding_bag.py: _forward_config, BENCHMARKS.md 2026-11-30) until measured on
+    the H200 with the timing shapes of search_space/embedding_bags.py.
+
+    Columns come in slices of at most 64 (128 for 2-byte rows): a narrow feature wastes few
+    lanes, a wide one spreads over several programs. Short calls (one to three ids a bag) are a
+    row copy or two per bag, bound by the latency of three dependent loads (offsets, ids, rows):
+    8 bags x 2 ids per step keep 16 row gathers in flight per program. Pooled calls take the
+    sweep's tiles: 2-byte rows of more than 64 columns as 4 bags x 8 ids of 128 columns,
+    everything else 2 bags x 4 ids of 64 with the 3D accumulator; their short features' programs
+    mask most of the tile off, which costs lanes, not traffic.
+
+    Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
+    wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
+    if interpreted:
+        return {"BLOCK_B": 16, "BLOCK_L": 16, "BLOCK_D": _whole_row(max_dim), "ACC_3D": False, "num_warps": 2}
+    block_d = min(triton.next_power_of_2(max(max_dim, 16)), 128 if element_size == 2 else 64)
+    if mean_ids <= SHORT_MEAN_IDS:
+        return {"BLOCK_B": 8, "BLOCK_L": 2, "BLOCK_D": block_d, "ACC_3D": False, "num_warps": 2}
+    if element_size == 2 and max_dim > 64:
+        return {"BLOCK_B": 4, "BLOCK_L": 8, "BLOCK_D": block_d, "ACC_3D": False, "num_warps": 2}
+    return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
+
+
+def _backward_config(max_dim: int, interpreted: bool = False) -> dict:
+    """Launch parameters of the backward: the single-table kernel's 16 ids of up to 128 columns
+    on a GPU (untuned here); interpreted, 64 ids of whole rows."""
+    if interpreted:
+        return {"BLOCK_L": 64, "BLOCK_D": _whole_row(max_dim), "num_warps": 4}
+    return {"BLOCK_L": 16, "BLOCK_D": min(triton.next_power_of_2(max(max_dim, 16)), 128), "num_warps": 4}
+
+
+def embedding_bags_forward(
+    weights: torch.Tensor,
+    weight_offsets: torch.Tensor,
+    dim_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    total_dim: int,
+    max_dim: int,
+    mode: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """weights [N], weight_offsets [F], dim_offsets [F + 1], indices [nnz], offsets [F * B + 1],
+    psw [nnz] or None -> out [B, total_dim]. Reads nothing back from the device."""
+    num_features = weight_offsets.numel()
+    num_bags = (offsets.numel() - 1) // num_features
+    out = torch.empty((num_bags, total_dim), dtype=weights.dtype, device=weights.device)
+    if num_bags == 0:
+        return out
+    mean_ids = indices.numel() / (offsets.numel() - 1)
+    cfg = _forward_config(max_dim, weights.element_size(), mean_ids, interpreted=weights.device.type == "cpu")
+    cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
+    has_psw = per_sample_weights is not None
+    num_bag_blocks = triton.cdiv(num_bags, cfg["BLOCK_B"])
+    grid = (num_features * num_bag_blocks, triton.cdiv(max_dim, cfg["BLOCK_D"]))
+    _embedding_bags_fwd_kernel[grid](
+        weights,
+        weight_offsets,
+        dim_offsets,
+        indices,
+        offsets,
+        per_sample_weights if has_psw else weights,
+        out,
+        out.stride(0),
+        num_bags,
+        num_bag_blocks,
+        HAS_PSW=has_psw,
+        MODE_MEAN=mode == "mean",
+        EVICT_ROWS=KNOBS["EVICT_ROWS"],
+        NUM_STAGES=KNOBS["num_stages"],
+        num_stages=1,
+        **cfg,
+    )
+    return out
+
+
+def embedding_bags_backward(
+    grad_out: torch.Tensor,
+    weight_offsets: torch.Tensor,
+    dim_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    num_elements: int,
+    *,
+    total_dim: int,
+    max_dim: int,
+    mode: str = "sum",
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """grad_out [B, total_dim] -> the dense flat gradient [num_elements] of every table, in
+    grad_out's dtype."""
+    grad = torch.zeros(num_elements, dtype=torch.float32, device=grad_out.device)
+    num_keyed = offsets.numel() - 1
+    if num_keyed > 0 and indices.numel() > 0:
+        grad_out = grad_out.contiguous()
+        cfg = _backward_config(max_dim, interpreted=grad_out.device.type == "cpu")
+        cfg = {
+            name: value if KNOBS["GRAD_" + name] is None else KNOBS["GRAD_" + name]
+            for name, value in cfg.items()
+        }
+        has_psw = per_sample_weights is not None
+        _embedding_bags_bwd_kernel[(num_keyed, triton.cdiv(max_dim, cfg["BLOCK_D"]))](
+            grad_out,
+            weight_offsets,
+            dim_offsets,
+            indices,
+            offsets,
+            per_sample_weights if has_psw else grad_out,
+            grad,
+            grad_out.stride(0),
+            num_keyed // weight_offsets.numel(),
+            HAS_PSW=has_psw,
+            MODE_MEAN=mode == "mean",
+            **cfg,
+        )
+    return grad.to(grad_out.dtype)

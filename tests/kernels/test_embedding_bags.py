@@ -1,0 +1,415 @@
+"""The table-batched embedding lookup `recforge::embedding_bags` and its dense gradient: the
+default kernels pass the protocol's check on every check shape (in the interpreter's launch
+configuration and in the GPU's, which also compiles for sm_90), kernels one slip away do not,
+the forward equals the single-table op feature by feature, the gradients of weights and
+per-sample weights equal autograd through the fp64 reference, torch.compile traces the op in
+one graph, bad arguments are named, and random layouts agree with the reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels.embedding_bags as module
+from kernels import ops
+from kernels.registry import DISPATCHER
+from sandbox.protocol import check_shape, compare
+from sandbox.screen import screen_problem
+from search_space import embedding_bags, get_problem
+from search_space.embedding_bags import CHECK_SHAPES, TEMPLATE, TIMING_SHAPES, reference
+from search_space.packed_tables import metadata_lists
+from search_space.problem import Shape
+from search_space.template import get_template
+
+PROBLEM = get_problem("embedding_bags")
+BACKWARD = get_problem("embedding_bags_backward")
+CPU = torch.device("cpu")
+
+
+def _shape(name: str, dtype: str = "fp32") -> Shape:
+    return next(s for s in CHECK_SHAPES if s.name == name and s.dtype == dtype)
+
+
+@pytest.mark.parametrize("problem", [PROBLEM, BACKWARD], ids=lambda p: p.name)
+def test_the_default_kernel_passes_every_check_shape(problem, device: torch.device, empty_library) -> None:
+    fn = ops.op(problem.name)
+    for trial, shape in enumerate(problem.check_shapes):
+        result = check_shape(problem, fn, shape, trial, device, repeat=True)
+        assert result.ok, (shape.name, shape.dtype, result.message)
+    assert DISPATCHER.last[problem.name] == "default"
+
+
+def _explicit(name: str, dtype: str, tables: list, lengths: list[int]) -> Shape:
+    """A shape of given bag lengths (so of a known regime, whatever the seed), one feature a table."""
+    return Shape(
+        name=name, dtype=dtype, params=dict(tables=tables, batch=len(lengths) // len(tables), lengths=lengths)
+    )
+
+
+# Every branch of the GPU's launch heuristics, by the tile it picks (BLOCK_B, BLOCK_L, BLOCK_D,
+# ACC_3D): short calls; pooled fp32; pooled 2-byte rows over 64 columns, and of at most 64. Dims
+# 4 and 200 beside: several column blocks, and programs past their feature's dim.
+THREE_TABLES = [[50, 64], [30, 200], [9, 4]]
+GPU_BRANCHES = [
+    (_explicit("short", "bf16", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (8, 2, 128, False)),
+    (_explicit("pooled", "fp32", THREE_TABLES, [9, 0, 3, 1, 2, 1, 1, 7, 0, 2, 1, 3]), (2, 4, 64, True)),
+    (_explicit("pooled-wide", "fp16", [[80, 128], [9, 4]], [12, 0, 5, 2, 3, 1]), (4, 8, 128, False)),
+    (_explicit("pooled-narrow", "bf16", [[50, 64], [30, 4]], [9, 4, 1, 0, 2, 6]), (2, 4, 64, True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("shape", "tile"), GPU_BRANCHES, ids=[s.name for s, _ in GPU_BRANCHES])
+def test_the_gpu_launch_configuration_passes_too(
+    shape: Shape, tile: tuple, monkeypatch, empty_library
+) -> None:
+    """Interpreted, the kernels launch few wide programs; the tiles a GPU launches are checked
+    here too, forward and backward."""
+    forward, backward = module._forward_config, module._backward_config
+    picked = []
+
+    def gpu_forward_config(dim, size, ids, interpreted):
+        picked.append(forward(dim, size, ids))
+        return picked[-1]
+
+    monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
+    monkeypatch.setattr(module, "_backward_config", lambda dim, interpreted: backward(dim))
+    for problem in (PROBLEM, BACKWARD):
+        result = check_shape(problem, ops.op(problem.name), shape, 0, CPU)
+        assert result.ok, (problem.name, result.message)
+    assert [(c["BLOCK_B"], c["BLOCK_L"], c["BLOCK_D"], c["ACC_3D"]) for c in picked] == [tile]
+
+
+def test_the_launch_regime_is_the_buckets() -> None:
+    """The launcher (self-contained, as a candidate is) keeps its own copy of the bucket's
+    short-call threshold: a call it launches as short is in a "-short" bucket."""
+    assert module.SHORT_MEAN_IDS == embedding_bags.SHORT_MEAN_IDS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem", [PROBLEM, BACKWARD], ids=lambda p: p.name)
+@pytest.mark.parametrize("shape", TIMING_SHAPES, ids=[f"{s.name}-{s.dtype}" for s in TIMING_SHAPES])
+def test_the_kernels_pass_on_production_sizes(problem, shape: Shape, empty_library) -> None:
+    """Tables of 4e8 to 8e8 elements and 64k+ samples: fp32 atomics at real contention, the GPU
+    heuristics on the shapes they were chosen for."""
+    result = check_shape(problem, ops.op(problem.name), shape, 0, torch.device("cuda"))
+    assert result.ok, result.message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem", [PROBLEM, BACKWARD], ids=lambda p: p.name)
+def test_element_offsets_past_2_to_the_31(problem, empty_library) -> None:
+    """A table of 2^31 + 64 elements (4.3 GB in bf16): ids among its last rows and the table
+    after it, whose elements an int32 offset cannot reach."""
+    params = dict(tables=[[2**25 + 1, 64], [10, 128]], batch=64, max_lens=[3, 2], hot_rows=2)
+    shape = Shape(name="past-2^31", dtype="bf16", params=params)
+    result = check_shape(problem, ops.op(problem.name), shape, 0, torch.device("cuda"))
+    assert result.ok, result.message
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["mixed-dims", "shared-weighted", "empty-bags-mean"])
+def test_the_forward_is_the_single_table_op_feature_by_feature(name: str, dtype: str, empty_library) -> None:
+    inputs = PROBLEM.make_inputs(_shape(name, dtype), 5, CPU)
+    weights, weight_offsets, dim_offsets, indices, offsets = inputs.args
+    psw, mode = inputs.kwargs["per_sample_weights"], inputs.kwargs["mode"]
+    starts, _, cols = metadata_lists(weight_offsets, None, dim_offsets)
+    batch = (offsets.numel() - 1) // len(starts)
+    out = ops.embedding_bags(*inputs.args, **inputs.kwargs)
+    for f, start in enumerate(starts):
+        lo, hi = int(offsets[f * batch]), int(offsets[(f + 1) * batch])
+        dim = cols[f + 1] - cols[f]
+        table = weights[start : start + (weights.numel() - start) // dim * dim].view(-1, dim)
+        single = ops.embedding_bag(
+            table,
+            indices[lo:hi],
+            offsets[f * batch : (f + 1) * batch + 1] - lo,
+            mode=mode,
+            per_sample_weights=None if psw is None else psw[lo:hi],
+        )
+        torch.testing.assert_close(
+            out[:, cols[f] : cols[f + 1]], single, msg=lambda m, f=f: f"feature {f}: {m}"
+        )
+
+
+def _upcast(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().double().requires_grad_()
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: str) -> None:
+    """Within the gradient problem's tolerance (for flat outputs) of the fp64 `want` (the
+    sandbox's rule), saying where not."""
+    ok, details = compare(got.double(), want, BACKWARD.tolerance(dtype))
+    assert ok, f"{what}: {details['message']}"
+
+
+def _load(source: str, tmp_path: Path, name: str):
+    """A kernel module from source text (Triton reads a kernel's source through its module)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[name] = loaded
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+# Kernels one slip away from the default: every feature read from the first table, every
+# feature's pooled vector written at column 0, mean bags not divided.
+SLIPS = {
+    "one-table": (
+        "table_ptr = weights_ptr + tl.load(weight_offsets_ptr + feature)",
+        "table_ptr = weights_ptr",
+    ),
+    "no-column-offset": ("* stride_out_row + first_col + cols_D", "* stride_out_row + cols_D"),
+    "no-mean": ('MODE_MEAN=mode == "mean",\n        EVICT', "MODE_MEAN=False,\n        EVICT"),
+}
+
+
+@pytest.mark.parametrize("slip", SLIPS, ids=list(SLIPS))
+def test_the_check_shapes_catch_a_slip(slip: str, tmp_path: Path) -> None:
+    old, new = SLIPS[slip]
+    source = TEMPLATE.render({})
+    assert source.count(old) == 1
+    slipped = _load(source.replace(old, new), tmp_path, f"slipped_{slip.replace('-', '_')}")
+    assert any(not check_shape(PROBLEM, slipped.embedding_bags_forward, s, 0, CPU).ok for s in CHECK_SHAPES)
+
+
+def test_knobs_a_search_writes_take_effect(tmp_path: Path) -> None:
+    """Both templates' knobs, set: narrow column blocks (several per row) and few ids a step."""
+    knobs = {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": 16, "ACC_3D": True}
+    forward = _load(TEMPLATE.render(knobs), tmp_path, "searched_forward")
+    grad_template = get_template(BACKWARD.name)
+    backward = _load(
+        grad_template.render({"GRAD_BLOCK_L": 8, "GRAD_BLOCK_D": 16}), tmp_path, "searched_backward"
+    )
+    shape = _shape("mixed-dims", "bf16")
+    assert check_shape(PROBLEM, forward.embedding_bags_forward, shape, 0, CPU).ok
+    assert check_shape(BACKWARD, backward.embedding_bags_backward, shape, 0, CPU).ok
+
+
+def test_the_kernel_module_passes_the_screen_for_both_problems() -> None:
+    """What a campaign starts from: the template for the forward, the module for the gradient."""
+    source = TEMPLATE.render({})
+    assert screen_problem(source, "embedding_bags_forward", PROBLEM) == []
+    assert screen_problem(source, "embedding_bags_backward", BACKWARD) == []
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["shared-weighted", "empty-bags-mean", "hot-rows", "one-row-table"])
+def test_gradients_match_autograd_through_the_reference(name: str, dtype: str, empty_library) -> None:
+    """Weights (shared tables, repeated rows, the mean's 1/len, the one-row table) and per-sample
+    weights, each side on its own leaves; the reference's in fp64."""
+    inputs = PROBLEM.make_inputs(_shape(name, dtype), 7, CPU)
+    weights, *layout = inputs.args
+    psw = inputs.kwargs["per_sample_weights"]
+    options = {k: v for k, v in inputs.kwargs.items() if k != "per_sample_weights"}
+    batch = (layout[-1].numel() - 1) // layout[0].numel()
+    gen = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(batch, options["total_dim"], generator=gen).to(weights.dtype)
+
+    leaves = [weights.clone().requires_grad_(), None if psw is None else psw.clone().requires_grad_()]
+    ops.embedding_bags(leaves[0], *layout, **options, per_sample_weights=leaves[1]).backward(grad_out)
+    twins = [_upcast(weights), _upcast(psw)]
+    reference(twins[0], *layout, **options, per_sample_weights=twins[1]).backward(grad_out.double())
+
+    for what, got, want in zip(("weights", "per_sample_weights"), leaves, twins, strict=True):
+        if got is None:
+            continue
+        assert got.grad.dtype == got.dtype, what
+        _assert_close(got.grad, want.grad, dtype, f"gradient of {what} on {name} {dtype}")
+
+
+def test_without_triton_the_op_falls_back_to_the_references(empty_library, monkeypatch) -> None:
+    """CPU tensors without the interpreter: both ops run their references."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    inputs = PROBLEM.make_inputs(_shape("shared-weighted"), 3, CPU)
+    weights, *layout = inputs.args
+    leaf = weights.clone().requires_grad_()
+    out = ops.embedding_bags(leaf, *layout, **inputs.kwargs)
+    out.sum().backward()
+    assert DISPATCHER.last["embedding_bags"] == "reference"
+    assert DISPATCHER.last["embedding_bags_backward"] == "reference"
+    twin = weights.clone().requires_grad_()
+    reference(twin, *layout, **inputs.kwargs).sum().backward()
+    torch.testing.assert_close(leaf.grad, twin.grad)
+
+
+def test_compiled_matches_eager(empty_library) -> None:
+    """The custom op's fake implementation and autograd registration let torch.compile trace a
+    caller in one graph; forward and gradients equal the eager ones."""
+    inputs = PROBLEM.make_inputs(_shape("shared-weighted"), 2, CPU)
+    weights, *layout = inputs.args
+    psw = inputs.kwargs["per_sample_weights"]
+    options = {k: v for k, v in inputs.kwargs.items() if k != "per_sample_weights"}
+
+    def pooled_loss(weights, psw):
+        pooled = ops.embedding_bags(weights, *layout, **options, per_sample_weights=psw)
+        return pooled, (pooled * pooled).sum()
+
+    results = {}
+    for name, fn in [
+        ("eager", pooled_loss),
+        ("compiled", torch.compile(pooled_loss, backend="aot_eager", fullgraph=True)),
+    ]:
+        leaves = [weights.clone().requires_grad_(), psw.clone().requires_grad_()]
+        pooled, loss = fn(*leaves)
+        loss.backward()
+        results[name] = [pooled.detach(), *(t.grad for t in leaves)]
+    for eager, compiled in zip(results["eager"], results["compiled"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def _small() -> tuple[tuple, dict]:
+    """Two features (dims 4 and 8) over two samples: bags {1}, {}, {0, 2}, {3}."""
+    args = (
+        torch.randn(40),
+        torch.tensor([0, 8]),
+        torch.tensor([0, 4, 12]),
+        torch.tensor([1, 0, 2, 3]),
+        torch.tensor([0, 1, 1, 3, 4]),
+    )
+    return args, {"total_dim": 12, "max_dim": 8}
+
+
+def _with(index: int, value) -> tuple:
+    args, kwargs = _small()
+    return (*args[:index], value, *args[index + 1 :]), kwargs
+
+
+def _kw(**changes) -> tuple:
+    args, kwargs = _small()
+    return args, {**kwargs, **changes}
+
+
+BAD_CALLS = {
+    "weights-2d": (lambda: _with(0, torch.randn(5, 8)), r"weights must be an fp32, bf16 or fp16 \[N\]"),
+    "weights-strided": (lambda: _with(0, torch.randn(80)[::2]), "every tensor must be contiguous"),
+    "weights-int": (lambda: _with(0, torch.arange(40)), "weights must be"),
+    "weight-offsets-int32": (
+        lambda: _with(1, torch.tensor([0, 8], dtype=torch.int32)),
+        "weight_offsets must be an int64",
+    ),
+    "no-features": (lambda: _with(1, torch.zeros(0, dtype=torch.int64)), "at least one feature"),
+    "dim-offsets-short": (
+        lambda: _with(2, torch.tensor([0, 4])),
+        r"dim_offsets must have F \+ 1 = 3 entries, got 2",
+    ),
+    "indices-float": (lambda: _with(3, torch.tensor([1.0, 0, 2, 3])), "int32 or int64"),
+    "offsets-2d": (lambda: _with(4, torch.tensor([[0, 1, 1, 3, 4]])), r"offsets \[F \* B \+ 1\]"),
+    "offsets-not-f-b-plus-one": (
+        lambda: _with(4, torch.tensor([0, 1, 3, 4])),
+        r"F \* B \+ 1 entries with F = 2, got 4",
+    ),
+    "offsets-past-nnz": (
+        lambda: _with(4, torch.tensor([0, 1, 1, 3, 5])),
+        "offsets must rise from 0 to nnz = 4",
+    ),
+    "id-past-table": (
+        lambda: _with(3, torch.tensor([1, 0, 2, 4])),
+        "ids must be rows of their feature's table",
+    ),
+    "dims-decrease": (lambda: _with(2, torch.tensor([0, 12, 4])), "dim_offsets must start at 0 and increase"),
+    "bad-mode": (lambda: _kw(mode="max"), "mode must be 'sum' or 'mean'"),
+    "total-dim-wrong": (lambda: _kw(total_dim=13), r"dim_offsets\[F\] = 12"),
+    "max-dim-wrong": (lambda: _kw(max_dim=4), "the largest dim 8"),
+    "psw-with-mean": (
+        lambda: _kw(mode="mean", per_sample_weights=torch.ones(4)),
+        "only supported with mode='sum'",
+    ),
+    "psw-wrong-length": (
+        lambda: _kw(per_sample_weights=torch.ones(3)),
+        r"per_sample_weights must be a floating-point tensor of indices' shape \(4,\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS, ids=list(BAD_CALLS))
+def test_bad_arguments_are_named(case: str) -> None:
+    make, message = BAD_CALLS[case]
+    args, kwargs = make()
+    with pytest.raises(ValueError, match=message):
+        ops.embedding_bags(*args, **kwargs)
+
+
+def test_the_small_call_is_right_by_hand(empty_library) -> None:
+    """What BAD_CALLS varies is a valid call: its pooled rows, written out."""
+    args, kwargs = _small()
+    first, second = args[0][:8].view(2, 4), args[0][8:].view(4, 8)
+    expected = torch.stack(
+        [torch.cat([first[1], second[0] + second[2]]), torch.cat([torch.zeros(4), second[3]])]
+    )
+    torch.testing.assert_close(ops.embedding_bags(*args, **kwargs), expected)
+
+
+@settings(max_examples=12, deadline=None, database=None)
+@given(
+    tables=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 300)), min_size=1, max_size=4),
+    data=st.data(),
+    batch=st.integers(0, 5),
+    dtype=st.sampled_from(["fp32", "bf16"]),
+    mode=st.sampled_from(["sum", "mean"]),
+    weighted=st.booleans(),
+    index_dtype=st.sampled_from(["int32", "int64"]),
+)
+def test_property_random_layouts_and_lengths(tables, data, batch, dtype, mode, weighted, index_dtype) -> None:
+    """Any tables (dims from 1 to 300, one-row ones), features in any order sharing them, empty
+    bags and bags over many id steps, against the fp64 reference."""
+    features = data.draw(st.lists(st.integers(0, len(tables) - 1), min_size=1, max_size=5))
+    lengths = data.draw(
+        st.lists(st.integers(0, 40), min_size=len(features) * batch, max_size=len(features) * batch)
+    )
+    params = dict(tables=tables, features=features, batch=batch, lengths=lengths, mode=mode,
+                  weighted=weighted and mode == "sum", index_dtype=index_dtype)  # fmt: skip
+    inputs = PROBLEM.make_inputs(Shape(name="hypothesis", dtype=dtype, params=params), 0, CPU)
+    out = module.embedding_bags_forward(*inputs.args, **inputs.kwargs)
+    weights, *layout = inputs.args
+    psw = inputs.kwargs["per_sample_weights"]
+    options = {k: v for k, v in inputs.kwargs.items() if k != "per_sample_weights"}
+    ref = reference(
+        weights.double(), *layout, **options, per_sample_weights=None if psw is None else psw.double()
+    )
+    ok, details = compare(out.double(), ref, PROBLEM.tolerance(dtype))
+    assert ok, f"{params}: {details['message']}"
+
+
+# Compiles every launch of both kernels for an H100/H200 with Triton's real compiler, in the GPU's
+# launch configuration (tests/kernels/cuda_compile.py compiles what a launcher picks for CPU
+# tensors: here the interpreter's few wide programs).
+COMPILE_GPU_LAUNCHES = """
+import json, sys
+sys.path.insert(0, {here!r})
+import cuda_compile
+import kernels.embedding_bags as module
+forward, backward = module._forward_config, module._backward_config
+module._forward_config = lambda dim, size, ids, interpreted=False: forward(dim, size, ids)
+module._backward_config = lambda dim, interpreted=False: backward(dim)
+print(json.dumps(cuda_compile.main(["embedding_bags", "embedding_bags_backward"])))
+"""
+
+
+@pytest.mark.slow
+def test_every_gpu_launch_compiles_for_sm90() -> None:
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(here.parents[1])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_GPU_LAUNCHES.format(here=str(here))],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["failed"] == [], report["failed"]
+    assert report["compiled"] == [
+        "kernels.embedding_bags._embedding_bags_bwd_kernel",
+        "kernels.embedding_bags._embedding_bags_fwd_kernel",
+    ]
