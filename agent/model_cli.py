@@ -82,13 +82,18 @@ def model_train(
     compile: Annotated[
         bool | None, typer.Option(help="torch.compile the model (default: the config's)")
     ] = None,
+    embedding_update: Annotated[
+        str | None,
+        typer.Option(help="fused (the tables stepped in their backward) or unfused (default: the config's)"),
+    ] = None,
     device: DeviceOption = None,
     library: LibraryOption = None,
     reference_ops: ReferenceOption = False,
     json_out: JsonOption = None,
 ) -> None:
-    """Train with AdamW (dense) and row-wise Adagrad (embeddings), bf16 autocast on a GPU: the
-    loss, held-out AUC, examples per second and MFU as it goes, a checkpoint to resume from."""
+    """Train with AdamW (dense) and row-wise Adagrad (embeddings, fused into their backward
+    unless told otherwise), bf16 autocast on a GPU: the loss, held-out AUC, examples per second
+    and MFU as it goes, a checkpoint to resume from."""
     from dataclasses import asdict, replace
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -101,6 +106,11 @@ def model_train(
     cfg, dev = _setup(config, device, library)
     if compile is not None:
         cfg = replace(cfg, train=replace(cfg.train, compile=compile))
+    if embedding_update is not None:
+        try:
+            cfg = replace(cfg, train=replace(cfg.train, embedding_update=embedding_update))
+        except ValueError as exc:
+            raise fail(f"--embedding-update: {exc}") from None
     # Named after the config file (or preset) trained: two configs never share a checkpoint.
     checkpoint = checkpoint or Path(".recforge") / "model" / f"{Path(config).stem}.pt"
     try:
@@ -127,7 +137,10 @@ def model_train(
     for name, value in sorted(per_step.items(), key=lambda kv: -kv[1]):
         table.add_row(name, f"{value / 1e9:,.2f}", f"{value / total:.1%}")
     console.print(table)
-    params = sum(p.numel() for p in trainer.model.parameters())
+    # The tables count whether a parameter (unfused) or a buffer their backward steps (fused).
+    embeddings = trainer.model.sparse.embeddings
+    params = sum(p.numel() for p in trainer.model.parameters() if p is not embeddings.weights)
+    params += embeddings.weights.numel()
     console.print(
         f"{params / 1e6:,.1f}M parameters on {dev}; {sizes.requests} requests, {sizes.candidates} candidates "
         f"and {sizes.history_tokens:,} history tokens per batch; peak "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GEM-class model on a GPU, in one call: the model tests, then the large config's training
-# step on the library's kernels, on the reference ops and compiled (examples per second and MFU
+# step on the library's kernels (the tables stepped in their backward), unfused (a dense table
+# gradient, then the optimizer), on the reference ops and compiled (examples per second and MFU
 # side by side), its serving latency against candidates per request beside the naive path, and
 # where the training and serving steps spend their time. Logs and JSON go to $OUT.
 # Usage (repo root, on a GPU host whose python3 has torch and triton):
@@ -12,9 +13,10 @@ CONFIG=${1:-large}
 STEPS=${2:-40}
 rf() { python3 -m agent "$@"; }
 python3 -m pytest tests/model tests/agent/test_model_campaign.py -q -p no:cacheprovider -x 2>&1 | tail -5 | tee "$OUT/pytest_model.txt"
-for variant in library reference compiled; do
+for variant in library unfused reference compiled; do
   case $variant in
     library) extra=() ;;
+    unfused) extra=(--embedding-update unfused) ;;
     reference) extra=(--reference-ops) ;;
     compiled) extra=(--compile) ;;
   esac
@@ -31,7 +33,7 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print("variant     examples/s   MFU     loss")
-for variant in ("library", "reference", "compiled"):
+for variant in ("library", "unfused", "reference", "compiled"):
     path = out / f"train_{variant}.json"
     if not path.exists():
         print(f"{variant:<11} (no result)")

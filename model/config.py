@@ -235,12 +235,15 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """AdamW for dense parameters, row-wise Adagrad for the embedding tables."""
+    """AdamW for dense parameters, row-wise Adagrad for the embedding tables: fused into the
+    backward (each looked-up row stepped once, in place, no dense gradient), or unfused (a
+    dense gradient, then the optimizer's step), the same math (model.embeddings)."""
 
     steps: int = 1000
     lr: float = 1e-3
     weight_decay: float = 0.01
     embedding_lr: float = 0.05
+    embedding_update: Literal["fused", "unfused"] = "fused"
     autocast: bool = True  # bf16 autocast where the device supports it
     compile: bool = False
     eval_every: int = 100
@@ -260,6 +263,7 @@ class TrainConfig:
         )
         if self.weight_decay < 0:
             raise ValueError(f"train: weight_decay must be >= 0, got {self.weight_decay}")
+        _one_of("train", "embedding_update", self.embedding_update, ("fused", "unfused"))
 
 
 @dataclass(kw_only=True)

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.ops import (
-    embedding_bag,
     gdpa,
     grouped_gemm,
     jagged_concat,
@@ -40,6 +39,7 @@ from kernels.ops import (
 )
 from model.config import FeatureConfig, ModelConfig
 from model.data import Bags, RequestBatch
+from model.embeddings import TableBatchedEmbeddings
 from model.hstu import HSTULayer
 
 
@@ -57,7 +57,7 @@ def mlp(in_dim: int, dims: Sequence[int], *, last_activation: bool = True, devic
 def _offsets_cat(
     parts: Sequence[Bags], hash_sizes: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Several features' bags as one jagged input (feature-major: all of the first's bags, then
+    """Several features' bags as one keyed input (feature-major: all of the first's bags, then
     the second's), their ids hashed into each feature's rows: (ids, offsets, weights)."""
     ids, offsets, weights = [], [], []
     shift = 0
@@ -72,19 +72,20 @@ def _offsets_cat(
 
 
 class SparseArch(nn.Module):
-    """The embedding tables, and each side's features pooled and projected to the interaction
-    dim: one `embedding_bag` call per (table, pooling) group of a side, its features' bags
-    concatenated (features that share a table share its rows: unified embeddings)."""
+    """The embedding tables (model.embeddings: one buffer, trained by the update fused into the
+    backward unless the config says unfused), and each side's features pooled and projected to
+    the interaction dim: one `embedding_bags` launch per (pooling, weighting) group of a side,
+    whatever tables its features read (features that share a table share its rows: unified
+    embeddings)."""
 
     def __init__(self, config: ModelConfig, *, device: torch.device | None = None) -> None:
         super().__init__()
         self.config = config
         dim = config.interaction.dim
-        # A list, not a ParameterDict: table names ("items", "keys") may be a dict's methods.
-        self.tables = nn.ParameterList(
-            nn.Parameter(torch.empty(t.num_rows, t.dim, device=device)) for t in config.tables
+        t = config.train
+        self.embeddings = TableBatchedEmbeddings(
+            config.tables, fused=t.embedding_update == "fused", lr=t.embedding_lr, device=device
         )
-        self.table_index = {t.name: i for i, t in enumerate(config.tables)}
         self.projections = nn.ModuleDict(
             {
                 f"from_{t.name}": nn.Linear(t.dim, dim, bias=False, device=device)
@@ -92,22 +93,18 @@ class SparseArch(nn.Module):
                 if t.dim != dim
             }
         )
-        self.groups: dict[str, list[tuple[str, str, bool, list[FeatureConfig]]]] = {}
+        self.groups: dict[str, list[tuple[str, bool, list[FeatureConfig]]]] = {}
         for side in ("user", "item"):
-            grouped: dict[tuple[str, str, bool], list[FeatureConfig]] = {}
+            grouped: dict[tuple[str, bool], list[FeatureConfig]] = {}
             for f in config.features_of(side):
-                grouped.setdefault((f.table, f.pooling, f.weighted), []).append(f)
-            self.groups[side] = [(t, p, w, fs) for (t, p, w), fs in grouped.items()]
-        self.reset_parameters()
+                grouped.setdefault((f.pooling, f.weighted), []).append(f)
+            self.groups[side] = [(p, w, fs) for (p, w), fs in grouped.items()]
 
     def reset_parameters(self) -> None:
-        # U(-1/sqrt(rows), 1/sqrt(rows)): pooled sums of hot rows start small whatever the size.
-        for t in self.config.tables:
-            bound = 1.0 / t.num_rows**0.5
-            nn.init.uniform_(self.table(t.name), -bound, bound)
+        self.embeddings.reset_parameters()
 
-    def table(self, name: str) -> nn.Parameter:
-        return self.tables[self.table_index[name]]
+    def table(self, name: str) -> torch.Tensor:
+        return self.embeddings.table(name)
 
     def project(self, table: str, x: torch.Tensor) -> torch.Tensor:
         key = f"from_{table}"
@@ -119,23 +116,26 @@ class SparseArch(nn.Module):
         if not self.groups[side]:
             return None
         pooled: dict[str, torch.Tensor] = {}
-        for table, pooling, _, feats in self.groups[side]:
+        for pooling, _, feats in self.groups[side]:
             missing = [f.name for f in feats if f.name not in features]
             if missing:
                 raise ValueError(f"batch lacks {side} feature(s) {missing}")
             ids, offsets, weights = _offsets_cat(
                 [features[f.name] for f in feats], [self.config.hash_size(f) for f in feats]
             )
-            out = embedding_bag(self.table(table), ids, offsets, mode=pooling, per_sample_weights=weights)
-            out = self.project(table, out.view(len(feats), num_bags, -1))
-            for i, f in enumerate(feats):
-                pooled[f.name] = out[i]
+            out = self.embeddings(
+                [f.table for f in feats], ids, offsets, pooling=pooling, per_sample_weights=weights
+            )
+            at = 0
+            for f in feats:
+                width = self.config.table(f.table).dim
+                pooled[f.name] = self.project(f.table, out[:, at : at + width])
+                at += width
         return torch.stack([pooled[f.name] for f in self.config.features_of(side)], dim=1)
 
     def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """One row per id ([N, table dim]): bags of one, through the same op as the features."""
-        offsets = torch.arange(ids.shape[0] + 1, device=ids.device)
-        return embedding_bag(self.table(table), ids, offsets)
+        return self.embeddings.lookup(table, ids)
 
 
 class HistoryEncoder(nn.Module):
@@ -483,7 +483,11 @@ class GEMModel(nn.Module):
         return loss, per_task
 
     def embedding_parameters(self) -> list[nn.Parameter]:
-        return list(self.sparse.tables)
+        """The tables where their optimizer steps them (unfused): the flat buffer of every table
+        (its layout: self.sparse.embeddings.table_layout()); fused, none (their backward steps
+        them)."""
+        embeddings = self.sparse.embeddings
+        return [] if embeddings.fused else [embeddings.weights]
 
     def dense_parameters(self) -> list[nn.Parameter]:
         tables = {id(p) for p in self.embedding_parameters()}

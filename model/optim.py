@@ -5,6 +5,9 @@ For each row i with gradient g_i (the sum over the bags that looked it up):
     w_i     -= lr * g_i / (sqrt(state_i) + eps)
 Rows no bag looked up have a zero gradient and stay as they are, their state too. The state is
 fp32 whatever the table's dtype. A table's gradient may be dense or a sparse COO tensor of rows.
+
+A flat parameter holding several tables one after another (model.embeddings, unfused) gives
+their layout with it, a param group's `tables`: (element offset, rows, dim) of each.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 0.05, eps: float = 1e-8) -> None:
         if lr <= 0 or eps <= 0:
             raise ValueError(f"lr and eps must be > 0, got {lr} and {eps}")
-        super().__init__(params, {"lr": lr, "eps": eps})
+        super().__init__(params, {"lr": lr, "eps": eps, "tables": None})
         for group in self.param_groups:
             for p in group["params"]:
-                if p.dim() != 2:
+                flat = group["tables"] is not None and p.dim() == 1
+                if p.dim() != 2 and not flat:
                     raise ValueError(
-                        f"row-wise Adagrad updates tables [rows, dim], got shape {tuple(p.shape)}"
+                        f"row-wise Adagrad updates tables [rows, dim] (or a flat buffer of them with "
+                        f"their `tables` layout), got shape {tuple(p.shape)}"
                     )
 
     @torch.no_grad()
@@ -37,6 +42,18 @@ class RowWiseAdagrad(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if p.dim() == 1:  # a flat buffer of tables: each table in turn, dense
+                    rows = sum(r for _, r, _ in group["tables"])
+                    state = self.state[p]
+                    if "sum" not in state:
+                        state["sum"] = torch.zeros(rows, dtype=torch.float32, device=p.device)
+                    grad, at = p.grad.to_dense(), 0
+                    for start, num_rows, dim in group["tables"]:
+                        span = slice(start, start + num_rows * dim)
+                        table, table_grad = p[span].view(num_rows, dim), grad[span].view(num_rows, dim)
+                        _dense_step(table, table_grad, state["sum"][at : at + num_rows], lr, eps)
+                        at += num_rows
+                    continue
                 state = self.state[p]
                 if "sum" not in state:
                     state["sum"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
@@ -49,8 +66,12 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     scale = lr / (state["sum"][rows].sqrt() + eps)
                     p.index_add_(0, rows, (-values * scale.unsqueeze(1)).to(p.dtype))
                 else:
-                    grad = p.grad.float()
-                    state["sum"].add_(grad.pow(2).mean(1))
-                    step = grad * (lr / (state["sum"].sqrt() + eps)).unsqueeze(1)
-                    p.sub_(step.to(p.dtype))
+                    _dense_step(p, p.grad, state["sum"], lr, eps)
         return loss
+
+
+def _dense_step(table: torch.Tensor, grad: torch.Tensor, sums: torch.Tensor, lr: float, eps: float) -> None:
+    """The step on a [rows, dim] table from its dense gradient (rows of zeros stay as they are)."""
+    grad = grad.float()
+    sums.add_(grad.pow(2).mean(1))
+    table.sub_((grad * (lr / (sums.sqrt() + eps)).unsqueeze(1)).to(table.dtype))

@@ -1,6 +1,6 @@
 """Training the GEM-class model: AdamW for the dense parameters, row-wise Adagrad for the
-embedding tables, bf16 autocast on a GPU, optional torch.compile, held-out AUC, throughput and
-MFU, and checkpoints that resume where they stopped.
+embedding tables (fused into their backward by default), bf16 autocast on a GPU, optional
+torch.compile, held-out AUC, throughput and MFU, and checkpoints that resume where they stopped.
 
 Batch i of a run is a pure function of (seed, i), so a resumed run sees the batches the
 uninterrupted one would have. The held-out batches come from the same traffic (indices no
@@ -83,7 +83,16 @@ class Trainer:
         self.dense_optimizer = torch.optim.AdamW(
             self.model.dense_parameters(), lr=t.lr, weight_decay=t.weight_decay
         )
-        self.sparse_optimizer = RowWiseAdagrad(self.model.embedding_parameters(), lr=t.embedding_lr)
+        # Fused, the tables' backward steps them (model.embeddings): no optimizer of their own.
+        embeddings = self.model.sparse.embeddings
+        self.sparse_optimizer = (
+            None
+            if embeddings.fused
+            else RowWiseAdagrad(
+                [{"params": self.model.embedding_parameters(), "tables": embeddings.table_layout()}],
+                lr=t.embedding_lr,
+            )
+        )
         self.traffic = TrafficGenerator(config, seed=t.seed)
         self.step = 0
         self.history = History()
@@ -105,13 +114,15 @@ class Trainer:
         """One step on `batch`; returns the loss (a device tensor: reading it syncs)."""
         self.model.train()
         self.dense_optimizer.zero_grad(set_to_none=True)
-        self.sparse_optimizer.zero_grad(set_to_none=True)
+        if self.sparse_optimizer is not None:
+            self.sparse_optimizer.zero_grad(set_to_none=True)
         with self._autocast():
             output = self._forward(batch)
             loss, _ = self.model.loss(batch, output)
         loss.backward()
         self.dense_optimizer.step()
-        self.sparse_optimizer.step()
+        if self.sparse_optimizer is not None:
+            self.sparse_optimizer.step()
         self.step += 1
         return loss.detach()
 
@@ -224,7 +235,8 @@ class Trainer:
             "step": self.step,
             "model": self.model.state_dict(),
             "dense_optimizer": self.dense_optimizer.state_dict(),
-            "sparse_optimizer": self.sparse_optimizer.state_dict(),
+            # Fused, the tables' optimizer state is the model's (a buffer beside them).
+            "sparse_optimizer": None if self.sparse_optimizer is None else self.sparse_optimizer.state_dict(),
             "history": {
                 "steps": [asdict(s) for s in self.history.steps],
                 "evals": [asdict(e) for e in self.history.evals],
@@ -257,7 +269,8 @@ class Trainer:
         trainer = cls(saved, device)
         trainer.model.load_state_dict(state["model"])
         trainer.dense_optimizer.load_state_dict(state["dense_optimizer"])
-        trainer.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
+        if trainer.sparse_optimizer is not None:
+            trainer.sparse_optimizer.load_state_dict(state["sparse_optimizer"])
         trainer.step = state["step"]
         trainer.history = History(
             steps=[StepLog(**s) for s in state["history"]["steps"]],

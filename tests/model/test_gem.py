@@ -20,7 +20,7 @@ from model.gem import GEMModel
 from model.metrics import auc
 from model.optim import RowWiseAdagrad
 from model.serving import score, top_k_per_request
-from search_space import embedding_bag as eb_problem
+from search_space import embedding_bags as eb_problem
 
 VARIANTS = {
     "target-silu": {},
@@ -130,14 +130,13 @@ def test_training_on_the_librarys_kernels_matches_the_reference_ops(
     batches = [_batch(config, device, requests=2, index=i) for i in range(2)]
 
     def train(m: GEMModel) -> list[float]:
-        dense = torch.optim.SGD(m.dense_parameters(), lr=0.1)
-        sparse = RowWiseAdagrad(m.embedding_parameters(), lr=0.1)
+        dense = torch.optim.SGD(m.dense_parameters(), lr=0.1)  # the tables' backward steps them
         losses = []
         for batch in batches:
-            dense.zero_grad(), sparse.zero_grad()
+            dense.zero_grad()
             loss, _ = m.loss(batch)
             loss.backward()
-            dense.step(), sparse.step()
+            dense.step()
             losses.append(loss.item())
         return losses
 
@@ -145,7 +144,8 @@ def test_training_on_the_librarys_kernels_matches_the_reference_ops(
     kernels = train(model)
     ran = {op for op, impl in DISPATCHER.calls - before if impl == "default"}
     assert {
-        "embedding_bag",
+        "embedding_bags",
+        "embedding_bags_update",
         "jagged_attention",
         "target_attention",
         "jagged_attention_grad",
@@ -156,8 +156,14 @@ def test_training_on_the_librarys_kernels_matches_the_reference_ops(
     with DISPATCHER.references_only():
         reference = train(twin)
     assert kernels == pytest.approx(reference, rel=1e-4)
-    for (name, got), (_, want) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+    # Every parameter, and the tables and their optimizer's state (buffers: their backward steps them).
+    mine, theirs = model.state_dict(), twin.state_dict()
+    assert (
+        mine.keys() == theirs.keys()
+        and {"sparse.embeddings.weights", "sparse.embeddings.state"} <= mine.keys()
+    )
+    for name, got in mine.items():
+        torch.testing.assert_close(got, theirs[name], atol=1e-4, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.usefixtures("references")
@@ -223,7 +229,7 @@ def test_the_profile_lists_every_op_a_step_calls(device: torch.device) -> None:
     with DISPATCHER.references_only():
         profile = profile_model(config, "train", device, steps=1, warmup=0)
     expected = {
-        "embedding_bag", "embedding_bag_backward", "jagged_attention", "jagged_attention_grad", "gdpa",
+        "embedding_bags", "embedding_bags_update", "jagged_attention", "jagged_attention_grad", "gdpa",
         "gdpa_grad", "jagged_concat", "jagged_split", "wukong_fm",
     }  # fmt: skip
     assert set(profile.ops) == expected
@@ -241,11 +247,11 @@ def test_a_registered_kernel_replaces_the_default_in_training_and_serving(
     model, batch = _model(config, device), _batch(config, device, requests=2)
     with trace() as recorded:
         model.loss(batch)[0].backward()
-    buckets = sorted({c.bucket for c in recorded.calls if c.op == "embedding_bag"})
+    buckets = sorted({c.bucket for c in recorded.calls if c.op == "embedding_bags"})
     arch = device_arch(device)
     source = eb_problem.TEMPLATE.render({"BLOCK_D": 16, "BLOCK_L": 8, "BLOCK_B": 2, "ACC_3D": True})
     entry = empty_library.add(
-        op="embedding_bag",
+        op="embedding_bags",
         entry=eb_problem.TEMPLATE.entry,
         source=source,
         arch=arch,
@@ -260,11 +266,11 @@ def test_a_registered_kernel_replaces_the_default_in_training_and_serving(
     probabilities = score(model, batch)
     with trace() as served:
         again = score(model, batch)
-    assert {c.implementation for c in served.calls if c.op == "embedding_bag"} == {name}
+    assert {c.implementation for c in served.calls if c.op == "embedding_bags"} == {name}
     torch.testing.assert_close(again, probabilities, atol=1e-6, rtol=1e-5)
     with trace() as trained:
         model.loss(batch)[0].backward()
-    assert {c.implementation for c in trained.calls if c.op == "embedding_bag"} == {name}
+    assert {c.implementation for c in trained.calls if c.op == "embedding_bags"} == {name}
 
 
 def test_row_wise_adagrad_updates_the_rows_looked_up_and_no_other() -> None:
@@ -321,13 +327,17 @@ def test_a_training_step_reaches_every_parameter(variant: str, device: torch.dev
 
 
 @pytest.mark.usefixtures("references")
-def test_a_training_step_updates_the_rows_looked_up_and_no_other(device: torch.device) -> None:
+@pytest.mark.parametrize("update", ["fused", "unfused"])
+def test_a_training_step_updates_the_rows_looked_up_and_no_other(update: str, device: torch.device) -> None:
     config = _config()
+    config.train.embedding_update = update
     model, batch = _model(config, device), _batch(config, device, requests=4)
-    before = [t.detach().clone() for t in model.embedding_parameters()]
-    optimizer = RowWiseAdagrad(model.embedding_parameters(), lr=0.1)
+    before = [model.sparse.table(t.name).detach().clone() for t in config.tables]
     model.loss(batch)[0].backward()
-    optimizer.step()
+    if update == "unfused":
+        layout = model.sparse.embeddings.table_layout()
+        optimizer = RowWiseAdagrad([{"params": model.embedding_parameters(), "tables": layout}], lr=0.1)
+        optimizer.step()
     looked_up = {t.name: torch.zeros(t.num_rows, dtype=torch.bool, device=device) for t in config.tables}
     for f in config.features:
         bags = (batch.user_features | batch.item_features)[f.name]
@@ -365,10 +375,10 @@ def test_a_training_step_runs_under_bf16_autocast(references: bool) -> None:
     model, batch = _model(config, torch.device("cpu")), _batch(config, torch.device("cpu"), requests=3)
     ops = DISPATCHER.references_only() if references else contextlib.nullcontext()
     with ops:
+        full, _ = model.loss(batch)  # before the backward: it steps the tables
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, _ = model.loss(batch)
         loss.backward()
-        full, _ = model.loss(batch)
     assert all(p.grad is not None for p in model.parameters())
     assert loss.item() == pytest.approx(full.item(), rel=2e-2)
 

@@ -23,13 +23,16 @@ from packaging.requirements import Requirement
 
 from kernels import bundle
 from kernels.registry import ARCH_INTERPRETER, KernelLibrary
-from search_space import embedding_bag as eb_problem
+from search_space import embedding_bags as eb_problem
+from search_space import embedding_bags_update as update_problem
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 DIMS = (16, 32)  # the training script's table dims: the bundle's entries serve both regimes of each
 BUCKETS = sorted({eb_problem.bucket_of(d, ids) for d in DIMS for ids in (1, 20)})
+# The step's one fused update, over every table: its widest dim.
+UPDATE_BUCKETS = sorted({update_problem.bucket_of(max(DIMS), ids, "adagrad") for ids in (1, 20)})
 AGENT = ["typer", "rich", "optuna", "langgraph", "ray", "docker", "openai", "tenacity", "matplotlib", "agent"]
 
 TRAIN = """
@@ -40,7 +43,6 @@ from kernels.registry import DISPATCHER, PACKAGE_LIBRARY
 from model.config import config_from_dict
 from model.data import TrafficGenerator
 from model.gem import GEMModel
-from model.optim import RowWiseAdagrad
 
 config = config_from_dict({
     "name": "bundle",
@@ -60,8 +62,7 @@ model = GEMModel(config)
 batch = TrafficGenerator(config, seed=1).batch(0, num_requests=3, candidates_per_request=4)
 loss, _ = model.loss(batch)
 loss.backward()
-torch.optim.SGD(model.dense_parameters(), lr=0.1).step()
-RowWiseAdagrad(model.embedding_parameters()).step()
+torch.optim.SGD(model.dense_parameters(), lr=0.1).step()  # the tables were stepped in the backward
 print(json.dumps({
     "loss": loss.item(),
     "calls": sorted([op, impl, n] for (op, impl), n in DISPATCHER.calls.items()),
@@ -136,18 +137,18 @@ def worker_venv(tmp_path_factory) -> Path:
 
 
 def _bundle(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """A bundle of an embedding-bag forward and backward for the interpreter: not the defaults'
-    tiles, so that dispatching them is visibly the bundle's doing."""
+    """A bundle of the table-batched lookup and its fused training update for the interpreter:
+    not the defaults' tiles, so that dispatching them is visibly the bundle's doing."""
     lib = KernelLibrary(tmp_path / "campaign-library")
-    source = eb_problem.TEMPLATE.render({"BLOCK_D": 16, "BLOCK_L": 8, "BLOCK_B": 2})
     ids = {}
-    for op, entry in (
-        ("embedding_bag", eb_problem.TEMPLATE.entry),
-        ("embedding_bag_backward", "embedding_bag_backward"),
+    for op, template, knobs, buckets in (
+        ("embedding_bags", eb_problem.TEMPLATE, {"BLOCK_D": 16, "BLOCK_L": 8, "BLOCK_B": 2}, BUCKETS),
+        ("embedding_bags_update", update_problem.TEMPLATE, {"CHUNK": 32, "BLOCK_I": 4}, UPDATE_BUCKETS),
     ):
         added = lib.add(
-            op=op, entry=entry, source=source, arch=ARCH_INTERPRETER, dtype="fp32", buckets=BUCKETS,
-            median_us=None, interpreted=True, evidence={}, provenance={"test": "bundle_install"},
+            op=op, entry=template.entry, source=template.render(knobs), arch=ARCH_INTERPRETER,
+            dtype="fp32", buckets=buckets, median_us=None, interpreted=True, evidence={},
+            provenance={"test": "bundle_install"},
         )  # fmt: skip
         ids[op] = added.kernel_id
     bundle.export(lib.root, tmp_path / "winners.tar.gz")
@@ -181,13 +182,13 @@ def test_a_fresh_worker_environment_installs_a_bundle_and_trains_with_its_kernel
         report["distributions"]
     )
     assert report["agent_modules"] == []
-    # The training step ran the bundle's kernels, forward and backward, for both tables (one
-    # call per table and side: the user's features, then the candidate's), and the default
-    # kernel of the op the bundle holds nothing for (the Wukong layer's block).
+    # The training step ran the bundle's kernels: the lookups (one per side: the user's
+    # features, then the candidate's) and the tables' one fused update in the backward; and the
+    # default kernel of the op the bundle holds nothing for (the Wukong layer's block).
     calls = {(op, impl): n for op, impl, n in report["calls"]}
     assert calls == {
-        ("embedding_bag", f"library:{ids['embedding_bag']}"): 2,
-        ("embedding_bag_backward", f"library:{ids['embedding_bag_backward']}"): 2,
+        ("embedding_bags", f"library:{ids['embedding_bags']}"): 2,
+        ("embedding_bags_update", f"library:{ids['embedding_bags_update']}"): 1,
         ("wukong_fm", "default"): 1,
     }, report["calls"]
     assert 0 < report["loss"] < float("inf")
@@ -205,7 +206,7 @@ def test_without_the_bundle_the_same_step_runs_the_defaults(worker_venv: Path, t
     assert done.returncode == 0, done.stderr[-3000:]
     calls = {(op, impl) for op, impl, _ in json.loads(done.stdout.strip().splitlines()[-1])["calls"]}
     assert calls == {
-        ("embedding_bag", "default"),
-        ("embedding_bag_backward", "default"),
+        ("embedding_bags", "default"),
+        ("embedding_bags_update", "default"),
         ("wukong_fm", "default"),
     }

@@ -1,0 +1,212 @@
+"""The model's embedding tables, batched: every table in one flat buffer (the layout of
+search_space.packed_tables), looked up by keyed bags through `kernels.ops.embedding_bags`, one
+launch for all the features of a call, and trained in one of two ways.
+
+- fused (the default): no dense gradient exists. Each lookup's backward keeps its gradient
+  (the pooled outputs', [B, total dim]: small) and, at the end of the backward pass, one
+  `kernels.ops.embedding_bags_update` applies the optimizer step (row-wise Adagrad) to every row
+  the step looked up, in place, each row once with its gradient summed over every call, bag and
+  feature that holds it: a candidate's item looked up as a feature, as a token and in histories
+  is one row, updated once. The tables and the optimizer's state are buffers of this module.
+- unfused: the tables are one parameter, its dense gradient made by `embedding_bags`' backward,
+  stepped by model.optim.RowWiseAdagrad; the same math, for comparison.
+
+Lookups of different batch sizes (requests, candidates, history events) join in the one update
+as bags of one sample each: the update's layout takes a feature per bag, with the bag's own
+table and its own columns of the joined gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import ops
+from kernels.packed_tables import Layout
+from model.config import TableConfig
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What a lookup call's backward keeps for the step: its gradient and its bags."""
+
+    grad_out: torch.Tensor  # [B, total dim]
+    features: tuple[int, ...]  # the table of each of its features
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    mean: bool
+    per_sample_weights: torch.Tensor | None
+
+
+class TableBatchedEmbeddings(nn.Module):
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        *,
+        fused: bool = True,
+        lr: float = 0.05,
+        eps: float = 1e-8,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.configs = list(tables)
+        self.index = {t.name: i for i, t in enumerate(self.configs)}
+        self.layout = Layout.of([(t.num_rows, t.dim) for t in self.configs], range(len(self.configs)))
+        self.fused, self.lr, self.eps = fused, lr, eps
+        self._weight_at = self.layout.table_weight_offsets()
+        self._row_at = self.layout.table_row_offsets()
+        weights = torch.empty(self.layout.num_elements, dtype=dtype, device=device)
+        if fused:
+            self.register_buffer("weights", weights)
+            self.register_buffer("state", torch.zeros(self.layout.num_rows, device=device))
+            # A leaf that every fused lookup takes, so that autograd runs its backward: not a
+            # parameter (no optimizer steps it, nothing saves it), it never gets a gradient.
+            self.anchor = torch.zeros((), requires_grad=True)
+        else:
+            self.weights = nn.Parameter(weights)
+        self._metadata: dict[tuple[int, ...], tuple] = {}
+        self._pending: list[_Call] = []
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # U(-1/sqrt(rows), 1/sqrt(rows)): pooled sums of hot rows start small whatever the size.
+        with torch.no_grad():
+            for t in self.configs:
+                bound = 1.0 / t.num_rows**0.5
+                self.table(t.name).uniform_(-bound, bound)
+            if self.fused:
+                self.state.zero_()
+
+    def table(self, name: str) -> torch.Tensor:
+        """Table `name`, a [rows, dim] view of the buffer."""
+        return self.layout.table_view(self.weights, self.index[name])
+
+    def table_layout(self) -> list[tuple[int, int, int]]:
+        """(element offset, rows, dim) of each table in the buffer, for an unfused optimizer."""
+        return [(at, t.num_rows, t.dim) for at, t in zip(self._weight_at, self.configs, strict=True)]
+
+    def _features(self, tables: tuple[int, ...], device: torch.device) -> tuple:
+        """(weight_offsets, row_offsets, dim_offsets, total dim, max dim) of features on
+        `tables`, made once per feature list and device."""
+        key = (tables, str(device))
+        if key not in self._metadata:
+            layout = Layout(self.layout.tables, tables)
+            self._metadata[key] = (*layout.metadata(device), layout.total_dim, layout.max_dim)
+        return self._metadata[key]
+
+    def forward(
+        self,
+        tables: Sequence[str],
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        *,
+        pooling: str = "sum",
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Features on `tables` (one name per feature), their bags feature-major (offsets
+        [F * B + 1]) -> [B, sum of their dims], each feature's pooled rows in order."""
+        features = tuple(self.index[t] for t in tables)
+        w, _, d, total, widest = self._features(features, indices.device)
+        if not self.fused:
+            return ops.embedding_bags(
+                self.weights, w, d, indices, offsets,
+                total_dim=total, max_dim=widest, mode=pooling, per_sample_weights=per_sample_weights,
+            )  # fmt: skip
+        return _FusedLookup.apply(self.anchor, self, features, indices, offsets, pooling, per_sample_weights)
+
+    def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """One row per id ([N, dim]): bags of one, through the same op as the features."""
+        offsets = torch.arange(ids.shape[0] + 1, device=ids.device, dtype=ids.dtype)
+        return self([table], ids, offsets)
+
+    # --- the fused update ---------------------------------------------------------------------
+
+    def _keep(self, call: _Call) -> None:
+        """A lookup's backward: keep its gradient; the first of a backward pass asks the engine
+        to apply them all when the pass ends."""
+        if not self._pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self.apply_pending)
+        self._pending.append(call)
+
+    @torch.no_grad()
+    def apply_pending(self) -> None:
+        """One fused update from every lookup's gradient kept since the last: each call's bags
+        become features of one sample (B = 1), so calls of any batch size join in one launch."""
+        calls, self._pending = self._pending, []
+        if not calls:
+            return
+        device = calls[0].grad_out.device
+        dims = torch.tensor([t.dim for t in self.configs], device=device)
+        weight_at = torch.tensor(self._weight_at, device=device)
+        row_at = torch.tensor(self._row_at, device=device)
+        tables, grads, indices, offsets, weights = [], [], [], [], []
+        shift = 0
+        weighted = any(c.per_sample_weights is not None for c in calls)
+        for c in calls:
+            batch = c.grad_out.shape[0]
+            tables.append(torch.tensor(c.features, device=device).repeat_interleave(batch))
+            lengths = (c.offsets[1:] - c.offsets[:-1]).clamp(min=1).float()
+            at = 0
+            for f, table in enumerate(c.features):  # feature f's [B, dim] block, bag after bag
+                dim = self.configs[table].dim
+                block = c.grad_out[:, at : at + dim].float()
+                if c.mean:  # the update sums: a mean's 1 / len(bag) goes into its gradient
+                    block = block / lengths[f * batch : (f + 1) * batch, None]
+                grads.append(block.reshape(-1))
+                at += dim
+            indices.append(c.indices.long())
+            offsets.append(c.offsets[:-1].long() - c.offsets[0].long() + shift)
+            shift += c.indices.shape[0]
+            if weighted:
+                psw = c.per_sample_weights
+                weights.append(
+                    psw.float() if psw is not None else torch.ones(c.indices.shape[0], device=device)
+                )
+        bag_tables = torch.cat(tables)
+        bag_dims = dims[bag_tables]
+        dim_offsets = torch.zeros(bag_tables.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(bag_dims, 0, out=dim_offsets[1:])
+        flat_grad = torch.cat(grads).to(self.weights.dtype)
+        ops.embedding_bags_update(
+            self.weights,
+            self.state,
+            flat_grad.view(1, -1),
+            weight_at[bag_tables],
+            row_at[bag_tables],
+            dim_offsets,
+            torch.cat(indices),
+            torch.cat([*offsets, torch.tensor([shift], device=device)]),
+            max_dim=max(t.dim for t in self.configs),
+            optimizer="adagrad",
+            lr=self.lr,
+            eps=self.eps,
+            per_sample_weights=torch.cat(weights).to(self.weights.dtype) if weighted else None,
+            stochastic_rounding=self.weights.dtype != torch.float32,
+            seed=int(torch.randint(0, 2**31 - 1, ()).item()),
+        )
+
+
+class _FusedLookup(torch.autograd.Function):
+    """A fused lookup: the pooled rows forward; backward keeps grad_out for the module's update
+    (TableBatchedEmbeddings._keep) and gives no gradient to anything."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, features, indices, offsets, pooling, per_sample_weights):
+        w, _, d, total, widest = module._features(features, indices.device)
+        out = ops.embedding_bags(
+            module.weights, w, d, indices, offsets,
+            total_dim=total, max_dim=widest, mode=pooling, per_sample_weights=per_sample_weights,
+        )  # fmt: skip
+        ctx.module, ctx.features, ctx.mean = module, features, pooling == "mean"
+        ctx.save_for_backward(indices, offsets, per_sample_weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        indices, offsets, psw = ctx.saved_tensors
+        ctx.module._keep(_Call(grad_out, ctx.features, indices, offsets, ctx.mean, psw))
+        return (None,) * 7
