@@ -18,6 +18,7 @@ table and its own columns of the joined gradient.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from model.config import TableConfig
 class _Call:
     """What a lookup call's backward keeps for the step: its gradient and its bags."""
 
-    grad_out: torch.Tensor  # [B, total dim]
+    grad_out: torch.Tensor | None  # [B, total dim], once the backward has it
     features: tuple[int, ...]  # the table of each of its features
     indices: torch.Tensor
     offsets: torch.Tensor
@@ -111,17 +112,39 @@ class TableBatchedEmbeddings(nn.Module):
         [F * B + 1]) -> [B, sum of their dims], each feature's pooled rows in order."""
         features = tuple(self.index[t] for t in tables)
         w, _, d, total, widest = self._features(features, indices.device)
-        if not self.fused:
+
+        def lookup() -> torch.Tensor:
             return ops.embedding_bags(
                 self.weights, w, d, indices, offsets,
                 total_dim=total, max_dim=widest, mode=pooling, per_sample_weights=per_sample_weights,
             )  # fmt: skip
-        return _FusedLookup.apply(self.anchor, self, features, indices, offsets, pooling, per_sample_weights)
+
+        if not self.fused:
+            return lookup()
+        kept = _Call(None, features, indices, offsets, pooling == "mean", per_sample_weights)
+        return _FusedLookup.apply(self.anchor, self, lookup, kept)
 
     def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """One row per id ([N, dim]): bags of one, through the same op as the features."""
         offsets = torch.arange(ids.shape[0] + 1, device=ids.device, dtype=ids.dtype)
         return self([table], ids, offsets)
+
+    def gather(self, table: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Each event's row ([T, dim]) of jagged sequences (offsets [B + 1]: user histories),
+        through kernels.ops.history_gather: the ids' sort order groups an id's repeats, so its
+        row is read once per tile. Trained as lookups are (fused, its gradient joins the step's
+        update as bags of one id)."""
+        order = torch.argsort(ids, stable=True)
+
+        def lookup() -> torch.Tensor:
+            return ops.history_gather(self.table(table), ids, offsets, order=order)
+
+        if not self.fused:
+            return lookup()
+        bags = torch.arange(ids.shape[0] + 1, device=ids.device, dtype=ids.dtype)
+        return _FusedLookup.apply(
+            self.anchor, self, lookup, _Call(None, (self.index[table],), ids, bags, False, None)
+        )
 
     # --- the fused update ---------------------------------------------------------------------
 
@@ -191,22 +214,15 @@ class TableBatchedEmbeddings(nn.Module):
 
 
 class _FusedLookup(torch.autograd.Function):
-    """A fused lookup: the pooled rows forward; backward keeps grad_out for the module's update
-    (TableBatchedEmbeddings._keep) and gives no gradient to anything."""
+    """A fused lookup: `lookup()`'s rows forward; backward keeps grad_out with the call's bags
+    for the module's update (TableBatchedEmbeddings._keep) and gives no gradient to anything."""
 
     @staticmethod
-    def forward(ctx, anchor, module, features, indices, offsets, pooling, per_sample_weights):
-        w, _, d, total, widest = module._features(features, indices.device)
-        out = ops.embedding_bags(
-            module.weights, w, d, indices, offsets,
-            total_dim=total, max_dim=widest, mode=pooling, per_sample_weights=per_sample_weights,
-        )  # fmt: skip
-        ctx.module, ctx.features, ctx.mean = module, features, pooling == "mean"
-        ctx.save_for_backward(indices, offsets, per_sample_weights)
-        return out
+    def forward(ctx, anchor, module, lookup, kept):
+        ctx.module, ctx.kept = module, kept
+        return lookup()
 
     @staticmethod
     def backward(ctx, grad_out):
-        indices, offsets, psw = ctx.saved_tensors
-        ctx.module._keep(_Call(grad_out, ctx.features, indices, offsets, ctx.mean, psw))
-        return (None,) * 7
+        ctx.module._keep(dataclasses.replace(ctx.kept, grad_out=grad_out))
+        return None, None, None, None

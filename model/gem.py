@@ -430,7 +430,9 @@ class GEMModel(nn.Module):
         user = self.sparse(batch.user_features, "user", batch.num_requests)
         if self.history is None or self.config.history is None:
             return user, None, None
-        items = self.sparse.lookup(self.config.history.item_table, batch.history_items)
+        items = self.sparse.embeddings.gather(
+            self.config.history.item_table, batch.history_items, batch.history_offsets
+        )
         if candidates_BM is None:
             candidates_BM = self.candidate_tokens(batch)
         history_TM, targets_BM = self.history(batch, items, candidates_BM)

@@ -122,7 +122,13 @@ def test_a_campaign_plans_from_the_model_and_reports_its_step(tmp_path: Path, mo
     stored = Campaigns(tmp_path / "home").store.campaign(outcome.campaign_id)
     problems = json.loads(stored.config_json)["problems"]
     # The serving step's ops that have a knob template, most time first.
-    assert set(problems) == {"embedding_bags", "jagged_attention", "target_attention", "wukong_fm"}
+    assert set(problems) == {
+        "embedding_bags",
+        "history_gather",
+        "jagged_attention",
+        "target_attention",
+        "wukong_fm",
+    }
     assert problems == problems_from_profile(profile, searchable_only=True)
     assert len(events.plans) == 2 and all("ms of the" in p and "serve step" in p for p in events.plans)
     assert (model_dir(report_dir) / LIBRARY_AT_START).is_dir()

@@ -229,8 +229,8 @@ def test_the_profile_lists_every_op_a_step_calls(device: torch.device) -> None:
     with DISPATCHER.references_only():
         profile = profile_model(config, "train", device, steps=1, warmup=0)
     expected = {
-        "embedding_bags", "embedding_bags_update", "jagged_attention", "jagged_attention_grad", "gdpa",
-        "gdpa_grad", "jagged_concat", "jagged_split", "wukong_fm",
+        "embedding_bags", "embedding_bags_update", "history_gather", "jagged_attention",
+        "jagged_attention_grad", "gdpa", "gdpa_grad", "jagged_concat", "jagged_split", "wukong_fm",
     }  # fmt: skip
     assert set(profile.ops) == expected
     rest = next(r for r in profile.rows if r.op == OTHER)
