@@ -343,7 +343,19 @@ def check_arguments(
         )
     if not 1 <= max_dim <= MAX_DIM:
         raise ValueError(f"max_dim must be in [1, {MAX_DIM}], got {max_dim}")
+    named = {"weights": weights, "state": state, "grad_out": grad_out, "weight_offsets": weight_offsets,
+             "row_offsets": row_offsets, "dim_offsets": dim_offsets, "indices": indices, "offsets": offsets,
+             "per_sample_weights": per_sample_weights}  # fmt: skip
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.device != weights.device:
+            raise ValueError(f"{name} is on {t.device}, the weights on {weights.device}: one device for all")
+        if name != "grad_out" and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous())")
     if per_sample_weights is not None:
+        if not per_sample_weights.is_floating_point():
+            raise ValueError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
         if pooling != "sum":
             raise ValueError("per_sample_weights is only supported with pooling='sum'")
         if per_sample_weights.shape != indices.shape:

@@ -71,6 +71,8 @@ class TableBatchedEmbeddings(nn.Module):
             self.weights = nn.Parameter(weights)
         self._metadata: dict[tuple[int, ...], tuple] = {}
         self._pending: list[_Call] = []
+        self._pass: int | None = None  # the backward pass the pending gradients belong to
+        self.steps = 0  # fused updates applied: the stochastic rounding's seed, in the checkpoint
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -150,16 +152,25 @@ class TableBatchedEmbeddings(nn.Module):
 
     def _keep(self, call: _Call) -> None:
         """A lookup's backward: keep its gradient; the first of a backward pass asks the engine
-        to apply them all when the pass ends."""
-        if not self._pending:
+        to apply them all when the pass ends. Gradients kept by a pass that never ended (its
+        backward raised) are dropped, not applied with the next pass's."""
+        current = torch._C._current_graph_task_id()
+        if current != self._pass:
+            self._pending, self._pass = [], current
             torch.autograd.Variable._execution_engine.queue_callback(self.apply_pending)
         self._pending.append(call)
+
+    def get_extra_state(self) -> dict:
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.steps = int(state["steps"])
 
     @torch.no_grad()
     def apply_pending(self) -> None:
         """One fused update from every lookup's gradient kept since the last: each call's bags
         become features of one sample (B = 1), so calls of any batch size join in one launch."""
-        calls, self._pending = self._pending, []
+        calls, self._pending, self._pass = self._pending, [], None
         if not calls:
             return
         device = calls[0].grad_out.device
@@ -203,14 +214,15 @@ class TableBatchedEmbeddings(nn.Module):
             dim_offsets,
             torch.cat(indices),
             torch.cat([*offsets, torch.tensor([shift], device=device)]),
-            max_dim=max(t.dim for t in self.configs),
+            max_dim=self.layout.max_dim,
             optimizer="adagrad",
             lr=self.lr,
             eps=self.eps,
             per_sample_weights=torch.cat(weights).to(self.weights.dtype) if weighted else None,
             stochastic_rounding=self.weights.dtype != torch.float32,
-            seed=int(torch.randint(0, 2**31 - 1, ()).item()),
+            seed=self.steps,
         )
+        self.steps += 1
 
 
 class _FusedLookup(torch.autograd.Function):

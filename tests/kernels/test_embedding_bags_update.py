@@ -45,19 +45,21 @@ def _hot(optimizer: str, dtype: str = "fp32") -> Shape:
 
 
 @pytest.mark.parametrize("chunk", [16, 64, 256])
-def test_rows_longer_than_a_chunk_are_summed_across_programs(chunk: int, monkeypatch) -> None:
+def test_rows_longer_than_a_chunk_are_summed_across_programs(
+    chunk: int, monkeypatch, device: torch.device
+) -> None:
     """Hot ids (hundreds per row) span several chunks at 16 and 64, one at 256: each way, every
     row is updated once with its whole gradient."""
     monkeypatch.setitem(kernel.KNOBS, "CHUNK", chunk)
     for optimizer in ("sgd", "adagrad"):
-        result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot(optimizer), 0, torch.device("cpu"))
+        result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot(optimizer), 0, device)
         assert result.ok, (chunk, optimizer, result.message)
 
 
-def test_without_the_long_rows_pass_hot_rows_are_wrong(monkeypatch) -> None:
+def test_without_the_long_rows_pass_hot_rows_are_wrong(monkeypatch, device: torch.device) -> None:
     """The check is not blind to the second launch: rows over a chunk updated by nobody fail."""
     monkeypatch.setattr(kernel, "_long_rows_kernel", _NoLaunch())
-    result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot("adagrad"), 0, torch.device("cpu"))
+    result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot("adagrad"), 0, device)
     assert not result.ok and "outside tolerance" in result.message
 
 
@@ -169,12 +171,12 @@ def test_the_custom_op_says_what_it_updates_and_compiles(device: torch.device) -
         (dict(state="fp16"), "state must be"),
     ],
 )
-def test_bad_arguments_are_named(change: dict, match: str) -> None:
-    inputs = PROBLEM.make_inputs(_hot("adagrad"), 0, torch.device("cpu"))
+def test_bad_arguments_are_named(change: dict, match: str, device: torch.device) -> None:
+    inputs = PROBLEM.make_inputs(_hot("adagrad"), 0, device)
     weights, state, grad_out, w_off, r_off, d_off, indices, offsets = inputs.args
     kwargs = {**inputs.kwargs, **change}
     if change.get("per_sample_weights") == "psw":
-        kwargs["per_sample_weights"] = torch.ones(indices.shape)
+        kwargs["per_sample_weights"] = torch.ones(indices.shape, device=device)
     if change.get("offsets") == "odd":
         offsets = offsets[:-1]
     if change.get("grad_out") == "short":
@@ -214,7 +216,7 @@ def test_the_sandbox_accepts_the_default_and_refuses_skipped_rows_and_host_updat
     assert result.status in (Status.SUSPICIOUS, Status.STATIC_REJECTED), result.message
 
 
-def test_an_update_that_returns_something_is_wrong() -> None:
+def test_an_update_that_returns_something_is_wrong(device: torch.device) -> None:
     """The contract is in place: a kernel that returns the new weights instead is wrong, even
     where it also updated them."""
 
@@ -222,5 +224,5 @@ def test_an_update_that_returns_something_is_wrong() -> None:
         kernel.embedding_bags_update(weights, *args, **kwargs)
         return weights
 
-    result = check_shape(PROBLEM, returns_weights, _hot("sgd"), 0, torch.device("cpu"))
+    result = check_shape(PROBLEM, returns_weights, _hot("sgd"), 0, device)
     assert not result.ok and "returns None" in result.message
