@@ -133,7 +133,8 @@ def run_op_benchmark(
         tol, scale = problem.closeness(shape.dtype, first)
         # An op that updates its arguments is checked on copies of them (Problem.result); timed
         # calls update the same ones again and again, as training steps do.
-        fresh = first.clone().clone if problem.updates else (lambda kept=first: kept)
+        pristine = first.clone() if problem.updates else first
+        fresh = pristine.clone if problem.updates else (lambda kept=first: kept)
         checked = fresh()
         ref = problem.result(checked, problem.reference(*checked.args, **checked.kwargs))
         results = {}
@@ -177,7 +178,7 @@ def run_op_benchmark(
             )
             if on_row is not None:
                 on_row(rows[-1])
-        del arg_sets, args, kwargs, ref, first, checked, fresh
+        del arg_sets, args, kwargs, ref, first, pristine, checked, fresh
         if device.type == "cuda":
             torch.cuda.empty_cache()
     run.finish(console, table)

@@ -52,9 +52,8 @@ import torch
 from kernels.registry import DISPATCHER, Implementation
 from kernels.trace import ACTIVE
 from search_space.op import Op, get_op
-from search_space.problem import DTYPES
+from search_space.problem import DTYPE_NAMES
 
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 Tensor = torch.Tensor  # a module global: looked up on every call's every argument
 NAMESPACE = "recforge"
 # A gradient op's arguments after its gradient problem's, where its default reads them.
@@ -395,7 +394,7 @@ def define(op: Op) -> Callable[..., Any]:
         chosen = DISPATCHER.resolve(
             op.name,
             device=first.device,
-            dtype=_DTYPE_NAMES.get(dtype) or str(dtype),
+            dtype=DTYPE_NAMES.get(dtype) or str(dtype),
             bucket=op.bucket(*args, **kwargs),
             graph="train" if asked else graph_of_call,
         )

@@ -14,6 +14,11 @@ launch for all the features of a call, and trained in one of two ways.
 Lookups of different batch sizes (requests, candidates, history events) join in the one update
 as bags of one sample each: the update's layout takes a feature per bag, with the bag's own
 table and its own columns of the joined gradient.
+
+Fused, every backward pass that reaches a lookup steps the tables once when it ends: gradient
+accumulation over micro-batches steps them once per micro-batch, and a second backward through
+the same graph steps them again. Under torch.compile each fused lookup is a graph break (the
+engine's end-of-pass callback is not traced).
 """
 
 from __future__ import annotations
@@ -123,6 +128,11 @@ class TableBatchedEmbeddings(nn.Module):
 
         if not self.fused:
             return lookup()
+        if per_sample_weights is not None and per_sample_weights.requires_grad:
+            raise ValueError(
+                "fused tables give per_sample_weights no gradient: detach them, or train with "
+                "train.embedding_update = 'unfused'"
+            )
         kept = _Call(None, features, indices, offsets, pooling == "mean", per_sample_weights)
         return _FusedLookup.apply(self.anchor, self, lookup, kept)
 

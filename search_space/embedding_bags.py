@@ -534,8 +534,8 @@ def per_sample_weights_grad(
     inside = cols < dim  # [nnz, max_dim]
     row_at = weight_offsets[feature][:, None] + indices.long()[:, None] * dim + cols
     grad_at = sample[:, None] * grad_out.shape[1] + dim_offsets[feature][:, None] + cols
-    rows = weights.float()[row_at.where(inside, 0)]
-    upstream = grad_out.float().reshape(-1)[grad_at.where(inside, 0)]
+    rows = weights[row_at.where(inside, 0)].float()  # gathered, then widened: never the whole table
+    upstream = grad_out.reshape(-1)[grad_at.where(inside, 0)].float()
     return (rows * upstream * inside).sum(-1)
 
 

@@ -5,8 +5,9 @@
 
 for every id i of bag (f, b) and column c < dim_f. Ids repeat within and across bags, and
 features may share a table, so a kernel must add, never overwrite. The gradient has every
-table's elements, [N], in grad_out's dtype: the path for small tables and tests (a model's
-tables are updated by the fused optimizer op, which never forms it). The reference is the
+table's elements, [N], in grad_out's dtype: the path of a dense gradient and an optimizer's
+step (model.embeddings unfused, for comparison); a model's tables are trained by the fused
+optimizer op (embedding_bags_update), which never forms it. The reference is the
 single-table gradient (search_space.embedding_bag_backward) on each feature, in fp32.
 """
 
