@@ -32,7 +32,8 @@ from search_space.template import get_template
 
 PROBLEM = get_problem("embedding_bags")
 BACKWARD = get_problem("embedding_bags_backward")
-CPU = torch.device("cpu")
+# The GPU where there is one, else the DEVICE (the kernels then run interpreted).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _shape(name: str, dtype: str = "fp32") -> Shape:
@@ -83,7 +84,7 @@ def test_the_gpu_launch_configuration_passes_too(
     monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
     monkeypatch.setattr(module, "_backward_config", lambda dim, interpreted: backward(dim))
     for problem in (PROBLEM, BACKWARD):
-        result = check_shape(problem, ops.op(problem.name), shape, 0, CPU)
+        result = check_shape(problem, ops.op(problem.name), shape, 0, DEVICE)
         assert result.ok, (problem.name, result.message)
     assert [(c["BLOCK_B"], c["BLOCK_L"], c["BLOCK_D"], c["ACC_3D"]) for c in picked] == [tile]
 
@@ -118,7 +119,7 @@ def test_element_offsets_past_2_to_the_31(problem, empty_library) -> None:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["mixed-dims", "shared-weighted", "empty-bags-mean"])
 def test_the_forward_is_the_single_table_op_feature_by_feature(name: str, dtype: str, empty_library) -> None:
-    inputs = PROBLEM.make_inputs(_shape(name, dtype), 5, CPU)
+    inputs = PROBLEM.make_inputs(_shape(name, dtype), 5, DEVICE)
     weights, weight_offsets, dim_offsets, indices, offsets = inputs.args
     psw, mode = inputs.kwargs["per_sample_weights"], inputs.kwargs["mode"]
     starts, _, cols = metadata_lists(weight_offsets, None, dim_offsets)
@@ -180,7 +181,9 @@ def test_the_check_shapes_catch_a_slip(slip: str, tmp_path: Path) -> None:
     source = TEMPLATE.render({})
     assert source.count(old) == 1
     slipped = _load(source.replace(old, new), tmp_path, f"slipped_{slip.replace('-', '_')}")
-    assert any(not check_shape(PROBLEM, slipped.embedding_bags_forward, s, 0, CPU).ok for s in CHECK_SHAPES)
+    assert any(
+        not check_shape(PROBLEM, slipped.embedding_bags_forward, s, 0, DEVICE).ok for s in CHECK_SHAPES
+    )
 
 
 def test_knobs_a_search_writes_take_effect(tmp_path: Path) -> None:
@@ -192,8 +195,8 @@ def test_knobs_a_search_writes_take_effect(tmp_path: Path) -> None:
         grad_template.render({"GRAD_BLOCK_L": 8, "GRAD_BLOCK_D": 16}), tmp_path, "searched_backward"
     )
     shape = _shape("mixed-dims", "bf16")
-    assert check_shape(PROBLEM, forward.embedding_bags_forward, shape, 0, CPU).ok
-    assert check_shape(BACKWARD, backward.embedding_bags_backward, shape, 0, CPU).ok
+    assert check_shape(PROBLEM, forward.embedding_bags_forward, shape, 0, DEVICE).ok
+    assert check_shape(BACKWARD, backward.embedding_bags_backward, shape, 0, DEVICE).ok
 
 
 def test_the_kernel_module_passes_the_screen_for_both_problems() -> None:
@@ -208,7 +211,7 @@ def test_the_kernel_module_passes_the_screen_for_both_problems() -> None:
 def test_gradients_match_autograd_through_the_reference(name: str, dtype: str, empty_library) -> None:
     """Weights (shared tables, repeated rows, the mean's 1/len, the one-row table) and per-sample
     weights, each side on its own leaves; the reference's in fp64."""
-    inputs = PROBLEM.make_inputs(_shape(name, dtype), 7, CPU)
+    inputs = PROBLEM.make_inputs(_shape(name, dtype), 7, DEVICE)
     weights, *layout = inputs.args
     psw = inputs.kwargs["per_sample_weights"]
     options = {k: v for k, v in inputs.kwargs.items() if k != "per_sample_weights"}
@@ -231,7 +234,7 @@ def test_gradients_match_autograd_through_the_reference(name: str, dtype: str, e
 def test_without_triton_the_op_falls_back_to_the_references(empty_library, monkeypatch) -> None:
     """CPU tensors without the interpreter: both ops run their references."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    inputs = PROBLEM.make_inputs(_shape("shared-weighted"), 3, CPU)
+    inputs = PROBLEM.make_inputs(_shape("shared-weighted"), 3, torch.device("cpu"))
     weights, *layout = inputs.args
     leaf = weights.clone().requires_grad_()
     out = ops.embedding_bags(leaf, *layout, **inputs.kwargs)
@@ -246,7 +249,7 @@ def test_without_triton_the_op_falls_back_to_the_references(empty_library, monke
 def test_compiled_matches_eager(empty_library) -> None:
     """The custom op's fake implementation and autograd registration let torch.compile trace a
     caller in one graph; forward and gradients equal the eager ones."""
-    inputs = PROBLEM.make_inputs(_shape("shared-weighted"), 2, CPU)
+    inputs = PROBLEM.make_inputs(_shape("shared-weighted"), 2, DEVICE)
     weights, *layout = inputs.args
     psw = inputs.kwargs["per_sample_weights"]
     options = {k: v for k, v in inputs.kwargs.items() if k != "per_sample_weights"}
@@ -369,7 +372,7 @@ def test_property_random_layouts_and_lengths(tables, data, batch, dtype, mode, w
     )
     params = dict(tables=tables, features=features, batch=batch, lengths=lengths, mode=mode,
                   weighted=weighted and mode == "sum", index_dtype=index_dtype)  # fmt: skip
-    inputs = PROBLEM.make_inputs(Shape(name="hypothesis", dtype=dtype, params=params), 0, CPU)
+    inputs = PROBLEM.make_inputs(Shape(name="hypothesis", dtype=dtype, params=params), 0, DEVICE)
     out = module.embedding_bags_forward(*inputs.args, **inputs.kwargs)
     weights, *layout = inputs.args
     psw = inputs.kwargs["per_sample_weights"]
@@ -382,7 +385,7 @@ def test_property_random_layouts_and_lengths(tables, data, batch, dtype, mode, w
 
 
 # Compiles every launch of both kernels for an H100/H200 with Triton's real compiler, in the GPU's
-# launch configuration (tests/kernels/cuda_compile.py compiles what a launcher picks for CPU
+# launch configuration (tests/kernels/cuda_compile.py compiles what a launcher picks for DEVICE
 # tensors: here the interpreter's few wide programs).
 COMPILE_GPU_LAUNCHES = """
 import json, sys

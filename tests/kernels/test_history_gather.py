@@ -20,7 +20,8 @@ from search_space.history_gather import CHECK_SHAPES, TIMING_SHAPES, reference
 from search_space.problem import Inputs, Shape
 
 FORWARD, BACKWARD = get_problem("history_gather"), get_problem("history_gather_backward")
-CPU = torch.device("cpu")
+# The GPU where there is one, else the DEVICE (the kernels then run interpreted).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DEFAULTS = [(FORWARD, history_gather), (BACKWARD, history_gather_backward)]
 
 
@@ -44,7 +45,7 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, dtype: str, what: st
 @pytest.mark.parametrize(("problem", "fn"), DEFAULTS, ids=["forward", "backward"])
 @pytest.mark.parametrize("shape", CHECK_SHAPES, ids=_id)
 def test_the_default_kernels_pass_the_sandbox_check(problem, fn, shape: Shape) -> None:
-    result = check_shape(problem, fn, shape, 0, CPU)
+    result = check_shape(problem, fn, shape, 0, DEVICE)
     assert result.ok, f"{problem.name} on {shape.describe()}: {result.message}"
 
 
@@ -58,7 +59,7 @@ def test_the_gpu_launch_configuration_passes_too(problem, fn, shape: Shape, monk
     forward, backward = module._forward_config, module._backward_config
     monkeypatch.setattr(module, "_forward_config", lambda dim, size, interpreted: forward(dim, size))
     monkeypatch.setattr(module, "_backward_config", lambda dim, interpreted: backward(dim))
-    result = check_shape(problem, fn, shape, 0, CPU)
+    result = check_shape(problem, fn, shape, 0, DEVICE)
     assert result.ok, f"{problem.name} on {shape.describe()}: {result.message}"
 
 
@@ -93,7 +94,7 @@ GRAD_SHAPES = _shapes("edges", "one-long", "repeats-plain", "last-row-int32", "o
 
 @pytest.mark.parametrize("shape", GRAD_SHAPES, ids=_id)
 def test_the_op_and_its_gradients_match_autograd_of_the_reference(shape: Shape, empty_library) -> None:
-    inputs = FORWARD.make_inputs(shape, 0, CPU)
+    inputs = FORWARD.make_inputs(shape, 0, DEVICE)
     gen = torch.Generator().manual_seed(1)
     grad_out = torch.randn(inputs.args[1].shape[0], shape.params["dim"], generator=gen).to(shape.torch_dtype)
     table, buckets = _leaves(inputs)
@@ -118,7 +119,7 @@ def test_a_frozen_table_gets_no_gradient_and_the_buckets_theirs(empty_library) -
     """Positional rows trained over a frozen table: their gradient comes without the table's (no
     dense [num_rows, D] buffer) and equals the one computed beside it."""
     (shape,) = [s for s in _shapes("one-long") if s.dtype == "fp32"]
-    inputs = FORWARD.make_inputs(shape, 0, CPU)
+    inputs = FORWARD.make_inputs(shape, 0, DEVICE)
     grad_out = torch.randn(inputs.args[1].shape[0], shape.params["dim"])
     table, buckets = _leaves(inputs)
     _call(ops.history_gather, table.detach(), buckets, inputs).backward(grad_out)
@@ -136,7 +137,7 @@ ORDER_SHAPES = [
 def test_reading_in_id_order_gives_what_reading_in_event_order_does(shape: Shape, empty_library) -> None:
     """The dedup path (events listed by id: stably, or any other grouping) and the plain path:
     the same output bit for bit, and the same gradients up to the order of their sums."""
-    inputs = FORWARD.make_inputs(shape, 0, CPU)
+    inputs = FORWARD.make_inputs(shape, 0, DEVICE)
     ids = inputs.args[1]
     orders = {
         "plain": None,
@@ -165,7 +166,7 @@ def test_torch_compile_traces_the_op_and_its_backward(dedup: bool, empty_library
     compiled forward and gradients equal the eager ones."""
     name = "edges" if dedup else "one-long"  # time buckets and an order; positional, none
     (shape,) = [s for s in _shapes(name) if s.dtype == "fp32"]
-    inputs = FORWARD.make_inputs(shape, 0, CPU)
+    inputs = FORWARD.make_inputs(shape, 0, DEVICE)
     _, ids, offsets = inputs.args
     order, bucket_ids = inputs.kwargs["order"], inputs.kwargs["bucket_ids"]
     assert (order is not None) == dedup
@@ -191,12 +192,12 @@ def test_torch_compile_traces_the_op_and_its_backward(dedup: bool, empty_library
 
 def test_the_custom_ops_check_out() -> None:
     (shape,) = [s for s in _shapes("edges") if s.dtype == "fp32"]
-    inputs = FORWARD.make_inputs(shape, 0, CPU)
+    inputs = FORWARD.make_inputs(shape, 0, DEVICE)
     table, ids, offsets = inputs.args
     kw = inputs.kwargs
     args = (table.clone().requires_grad_(), ids, offsets, kw["order"], kw["bucket_ids"], kw["bucket_table"])
     torch.library.opcheck(ops.history_gather.custom_op, args)
-    grad = BACKWARD.make_inputs(shape, 0, CPU)
+    grad = BACKWARD.make_inputs(shape, 0, DEVICE)
     torch.library.opcheck(ops.history_gather_backward.custom_op, (*grad.args, *grad.kwargs.values()))
 
 
@@ -289,7 +290,7 @@ def test_property_random_histories(lengths, num_rows, dim, dtype, dedup, buckets
         ),
     )
     for problem, fn in DEFAULTS:
-        inputs = problem.make_inputs(shape, seed, CPU)
+        inputs = problem.make_inputs(shape, seed, DEVICE)
         expected = problem.reference(*inputs.args, **inputs.kwargs)
         ok, details = compare(fn(*inputs.args, **inputs.kwargs), expected, problem.tolerance(dtype))
         assert ok, f"{problem.name} on {shape.describe()}: {details['message']}"
