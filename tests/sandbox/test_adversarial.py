@@ -32,6 +32,7 @@ from sandbox import Candidate, EvalResult, LocalBackend, Status, cgroups, isolat
 from sandbox.isolation import REPO_ROOT
 from sandbox.judge import evaluate
 from sandbox.protocol import EvalRequest
+from search_space.template import parse_source
 
 HERE = Path(__file__).parent / "adversarial"
 CASES = sorted(p for p in HERE.glob("*.py") if p.name != "base.py")
@@ -62,7 +63,7 @@ def _edited(control: Path, case: str) -> str:
     """`control`'s source with the case's EDITS applied (a literal list of (search, replace))."""
     [edits] = [
         ast.literal_eval(node.value)
-        for node in ast.parse(case).body
+        for node in parse_source(case).body  # under the lock: the corpus screens in threads
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["EDITS"]
     ]
     source = control.read_text()

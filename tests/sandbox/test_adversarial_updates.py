@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from sandbox import Candidate, EvalResult, LocalBackend, Status, isolation
-from search_space.template import get_template
+from search_space.template import get_template, parse_source
 
 PROBLEM = "embedding_bags_update"
 HERE = Path(__file__).parent / "adversarial" / "updates"
@@ -59,7 +59,9 @@ def _source(path: Path) -> str:
         return text
     [edits] = [
         ast.literal_eval(node.value)
-        for node in ast.parse(text).body
+        # Under the lock every parse takes: the corpus's evaluations screen sources in threads
+        # meanwhile (search_space.template.parse_source).
+        for node in parse_source(text).body
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["EDITS"]
     ]
     source = get_template(PROBLEM).render({})
