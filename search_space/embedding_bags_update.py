@@ -386,13 +386,7 @@ def error_scale(inputs: Inputs) -> tuple[float | None, None]:
     (a result near zero), that is the error a correct kernel has, far above the result's own
     rounding. (bf16 and fp16 weights round far more coarsely than that: their bounds stand; the
     state's own fp32 bounds stand too.)"""
-    weights, grad_out, indices, offsets, row_offsets = (
-        inputs.args[0],
-        inputs.args[2],
-        inputs.args[6],
-        inputs.args[7],
-        inputs.args[4],
-    )
+    weights, _, grad_out, _, row_offsets, _, indices, offsets = inputs.args
     if weights.dtype != torch.float32 or indices.numel() == 0:
         return None, None
     batch, bag, _ = _bags_of(offsets, row_offsets.numel())
