@@ -168,7 +168,7 @@ def _compare_tensor(
         }
     if ref.numel() == 0:
         return True, {}
-    out64, ref64 = out.double(), ref.double()
+    out64, ref64 = out.to(torch.float64, copy=True), ref.double()  # out64 is worked in place
     infinite = ~torch.isfinite(ref64)
     if bool(infinite.any()):
         unequal = infinite & ~(out64 == ref64)
@@ -181,27 +181,34 @@ def _compare_tensor(
                 "worst_index": where,
             }
         # Equal there: the finite elements are compared as usual, the others count as exact.
-        out64, ref64 = out64.masked_fill(infinite, 0.0), ref64.masked_fill(infinite, 0.0)
-    diff = (out64 - ref64).abs()
-    rms = ref64.pow(2).mean().sqrt().item()
-    scale = max(rms, scale or 0.0, 1e-6)
-    bound = tol.atol * scale + tol.rtol * ref64.abs()
-    bad = ~(diff <= bound)  # NaN compares false, so NaN counts as bad
+        out64, ref64 = out64.masked_fill_(infinite, 0.0), ref64.masked_fill(infinite, 0.0)
+    del infinite
+    # In place where it can be: a dense gradient of a 2^31-element table is 17 GB per fp64 copy,
+    # so this holds three (the two operands and the bound), never one per step.
     ref_norm = ref64.norm().item()
-    norm_rel = ((out64 - ref64).norm() / max(ref_norm, 1e-12)).item()
-    worst = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
+    rms = ref_norm / ref.numel() ** 0.5
+    scale = max(rms, scale or 0.0, 1e-6)
+    diff = out64.sub_(ref64)  # the signed error; out64 is gone (the messages read `out`)
+    err_norm = diff.norm().item()
+    diff.abs_()
+    bound = ref64.abs().mul_(tol.rtol).add_(tol.atol * scale)
+    bad = ~(diff <= bound)  # NaN compares false, so NaN counts as bad
+    n_bad = int(bad.sum())
+    del bad
+    norm_rel = err_norm / max(ref_norm, 1e-12)
+    diff.nan_to_num_(nan=float("inf"))
+    worst = int(diff.argmax())
     worst_index = _unravel(worst, tuple(ref.shape))
     details = {
-        "max_abs_err": float(torch.nan_to_num(diff, nan=float("inf")).max()),
+        "max_abs_err": float(diff.flatten()[worst]),
         "norm_rel_err": norm_rel,
         "worst_index": [int(i) for i in worst_index],
     }
-    if bad.any():
-        n_bad = int(bad.sum())
+    if n_bad:
         details["message"] = (
             f"{n_bad} of {ref.numel()} elements outside tolerance; worst at "
-            f"{details['worst_index']}: got {out64.flatten()[worst].item():.6g}, "
-            f"expected {ref64.flatten()[worst].item():.6g}"
+            f"{details['worst_index']}: got {float(out.flatten()[worst]):.6g}, "
+            f"expected {float(ref.flatten()[worst]):.6g}"
         )
         return False, details
     # Against an all-zero reference (dq of one-key softmax rows) there is no relative norm: the
@@ -209,9 +216,11 @@ def _compare_tensor(
     if ref_norm > 0 and not norm_rel <= tol.norm_rtol:
         details["message"] = f"relative error norm {norm_rel:.3g} exceeds {tol.norm_rtol:.3g}"
         return False, details
-    # Rule rows: each row's error norm against its own norm, plus the dtype's floor.
+    # Rule rows: each row's error norm against its own norm, plus the dtype's floor (the error's
+    # magnitudes: a NaN counts as an infinite error here, as it does above).
     if ref.dim() >= 1 and ref.shape[0] > 0 and (tol.row_rtol is not None or tol.row_atol is not None):
-        rows_err = (out64 - ref64).reshape(ref.shape[0], -1).norm(dim=1)
+        del bound
+        rows_err = diff.reshape(ref.shape[0], -1).norm(dim=1)
         rows_ref = ref64.reshape(ref.shape[0], -1).norm(dim=1)
         width = max(ref.numel() // ref.shape[0], 1)
         row_bound = (tol.row_rtol or 0.0) * rows_ref + (tol.row_atol or 0.0) * scale * width**0.5

@@ -217,7 +217,7 @@ def test_gradients_match_autograd_through_the_reference(name: str, dtype: str, e
     options = {k: v for k, v in inputs.kwargs.items() if k != "per_sample_weights"}
     batch = (layout[-1].numel() - 1) // layout[0].numel()
     gen = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(batch, options["total_dim"], generator=gen).to(weights.dtype)
+    grad_out = torch.randn(batch, options["total_dim"], generator=gen).to(DEVICE, weights.dtype)
 
     leaves = [weights.clone().requires_grad_(), None if psw is None else psw.clone().requires_grad_()]
     ops.embedding_bags(leaves[0], *layout, **options, per_sample_weights=leaves[1]).backward(grad_out)

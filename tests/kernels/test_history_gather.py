@@ -96,7 +96,7 @@ GRAD_SHAPES = _shapes("edges", "one-long", "repeats-plain", "last-row-int32", "o
 def test_the_op_and_its_gradients_match_autograd_of_the_reference(shape: Shape, empty_library) -> None:
     inputs = FORWARD.make_inputs(shape, 0, DEVICE)
     gen = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(inputs.args[1].shape[0], shape.params["dim"], generator=gen).to(shape.torch_dtype)
+    grad_out = torch.randn(inputs.args[1].shape[0], shape.params["dim"], generator=gen).to(DEVICE, shape.torch_dtype)
     table, buckets = _leaves(inputs)
     out = _call(ops.history_gather, table, buckets, inputs)
     out.backward(grad_out)
@@ -120,7 +120,7 @@ def test_a_frozen_table_gets_no_gradient_and_the_buckets_theirs(empty_library) -
     dense [num_rows, D] buffer) and equals the one computed beside it."""
     (shape,) = [s for s in _shapes("one-long") if s.dtype == "fp32"]
     inputs = FORWARD.make_inputs(shape, 0, DEVICE)
-    grad_out = torch.randn(inputs.args[1].shape[0], shape.params["dim"])
+    grad_out = torch.randn(inputs.args[1].shape[0], shape.params["dim"], device=DEVICE)
     table, buckets = _leaves(inputs)
     _call(ops.history_gather, table.detach(), buckets, inputs).backward(grad_out)
     both = _leaves(inputs)
@@ -144,7 +144,7 @@ def test_reading_in_id_order_gives_what_reading_in_event_order_does(shape: Shape
         "stable": torch.argsort(ids, stable=True),
         "grouped backwards": torch.argsort(ids, stable=True).flip(0),
     }
-    grad_out = torch.randn(ids.shape[0], shape.params["dim"]).to(shape.torch_dtype)
+    grad_out = torch.randn(ids.shape[0], shape.params["dim"], device=DEVICE).to(shape.torch_dtype)
     results = {}
     for name, order in orders.items():
         table, buckets = _leaves(inputs)
