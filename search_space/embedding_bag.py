@@ -153,8 +153,7 @@ def dim_bucket(dim: int) -> str:
     return f"d{max(16, 1 << math.ceil(math.log2(max(dim, 1))))}"
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 CHECK_SHAPES = (

@@ -80,16 +80,9 @@ def reference(
     pooled = []
     features = per_feature(weight_offsets, dim_offsets, indices, offsets, per_sample_weights)
     for start, cols, ids, bag_offsets, psw in features:
-        table = feature_table(weights, start, cols.stop - cols.start, ids)
+        table = feature_table(weights, start, cols.stop - cols.start)
         pooled.append(single.reference(table, ids, bag_offsets, mode=mode, per_sample_weights=psw))
     return torch.cat(pooled, dim=1)
-
-
-def _table_rows(weights: torch.Tensor, weight_offset: int, dim: int) -> torch.Tensor:
-    """Every row that fits in `weights` from a table's start, as a [rows, dim] view: the layout
-    does not say how many rows a table has, and its ids stay inside it."""
-    rows = (weights.shape[0] - weight_offset) // dim
-    return weights[weight_offset : weight_offset + rows * dim].view(rows, dim)
 
 
 def torch_embedding_bag_per_feature(
@@ -109,7 +102,7 @@ def torch_embedding_bag_per_feature(
     pooled = []
     features = per_feature(weight_offsets, dim_offsets, indices, offsets, per_sample_weights)
     for start, cols, ids, bag_offsets, psw in features:
-        table = _table_rows(weights, start, cols.stop - cols.start)
+        table = feature_table(weights, start, cols.stop - cols.start)
         pooled.append(F.embedding_bag(ids, table, bag_offsets[:-1], mode=mode, per_sample_weights=psw))
     return torch.cat(pooled, dim=1)
 
@@ -211,8 +204,7 @@ def call_bucket(max_dim: int, indices: torch.Tensor, offsets: torch.Tensor) -> s
 # --- shapes -----------------------------------------------------------------------------------
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 # Every dim the workload has, and some that are no power of two, in one call.

@@ -263,8 +263,7 @@ def bucket(shape: Shape) -> str:
     return f"{forward.bucket(shape)}-{shape.params.get('optimizer', 'adagrad')}"
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 # Tables for the check shapes: dims 4 to 256, a table of one row, features sharing tables.

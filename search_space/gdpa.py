@@ -175,8 +175,7 @@ def torch_padded(
 # --- shapes ---------------------------------------------------------------------------------
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 def _check_shapes(dtype: str) -> tuple[Shape, ...]:

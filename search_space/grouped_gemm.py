@@ -125,8 +125,7 @@ def shape_bucket(shape: Shape) -> str:
     return bucket_of(rows_of(shape), groups_of(shape), shape.params["k"], shape.params["m"])
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 # Edge cases: empty groups (first, middle and last), a group of one row, row counts, K and M

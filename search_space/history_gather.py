@@ -219,8 +219,7 @@ def bucket(shape: Shape) -> str:
 # --- shapes ----------------------------------------------------------------------------------
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 # Break kernels: empty sequences (first, last, all of them, none at all), length 1, one

@@ -151,8 +151,7 @@ def shape_bucket(shape: Shape) -> str:
     return bucket_of(shape.params["dim"], num_seqs(shape), padded_len(shape), round(mean_total(shape)))
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 # Break kernels: empty sequences (first and last), one row, lengths on no block's multiple, a

@@ -132,11 +132,10 @@ def table_rows(weight_offsets: Sequence[int], dims: Sequence[int], num_elements:
     return {start: (end - start) // dim_of[start] for start, end in zip(starts, ends, strict=True)}
 
 
-def feature_table(weights: torch.Tensor, weight_offset: int, dim: int, indices: torch.Tensor) -> torch.Tensor:
-    """The rows of a feature's table that its ids reach, as a [rows, dim] view of `weights`
-    (enough rows for the largest id: a reference's view, since the layout does not say how many
-    rows a table has)."""
-    rows = int(indices.max()) + 1 if indices.numel() else 0
+def feature_table(weights: torch.Tensor, weight_offset: int, dim: int) -> torch.Tensor:
+    """Every row that fits in a flat `weights` from a table's start, as a [rows, dim] view: the
+    per-feature metadata does not say how many rows a table has, and its ids stay inside it."""
+    rows = (weights.shape[0] - weight_offset) // dim
     return weights[weight_offset : weight_offset + rows * dim].view(rows, dim)
 
 

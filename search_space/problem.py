@@ -31,6 +31,11 @@ class Shape:
     dtype: str
     params: Mapping[str, Any]
 
+    @classmethod
+    def of(cls, name: str, dtype: str, **params: Any) -> Shape:
+        """A shape from its params as keywords: the problems' shorthand for their shape lists."""
+        return cls(name=name, dtype=dtype, params=params)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

@@ -339,8 +339,7 @@ def _softmax_shape(shape: Shape) -> bool:
 # --- shapes ---------------------------------------------------------------------------------
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 def _check_shapes(dtype: str) -> tuple[Shape, ...]:

@@ -108,8 +108,7 @@ def shape_bucket(shape: Shape) -> str:
     return bucket_of(p.get("n_user", 0) + p["n_cand"], p["dim"])
 
 
-def _s(name: str, dtype: str, **params) -> Shape:
-    return Shape(name=name, dtype=dtype, params=params)
+_s = Shape.of
 
 
 # Edge cases: no user part; a dim over several slices that is no multiple of one; n and k that
