@@ -160,28 +160,22 @@ def _whole_row(max_dim: int) -> int:
 
 
 def _forward_config(max_dim: int, element_size: int, mean_ids: float, interpreted: bool = False) -> dict:
-    """Launch parameters of the forward. Untuned: reasoned from the single-table kernel's H200
-    sweep (kernels/embedding_bag.py: _forward_config, BENCHMARKS.md 2026-11-30) until measured on
-    the H200 with the timing shapes of search_space/embedding_bags.py.
+    """Launch parameters of the forward, from the H200 sweep of its timing shapes
+    (evals/studies/bags_tiles.py, BENCHMARKS.md 2026-12-05).
 
-    Columns come in slices of at most 64 (128 for 2-byte rows): a narrow feature wastes few
-    lanes, a wide one spreads over several programs. Short calls (one to three ids a bag) are a
-    row copy or two per bag, bound by the latency of three dependent loads (offsets, ids, rows):
-    8 bags x 2 ids per step keep 16 row gathers in flight per program. Pooled calls take the
-    sweep's tiles: 2-byte rows of more than 64 columns as 4 bags x 8 ids of 128 columns,
-    everything else 2 bags x 4 ids of 64 with the 3D accumulator; their short features' programs
-    mask most of the tile off, which costs lanes, not traffic.
+    Narrow column slices and many bags: 32 bags x 2 ids x 32 columns a step on two warps. Every
+    feature's row is then one to eight 64- or 128-byte slices, each program keeps 64 row
+    gathers in flight, and a narrow feature wastes few lanes; this led or was within 5% of the
+    best tile on every bf16 shape and on fp32 short bags. fp32 pooled batches (bags of up to
+    120 ids): 16 bags x 2 ids x 32 columns on one warp, with the 3D accumulator.
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
     if interpreted:
         return {"BLOCK_B": 16, "BLOCK_L": 16, "BLOCK_D": _whole_row(max_dim), "ACC_3D": False, "num_warps": 2}
-    block_d = min(triton.next_power_of_2(max(max_dim, 16)), 128 if element_size == 2 else 64)
-    if mean_ids <= SHORT_MEAN_IDS:
-        return {"BLOCK_B": 8, "BLOCK_L": 2, "BLOCK_D": block_d, "ACC_3D": False, "num_warps": 2}
-    if element_size == 2 and max_dim > 64:
-        return {"BLOCK_B": 4, "BLOCK_L": 8, "BLOCK_D": block_d, "ACC_3D": False, "num_warps": 2}
-    return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
+    if element_size == 4 and mean_ids > SHORT_MEAN_IDS:
+        return {"BLOCK_B": 16, "BLOCK_L": 2, "BLOCK_D": 32, "ACC_3D": True, "num_warps": 1}
+    return {"BLOCK_B": 32, "BLOCK_L": 2, "BLOCK_D": 32, "ACC_3D": False, "num_warps": 2}
 
 
 def _backward_config(max_dim: int, interpreted: bool = False) -> dict:

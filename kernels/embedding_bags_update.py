@@ -7,14 +7,17 @@ row's index in the row-wise state, unique across tables), so the ids of one row 
 The sorted ids are cut into chunks, a new one at every row's first id and at every multiple of
 CHUNK positions, so a chunk holds at most CHUNK ids of one row. Then
 
+0. one wide launch resolves each sorted position once (its gradient row's place in grad_out,
+   its factor, its table row's place in weights and dim), so that no later program walks the
+   chain of dependent loads from an id to its bag, feature, table and gradient row;
 1. each program sums the gradients of BLOCK_I chunks (a [BLOCK_I, BLOCK_L, BLOCK_D] tile of
-   gathered gradient rows per step, for latency, as the forward gathers rows). A row whose ids
-   all lie in its chunk (nearly every row: most are looked up once or twice) is updated there
-   and then; a longer row (a hot id, held by many bags) leaves its chunks' sums in a buffer;
+   gathered gradient rows per step, as the forward gathers rows). A row whose ids all lie in
+   its chunk (nearly every row: most are looked up once or twice) is updated there and then; a
+   longer row (a hot id, held by many bags) leaves its chunks' sums in a buffer;
 2. one program per CHUNK positions finishes the long row that crosses its position, if any:
    sums its chunks' sums and updates it once.
 
-Host code only sorts and numbers integer keys (torch.sort, torch.cumsum); both launches are
+Host code only sorts and numbers integer keys (torch.sort, torch.cumsum); every launch is
 sized from the number of ids, so nothing is read back: the call never syncs the host.
 
 This module is also the problem's knob template: a search writes values into KNOBS; None keeps
@@ -30,9 +33,59 @@ import triton.language as tl
 KNOBS = {
     "BLOCK_I": None,
     "BLOCK_L": None,
+    "BLOCK_D": None,
     "CHUNK": 64,
     "num_warps": None,
+    "num_stages": None,
 }
+
+
+@triton.jit
+def _sorted_kernel(
+    order_ptr,
+    bag_ptr,
+    keys_ptr,
+    offsets_ptr,
+    psw_ptr,
+    w_off_ptr,
+    r_off_ptr,
+    d_off_ptr,
+    grad_at_ptr,
+    scale_ptr,
+    row_at_ptr,
+    dim_ptr,
+    nnz,
+    batch,
+    stride_grad,
+    POOL_MEAN: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """What the rows kernel needs of each sorted position p, resolved once here, where the loads
+    of a thousand positions overlap: where its gradient row starts in grad_out, its factor (the
+    per-sample weight, the mean's 1 / length), where its table row starts in weights, and the
+    row's dim."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = pos < nnz
+    i = tl.load(order_ptr + pos, mask=valid, other=0)
+    b = tl.load(bag_ptr + i, mask=valid, other=0)
+    f = b // batch
+    col0 = tl.load(d_off_ptr + f, mask=valid, other=0)
+    dim = tl.load(d_off_ptr + f + 1, mask=valid, other=0) - col0
+    tl.store(grad_at_ptr + pos, (b - f * batch) * stride_grad + col0, mask=valid)
+    if HAS_PSW or POOL_MEAN:
+        scale = tl.full([BLOCK], 1.0, dtype=tl.float32)
+        if HAS_PSW:
+            scale *= tl.load(psw_ptr + i, mask=valid, other=0.0).to(tl.float32)
+        if POOL_MEAN:
+            length = tl.load(offsets_ptr + b + 1, mask=valid, other=1)
+            length -= tl.load(offsets_ptr + b, mask=valid, other=0)
+            scale /= tl.maximum(length, 1).to(tl.float32)
+        tl.store(scale_ptr + pos, scale, mask=valid)
+    key = tl.load(keys_ptr + pos, mask=valid, other=0)
+    row = key - tl.load(r_off_ptr + f, mask=valid, other=0)
+    tl.store(row_at_ptr + pos, tl.load(w_off_ptr + f, mask=valid, other=0) + row * dim, mask=valid)
+    tl.store(dim_ptr + pos, dim.to(tl.int32), mask=valid)
 
 
 @triton.jit
@@ -61,36 +114,58 @@ def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _step(
-    weights_ptr,
-    state_ptr,
-    grad_ID,
-    key_I,
-    w_off_I,
-    r_off_I,
-    dim_I,
-    cols_D,
-    mask_I,
-    lr,
-    eps,
-    seed,
-    ADAGRAD: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-):
-    """The optimizer step on BLOCK_I whole rows (key: the row's index in the state) from their
-    summed gradients, each row once."""
-    mask_ID = mask_I[:, None] & (cols_D[None, :] < dim_I[:, None])
-    where_ID = w_off_I[:, None] + (key_I - r_off_I)[:, None] * dim_I[:, None] + cols_D[None, :]
-    w_ID = tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0).to(tl.float32)
+def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):
+    """Each row's step size: adagrad's from its state, which takes the row's mean squared
+    gradient (grad_sq: the sum over its columns), or SGD's lr."""
     if ADAGRAD:
         total_I = tl.load(state_ptr + key_I, mask=mask_I, other=0.0)
-        total_I += tl.sum(grad_ID * grad_ID, axis=1) / tl.maximum(dim_I, 1).to(tl.float32)
+        total_I += grad_sq_I / tl.maximum(dim_I, 1).to(tl.float32)
         tl.store(state_ptr + key_I, total_I, mask=mask_I)
-        w_ID -= (lr / (tl.sqrt(total_I) + eps))[:, None] * grad_ID
-    else:
-        w_ID -= lr * grad_ID
+        return lr / (tl.sqrt(total_I) + eps)
+    return tl.zeros_like(grad_sq_I) + lr
+
+
+@triton.jit
+def _apply(weights_ptr, grad_ID, step_I, row_at_I, cols_D, mask_ID, seed, STOCHASTIC: tl.constexpr):
+    """w -= step * grad on a block of columns of BLOCK_I rows (row_at: each row's first element
+    in weights), rounded to the weights' dtype."""
+    where_ID = row_at_I[:, None] + cols_D[None, :]
+    w_ID = tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0).to(tl.float32)
+    w_ID -= step_I[:, None] * grad_ID
     out = _round(w_ID, where_ID, seed, STOCHASTIC, weights_ptr.dtype.element_ty)
     tl.store(weights_ptr + where_ID, out, mask=mask_ID)
+
+
+@triton.jit
+def _gather_sum(
+    grad_out_ptr,
+    grad_at_ptr,
+    scale_ptr,
+    begin_I,
+    end_I,
+    valid_I,
+    longest,
+    cols_D,
+    col_mask_ID,
+    SCALED: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """The summed gradient of each chunk's ids on a block of columns: [BLOCK_I, BLOCK_D] fp32,
+    BLOCK_L ids of every chunk gathered per step."""
+    grad_ID = tl.zeros([begin_I.shape[0], cols_D.shape[0]], dtype=tl.float32)
+    for step in tl.range(0, longest, BLOCK_L):
+        at_IL = begin_I[:, None] + step + tl.arange(0, BLOCK_L)[None, :]
+        mask_IL = valid_I[:, None] & (at_IL < end_I[:, None])
+        g_at_IL = tl.load(grad_at_ptr + at_IL, mask=mask_IL, other=0)
+        g_ILD = tl.load(
+            grad_out_ptr + g_at_IL[:, :, None] + cols_D[None, None, :],
+            mask=mask_IL[:, :, None] & col_mask_ID[:, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if SCALED:
+            g_ILD *= tl.load(scale_ptr + at_IL, mask=mask_IL, other=0.0)[:, :, None]
+        grad_ID += tl.sum(g_ILD, axis=1)
+    return grad_ID
 
 
 @triton.jit
@@ -98,112 +173,93 @@ def _rows_kernel(
     weights_ptr,
     state_ptr,
     grad_out_ptr,
-    w_off_ptr,
-    r_off_ptr,
-    d_off_ptr,
-    offsets_ptr,
-    psw_ptr,
     keys_ptr,
-    order_ptr,
-    bag_ptr,
+    grad_at_ptr,
+    scale_ptr,
+    row_at_ptr,
+    dim_ptr,
     starts_ptr,
     count_ptr,
     partial_ptr,
-    stride_grad,
-    batch,
+    partial_stride,
     nnz,
     lr,
     eps,
     seed,
     ADAGRAD: tl.constexpr,
-    POOL_MEAN: tl.constexpr,
-    HAS_PSW: tl.constexpr,
+    SCALED: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_I: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """BLOCK_I chunks, BLOCK_D columns at a time: rows of up to BLOCK_D columns (most tables'),
+    in one pass; wider ones in two under adagrad (the row's norm first, then the step: the
+    gradients are gathered twice, the second time mostly from L2)."""
     count = tl.load(count_ptr)
     chunks_I = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     valid_I = chunks_I < count
     begin_I = tl.load(starts_ptr + chunks_I, mask=valid_I, other=0)
     end_I = tl.load(starts_ptr + chunks_I + 1, mask=valid_I, other=0)
-    len_I = end_I - begin_I
     key_I = tl.load(keys_ptr + begin_I, mask=valid_I, other=0)
+    row_at_I = tl.load(row_at_ptr + begin_I, mask=valid_I, other=0)
+    dim_I = tl.load(dim_ptr + begin_I, mask=valid_I, other=0)
     # Whether the chunk holds its row's first id, and its last.
     before_I = tl.load(keys_ptr + begin_I - 1, mask=valid_I & (begin_I > 0), other=-1)
     after_I = tl.load(keys_ptr + end_I, mask=valid_I & (end_I < nnz), other=-1)
     whole_I = valid_I & ((begin_I == 0) | (before_I != key_I)) & ((end_I >= nnz) | (after_I != key_I))
-    # The row's table: the feature of its first id (every feature of a row shares its table).
-    bag0_I = tl.load(bag_ptr + tl.load(order_ptr + begin_I, mask=valid_I, other=0), mask=valid_I, other=0)
-    f0_I = bag0_I // batch
-    w_off_I = tl.load(w_off_ptr + f0_I, mask=valid_I, other=0)
-    r_off_I = tl.load(r_off_ptr + f0_I, mask=valid_I, other=0)
-    dim_I = tl.load(d_off_ptr + f0_I + 1, mask=valid_I, other=0) - tl.load(
-        d_off_ptr + f0_I, mask=valid_I, other=0
-    )
-    cols_D = tl.arange(0, BLOCK_D)
-    col_mask_ID = cols_D[None, :] < dim_I[:, None]
-    grad_ID = tl.zeros([BLOCK_I, BLOCK_D], dtype=tl.float32)
-    for step in tl.range(0, tl.max(len_I, axis=0), BLOCK_L):
-        j_L = step + tl.arange(0, BLOCK_L)
-        mask_IL = valid_I[:, None] & (j_L[None, :] < len_I[:, None])
-        id_IL = tl.load(order_ptr + begin_I[:, None] + j_L[None, :], mask=mask_IL, other=0)
-        bag_IL = tl.load(bag_ptr + id_IL, mask=mask_IL, other=0)
-        f_IL = bag_IL // batch
-        col0_IL = tl.load(d_off_ptr + f_IL, mask=mask_IL, other=0)
-        g_ILD = tl.load(
-            grad_out_ptr
-            + (bag_IL - f_IL * batch)[:, :, None] * stride_grad
-            + col0_IL[:, :, None]
-            + cols_D[None, None, :],
-            mask=mask_IL[:, :, None] & col_mask_ID[:, None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if HAS_PSW:
-            g_ILD *= tl.load(psw_ptr + id_IL, mask=mask_IL, other=0.0).to(tl.float32)[:, :, None]
-        if POOL_MEAN:
-            length_IL = tl.load(offsets_ptr + bag_IL + 1, mask=mask_IL, other=1) - tl.load(
-                offsets_ptr + bag_IL, mask=mask_IL, other=0
-            )
-            g_ILD /= tl.maximum(length_IL, 1).to(tl.float32)[:, :, None]
-        grad_ID += tl.sum(g_ILD, axis=1)
-    _step(
-        weights_ptr,
-        state_ptr,
-        grad_ID,
-        key_I,
-        w_off_I,
-        r_off_I,
-        dim_I,
-        cols_D,
-        whole_I,
-        lr,
-        eps,
-        seed,
-        ADAGRAD,
-        STOCHASTIC,
-    )
     # A long row's chunks leave their sums: slot 2c for the chunk at position c * CHUNK, 2c + 1 for
     # one that starts its row inside [c * CHUNK, (c + 1) * CHUNK) (only a row's first chunk does).
     slot_I = 2 * (begin_I // CHUNK) + (begin_I % CHUNK != 0).to(tl.int64)
-    part_mask = (valid_I & ~whole_I)[:, None] & col_mask_ID
-    tl.store(partial_ptr + slot_I[:, None] * BLOCK_D + cols_D[None, :], grad_ID, mask=part_mask)
+    part_I = valid_I & ~whole_I
+    longest = tl.max(end_I - begin_I, axis=0)
+    widest = tl.max(dim_I, axis=0)
+    cols_D = tl.arange(0, BLOCK_D)
+    if widest <= BLOCK_D:
+        col_mask_ID = cols_D[None, :] < dim_I[:, None]
+        grad_ID = _gather_sum(
+            grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
+            SCALED, BLOCK_L,
+        )  # fmt: skip
+        step_I = _scale(state_ptr, tl.sum(grad_ID * grad_ID, axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)
+        _apply(
+            weights_ptr, grad_ID, step_I, row_at_I, cols_D, whole_I[:, None] & col_mask_ID, seed, STOCHASTIC
+        )
+        where_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
+        tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
+    else:
+        grad_sq_I = tl.zeros([BLOCK_I], dtype=tl.float32)
+        if ADAGRAD:
+            for c0 in range(0, widest, BLOCK_D):
+                col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
+                grad_ID = _gather_sum(
+                    grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, c0 + cols_D,
+                    col_mask_ID, SCALED, BLOCK_L,
+                )  # fmt: skip
+                grad_sq_I += tl.sum(grad_ID * grad_ID, axis=1)
+        step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)
+        for c0 in range(0, widest, BLOCK_D):
+            col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
+            grad_ID = _gather_sum(
+                grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, c0 + cols_D,
+                col_mask_ID, SCALED, BLOCK_L,
+            )  # fmt: skip
+            mask_ID = whole_I[:, None] & col_mask_ID
+            _apply(weights_ptr, grad_ID, step_I, row_at_I, c0 + cols_D, mask_ID, seed, STOCHASTIC)
+            where_ID = partial_ptr + slot_I[:, None] * partial_stride + (c0 + cols_D)[None, :]
+            tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
 
 
 @triton.jit
 def _long_rows_kernel(
     weights_ptr,
     state_ptr,
-    w_off_ptr,
-    r_off_ptr,
-    d_off_ptr,
     keys_ptr,
-    order_ptr,
-    bag_ptr,
+    row_at_ptr,
+    dim_ptr,
     partial_ptr,
-    batch,
+    partial_stride,
     nnz,
     lr,
     eps,
@@ -215,7 +271,7 @@ def _long_rows_kernel(
 ):
     """Program c finishes the long row (over CHUNK ids) whose chunks first reach a multiple of
     CHUNK at position p = c * CHUNK: one that starts at p and runs past p + CHUNK, or one that
-    started inside the previous CHUNK positions and runs into p."""
+    started inside the previous CHUNK positions and runs into p. Its tile holds a whole row."""
     p = tl.program_id(0).to(tl.int64) * CHUNK
     key = tl.load(keys_ptr + p)
     before = tl.load(keys_ptr + p - 1, mask=p > 0, other=-1)
@@ -227,50 +283,37 @@ def _long_rows_kernel(
             tl.load(keys_ptr + p + CHUNK, mask=p + CHUNK < nnz, other=-1) == key
         )
     if started_here:
+        at = p + tl.zeros([1], dtype=tl.int64)
+        row_at = tl.load(row_at_ptr + at)
+        dim = tl.load(dim_ptr + at)
         cols = tl.arange(0, BLOCK_D)
+        mask = cols[None, :] < dim[:, None]
         grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
         if from_before:  # the row's first chunk, inside the previous CHUNK positions
-            grad += tl.load(partial_ptr + (2 * (p // CHUNK - 1) + 1) * BLOCK_D + cols)[None, :]
+            slot = 2 * (p // CHUNK - 1) + 1
+            grad += tl.load(partial_ptr + slot * partial_stride + cols[None, :], mask=mask, other=0.0)
         q = p
         while tl.load(keys_ptr + q, mask=q < nnz, other=-1) == key:
-            grad += tl.load(partial_ptr + (2 * (q // CHUNK)) * BLOCK_D + cols)[None, :]
+            slot = 2 * (q // CHUNK)
+            grad += tl.load(partial_ptr + slot * partial_stride + cols[None, :], mask=mask, other=0.0)
             q += CHUNK
-        f = tl.load(bag_ptr + tl.load(order_ptr + p)) // batch
-        w_off = tl.load(w_off_ptr + f + tl.zeros([1], dtype=tl.int64))
-        r_off = tl.load(r_off_ptr + f + tl.zeros([1], dtype=tl.int64))
-        dim = tl.load(d_off_ptr + f + 1 + tl.zeros([1], dtype=tl.int64)) - tl.load(
-            d_off_ptr + f + tl.zeros([1], dtype=tl.int64)
-        )
-        grad = tl.where(cols[None, :] < dim[:, None], grad, 0.0)
         keys = key + tl.zeros([1], dtype=tl.int64)
-        _step(
-            weights_ptr,
-            state_ptr,
-            grad,
-            keys,
-            w_off,
-            r_off,
-            dim,
-            cols,
-            keys >= 0,
-            lr,
-            eps,
-            seed,
-            ADAGRAD,
-            STOCHASTIC,
-        )
+        step = _scale(state_ptr, tl.sum(grad * grad, axis=1), keys, dim, keys >= 0, lr, eps, ADAGRAD)
+        _apply(weights_ptr, grad, step, row_at, cols, mask, seed, STOCHASTIC)
 
 
 def _config(max_dim: int, interpreted: bool) -> dict:
-    """Launch parameters: a whole row per program's tile (the row-wise step needs its full norm).
-    On a GPU (untuned until measured on the H200): 4 rows x 4 ids per step for rows of up to 128
-    columns, 2 x 4 beyond; interpreted, few wide programs: 16 rows x 8 ids."""
+    """Launch parameters of the rows kernel. On a GPU (the H200 sweep of 2026-12-05,
+    evals/studies/update_phases.py): its time follows its occupancy, so small tiles of few
+    registers: 2 chunks x 1 id x 64 columns a step on one warp. Interpreted, few wide programs:
+    16 chunks x 8 ids of whole rows."""
     if interpreted:
-        return {"BLOCK_I": 16, "BLOCK_L": 8, "num_warps": 1}
-    return {"BLOCK_I": 4 if max_dim <= 128 else 2, "BLOCK_L": 4, "num_warps": 4 if max_dim > 64 else 2}
+        return {"BLOCK_I": 16, "BLOCK_L": 8, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
+                "num_stages": 1}  # fmt: skip
+    return {"BLOCK_I": 2, "BLOCK_L": 1, "BLOCK_D": 64, "num_warps": 1, "num_stages": 1}
 
 
-MAX_DIM = 1024  # a row's tile holds it whole
+MAX_DIM = 1024  # the long rows kernel's tile holds a row whole
 
 
 def check_arguments(
@@ -395,66 +438,90 @@ def embedding_bags_update(
     cfg = _config(max_dim, interpreted=weights.device.type == "cpu")
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
     chunk = KNOBS["CHUNK"]
-    block_d = triton.next_power_of_2(max_dim)
-    # Every id's bag, and its row's key (its index in the state); the ids sorted by key.
+    block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(max_dim))
+    # Every id's bag, and its row's key (its index in the state: int32 where the rows allow, for
+    # a sort of half the passes); the ids sorted by key.
     positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)
     bag = torch.searchsorted(offsets[1:], positions, right=True)
     keys = row_offsets[bag // batch] + indices
+    if weights.numel() < 2**31:  # a row has at least one element: every key fits
+        keys = keys.to(torch.int32)
     sorted_keys, order = torch.sort(keys, stable=True)
     # Chunks: a new one at each row's first id and every CHUNK positions; chunk_end[i] counts
     # them up to position i, so the last entry is their number, read by the kernels themselves.
-    starts_chunk = torch.ones(nnz, dtype=torch.int32, device=indices.device)
-    starts_chunk[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    starts_chunk |= positions % chunk == 0
-    chunk_end = torch.cumsum(starts_chunk, 0, dtype=torch.int32)
-    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=indices.device)
-    _chunk_starts_kernel[(triton.cdiv(nnz, 1024),)](chunk_end, starts, nnz, BLOCK=1024)
-    partial = torch.empty((2 * triton.cdiv(nnz, chunk), block_d), dtype=torch.float32, device=weights.device)
+    device = indices.device
+    flags = torch.ones(nnz, dtype=torch.int32, device=device)
+    flags[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    flags |= positions % chunk == 0
+    chunk_end = torch.cumsum(flags, 0, dtype=torch.int32)
+    # Each sorted position resolved once (see _sorted_kernel).
+    grad_at = torch.empty(nnz, dtype=torch.int64, device=device)
+    row_at = torch.empty(nnz, dtype=torch.int64, device=device)
+    dims = torch.empty(nnz, dtype=torch.int32, device=device)
     has_psw = per_sample_weights is not None
+    scaled = has_psw or pooling == "mean"
+    scale = torch.empty(nnz if scaled else 1, dtype=torch.float32, device=device)
+    grid = (triton.cdiv(nnz, 1024),)
+    _sorted_kernel[grid](
+        order,
+        bag,
+        sorted_keys,
+        offsets,
+        per_sample_weights if has_psw else scale,
+        weight_offsets,
+        row_offsets,
+        dim_offsets,
+        grad_at,
+        scale,
+        row_at,
+        dims,
+        nnz,
+        batch,
+        grad_out.stride(0),
+        POOL_MEAN=pooling == "mean",
+        HAS_PSW=has_psw,
+        BLOCK=1024,
+    )
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)
+    _chunk_starts_kernel[grid](chunk_end, starts, nnz, BLOCK=1024)
+    partial = torch.empty((2 * triton.cdiv(nnz, chunk), max_dim), dtype=torch.float32, device=weights.device)
     adagrad = optimizer == "adagrad"
     stochastic = bool(stochastic_rounding)
     _rows_kernel[(triton.cdiv(nnz, cfg["BLOCK_I"]),)](
         weights,
         state,
         grad_out,
-        weight_offsets,
-        row_offsets,
-        dim_offsets,
-        offsets,
-        per_sample_weights if has_psw else grad_out,
         sorted_keys,
-        order,
-        bag,
+        grad_at,
+        scale,
+        row_at,
+        dims,
         starts,
         chunk_end[nnz - 1 :],
         partial,
-        grad_out.stride(0),
-        batch,
+        max_dim,
         nnz,
         lr,
         eps,
         seed,
         ADAGRAD=adagrad,
-        POOL_MEAN=pooling == "mean",
-        HAS_PSW=has_psw,
+        SCALED=scaled,
         STOCHASTIC=stochastic,
         CHUNK=chunk,
         BLOCK_I=cfg["BLOCK_I"],
         BLOCK_L=cfg["BLOCK_L"],
         BLOCK_D=block_d,
         num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     _long_rows_kernel[(triton.cdiv(nnz, chunk),)](
         weights,
         state,
-        weight_offsets,
-        row_offsets,
-        dim_offsets,
         sorted_keys,
-        order,
-        bag,
+        row_at,
+        dims,
         partial,
-        batch,
+        max_dim,
         nnz,
         lr,
         eps,
@@ -462,6 +529,6 @@ def embedding_bags_update(
         ADAGRAD=adagrad,
         STOCHASTIC=stochastic,
         CHUNK=chunk,
-        BLOCK_D=block_d,
-        num_warps=cfg["num_warps"],
+        BLOCK_D=triton.next_power_of_2(max_dim),
+        num_warps=4,
     )

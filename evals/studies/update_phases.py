@@ -2,11 +2,12 @@
 rows kernel and the long-rows kernel timed apart, then the whole op at several launch knobs,
 beside torch's sparse path. One CUDA device; prints a table.
 
-    python3 -m evals.studies.update_phases [SHAPE NAME SUBSTRING] [DTYPE]
+    python3 -m evals.studies.update_phases [SHAPE NAME SUBSTRING] [DTYPE] [EARLIER MODULE]
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import torch
@@ -17,7 +18,24 @@ from sandbox.timing import benchmark
 from search_space import get_problem
 
 
-def main(pattern: str = "b64k-20f-short", dtype: str = "bf16") -> None:
+def _compiled(fn) -> list[str]:
+    """Registers, spills and shared memory of each compiled variant of a Triton kernel."""
+    caches = getattr(fn, "device_caches", None)
+    found = []
+    if caches:
+        for entry in caches.values():
+            found.extend(entry[0].values())
+    else:
+        for entry in getattr(fn, "cache", {}).values():
+            found.extend(entry.values())
+    return [
+        f"  {fn.__name__} {k.metadata.num_warps} warps: {k.n_regs} regs, {k.n_spills} spills, "
+        f"{k.metadata.shared} B shared"
+        for k in found
+    ]
+
+
+def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = "") -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags_update")
     shape = next(s for s in problem.timing_shapes if pattern in s.name and s.dtype == dtype)
@@ -29,7 +47,7 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16") -> None:
     def prep():
         positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
         bag = torch.searchsorted(offsets[1:], positions, right=True)
-        keys = r_off[bag // batch] + indices
+        keys = (r_off[bag // batch] + indices).to(torch.int32)
         sorted_keys, order = torch.sort(keys, stable=True)
         starts_chunk = torch.ones(nnz, dtype=torch.int32, device=device)
         starts_chunk[1:] = sorted_keys[1:] != sorted_keys[:-1]
@@ -40,13 +58,21 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16") -> None:
         return benchmark(fn, [args], device=device, max_reps=20).median_us
 
     rows = [("host: searchsorted, sort, number chunks", stats(prep))]
-    base = dict(kernel.KNOBS)
-    for block_i in (None, 8, 16, 32):
-        for warps in (None, 4, 8):
-            kernel.KNOBS.update(base, BLOCK_I=block_i, num_warps=warps)
-            us = stats(kernel.embedding_bags_update, (inputs.args, inputs.kwargs))
-            rows.append((f"whole op, BLOCK_I={block_i} num_warps={warps}", us))
-    kernel.KNOBS.update(base)
+    versions = [("", kernel)]
+    if earlier:  # an earlier version's module beside this one, for a side-by-side run
+        versions.append((earlier + " ", importlib.import_module(earlier)))
+    # (BLOCK_I, BLOCK_L, BLOCK_D, num_warps); None keeps the launch heuristic's.
+    configs = [(None,) * 4, (1, 1, 64, 1), (2, 1, 64, 1), (4, 1, 64, 2), (2, 1, 32, 1), (4, 1, 32, 1)]
+    configs += [(8, 1, 32, 2), (2, 2, 64, 1), (1, 1, 128, 1), (2, 1, 256, 1), (4, 2, 32, 2)]
+    for label, module in versions:
+        base = dict(module.KNOBS)
+        for config in configs if not label else configs[:2]:
+            knobs = dict(zip(("BLOCK_I", "BLOCK_L", "BLOCK_D", "num_warps"), config, strict=True))
+            module.KNOBS.update(base, **{k: v for k, v in knobs.items() if k in base})
+            us = stats(module.embedding_bags_update, (inputs.args, inputs.kwargs))
+            rows.append((f"{label}whole op, {' '.join(f'{k}={v}' for k, v in knobs.items())}", us))
+        module.KNOBS.update(base)
+        rows.extend((f"{label}{what}", 0.0) for what in _compiled(module._rows_kernel))
     torch_us = stats(problem.baselines["torch.embedding_bag_sparse+step"], (inputs.args, inputs.kwargs))
     rows.append(("torch.embedding_bag_sparse+step", torch_us))
     # The kernels alone (the rest is host work), by the profiler.

@@ -96,7 +96,9 @@ GRAD_SHAPES = _shapes("edges", "one-long", "repeats-plain", "last-row-int32", "o
 def test_the_op_and_its_gradients_match_autograd_of_the_reference(shape: Shape, empty_library) -> None:
     inputs = FORWARD.make_inputs(shape, 0, DEVICE)
     gen = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(inputs.args[1].shape[0], shape.params["dim"], generator=gen).to(DEVICE, shape.torch_dtype)
+    grad_out = torch.randn(inputs.args[1].shape[0], shape.params["dim"], generator=gen).to(
+        DEVICE, shape.torch_dtype
+    )
     table, buckets = _leaves(inputs)
     out = _call(ops.history_gather, table, buckets, inputs)
     out.backward(grad_out)

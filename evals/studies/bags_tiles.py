@@ -1,0 +1,73 @@
+"""embedding_bags' forward at each timing shape under several launch tiles (its KNOBS), beside
+torch's per-feature lookups, as GB/s and the fraction of the copy bandwidth measured in the same
+run. One CUDA device; prints a table per shape.
+
+    python3 -m evals.studies.bags_tiles [SHAPE NAME SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import kernels.embedding_bags as kernel
+from evals.bench_ops import measure_copy_bandwidth
+from sandbox.protocol import compare
+from sandbox.timing import benchmark
+from search_space import get_problem
+
+# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps); None keeps the launch heuristic's.
+TILES = (
+    (None, None, None, None, None),
+    (16, 2, None, None, 2),
+    (32, 2, 32, None, 2),
+    (32, 2, 64, None, 2),
+    (16, 2, 64, None, 2),
+    (16, 4, 64, None, 4),
+    (32, 1, 64, None, 2),
+    (64, 1, 32, None, 2),
+    (8, 2, 64, None, 1),
+    (16, 2, 32, None, 1),
+    (4, 8, 64, False, 2),
+    (4, 16, 64, False, 4),
+    (8, 8, 64, False, 4),
+    (2, 16, 128, False, 4),
+    (8, 4, 128, False, 4),
+)
+NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps")
+
+
+def main(pattern: str = "") -> None:
+    device = torch.device("cuda")
+    problem = get_problem("embedding_bags")
+    copy_bw = measure_copy_bandwidth(device)
+    base = dict(kernel.KNOBS)
+    for shape in [s for s in problem.timing_shapes if pattern in s.name]:
+        inputs = problem.make_inputs(shape, 1, device)
+        call = (inputs.args, inputs.kwargs)
+        want = problem.reference(*inputs.args, **inputs.kwargs)
+        moved = problem.bytes(shape)
+        rows = []
+        torch_fn = problem.baselines["torch.embedding_bag_per_feature"]
+        rows.append(("torch.embedding_bag_per_feature", benchmark(torch_fn, [call], device=device).median_us))
+        for tile in TILES:
+            kernel.KNOBS.update(base, **dict(zip(NAMES, tile, strict=True)))
+            ok, details = compare(
+                kernel.embedding_bags_forward(*call[0], **call[1]), want, problem.tolerance(shape.dtype)
+            )
+            label = " ".join(f"{k}={v}" for k, v in zip(NAMES, tile, strict=True))
+            if not ok:
+                rows.append((label + " WRONG: " + details["message"][:40], float("nan")))
+                continue
+            rows.append((label, benchmark(kernel.embedding_bags_forward, [call], device=device).median_us))
+        kernel.KNOBS.update(base)
+        print(f"\n{shape.name} {shape.dtype}: {moved / 1e6:.0f} MB")
+        for label, us in rows:
+            gbs = moved / (us * 1e-6) / 1e9
+            frac = f"{moved / (us * 1e-6) / copy_bw:5.0%}" if copy_bw else "  n/a"
+            print(f"  {label:70} {us:9.1f} us {gbs:7.0f} GB/s {frac} {rows[0][1] / us:5.2f}x")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
