@@ -64,7 +64,6 @@ class TableBatchedEmbeddings(nn.Module):
         self.layout = Layout.of([(t.num_rows, t.dim) for t in self.configs], range(len(self.configs)))
         self.fused, self.lr, self.eps = fused, lr, eps
         self._weight_at = self.layout.table_weight_offsets()
-        self._row_at = self.layout.table_row_offsets()
         weights = torch.empty(self.layout.num_elements, dtype=dtype, device=device)
         if fused:
             self.register_buffer("weights", weights)
@@ -184,9 +183,9 @@ class TableBatchedEmbeddings(nn.Module):
         if not calls:
             return
         device = calls[0].grad_out.device
-        dims = torch.tensor([t.dim for t in self.configs], device=device)
-        weight_at = torch.tensor(self._weight_at, device=device)
-        row_at = torch.tensor(self._row_at, device=device)
+        # Per table (the tables as features, in order: made once per device).
+        weight_at, row_at, dim_at, _, _ = self._features(tuple(range(len(self.configs))), device)
+        dims = dim_at[1:] - dim_at[:-1]
         tables, grads, indices, offsets, weights = [], [], [], [], []
         shift = 0
         weighted = any(c.per_sample_weights is not None for c in calls)
