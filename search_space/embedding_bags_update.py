@@ -484,7 +484,13 @@ KNOBS = (
         default=None,
         help="rows (segments of sorted ids) a program updates together",
     ),
-    Knob("BLOCK_L", (None, 2, 4, 8, 16, 32), default=None, help="ids of a row gathered per step"),
+    Knob("BLOCK_L", (None, 1, 2, 4, 8, 16, 32), default=None, help="ids of a row gathered per step"),
+    Knob(
+        "BLOCK_D",
+        (None, 16, 32, 64, 128, 256),
+        default=None,
+        help="columns a program takes at a time (rows wider take two passes under adagrad)",
+    ),
     Knob(
         "CHUNK",
         (16, 32, 64, 128, 256),
