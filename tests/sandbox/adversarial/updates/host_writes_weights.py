@@ -13,8 +13,8 @@ EDITS = [
         "    weights = weights.clone()\n",
     ),
     (
-        "        CHUNK=chunk,\n        BLOCK_D=block_d,\n        num_warps=cfg[\"num_warps\"],\n    )\n",
-        "        CHUNK=chunk,\n        BLOCK_D=block_d,\n        num_warps=cfg[\"num_warps\"],\n    )\n"
+        "        BLOCK_D=triton.next_power_of_2(max_dim),\n        num_warps=4,\n    )\n",
+        "        BLOCK_D=triton.next_power_of_2(max_dim),\n        num_warps=4,\n    )\n"
         "    target.copy_(weights)\n",
     ),
 ]

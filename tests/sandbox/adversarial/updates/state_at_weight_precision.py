@@ -10,10 +10,27 @@ Refused: each updated argument is compared under its own dtype's tolerance (the 
 # expect: wrong | output 1
 # timing: no
 
+# The state's store is in `_scale`, which is not given the weights: the edits pass their dtype.
 EDITS = [
     (
+        "def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):",
+        "def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr, LOW: tl.constexpr):",
+    ),
+    (
         "        tl.store(state_ptr + key_I, total_I, mask=mask_I)",
-        "        total_I = total_I.to(weights_ptr.dtype.element_ty).to(tl.float32)\n"
+        "        total_I = total_I.to(LOW).to(tl.float32)\n"
         "        tl.store(state_ptr + key_I, total_I, mask=mask_I)",
+    ),
+    (
+        "axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)",
+        "axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
+    ),
+    (
+        "step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)",
+        "step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
+    ),
+    (
+        "keys, dim, keys >= 0, lr, eps, ADAGRAD)",
+        "keys, dim, keys >= 0, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
     ),
 ]
