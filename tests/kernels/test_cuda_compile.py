@@ -16,10 +16,9 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
 # The kernels that have not yet run on a GPU (the others ran on an H200: BENCHMARKS.md); any op
-# can be added, at about 20 s a kernel the first time (Triton caches what it compiled). Left out
-# for the suite's time: embedding_bags_update (80 s for its many constexpr forms; it compiles:
-# `python tests/kernels/cuda_compile.py embedding_bags_update`) and embedding_bags (its own test
-# compiles its GPU launch configuration, tests/kernels/test_embedding_bags.py).
+# can be added, at about 20 s a kernel the first time (Triton caches what it compiled). Left out:
+# embedding_bags and embedding_bags_update, whose own tests compile their GPU launch
+# configurations (tests/kernels/test_embedding_bags.py, tests/kernels/test_embedding_bags_update.py).
 GROUPS = {
     "gemm": "grouped_gemm,grouped_gemm_weight_grad,wukong_fm",
     "history": "history_gather,history_gather_backward",

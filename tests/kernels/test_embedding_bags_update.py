@@ -8,6 +8,12 @@ one that updates on the host."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -243,3 +249,36 @@ def test_an_update_that_returns_something_is_wrong(device: torch.device) -> None
 
     result = check_shape(PROBLEM, returns_weights, _hot("sgd"), 0, device)
     assert not result.ok and "returns None" in result.message
+
+
+# Every launch compiled for an H100/H200 with Triton's real compiler, in the GPU's launch
+# configuration (tests/kernels/cuda_compile.py compiles what a launcher picks for DEVICE tensors:
+# here the interpreter's few wide programs).
+COMPILE_GPU_LAUNCHES = """
+import json, sys
+sys.path.insert(0, {here!r})
+import cuda_compile
+import kernels.embedding_bags_update as module
+config = module._config
+module._config = lambda max_dim, interpreted=False: config(max_dim, False)
+print(json.dumps(cuda_compile.main(["embedding_bags_update"])))
+"""
+
+
+@pytest.mark.slow
+def test_every_gpu_launch_compiles_for_sm90() -> None:
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(here.parents[1])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_GPU_LAUNCHES.format(here=str(here))],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["failed"] == [], report["failed"]
+    assert report["compiled"] == [
+        f"kernels.embedding_bags_update.{name}"
+        for name in ("_chunk_starts_kernel", "_long_rows_kernel", "_rows_kernel", "_sorted_kernel")
+    ]
