@@ -161,13 +161,14 @@ def _whole_row(max_dim: int) -> int:
 
 def _forward_config(max_dim: int, element_size: int, mean_ids: float, interpreted: bool = False) -> dict:
     """Launch parameters of the forward, from the H200 sweep of its timing shapes
-    (evals/studies/bags_tiles.py, BENCHMARKS.md 2026-12-05).
+    (evals/studies/bags_tiles.py, BENCHMARKS.md 2026-12-05, seventeenth session).
 
-    Narrow column slices and many bags: 32 bags x 2 ids x 32 columns a step on two warps. Every
-    feature's row is then one to eight 64- or 128-byte slices, each program keeps 64 row
-    gathers in flight, and a narrow feature wastes few lanes; this led or was within 5% of the
-    best tile on every bf16 shape and on fp32 short bags. fp32 pooled batches (bags of up to
-    120 ids): 16 bags x 2 ids x 32 columns on one warp, with the 3D accumulator.
+    Narrow column slices and many bags: every feature's row is one to eight slices of 64 or
+    128 bytes, each program keeps many row gathers in flight, and a narrow feature wastes few
+    lanes. 32 bags x 2 ids x 32 columns a step on two warps led on two of the four bf16 shapes
+    and was within 8% of the best tile on the others. fp32 short bags: 64 bags x 1 id x 32
+    columns, the sweep's best there. fp32 pooled batches (bags of up to 120 ids): 16 bags x 2
+    ids x 32 columns on one warp, with the 3D accumulator, the best there.
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
@@ -175,6 +176,8 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
         return {"BLOCK_B": 16, "BLOCK_L": 16, "BLOCK_D": _whole_row(max_dim), "ACC_3D": False, "num_warps": 2}
     if element_size == 4 and mean_ids > SHORT_MEAN_IDS:
         return {"BLOCK_B": 16, "BLOCK_L": 2, "BLOCK_D": 32, "ACC_3D": True, "num_warps": 1}
+    if element_size == 4:
+        return {"BLOCK_B": 64, "BLOCK_L": 1, "BLOCK_D": 32, "ACC_3D": False, "num_warps": 2}
     return {"BLOCK_B": 32, "BLOCK_L": 2, "BLOCK_D": 32, "ACC_3D": False, "num_warps": 2}
 
 

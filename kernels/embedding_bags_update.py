@@ -10,10 +10,12 @@ CHUNK positions, so a chunk holds at most CHUNK ids of one row. Then
 0. one wide launch resolves each sorted position once (its gradient row's place in grad_out,
    its factor, its table row's place in weights and dim), so that no later program walks the
    chain of dependent loads from an id to its bag, feature, table and gradient row;
-1. each program sums the gradients of BLOCK_I chunks (a [BLOCK_I, BLOCK_L, BLOCK_D] tile of
-   gathered gradient rows per step, as the forward gathers rows). A row whose ids all lie in
-   its chunk (nearly every row: most are looked up once or twice) is updated there and then; a
-   longer row (a hot id, held by many bags) leaves its chunks' sums in a buffer;
+1. each program sums the gradients of BLOCK_I chunks, BLOCK_D columns at a time (a
+   [BLOCK_I, BLOCK_L, BLOCK_D] tile of gathered gradient rows per step; rows wider than
+   BLOCK_D take a second pass under adagrad, whose step needs the row's norm). A row whose
+   ids all lie in its chunk (nearly every row: most are looked up once or twice) is updated
+   there and then; a longer row (a hot id, held by many bags) leaves its chunks' sums in a
+   buffer;
 2. one program per CHUNK positions finishes the long row that crosses its position, if any:
    sums its chunks' sums and updates it once.
 
@@ -115,8 +117,8 @@ def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):
-    """Each row's step size: adagrad's from its state, which takes the row's mean squared
-    gradient (grad_sq: the sum over its columns), or SGD's lr."""
+    """Each row's step size: SGD's lr, or adagrad's from its state, which this stores back with
+    the row's mean squared gradient added (grad_sq: its sum over the row's columns)."""
     if ADAGRAD:
         total_I = tl.load(state_ptr + key_I, mask=mask_I, other=0.0)
         total_I += grad_sq_I / tl.maximum(dim_I, 1).to(tl.float32)
@@ -194,9 +196,9 @@ def _rows_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """BLOCK_I chunks, BLOCK_D columns at a time: rows of up to BLOCK_D columns (most tables'),
-    in one pass; wider ones in two under adagrad (the row's norm first, then the step: the
-    gradients are gathered twice, the second time mostly from L2)."""
+    """BLOCK_I chunks, BLOCK_D columns at a time: when no row of the program is wider than
+    BLOCK_D, in one pass; otherwise in two under adagrad (the rows' norms first, then the step:
+    the gradients are gathered twice, the second time mostly from L2) and one under SGD."""
     count = tl.load(count_ptr)
     chunks_I = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     valid_I = chunks_I < count
@@ -214,7 +216,7 @@ def _rows_kernel(
     slot_I = 2 * (begin_I // CHUNK) + (begin_I % CHUNK != 0).to(tl.int64)
     part_I = valid_I & ~whole_I
     longest = tl.max(end_I - begin_I, axis=0)
-    widest = tl.max(dim_I, axis=0)
+    widest = tl.minimum(tl.max(dim_I, axis=0), partial_stride)  # max_dim: the caller's bound on dims
     cols_D = tl.arange(0, BLOCK_D)
     if widest <= BLOCK_D:
         col_mask_ID = cols_D[None, :] < dim_I[:, None]
@@ -233,8 +235,8 @@ def _rows_kernel(
         if ADAGRAD:
             for c0 in range(0, widest, BLOCK_D):
                 col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
-                grad_ID = _gather_sum(
-                    grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, c0 + cols_D,
+                grad_ID = _gather_sum(  # only rows updated here need their norm
+                    grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, whole_I, longest, c0 + cols_D,
                     col_mask_ID, SCALED, BLOCK_L,
                 )  # fmt: skip
                 grad_sq_I += tl.sum(grad_ID * grad_ID, axis=1)
@@ -312,6 +314,11 @@ def _config(max_dim: int, interpreted: bool) -> dict:
                 "num_stages": 1}  # fmt: skip
     return {"BLOCK_I": 2, "BLOCK_L": 1, "BLOCK_D": 64, "num_warps": 1, "num_stages": 1}
 
+
+# Sort keys (each row's index in the state) are int32 when the rows are fewer than this: a radix
+# sort of half the passes. Rows number at most the weights' elements (a row holds at least one)
+# or the state's entries, whichever is more.
+INT32_KEYS_BELOW = 2**31
 
 MAX_DIM = 1024  # the long rows kernel's tile holds a row whole
 
@@ -444,7 +451,7 @@ def embedding_bags_update(
     positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)
     bag = torch.searchsorted(offsets[1:], positions, right=True)
     keys = row_offsets[bag // batch] + indices
-    if weights.numel() < 2**31:  # a row has at least one element: every key fits
+    if max(weights.numel(), state.numel()) < INT32_KEYS_BELOW:
         keys = keys.to(torch.int32)
     sorted_keys, order = torch.sort(keys, stable=True)
     # Chunks: a new one at each row's first id and every CHUNK positions; chunk_end[i] counts

@@ -168,7 +168,9 @@ def _compare_tensor(
         }
     if ref.numel() == 0:
         return True, {}
-    out64, ref64 = out.to(torch.float64, copy=True), ref.double()  # out64 is worked in place
+    # out64 is worked in place; both contiguous, so that no flatten or reshape below copies.
+    out64 = out.to(torch.float64, memory_format=torch.contiguous_format, copy=True)
+    ref64 = ref.to(torch.float64, memory_format=torch.contiguous_format)
     infinite = ~torch.isfinite(ref64)
     if bool(infinite.any()):
         unequal = infinite & ~(out64 == ref64)
@@ -207,8 +209,8 @@ def _compare_tensor(
     if n_bad:
         details["message"] = (
             f"{n_bad} of {ref.numel()} elements outside tolerance; worst at "
-            f"{details['worst_index']}: got {float(out.flatten()[worst]):.6g}, "
-            f"expected {float(ref.flatten()[worst]):.6g}"
+            f"{details['worst_index']}: got {float(out[tuple(worst_index)]):.6g}, "
+            f"expected {float(ref[tuple(worst_index)]):.6g}"
         )
         return False, details
     # Against an all-zero reference (dq of one-key softmax rows) there is no relative norm: the

@@ -57,18 +57,21 @@ def _explicit(name: str, dtype: str, tables: list, lengths: list[int]) -> Shape:
 
 
 # Every branch of the GPU's launch heuristics, by the tile it picks (BLOCK_B, BLOCK_L, BLOCK_D,
-# ACC_3D): pooled fp32 has its own; short calls and 2-byte pooled ones, wide or narrow, share one.
-# Dims 4 and 200 beside: several column blocks, and programs past their feature's dim.
+# ACC_3D): fp32 pooled, fp32 short, and 2-byte rows (short or pooled). Dims 4 and 200 beside:
+# several column blocks, and programs past their feature's dim.
 THREE_TABLES = [[50, 64], [30, 200], [9, 4]]
 GPU_BRANCHES = [
-    (_explicit("short", "bf16", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (32, 2, 32, False)),
     (_explicit("pooled", "fp32", THREE_TABLES, [9, 0, 3, 1, 2, 1, 1, 7, 0, 2, 1, 3]), (16, 2, 32, True)),
+    (_explicit("short", "fp32", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (64, 1, 32, False)),
+    (_explicit("short", "bf16", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (32, 2, 32, False)),
     (_explicit("pooled-wide", "fp16", [[80, 128], [9, 4]], [12, 0, 5, 2, 3, 1]), (32, 2, 32, False)),
-    (_explicit("pooled-narrow", "bf16", [[50, 64], [30, 4]], [9, 4, 1, 0, 2, 6]), (32, 2, 32, False)),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("shape", "tile"), GPU_BRANCHES, ids=[s.name for s, _ in GPU_BRANCHES])
+GPU_BRANCH_IDS = [f"{s.name}-{s.dtype}" for s, _ in GPU_BRANCHES]
+
+
+@pytest.mark.parametrize(("shape", "tile"), GPU_BRANCHES, ids=GPU_BRANCH_IDS)
 def test_the_gpu_launch_configuration_passes_too(
     shape: Shape, tile: tuple, monkeypatch, empty_library
 ) -> None:

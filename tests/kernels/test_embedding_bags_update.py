@@ -49,6 +49,14 @@ def test_column_blocks_narrower_than_the_rows_pass_every_check_shape(
         assert result.ok, (shape.name, shape.dtype, result.message)
 
 
+def test_int64_keys_pass_every_check_shape(monkeypatch, device) -> None:
+    """Buffers of 2^31 rows or more sort int64 keys: the same kernels on the other key type."""
+    monkeypatch.setattr(kernel, "INT32_KEYS_BELOW", 0)
+    for trial, shape in enumerate(PROBLEM.check_shapes):
+        result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
+        assert result.ok, (shape.name, shape.dtype, result.message)
+
+
 def _hot(optimizer: str, dtype: str = "fp32") -> Shape:
     return Shape(
         name="hot",
@@ -261,7 +269,10 @@ import cuda_compile
 import kernels.embedding_bags_update as module
 config = module._config
 module._config = lambda max_dim, interpreted=False: config(max_dim, False)
-print(json.dumps(cuda_compile.main(["embedding_bags_update"])))
+first = cuda_compile.main(["embedding_bags_update"])
+module.INT32_KEYS_BELOW = 0  # the int64 keys of buffers of 2^31 rows or more
+then = cuda_compile.main(["embedding_bags_update"])
+print(json.dumps({{"compiled": first["compiled"], "failed": first["failed"] + then["failed"]}}))
 """
 
 
