@@ -13,7 +13,10 @@ tile multiply-accumulate as a GPU's launcher picks it). Prints {"compiled": [...
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -75,6 +78,22 @@ def main(ops: list[str]) -> dict:
             inputs = problem.make_inputs(shape, 0, torch.device("cpu"))
             default(*inputs.args, **inputs.kwargs)
     return {"compiled": sorted(compiled), "failed": failed}
+
+
+def in_subprocess(script: str) -> dict:
+    """Runs `script` in a fresh interpreter with Triton's real compiler (TRITON_INTERPRET
+    unset; this module importable as cuda_compile) and returns the JSON report it prints last,
+    as main's. AssertionError with its stderr's tail if it fails."""
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1]), str(here)])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    if done.returncode != 0:
+        raise AssertionError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -4,17 +4,11 @@ GPU backend refuses (tests/kernels/cuda_compile.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from cuda_compile import in_subprocess
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).parent
 # The kernels that have not yet run on a GPU (the others ran on an H200: BENCHMARKS.md); any op
 # can be added, at about 20 s a kernel the first time (Triton caches what it compiled). Left out:
 # embedding_bags and embedding_bags_update, whose own tests compile their GPU launch
@@ -27,14 +21,7 @@ GROUPS = {
 
 @pytest.mark.parametrize("ops", list(GROUPS.values()), ids=list(GROUPS))
 def test_every_launch_compiles_for_sm90(ops: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(HERE.parents[1])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run(
-        [sys.executable, str(HERE / "cuda_compile.py"), ops],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    script = f"import json, cuda_compile; print(json.dumps(cuda_compile.main({ops.split(',')!r})))"
+    report = in_subprocess(script)
     assert report["failed"] == [], report["failed"]
     assert report["compiled"], "no kernel was launched"

@@ -8,14 +8,12 @@ one graph, bad arguments are named, and random layouts agree with the reference.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cuda_compile import in_subprocess
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -391,8 +389,7 @@ def test_property_random_layouts_and_lengths(tables, data, batch, dtype, mode, w
 # launch configuration (tests/kernels/cuda_compile.py compiles what a launcher picks for DEVICE
 # tensors: here the interpreter's few wide programs).
 COMPILE_GPU_LAUNCHES = """
-import json, sys
-sys.path.insert(0, {here!r})
+import json
 import cuda_compile
 import kernels.embedding_bags as module
 forward, backward = module._forward_config, module._backward_config
@@ -404,16 +401,7 @@ print(json.dumps(cuda_compile.main(["embedding_bags", "embedding_bags_backward"]
 
 @pytest.mark.slow
 def test_every_gpu_launch_compiles_for_sm90() -> None:
-    here = Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(here.parents[1])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE_GPU_LAUNCHES.format(here=str(here))],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = in_subprocess(COMPILE_GPU_LAUNCHES)
     assert report["failed"] == [], report["failed"]
     assert report["compiled"] == [
         "kernels.embedding_bags._embedding_bags_bwd_kernel",

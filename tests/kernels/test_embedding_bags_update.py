@@ -8,14 +8,9 @@ one that updates on the host."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from cuda_compile import in_subprocess
 
 import kernels.embedding_bags_update as kernel
 from kernels import ops
@@ -263,8 +258,7 @@ def test_an_update_that_returns_something_is_wrong(device: torch.device) -> None
 # configuration (tests/kernels/cuda_compile.py compiles what a launcher picks for DEVICE tensors:
 # here the interpreter's few wide programs).
 COMPILE_GPU_LAUNCHES = """
-import json, sys
-sys.path.insert(0, {here!r})
+import json
 import cuda_compile
 import kernels.embedding_bags_update as module
 config = module._config
@@ -272,22 +266,13 @@ module._config = lambda max_dim, interpreted=False: config(max_dim, False)
 first = cuda_compile.main(["embedding_bags_update"])
 module.INT32_KEYS_BELOW = 0  # the int64 keys of buffers of 2^31 rows or more
 then = cuda_compile.main(["embedding_bags_update"])
-print(json.dumps({{"compiled": first["compiled"], "failed": first["failed"] + then["failed"]}}))
+print(json.dumps({"compiled": first["compiled"], "failed": first["failed"] + then["failed"]}))
 """
 
 
 @pytest.mark.slow
 def test_every_gpu_launch_compiles_for_sm90() -> None:
-    here = Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(here.parents[1])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILE_GPU_LAUNCHES.format(here=str(here))],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = in_subprocess(COMPILE_GPU_LAUNCHES)
     assert report["failed"] == [], report["failed"]
     assert report["compiled"] == [
         f"kernels.embedding_bags_update.{name}"
