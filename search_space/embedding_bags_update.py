@@ -454,7 +454,12 @@ def verify(inputs: Inputs, got: tuple[torch.Tensor, torch.Tensor]) -> str | None
     exact, mine = exact_weights[elements], weights[elements].float()
     low, high = _neighbours(exact, weights.dtype)
     spacing = high - low
-    outside = (mine - exact).abs() > spacing * (1 + 1e-3) + 1e-30
+    # An fp32 step computed in another order may differ from this one by a few units of fp32 in
+    # its terms (the old weight and the step): where they nearly cancel, that is more than the
+    # new weight's spacing, and an honest kernel may round from the other side of a value.
+    before = inputs.args[0][elements].float()
+    slack = (before.abs() + (before - exact).abs()) * 2**-20
+    outside = (mine - exact).abs() > spacing * (1 + 1e-3) + slack + 1e-30
     if bool(outside.any()):
         far = int(outside.sum())
         return (

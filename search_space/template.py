@@ -30,8 +30,16 @@ _PARSE_LOCK = threading.Lock()
 
 
 def parse_source(source: str) -> ast.Module:
-    """`ast.parse(source)`, one thread at a time (see _PARSE_LOCK); raises SyntaxError."""
+    """`ast.parse(source)`, one thread at a time (see _PARSE_LOCK); raises SyntaxError. A parse
+    that a library's own parse in another thread (Triton parses its kernels) interrupted anyway
+    is tried again: the error is the interpreter's, not the source's."""
     with _PARSE_LOCK:
+        for _ in range(2):
+            try:
+                return ast.parse(source)
+            except SystemError as error:
+                if "recursion depth mismatch" not in str(error):
+                    raise
         return ast.parse(source)
 
 
