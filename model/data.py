@@ -127,6 +127,44 @@ class RequestBatch:
             values[f.name] = value
         return RequestBatch(**values)
 
+    def select_requests(self, requests: torch.Tensor) -> RequestBatch:
+        """The batch of requests `requests` (indices [N], repeats allowed), in that order: their
+        user features and histories, their candidates (item features, dense features, labels;
+        cand_to_request renumbered to the new order), the static bounds kept. A data-parallel
+        rank's part of a global batch (`model.balance.rank_batch`)."""
+        requests = requests.to(self.candidate_offsets.device)
+        cand_counts = (self.candidate_offsets[1:] - self.candidate_offsets[:-1])[requests]
+        cand_rows = jagged_rows(self.candidate_offsets, requests, cand_counts, _offsets(cand_counts))
+        return self._regroup(requests, cand_rows, cand_counts, self.max_candidates)
+
+    def _regroup(
+        self, requests: torch.Tensor, cand_rows: torch.Tensor, cand_counts: torch.Tensor, max_candidates: int
+    ) -> RequestBatch:
+        """A batch of requests `requests` of this one (their user features and histories), the
+        i-th holding `cand_counts[i]` candidates, the next of `cand_rows` (rows of this batch)."""
+        cand_offsets = _offsets(cand_counts)
+        hist_lengths = (self.history_offsets[1:] - self.history_offsets[:-1])[requests]
+        hist_offsets = _offsets(hist_lengths)
+        hist_rows = jagged_rows(self.history_offsets, requests, hist_lengths, hist_offsets)
+        return RequestBatch(
+            user_features={k: b.select(requests) for k, b in self.user_features.items()},
+            item_features={k: b.select(cand_rows) for k, b in self.item_features.items()},
+            history_items=self.history_items[hist_rows],
+            history_actions=self.history_actions[hist_rows],
+            history_ages=self.history_ages[hist_rows],
+            history_offsets=hist_offsets,
+            candidate_offsets=cand_offsets,
+            cand_to_request=torch.repeat_interleave(
+                torch.arange(requests.numel(), device=requests.device),
+                cand_counts,
+                output_size=cand_rows.numel(),
+            ),
+            dense=self.dense[cand_rows],
+            labels=self.labels[cand_rows],
+            max_history=self.max_history,
+            max_candidates=max_candidates,
+        )
+
     def per_candidate_requests(self, *, with_all_candidates: bool) -> tuple[RequestBatch, torch.Tensor]:
         """The naive form of this batch: one request per candidate, each a copy of its request's
         user side (features and history), holding that candidate alone, or (with_all_candidates)
@@ -141,28 +179,8 @@ class RequestBatch:
         else:
             cand_rows = torch.arange(self.num_candidates, device=req.device)
             cand_counts = torch.ones_like(req)
-        cand_offsets = _offsets(cand_counts)
-        hist_lengths = (self.history_offsets[1:] - self.history_offsets[:-1])[req]
-        hist_offsets = _offsets(hist_lengths)
-        hist_rows = jagged_rows(self.history_offsets, req, hist_lengths, hist_offsets)
-        batch = RequestBatch(
-            user_features={k: b.select(req) for k, b in self.user_features.items()},
-            item_features={k: b.select(cand_rows) for k, b in self.item_features.items()},
-            history_items=self.history_items[hist_rows],
-            history_actions=self.history_actions[hist_rows],
-            history_ages=self.history_ages[hist_rows],
-            history_offsets=hist_offsets,
-            candidate_offsets=cand_offsets,
-            cand_to_request=torch.repeat_interleave(
-                torch.arange(self.num_candidates, device=req.device),
-                cand_counts,
-                output_size=cand_rows.numel(),
-            ),
-            dense=self.dense[cand_rows],
-            labels=self.labels[cand_rows],
-            max_history=self.max_history,
-            max_candidates=self.max_candidates if with_all_candidates else 1,
-        )
+        batch = self._regroup(req, cand_rows, cand_counts, self.max_candidates if with_all_candidates else 1)
+        cand_offsets = batch.candidate_offsets
         own = torch.arange(self.num_candidates, device=req.device)
         slot = own - self.candidate_offsets[:-1][req]
         pick = cand_offsets[:-1] + (slot if with_all_candidates else 0)

@@ -34,6 +34,37 @@ from kernels import ops
 from kernels.packed_tables import Layout
 from model.config import TableConfig
 
+# Rows drawn from one seed at a time in reset_parameters.
+INIT_BLOCK_ROWS = 1 << 16
+
+
+@dataclass(frozen=True)
+class TableShard:
+    """Rows [first_row, first_row + rows of the table's config) of table `key` (its index in the
+    model's tables: its rows' seed), which has `table_rows` rows."""
+
+    key: int
+    first_row: int
+    table_rows: int
+
+
+def init_rows(table: torch.Tensor, shard: TableShard, *, seed: int) -> None:
+    """Fill `table` ([rows, dim], rows `shard.first_row` onwards of a whole table of
+    `shard.table_rows`) with U(-1/sqrt(table_rows), 1/sqrt(table_rows)): each block of
+    INIT_BLOCK_ROWS rows of the whole table from its own seed, so any shard of the table, on
+    any rank, draws the rows the whole table holds (on one device type)."""
+    bound = 1.0 / shard.table_rows**0.5
+    rows, dim = table.shape
+    end = shard.first_row + rows
+    generator = torch.Generator(device=table.device)
+    for block in range(shard.first_row // INIT_BLOCK_ROWS, -(-end // INIT_BLOCK_ROWS)):
+        lo = block * INIT_BLOCK_ROWS
+        hi = min(lo + INIT_BLOCK_ROWS, shard.table_rows)
+        generator.manual_seed(seed + block)
+        drawn = torch.empty(hi - lo, dim, device=table.device).uniform_(-bound, bound, generator=generator)
+        a, b = max(lo, shard.first_row), min(hi, end)
+        table[a - shard.first_row : b - shard.first_row] = drawn[a - lo : b - lo]
+
 
 @dataclass(frozen=True)
 class _Call:
@@ -57,9 +88,21 @@ class TableBatchedEmbeddings(nn.Module):
         eps: float = 1e-8,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
+        shards: Sequence[TableShard] | None = None,
     ) -> None:
+        """`shards`: where the tables are shards of larger ones (model.sharding), each one's
+        first row and row count in its whole table: its rows start as the whole table's would."""
         super().__init__()
         self.configs = list(tables)
+        self.shards = (
+            list(shards)
+            if shards is not None
+            else [TableShard(i, 0, t.num_rows) for i, t in enumerate(self.configs)]
+        )
+        if len(self.shards) != len(self.configs):
+            raise ValueError(f"{len(self.shards)} shards given for {len(self.configs)} tables")
+        # Drawn once from the global generator (seeded alike on every rank): the rows' seed.
+        self.init_seed = int(torch.randint(0, 2**62, (1,)))
         self.index = {t.name: i for i, t in enumerate(self.configs)}
         self.layout = Layout.of([(t.num_rows, t.dim) for t in self.configs], range(len(self.configs)))
         self.fused, self.lr, self.eps = fused, lr, eps
@@ -80,11 +123,12 @@ class TableBatchedEmbeddings(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # U(-1/sqrt(rows), 1/sqrt(rows)): pooled sums of hot rows start small whatever the size.
+        # U(-1/sqrt(rows), 1/sqrt(rows)) of the whole table: pooled sums of hot rows start small
+        # whatever the size. Drawn in blocks of rows, each from its own seed, so that a shard
+        # holds the rows the whole table would.
         with torch.no_grad():
-            for t in self.configs:
-                bound = 1.0 / t.num_rows**0.5
-                self.table(t.name).uniform_(-bound, bound)
+            for t, shard in zip(self.configs, self.shards, strict=True):
+                init_rows(self.table(t.name), shard, seed=self.init_seed + shard.key * 1_000_003)
             if self.fused:
                 self.state.zero_()
 

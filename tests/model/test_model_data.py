@@ -4,31 +4,15 @@ batch, and the loader that prefetches."""
 from __future__ import annotations
 
 import torch
+from batches import assert_same_batch
 
 from model.config import config_from_dict, load_config
 from model.data import Batches, TrafficGenerator
 
 
-def _same(a, b) -> None:
-    assert a.num_requests == b.num_requests and a.num_candidates == b.num_candidates
-    for name in (
-        "history_items",
-        "history_offsets",
-        "candidate_offsets",
-        "cand_to_request",
-        "dense",
-        "labels",
-    ):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for side in ("user_features", "item_features"):
-        for feature, bags in getattr(a, side).items():
-            other = getattr(b, side)[feature]
-            assert torch.equal(bags.ids, other.ids) and torch.equal(bags.offsets, other.offsets), feature
-
-
 def test_a_batch_is_a_function_of_seed_and_index() -> None:
     config = load_config("tiny")
-    _same(TrafficGenerator(config, seed=3).batch(5), TrafficGenerator(config, seed=3).batch(5))
+    assert_same_batch(TrafficGenerator(config, seed=3).batch(5), TrafficGenerator(config, seed=3).batch(5))
     a, b = TrafficGenerator(config, seed=3).batch(5), TrafficGenerator(config, seed=3).batch(6)
     assert a.dense.shape != b.dense.shape or not torch.equal(a.dense, b.dense)
 
@@ -94,7 +78,7 @@ def test_the_loader_hands_over_batches_in_order_and_resumes() -> None:
         loader.close()
     assert [index for index, _, _ in seen] == [4, 5, 6]
     for index, batch, measured in seen:
-        _same(batch, traffic.batch(index))
+        assert_same_batch(batch, traffic.batch(index))
         assert measured == batch.num_candidates
 
 

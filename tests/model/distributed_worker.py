@@ -1,0 +1,122 @@
+"""One rank of a multi-process check (tests/model/test_sharding.py starts WORLD_SIZE of them
+with RANK, MASTER_ADDR and MASTER_PORT set, as torchrun would): gloo on CPU processes.
+
+    python tests/model/distributed_worker.py lookup OUT_DIR
+
+lookup: ShardedEmbeddings against TableBatchedEmbeddings holding every table in this process:
+each rank's bags of several features (sum and mean, weighted, empty bags, a hot id, ids at the
+last row, a batch size of its own), unpooled lookups and history gathers, over two fused
+steps. The unsharded module makes every rank's lookups in one backward pass, so its update
+sums every rank's gradient of a row, as the sharded one must. Writes rank_<r>.json: the
+largest differences seen (outputs, this rank's rows of each table, their optimizer state).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model.config import TableConfig
+from model.embeddings import TableBatchedEmbeddings
+from model.sharding import ShardedEmbeddings, ShardingPlan
+
+TABLES = [
+    TableConfig(name="items", num_rows=37, dim=8),
+    TableConfig(name="users", num_rows=11, dim=4),
+    TableConfig(name="ads", num_rows=23, dim=16),
+    TableConfig(name="tiny", num_rows=1, dim=4),
+]
+FEATURES = ["items", "users", "items", "ads", "tiny"]
+
+
+def _bags(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s bags at `step`: feature-major offsets over 3 + rank samples, per-sample
+    weights, and the seeds of its loss."""
+    gen = torch.Generator().manual_seed(100 * rank + step)
+    batch = 3 + rank
+    ids, lengths = [], []
+    for f, name in enumerate(FEATURES):
+        rows = TABLES[[t.name for t in TABLES].index(name)].num_rows
+        for b in range(batch):
+            n = 0 if (f + b) % 4 == 3 else int(torch.randint(1, 5, (1,), generator=gen))
+            bag = torch.randint(0, rows, (n,), generator=gen)
+            if n and b == 0:
+                bag[0] = rows - 1  # the last row
+            if n > 1 and b == 1:
+                bag[:] = 0  # a hot row, repeated
+            ids.append(bag)
+            lengths.append(n)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(lengths), 0, out=offsets[1:])
+    ids_t = torch.cat(ids)
+    weights = torch.rand(ids_t.numel(), generator=gen) + 0.5
+    return ids_t, offsets, weights, torch.randn(batch, 1000, generator=gen)
+
+
+def _loss(module, rank: int, step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ids, offsets, weights, seeds = _bags(rank, step)
+    summed = module(FEATURES, ids, offsets)
+    meaned = module(FEATURES, ids, offsets, pooling="mean")
+    weighted = module(FEATURES, ids, offsets, per_sample_weights=weights)
+    tokens = module.lookup("ads", ids[: 7 + rank] % 23)
+    history = module.gather("items", ids % 37, torch.tensor([0, ids.numel()]))
+    outs = [summed, meaned, weighted, tokens, history]
+    loss = sum((o * seeds.flatten()[: o.numel()].view_as(o)).sum() for o in outs)
+    return loss, outs
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference, relative to the value's size where that is over 1."""
+    if got.shape != want.shape:
+        return float("inf")
+    return ((got - want).abs() / want.abs().clamp(min=1)).max().item() if want.numel() else 0.0
+
+
+def lookup(out_dir: Path) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = ShardingPlan.of(TABLES, world, row_wise=["items"])
+    torch.manual_seed(0)
+    whole = TableBatchedEmbeddings(TABLES)
+    torch.manual_seed(0)
+    sharded = ShardedEmbeddings(TABLES, plan, gradient_divisor=1)
+    worst = {"outputs": 0.0, "weights": 0.0, "state": 0.0}
+    for step in range(2):
+        losses, expected = [], []
+        for r in range(world):
+            loss, outs = _loss(whole, r, step)
+            losses.append(loss)
+            expected.append(outs)
+        sum(losses).backward()
+        loss, outs = _loss(sharded, rank, step)
+        loss.backward()
+        for got, want in zip(outs, expected[rank], strict=True):
+            worst["outputs"] = max(worst["outputs"], _relative(got, want))
+        for t in TABLES:
+            held = sharded.local_table(t.name)
+            if held is None:
+                continue
+            rows, first = held
+            want = whole.table(t.name)[first : first + rows.shape[0]]
+            worst["weights"] = max(worst["weights"], _relative(rows, want))
+            t_index = sharded.local.index[t.name]
+            at = sharded.local.layout.table_row_offsets()[t_index]
+            state = sharded.local.state[at : at + rows.shape[0]]
+            whole_at = whole.layout.table_row_offsets()[whole.index[t.name]] + first
+            want_state = whole.state[whole_at : whole_at + rows.shape[0]]
+            worst["state"] = max(worst["state"], _relative(state, want_state))
+    held = {t.name: sharded.local_table(t.name) is not None for t in TABLES}
+    (out_dir / f"rank_{rank}.json").write_text(
+        json.dumps({"worst": worst, "held": held, "kinds": plan.kinds})
+    )
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    try:
+        {"lookup": lookup}[sys.argv[1]](Path(sys.argv[2]))
+    finally:
+        dist.destroy_process_group()

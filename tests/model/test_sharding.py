@@ -1,0 +1,135 @@
+"""model.sharding: the placement of tables over ranks, and sharded lookups and fused updates
+against the unsharded module, in CPU processes talking through gloo (as torchrun starts them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.config import TableConfig
+from model.embeddings import INIT_BLOCK_ROWS, TableBatchedEmbeddings, TableShard, init_rows
+from model.sharding import ROW_WISE, TABLE_WISE, ShardingPlan
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, *args: str, timeout: float = 240) -> None:
+    """Run the worker as `world` ranks of one gloo group; fail with their logs if any fails."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = os.environ | {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    logs, codes = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            logs.append(out)
+            codes.append(p.returncode)
+    finally:
+        for p in procs:
+            p.kill()
+    if any(codes):
+        pytest.fail(
+            "\n".join(
+                f"rank {r} exited {c}:\n{log[-3000:]}"
+                for r, (c, log) in enumerate(zip(codes, logs, strict=True))
+            )
+        )
+
+
+TABLES = [
+    TableConfig(name="big", num_rows=1000, dim=64),
+    TableConfig(name="mid", num_rows=400, dim=32),
+    TableConfig(name="small", num_rows=300, dim=16),
+    TableConfig(name="tiny", num_rows=5, dim=4),
+]
+
+
+def test_the_plan_keeps_small_tables_whole_and_splits_what_would_unbalance_the_ranks() -> None:
+    plan = ShardingPlan.of(TABLES, 2)
+    assert plan.kinds == (ROW_WISE, TABLE_WISE, TABLE_WISE, TABLE_WISE)
+    # The whole tables go largest first onto the rank holding the fewest bytes.
+    assert plan.owners == (-1, 0, 1, 1)
+    assert ShardingPlan.of(TABLES, 1).kinds == (TABLE_WISE,) * 4
+    forced = ShardingPlan.of(TABLES, 2, row_wise=["tiny"])
+    assert forced.kinds[3] == ROW_WISE
+
+
+def test_every_row_is_held_by_exactly_one_rank() -> None:
+    for world in (1, 2, 3, 8):
+        plan = ShardingPlan.of(TABLES, world, row_wise=["tiny"])  # 5 rows over 8 ranks: some hold none
+        for t, table in enumerate(TABLES):
+            held = torch.zeros(table.num_rows, dtype=torch.int64)
+            for rank in range(world):
+                shard = plan.shard(TABLES, t, rank)
+                if shard is not None:
+                    rows = min(plan.block(table) if plan.kinds[t] == ROW_WISE else table.num_rows,
+                               table.num_rows - shard.first_row)  # fmt: skip
+                    held[shard.first_row : shard.first_row + rows] += 1
+            assert torch.equal(held, torch.ones_like(held)), (world, table.name)
+
+
+def test_the_plan_refuses_what_it_cannot_place() -> None:
+    with pytest.raises(ValueError, match="world must be at least 1"):
+        ShardingPlan.of(TABLES, 0)
+    with pytest.raises(ValueError, match=r"do not exist: \['nope'\]"):
+        ShardingPlan.of(TABLES, 2, row_wise=["nope"])
+
+
+def test_a_shard_starts_with_the_rows_of_the_whole_table() -> None:
+    rows = INIT_BLOCK_ROWS + 100
+    whole = torch.empty(rows, 2)
+    init_rows(whole, TableShard(3, 0, rows), seed=7)
+    part = torch.empty(150, 2)  # across the boundary of two seeds' blocks
+    init_rows(part, TableShard(3, INIT_BLOCK_ROWS - 50, rows), seed=7)
+    assert torch.equal(part, whole[INIT_BLOCK_ROWS - 50 : INIT_BLOCK_ROWS + 100])
+    assert whole.abs().max() <= 1 / rows**0.5
+    torch.manual_seed(0)
+    a = TableBatchedEmbeddings(TABLES)
+    torch.manual_seed(0)
+    b = TableBatchedEmbeddings(TABLES)
+    assert torch.equal(a.weights, b.weights)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(tmp_path: Path, world: int) -> None:
+    run_ranks(world, "lookup", str(tmp_path))
+    reports = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(world)]
+    kinds = set(reports[0]["kinds"])
+    assert kinds == {ROW_WISE, TABLE_WISE}  # both placements ran
+    for table in reports[0]["held"]:  # every table has rows somewhere
+        assert any(r["held"][table] for r in reports), table
+    for rank, report in enumerate(reports):
+        for what, worst in report["worst"].items():
+            assert worst < 1e-5, (rank, what, worst)
