@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -28,8 +30,6 @@ ReferenceOption = Annotated[
 
 def _ops(reference_ops: bool):
     """Dispatch as usual, or (reference_ops) to every op's reference."""
-    import contextlib
-
     from kernels import DISPATCHER
 
     return DISPATCHER.references_only() if reference_ops else contextlib.nullcontext()
@@ -90,10 +90,100 @@ def model_train(
     library: LibraryOption = None,
     reference_ops: ReferenceOption = False,
     json_out: JsonOption = None,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="processes to train on (one GPU each), data-parallel with the tables sharded "
+            "over them, started through torchrun (under a torchrun of your own: its ranks)",
+        ),
+    ] = 1,
+    balance: Annotated[
+        bool,
+        typer.Option(help="with --nproc: split each batch by attention work, else in consecutive blocks"),
+    ] = True,
 ) -> None:
     """Train with AdamW (dense) and row-wise Adagrad (embeddings, fused into their backward
     unless told otherwise), bf16 autocast on a GPU: the loss, held-out AUC, examples per second
-    and MFU as it goes, a checkpoint to resume from."""
+    and MFU as it goes, a checkpoint to resume from (with --nproc, a file per rank)."""
+    if "LOCAL_RANK" in os.environ:  # a rank that torchrun started (here, or by hand)
+        nproc = int(os.environ["WORLD_SIZE"])
+    elif nproc > 1:  # this process starts the ranks, and waits for them
+        given = dict(
+            config=config, steps=steps, checkpoint=checkpoint, resume=resume, compile=compile,
+            embedding_update=embedding_update, device=device, library=library,
+            reference_ops=reference_ops, json=json_out, balance=balance,
+        )  # fmt: skip
+        raise typer.Exit(_torchrun(nproc, ["model", "train", *_options(given)]))
+    cfg, dev = _setup(config, device, library)
+    with _ranks(nproc, dev, balance) as (parallel, dev):
+        if parallel is not None and parallel.rank != 0:  # the first rank speaks for the run
+            from agent.cli import console
+
+            console.quiet = True
+        _train(cfg, dev, parallel, config=config, steps=steps, checkpoint=checkpoint, resume=resume,
+               compile=compile, embedding_update=embedding_update, reference_ops=reference_ops,
+               json_out=json_out)  # fmt: skip
+
+
+def _options(given: dict[str, object]) -> list[str]:
+    """Command-line options that say `given` (None: left out; a flag: --x or --no-x)."""
+    out: list[str] = []
+    for name, value in given.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if name in ("resume", "reference_ops") and not value:
+                continue
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _torchrun(nproc: int, args: list[str]) -> int:
+    """Run `recforge ARGS` as `nproc` ranks on this host through torchrun; their exit code."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "agent", *args]  # fmt: skip
+    return subprocess.call(cmd)
+
+
+@contextlib.contextmanager
+def _ranks(nproc: int, dev, balance: bool):
+    """(this rank's DataParallel, its device) within the run's process group (NCCL on GPUs,
+    gloo on CPUs), joined as the rank torchrun made and left at the end; (None, dev) for a run
+    of one process."""
+    if nproc == 1:
+        yield None, dev
+        return
+    import torch
+    import torch.distributed as dist
+
+    from agent.cli import fail
+    from model.training import DataParallel
+
+    if dev.type == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        if local >= torch.cuda.device_count():
+            raise fail(f"{nproc} ranks, but this host has {torch.cuda.device_count()} GPU(s)")
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dist.init_process_group("gloo")
+    try:
+        yield DataParallel.of_group(balance=balance), dev
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, compile, embedding_update, reference_ops,
+           json_out) -> None:  # fmt: skip
+    """`recforge model train` in this process (one rank of a data-parallel run, or the run)."""
     from dataclasses import asdict, replace
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -103,7 +193,6 @@ def model_train(
     from model.flops import BatchSizes, by_component, forward_flops, training_flops
     from model.training import Trainer
 
-    cfg, dev = _setup(config, device, library)
     if compile is not None:
         cfg = replace(cfg, train=replace(cfg.train, compile=compile))
     if embedding_update is not None:
@@ -114,11 +203,11 @@ def model_train(
     # Named after the config file (or preset) trained: two configs never share a checkpoint.
     checkpoint = checkpoint or Path(".recforge") / "model" / f"{Path(config).stem}.pt"
     try:
-        if resume and checkpoint.exists():
-            trainer = Trainer.resume(checkpoint, dev, config=cfg)
+        if resume and Trainer.checkpoint_exists(checkpoint, parallel):
+            trainer = Trainer.resume(checkpoint, dev, config=cfg, parallel=parallel)
             console.print(f"resumed {checkpoint} at step {trainer.step}")
         else:
-            trainer = Trainer(cfg, dev)
+            trainer = Trainer(cfg, dev, parallel=parallel)
     except ValueError as exc:
         raise fail(str(exc)) from None
     cfg = trainer.config
@@ -137,12 +226,19 @@ def model_train(
     for name, value in sorted(per_step.items(), key=lambda kv: -kv[1]):
         table.add_row(name, f"{value / 1e9:,.2f}", f"{value / total:.1%}")
     console.print(table)
-    # The tables count whether a parameter (unfused) or a buffer their backward steps (fused).
-    embeddings = trainer.model.sparse.embeddings
-    params = sum(p.numel() for p in trainer.model.parameters() if p is not embeddings.weights)
-    params += embeddings.weights.numel()
+    # The tables count whether a parameter (unfused) or a buffer their backward steps (fused),
+    # whole or sharded.
+    params = sum(p.numel() for p in trainer.model.dense_parameters()) + sum(
+        t.num_rows * t.dim for t in cfg.tables
+    )
+    where = str(dev)
+    if parallel is not None:
+        where = f"{parallel.world} ranks ({dev.type}), data-parallel"
+        for line in trainer.model.sparse.embeddings.plan.describe(cfg.tables):
+            console.print(f"  table {line}")
     console.print(
-        f"{params / 1e6:,.1f}M parameters on {dev}; {sizes.requests} requests, {sizes.candidates} candidates "
+        f"{params / 1e6:,.1f}M parameters on {where}; {sizes.requests} requests, "
+        f"{sizes.candidates} candidates "
         f"and {sizes.history_tokens:,} history tokens per batch; peak "
         + ("unknown (no MFU)" if trainer.peak is None else f"{trainer.peak / 1e12:,.0f} TFLOP/s")
     )
@@ -188,18 +284,24 @@ def model_train(
             + ", ".join(f"{t} {v:.4f}" for t, v in final.auc.items())
             + f", {last.examples_per_s:,.0f} examples/s"
             + ("" if last.mfu is None else f", MFU {last.mfu:.1%} (target: 40% or more)")
-            + f"; checkpoint {checkpoint}"
+            + f"; checkpoint {checkpoint if parallel is None else _rank_files(checkpoint, parallel)}"
         )
     _write_json(
-        json_out,
+        json_out if parallel is None or parallel.rank == 0 else None,
         {
             "config": cfg.name,
             "device": str(dev),
+            "ranks": 1 if parallel is None else parallel.world,
             "flops_per_step": per_step,
             "steps": [asdict(s) for s in result.steps],
             "evals": [asdict(e) for e in result.evals],
         },
     )
+
+
+def _rank_files(checkpoint: Path, parallel) -> str:
+    """How a data-parallel run's checkpoint files are named."""
+    return str(parallel.checkpoint(checkpoint)).replace(f".rank{parallel.rank}-", ".rank*-")
 
 
 def _counts(text: str, option: str, least: int) -> tuple[int, ...]:

@@ -377,10 +377,13 @@ class Batches:
         start: int = 0,
         count: int | None = None,
         measure: Callable[[RequestBatch], Any] | None = None,
+        part: Callable[[RequestBatch], RequestBatch] | None = None,
         depth: int = 2,
     ) -> None:
+        """`measure` sees the whole batch; `part` (a data-parallel rank's share of it) makes the
+        batch handed over."""
         self.generator, self.device = generator, torch.device(device)
-        self.start, self.count, self.measure = start, count, measure
+        self.start, self.count, self.measure, self.part = start, count, measure, part
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -393,6 +396,8 @@ class Batches:
             while not self._stop.is_set() and (self.count is None or index < self.start + self.count):
                 batch = self.generator.batch(index)
                 measured = self.measure(batch) if self.measure is not None else None
+                if self.part is not None:
+                    batch = self.part(batch)
                 if self.device.type == "cuda":
                     batch = batch.pin_memory()
                 if not self._put((index, batch, measured)):

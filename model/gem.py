@@ -41,6 +41,7 @@ from model.config import FeatureConfig, ModelConfig
 from model.data import Bags, RequestBatch
 from model.embeddings import TableBatchedEmbeddings
 from model.hstu import HSTULayer
+from model.sharding import ShardedEmbeddings, Sharding
 
 
 def mlp(in_dim: int, dims: Sequence[int], *, last_activation: bool = True, device=None) -> nn.Sequential:
@@ -78,14 +79,27 @@ class SparseArch(nn.Module):
     whatever tables its features read (features that share a table share its rows: unified
     embeddings)."""
 
-    def __init__(self, config: ModelConfig, *, device: torch.device | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, *, device: torch.device | None = None, sharding: Sharding | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         dim = config.interaction.dim
         t = config.train
-        self.embeddings = TableBatchedEmbeddings(
-            config.tables, fused=t.embedding_update == "fused", lr=t.embedding_lr, device=device
-        )
+        self.embeddings: TableBatchedEmbeddings | ShardedEmbeddings
+        if sharding is None:
+            self.embeddings = TableBatchedEmbeddings(
+                config.tables, fused=t.embedding_update == "fused", lr=t.embedding_lr, device=device
+            )
+        else:
+            if t.embedding_update != "fused":
+                raise ValueError(
+                    "sharded tables are trained by the fused update only: "
+                    "set train.embedding_update = 'fused'"
+                )
+            self.embeddings = ShardedEmbeddings(
+                config.tables, sharding.plan, group=sharding.group, lr=t.embedding_lr, device=device
+            )
         self.projections = nn.ModuleDict(
             {
                 f"from_{t.name}": nn.Linear(t.dim, dim, bias=False, device=device)
@@ -372,11 +386,19 @@ class Output:
 
 
 class GEMModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.device | str | None = None,
+        sharding: Sharding | None = None,
+    ) -> None:
+        """`sharding`: the tables sharded over a process group's ranks (model.sharding), for
+        data-parallel training; None keeps every table here."""
         super().__init__()
         device = torch.device(device) if device is not None else None
         self.config = c = config
-        self.sparse = SparseArch(c, device=device)
+        self.sparse = SparseArch(c, device=device, sharding=sharding)
         dim = c.interaction.dim
         self.dense = nn.Linear(c.data.num_dense, dim, device=device)
         self.history: HistoryEncoder | None = None

@@ -108,6 +108,14 @@ class ShardingPlan:
         ]
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """Tables sharded by `plan` over `group`'s ranks (None: the default group)."""
+
+    plan: ShardingPlan
+    group: dist.ProcessGroup | None = None
+
+
 class _Exchange(torch.autograd.Function):
     """all_to_all_single of a flat tensor, differentiable: the gradient goes back the way the
     values came, times `scale`. `anchor` (a leaf that requires grad) puts the exchange in every

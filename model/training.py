@@ -2,6 +2,13 @@
 embedding tables (fused into their backward by default), bf16 autocast on a GPU, optional
 torch.compile, held-out AUC, throughput and MFU, and checkpoints that resume where they stopped.
 
+Data-parallel over the ranks of a `torch.distributed` group (`DataParallel`; `recforge model
+train --nproc N` starts them through torchrun): the dense parameters replicated under
+DistributedDataParallel, the tables sharded over the ranks (model.sharding). Step i trains on
+global batch i, every rank on its part of the requests (balanced by attention work unless told
+otherwise: model.balance); each rank's loss is weighted by its share of the candidates, so that
+the averaged gradient is the whole batch's, as one process training on it would take.
+
 Batch i of a run is a pure function of (seed, i), so a resumed run sees the batches the
 uninterrupted one would have. The held-out batches come from the same traffic (indices no
 training step reaches). Progress goes to a callback, so that a command line can draw it.
@@ -18,13 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from model.balance import rank_batch
 from model.config import ModelConfig, config_from_dict
 from model.data import Batches, RequestBatch, TrafficGenerator
 from model.flops import BatchSizes, by_component, forward_flops, peak_flops, training_flops
 from model.gem import GEMModel
 from model.metrics import auc, log_loss
 from model.optim import RowWiseAdagrad
+from model.sharding import Sharding, ShardingPlan
 
 # Held-out batches are drawn from indices no training run reaches.
 HELD_OUT_START = 1 << 40
@@ -73,13 +84,53 @@ def _run_differences(saved: ModelConfig, given: ModelConfig) -> list[str]:
     return changed
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a data-parallel run (torch.distributed initialised, every rank
+    with a Trainer of the same config). `balance`: split each global batch by attention work
+    (model.balance), else in consecutive blocks. `row_wise`: tables to shard row-wise whatever
+    their size (model.sharding.ShardingPlan.of)."""
+
+    rank: int
+    world: int
+    balance: bool = True
+    row_wise: tuple[str, ...] = ()
+
+    @classmethod
+    def of_group(cls, *, balance: bool = True, row_wise: tuple[str, ...] = ()) -> DataParallel:
+        if not dist.is_initialized():
+            raise RuntimeError("data-parallel training needs torch.distributed initialised (torchrun)")
+        return cls(dist.get_rank(), dist.get_world_size(), balance, row_wise)
+
+    def checkpoint(self, path: Path) -> Path:
+        """This rank's checkpoint file for the run's `path`."""
+        return path.with_name(f"{path.stem}.rank{self.rank}-of-{self.world}{path.suffix}")
+
+
 class Trainer:
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        *,
+        parallel: DataParallel | None = None,
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
+        self.parallel = parallel if parallel is not None and parallel.world > 1 else None
         t = config.train
         torch.manual_seed(t.seed)
-        self.model = GEMModel(config, device=self.device)
+        sharding = None
+        if self.parallel is not None:
+            if t.embedding_update != "fused":
+                raise ValueError(
+                    "data-parallel training shards the tables, which only the fused update trains: "
+                    "set train.embedding_update = 'fused'"
+                )
+            plan = ShardingPlan.of(config.tables, self.parallel.world, row_wise=self.parallel.row_wise)
+            # The tables' exchanges go apart from DistributedDataParallel's reductions.
+            sharding = Sharding(plan, dist.new_group())
+        self.model = GEMModel(config, device=self.device, sharding=sharding)
         self.dense_optimizer = torch.optim.AdamW(
             self.model.dense_parameters(), lr=t.lr, weight_decay=t.weight_decay
         )
@@ -99,8 +150,18 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if t.autocast and self.device.type == "cuda" else None
         self.peak = peak_flops(self.device, self.autocast_dtype or torch.float32)
         self._forward: Callable[[RequestBatch], Any] = self.model
+        if self.parallel is not None:
+            # Each rank's shards are its own: never broadcast, never averaged (the tables are the
+            # model's only buffers; every other one would be broadcast from rank 0).
+            shards = self.model.sparse.embeddings.named_buffers(prefix="sparse.embeddings")
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                self.model, [name for name, _ in shards]
+            )
+            self._forward = DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
         if t.compile:
-            self._forward = torch.compile(self.model)
+            self._forward = torch.compile(self._forward)
         self._held_out: list[RequestBatch] | None = None
 
     # --- one step ---------------------------------------------------------------------------
@@ -110,8 +171,9 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def train_step(self, batch: RequestBatch) -> torch.Tensor:
-        """One step on `batch`; returns the loss (a device tensor: reading it syncs)."""
+    def train_step(self, batch: RequestBatch, weight: float = 1.0) -> torch.Tensor:
+        """One step on `batch`; returns the loss (a device tensor: reading it syncs). `weight`
+        scales the loss that the gradients come from (a rank's share of a global batch)."""
         self.model.train()
         self.dense_optimizer.zero_grad(set_to_none=True)
         if self.sparse_optimizer is not None:
@@ -119,7 +181,7 @@ class Trainer:
         with self._autocast():
             output = self._forward(batch)
             loss, _ = self.model.loss(batch, output)
-        loss.backward()
+        (loss * weight if weight != 1.0 else loss).backward()
         self.dense_optimizer.step()
         if self.sparse_optimizer is not None:
             self.sparse_optimizer.step()
@@ -132,11 +194,13 @@ class Trainer:
     # --- evaluation -------------------------------------------------------------------------
 
     def held_out(self) -> list[RequestBatch]:
+        """The held-out batches (this rank's part of each, data-parallel)."""
         if self._held_out is None:
-            self._held_out = [
-                self.traffic.batch(HELD_OUT_START + i).to(self.device)
-                for i in range(self.config.train.eval_batches)
-            ]
+            batches = [self.traffic.batch(HELD_OUT_START + i) for i in range(self.config.train.eval_batches)]
+            if self.parallel is not None:
+                p = self.parallel
+                batches = [rank_batch(b, p.rank, p.world, balance=False) for b in batches]
+            self._held_out = [b.to(self.device) for b in batches]
         return self._held_out
 
     @torch.no_grad()
@@ -149,6 +213,10 @@ class Trainer:
                 logits.append(self.model(batch).logits.float())
             labels.append(batch.labels)
         logits_BT, labels_BT = torch.cat(logits), torch.cat(labels)
+        if self.parallel is not None:  # every rank's part of the held-out batches
+            parts: list[Any] = [None] * self.parallel.world
+            dist.all_gather_object(parts, (logits_BT.cpu(), labels_BT.cpu()))
+            logits_BT, labels_BT = (torch.cat(column) for column in zip(*parts, strict=True))
         tasks = self.config.tasks
         log = EvalLog(
             step=self.step,
@@ -177,13 +245,16 @@ class Trainer:
             return self.history
         history = self.config.history
         targets = history is not None and history.candidates_as_targets
+        p = self.parallel
         loader = Batches(
             self.traffic,
             self.device,
             start=self.step,
             count=end - self.step,
             measure=lambda b: BatchSizes.of(b, candidates_as_targets=targets),
+            part=None if p is None else lambda b: rank_batch(b, p.rank, p.world, balance=p.balance),
         )
+        world = 1 if p is None else p.world
         if self.step == 0 and not self.history.evals:  # where the loss and AUC start from
             evaluation = self.evaluate()
             if on_eval is not None:
@@ -191,11 +262,14 @@ class Trainer:
         window_start, window_examples, window_flops = time.perf_counter(), 0, 0.0
         try:
             for _, batch, sizes in loader:
-                loss = self.train_step(batch)
+                # The whole batch's sizes; this rank's share of its candidates weights its loss
+                # (the ranks' gradients are averaged).
+                share = batch.num_candidates / sizes.candidates
+                loss = self.train_step(batch, weight=share * world)
                 window_examples += sizes.candidates
                 window_flops += sum(self.step_flops(sizes).values())
                 if self.step % log_every == 0 or self.step == end:
-                    value = float(loss)  # syncs: the window's time is the device's
+                    value = self._global_loss(loss, share)  # syncs: the window's time is the device's
                     elapsed = time.perf_counter() - window_start
                     rate = window_flops / elapsed
                     log = StepLog(
@@ -203,7 +277,7 @@ class Trainer:
                         loss=value,
                         examples_per_s=window_examples / elapsed,
                         model_tflops_per_s=rate / 1e12,
-                        mfu=None if self.peak is None else rate / self.peak,
+                        mfu=None if self.peak is None else rate / (self.peak * world),
                     )
                     if not math.isfinite(value):
                         raise FloatingPointError(f"step {self.step}: the loss is {value}")
@@ -224,14 +298,24 @@ class Trainer:
             loader.close()
         return self.history
 
+    def _global_loss(self, loss: torch.Tensor, share: float) -> float:
+        """The whole batch's loss: each rank's, weighted by its share of the candidates."""
+        if self.parallel is None:
+            return float(loss)
+        total = (loss.float() * share).reshape(1)
+        dist.all_reduce(total)
+        return float(total)
+
     # --- checkpoints ------------------------------------------------------------------------
 
     def save(self, path: Path) -> None:
-        """Everything a resumed run needs, written atomically."""
-        path = Path(path)
+        """Everything a resumed run needs, written atomically (data-parallel: each rank its own
+        file beside `path`, DataParallel.checkpoint)."""
+        path = Path(path) if self.parallel is None else self.parallel.checkpoint(Path(path))
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
             "config": self.config.to_dict(),
+            "world": 1 if self.parallel is None else self.parallel.world,
             "step": self.step,
             "model": self.model.state_dict(),
             "dense_optimizer": self.dense_optimizer.state_dict(),
@@ -246,17 +330,48 @@ class Trainer:
         torch.save(state, tmp)
         tmp.replace(path)
 
+    @staticmethod
+    def checkpoint_exists(path: Path, parallel: DataParallel | None = None) -> bool:
+        """Whether the run's checkpoint `path` (this rank's file, data-parallel) exists; a
+        ValueError where only a run of another number of ranks saved there."""
+        path = Path(path)
+        mine = path if parallel is None else parallel.checkpoint(path)
+        if mine.exists():
+            return True
+        others = sorted(path.parent.glob(f"{path.stem}.rank0-of-*{path.suffix}")) + [path] * path.exists()
+        if others:
+            world = 1 if parallel is None else parallel.world
+            raise ValueError(
+                f"{others[0]} was saved by a run of another number of ranks than this one's {world}: "
+                "resume with as many, or train with another checkpoint"
+            )
+        return False
+
     @classmethod
     def resume(
-        cls, path: Path, device: torch.device | str = "cpu", config: ModelConfig | None = None
+        cls,
+        path: Path,
+        device: torch.device | str = "cpu",
+        config: ModelConfig | None = None,
+        *,
+        parallel: DataParallel | None = None,
     ) -> Trainer:
         """The trainer saved at `path`. A `config` given must describe the same run (the same
         model, data and optimizer; how long it trains, how often it evaluates and saves, and
-        whether it compiles may differ, and are then the given config's)."""
+        whether it compiles may differ, and are then the given config's). Data-parallel, each
+        rank reads its own file, saved by a run of as many ranks."""
         path = Path(path)
+        world = 1 if parallel is None else parallel.world
+        if world > 1:
+            assert parallel is not None
+            path = parallel.checkpoint(path)
         if not path.exists():
             raise ValueError(f"no checkpoint at {path}")
         state = torch.load(path, map_location=device, weights_only=False)
+        if state.get("world", 1) != world:
+            raise ValueError(
+                f"{path} was saved by a run of {state.get('world', 1)} ranks; this one has {world}"
+            )
         saved = config_from_dict(state["config"], where=f"{path} (its config)")
         if config is not None:
             changed = _run_differences(saved, config)
@@ -266,7 +381,7 @@ class Trainer:
                     "config, or train this one from the start with another checkpoint"
                 )
             saved = config
-        trainer = cls(saved, device)
+        trainer = cls(saved, device, parallel=parallel)
         trainer.model.load_state_dict(state["model"])
         trainer.dense_optimizer.load_state_dict(state["dense_optimizer"])
         if trainer.sparse_optimizer is not None:

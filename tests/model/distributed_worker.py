@@ -2,6 +2,7 @@
 with RANK, MASTER_ADDR and MASTER_PORT set, as torchrun would): gloo on CPU processes.
 
     python tests/model/distributed_worker.py lookup OUT_DIR
+    python tests/model/distributed_worker.py train OUT_DIR [balance|contiguous]
 
 lookup: ShardedEmbeddings against TableBatchedEmbeddings holding every table in this process:
 each rank's bags of several features (sum and mean, weighted, empty bags, a hot id, ids at the
@@ -9,6 +10,10 @@ last row, a batch size of its own), unpooled lookups and history gathers, over t
 steps. The unsharded module makes every rank's lookups in one backward pass, so its update
 sums every rank's gradient of a row, as the sharded one must. Writes rank_<r>.json: the
 largest differences seen (outputs, this rank's rows of each table, their optimizer state).
+
+train: the tiny model trained data-parallel (the plain PyTorch references for every op), and
+on rank 0 the same steps in one process: rank_<r>.json holds both runs' losses and held-out
+AUCs, and the requests each rank trained on in its first step.
 """
 
 from __future__ import annotations
@@ -114,9 +119,46 @@ def lookup(out_dir: Path) -> None:
     )
 
 
+def train(out_dir: Path, split: str = "balance") -> None:
+    from kernels.registry import DISPATCHER
+    from model.config import config_from_dict
+    from model.training import DataParallel, Trainer
+
+    rank = dist.get_rank()
+    config = config_from_dict(
+        {
+            "size": "tiny",
+            "data": {"requests_per_batch": 12},
+            "train": {"steps": 4, "eval_every": 4, "eval_batches": 1},
+        }
+    )
+    with DISPATCHER.references_only():
+        parallel = DataParallel.of_group(balance=split == "balance", row_wise=("items",))
+        trainer = Trainer(config, parallel=parallel)
+        first = trainer.traffic.batch(0)
+        report = {
+            "losses": [s.loss for s in trainer.fit(log_every=1).steps],
+            "auc": trainer.history.evals[-1].auc,
+            "requests": len(rank_batch_of(first, parallel)),
+        }
+        if rank == 0:
+            alone = Trainer(config)
+            report["alone_losses"] = [s.loss for s in alone.fit(log_every=1).steps]
+            report["alone_auc"] = alone.history.evals[-1].auc
+    (out_dir / f"rank_{rank}.json").write_text(json.dumps(report))
+
+
+def rank_batch_of(batch, parallel) -> list[int]:
+    """The requests of `batch` this rank trains on (by their first candidate's dense features)."""
+    from model.balance import rank_batch
+
+    part = rank_batch(batch, parallel.rank, parallel.world, balance=parallel.balance)
+    return part.dense[part.candidate_offsets[:-1]].sum(1).tolist()
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     try:
-        {"lookup": lookup}[sys.argv[1]](Path(sys.argv[2]))
+        {"lookup": lookup, "train": train}[sys.argv[1]](Path(sys.argv[2]), *sys.argv[3:])
     finally:
         dist.destroy_process_group()

@@ -133,3 +133,54 @@ def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(tmp_path: 
     for rank, report in enumerate(reports):
         for what, worst in report["worst"].items():
             assert worst < 1e-5, (rank, what, worst)
+
+
+def test_data_parallel_training_takes_the_steps_that_one_process_takes(tmp_path: Path) -> None:
+    """Two ranks, each on its part of every batch (balanced by attention work), the tables
+    sharded (one row-wise, the rest placed by size): the same losses and held-out AUC as one
+    process training on the whole batches, step by step."""
+    run_ranks(2, "train", str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+    alone = ranks[0]["alone_losses"]
+    assert len(alone) == 4 and sum(r["requests"] for r in ranks) == 12
+    for report in ranks:
+        assert report["losses"] == pytest.approx(alone, rel=1e-5)
+        assert report["auc"] == pytest.approx(ranks[0]["alone_auc"], abs=1e-6)
+
+
+def test_the_command_line_trains_on_two_ranks_and_resumes_them(tmp_path: Path) -> None:
+    """`recforge model train --nproc 2` (torchrun, gloo on CPUs): a checkpoint per rank,
+    resumed by a run of as many ranks (which ends where one process training throughout
+    does) and refused by a run of another number."""
+
+    def train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "agent", "model", "train", "--config", "tiny", "--device", "cpu",
+               "--reference-ops", *args]  # fmt: skip
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                              env=os.environ | {"COLUMNS": "200"})  # fmt: skip
+        if check:
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    ranks = ["--checkpoint", "ranks.pt", "--nproc", "2"]
+    train(*ranks, "--steps", "2")
+    assert sorted(p.name for p in tmp_path.glob("ranks*.pt")) == [
+        "ranks.rank0-of-2.pt",
+        "ranks.rank1-of-2.pt",
+    ]
+    train(*ranks, "--steps", "3", "--resume", "--json", "ranks.json")
+    train("--checkpoint", "alone.pt", "--steps", "3", "--json", "alone.json")
+    resumed, alone = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ranks", "alone"))
+    assert resumed["ranks"] == 2 and resumed["steps"][-1]["step"] == 3
+    assert resumed["steps"][-1]["loss"] == pytest.approx(alone["steps"][-1]["loss"], rel=1e-5)
+    refused = train("--checkpoint", "ranks.pt", "--steps", "4", "--resume", check=False)
+    assert refused.returncode != 0 and "another number of ranks" in refused.stdout + refused.stderr
+
+
+def test_data_parallel_training_refuses_the_unfused_update() -> None:
+    from model.config import config_from_dict
+    from model.training import DataParallel, Trainer
+
+    config = config_from_dict({"size": "tiny", "train": {"embedding_update": "unfused"}})
+    with pytest.raises(ValueError, match="only the fused update trains"):
+        Trainer(config, parallel=DataParallel(rank=0, world=2))
