@@ -20,12 +20,14 @@ if TYPE_CHECKING:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    skip_two = pytest.mark.skip(reason=f"needs two CUDA GPUs; this host has {gpus}")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
+        if gpus == 0 and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+        if gpus < 2 and item.get_closest_marker("two_gpus") is not None:
+            item.add_marker(skip_two)
 
 
 @pytest.fixture

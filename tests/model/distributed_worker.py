@@ -1,5 +1,6 @@
 """One rank of a multi-process check (tests/model/test_sharding.py starts WORLD_SIZE of them
-with RANK, MASTER_ADDR and MASTER_PORT set, as torchrun would): gloo on CPU processes.
+with RANK, MASTER_ADDR and MASTER_PORT set, as torchrun would): gloo on CPU processes, or with
+WORKER_DEVICE=cuda, NCCL with a GPU a rank (LOCAL_RANK's).
 
     python tests/model/distributed_worker.py lookup OUT_DIR
     python tests/model/distributed_worker.py train OUT_DIR [balance|contiguous]
@@ -19,6 +20,7 @@ AUCs, and the requests each rank trained on in its first step.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,13 +64,19 @@ def _bags(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return ids_t, offsets, weights, torch.randn(batch, 1000, generator=gen)
 
 
+def _device() -> torch.device:
+    if os.environ.get("WORKER_DEVICE") == "cuda":
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    return torch.device("cpu")
+
+
 def _loss(module, rank: int, step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    ids, offsets, weights, seeds = _bags(rank, step)
+    ids, offsets, weights, seeds = (t.to(_device()) for t in _bags(rank, step))
     summed = module(FEATURES, ids, offsets)
     meaned = module(FEATURES, ids, offsets, pooling="mean")
     weighted = module(FEATURES, ids, offsets, per_sample_weights=weights)
     tokens = module.lookup("ads", ids[: 7 + rank] % 23)
-    history = module.gather("items", ids % 37, torch.tensor([0, ids.numel()]))
+    history = module.gather("items", ids % 37, torch.tensor([0, ids.numel()], device=ids.device))
     outs = [summed, meaned, weighted, tokens, history]
     loss = sum((o * seeds.flatten()[: o.numel()].view_as(o)).sum() for o in outs)
     return loss, outs
@@ -85,9 +93,9 @@ def lookup(out_dir: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = ShardingPlan.of(TABLES, world, row_wise=["items"])
     torch.manual_seed(0)
-    whole = TableBatchedEmbeddings(TABLES)
+    whole = TableBatchedEmbeddings(TABLES, device=_device())
     torch.manual_seed(0)
-    sharded = ShardedEmbeddings(TABLES, plan, gradient_divisor=1)
+    sharded = ShardedEmbeddings(TABLES, plan, gradient_divisor=1, device=_device())
     worst = {"outputs": 0.0, "weights": 0.0, "state": 0.0}
     for step in range(2):
         losses, expected = [], []
@@ -120,21 +128,25 @@ def lookup(out_dir: Path) -> None:
 
 
 def train(out_dir: Path, split: str = "balance") -> None:
+    import contextlib
+
     from kernels.registry import DISPATCHER
     from model.config import config_from_dict
     from model.training import DataParallel, Trainer
 
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), _device()
     config = config_from_dict(
         {
             "size": "tiny",
             "data": {"requests_per_batch": 12},
-            "train": {"steps": 4, "eval_every": 4, "eval_batches": 1},
+            "train": {"steps": 4, "eval_every": 4, "eval_batches": 1, "autocast": False},
         }
     )
-    with DISPATCHER.references_only():
+    # On CPUs the ops' references (the interpreted kernels are slow); on GPUs the kernels.
+    ops = DISPATCHER.references_only() if device.type == "cpu" else contextlib.nullcontext()
+    with ops:
         parallel = DataParallel.of_group(balance=split == "balance", row_wise=("items",))
-        trainer = Trainer(config, parallel=parallel)
+        trainer = Trainer(config, device, parallel=parallel)
         first = trainer.traffic.batch(0)
         report = {
             "losses": [s.loss for s in trainer.fit(log_every=1).steps],
@@ -142,7 +154,7 @@ def train(out_dir: Path, split: str = "balance") -> None:
             "requests": len(rank_batch_of(first, parallel)),
         }
         if rank == 0:
-            alone = Trainer(config)
+            alone = Trainer(config, device)
             report["alone_losses"] = [s.loss for s in alone.fit(log_every=1).steps]
             report["alone_auc"] = alone.history.evals[-1].auc
     (out_dir / f"rank_{rank}.json").write_text(json.dumps(report))
@@ -157,7 +169,11 @@ def rank_batch_of(batch, parallel) -> list[int]:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
+    if _device().type == "cuda":
+        torch.cuda.set_device(_device())
+        dist.init_process_group("nccl", device_id=_device())
+    else:
+        dist.init_process_group("gloo")
     try:
         {"lookup": lookup, "train": train}[sys.argv[1]](Path(sys.argv[2]), *sys.argv[3:])
     finally:

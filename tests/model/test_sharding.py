@@ -27,8 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, *args: str, timeout: float = 240) -> None:
-    """Run the worker as `world` ranks of one gloo group; fail with their logs if any fails."""
+def run_ranks(world: int, *args: str, timeout: float = 240, device: str = "cpu") -> None:
+    """Run the worker as `world` ranks of one group (gloo on CPUs; NCCL, a GPU a rank, with
+    device "cuda"); fail with their logs if any fails."""
     port = str(_free_port())
     procs = []
     for rank in range(world):
@@ -40,6 +41,7 @@ def run_ranks(world: int, *args: str, timeout: float = 240) -> None:
             "MASTER_PORT": port,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
             "OMP_NUM_THREADS": "1",
+            "WORKER_DEVICE": device,
         }
         procs.append(
             subprocess.Popen(
@@ -122,9 +124,13 @@ def test_a_shard_starts_with_the_rows_of_the_whole_table() -> None:
     assert torch.equal(a.weights, b.weights)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(tmp_path: Path, world: int) -> None:
-    run_ranks(world, "lookup", str(tmp_path))
+@pytest.mark.parametrize(
+    ("world", "device"), [(2, "cpu"), (3, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.two_gpus)]
+)
+def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(
+    tmp_path: Path, world: int, device: str
+) -> None:
+    run_ranks(world, "lookup", str(tmp_path), device=device)
     reports = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(world)]
     kinds = set(reports[0]["kinds"])
     assert kinds == {ROW_WISE, TABLE_WISE}  # both placements ran
@@ -135,17 +141,20 @@ def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(tmp_path: 
             assert worst < 1e-5, (rank, what, worst)
 
 
-def test_data_parallel_training_takes_the_steps_that_one_process_takes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.two_gpus)])
+def test_data_parallel_training_takes_the_steps_that_one_process_takes(tmp_path: Path, device: str) -> None:
     """Two ranks, each on its part of every batch (balanced by attention work), the tables
     sharded (one row-wise, the rest placed by size): the same losses and held-out AUC as one
-    process training on the whole batches, step by step."""
-    run_ranks(2, "train", str(tmp_path))
+    process training on the whole batches, step by step (fp32; on GPUs the kernels sum in
+    another order, hence the looser bound there)."""
+    run_ranks(2, "train", str(tmp_path), device=device)
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
     alone = ranks[0]["alone_losses"]
     assert len(alone) == 4 and sum(r["requests"] for r in ranks) == 12
+    rel = 1e-5 if device == "cpu" else 1e-3
     for report in ranks:
-        assert report["losses"] == pytest.approx(alone, rel=1e-5)
-        assert report["auc"] == pytest.approx(ranks[0]["alone_auc"], abs=1e-6)
+        assert report["losses"] == pytest.approx(alone, rel=rel)
+        assert report["auc"] == pytest.approx(ranks[0]["alone_auc"], abs=rel)
 
 
 def test_the_command_line_trains_on_two_ranks_and_resumes_them(tmp_path: Path) -> None:
