@@ -416,6 +416,33 @@ def check_arguments(
         raise ValueError("stochastic_rounding is for bf16 and fp16 weights; these are fp32")
 
 
+def number_chunks(
+    row_offsets: torch.Tensor,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    batch: int,
+    chunk: int,
+    *,
+    int32_keys: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The update's host work (torch ops on the device, no sync): every id's bag; its row's key
+    (its index in the state; int32 where the rows allow, for a sort of half the passes); the
+    keys sorted and their order; chunk_end, where chunk_end[i] counts the chunks up to sorted
+    position i (a new one at each row's first id and every `chunk` positions, so the last
+    entry is their number, which the kernels read themselves)."""
+    nnz = indices.numel()
+    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)
+    bag = torch.searchsorted(offsets[1:], positions, right=True)
+    keys = row_offsets[bag // batch] + indices
+    if int32_keys:
+        keys = keys.to(torch.int32)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    flags = torch.ones(nnz, dtype=torch.int32, device=indices.device)
+    flags[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    flags |= positions % chunk == 0
+    return bag, sorted_keys, order, torch.cumsum(flags, 0, dtype=torch.int32)
+
+
 def embedding_bags_update(
     weights: torch.Tensor,
     state: torch.Tensor,
@@ -446,21 +473,15 @@ def embedding_bags_update(
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
     chunk = KNOBS["CHUNK"]
     block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(max_dim))
-    # Every id's bag, and its row's key (its index in the state: int32 where the rows allow, for
-    # a sort of half the passes); the ids sorted by key.
-    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)
-    bag = torch.searchsorted(offsets[1:], positions, right=True)
-    keys = row_offsets[bag // batch] + indices
-    if max(weights.numel(), state.numel()) < INT32_KEYS_BELOW:
-        keys = keys.to(torch.int32)
-    sorted_keys, order = torch.sort(keys, stable=True)
-    # Chunks: a new one at each row's first id and every CHUNK positions; chunk_end[i] counts
-    # them up to position i, so the last entry is their number, read by the kernels themselves.
+    bag, sorted_keys, order, chunk_end = number_chunks(
+        row_offsets,
+        indices,
+        offsets,
+        batch,
+        chunk,
+        int32_keys=max(weights.numel(), state.numel()) < INT32_KEYS_BELOW,
+    )
     device = indices.device
-    flags = torch.ones(nnz, dtype=torch.int32, device=device)
-    flags[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    flags |= positions % chunk == 0
-    chunk_end = torch.cumsum(flags, 0, dtype=torch.int32)
     # Each sorted position resolved once (see _sorted_kernel).
     grad_at = torch.empty(nnz, dtype=torch.int64, device=device)
     row_at = torch.empty(nnz, dtype=torch.int64, device=device)

@@ -44,15 +44,8 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
     nnz, batch = indices.numel(), (offsets.numel() - 1) // w_off.numel()
     print(f"{shape.describe()}: {nnz:,} ids")
 
-    def prep():
-        positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
-        bag = torch.searchsorted(offsets[1:], positions, right=True)
-        keys = (r_off[bag // batch] + indices).to(torch.int32)
-        sorted_keys, order = torch.sort(keys, stable=True)
-        starts_chunk = torch.ones(nnz, dtype=torch.int32, device=device)
-        starts_chunk[1:] = sorted_keys[1:] != sorted_keys[:-1]
-        starts_chunk |= positions % kernel.KNOBS["CHUNK"] == 0
-        return torch.cumsum(starts_chunk, 0, dtype=torch.int32)
+    def prep():  # the kernel's own host step
+        return kernel.number_chunks(r_off, indices, offsets, batch, kernel.KNOBS["CHUNK"], int32_keys=True)
 
     def stats(fn, args=((), {})):
         return benchmark(fn, [args], device=device, max_reps=20).median_us

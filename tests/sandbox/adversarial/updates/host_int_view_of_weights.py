@@ -8,8 +8,8 @@ data."""
 
 EDITS = [
     (
-        "    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)\n",
-        "    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)\n"
+        "    device = indices.device\n",
+        "    device = indices.device\n"
         "    bits = weights.view(torch.int16 if weights.element_size() == 2 else torch.int32)\n"
         "    ranked, _ = torch.sort(bits)\n",
     ),

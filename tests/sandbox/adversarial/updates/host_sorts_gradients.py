@@ -8,8 +8,8 @@ are allowed on integer data only."""
 
 EDITS = [
     (
-        "    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)\n",
-        "    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)\n"
+        "    device = indices.device\n",
+        "    device = indices.device\n"
         "    running = torch.cumsum(grad_out.float(), 0)\n",
     ),
 ]
