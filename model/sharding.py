@@ -20,8 +20,9 @@ the end of the backward pass, every rank's gradient of a row summed. The gradien
 tables is divided by `gradient_divisor` (default: the world size), so that they step on the mean
 over ranks of their losses, as DistributedDataParallel averages the dense gradients.
 
-Every rank must make the same lookups in the same order, forward and backward (the exchanges
-are collectives): the model's code path is the same on every rank, whatever its batch.
+Every rank must make the same lookups in the same order, and use each one's output in its
+loss (the exchanges are collectives, forward and backward): the model's code path is the same
+on every rank, whatever its batch.
 Unpooled lookups (`lookup`, `gather`: candidate tokens, history events) go as bags of one id,
 each distinct id of the call once.
 """
@@ -193,6 +194,7 @@ class ShardedEmbeddings(nn.Module):
         self._row_wise = torch.tensor([k == ROW_WISE for k in plan.kinds], device=device)
         self._owner = torch.tensor([max(o, 0) for o in plan.owners], device=device)
         self._block_of = torch.tensor([self._block(t) for t in range(len(self.configs))], device=device)
+        self._rows_of = torch.tensor([t.num_rows for t in self.configs], device=device)
         # holds[r][t]: whether rank r holds rows of table t.
         self._holds = [
             [plan.shard(self.configs, t, r) is not None for t in range(len(self.configs))]
@@ -264,11 +266,20 @@ class ShardedEmbeddings(nn.Module):
         owner = torch.where(row_wise, ids // block, self._owner[table])
         rows = torch.where(row_wise, ids - owner * block, ids)
         order = torch.argsort(owner, stable=True)
-        counts = torch.bincount(owner, minlength=self.world)
-        sizes = torch.stack([counts, torch.full_like(counts, batch)], dim=1)
+        counts = torch.bincount(owner.clamp(0, self.world - 1), minlength=self.world)
+        # Every rank tells every other how many ids it sends it, its B, and how many of its ids
+        # lie outside their tables: then all ranks refuse such a call together.
+        outside = ((ids < 0) | (ids >= self._rows_of[table])).sum()
+        sizes = torch.stack([counts, torch.full_like(counts, batch), outside.expand(self.world)], dim=1)
         received = _all_to_all(sizes, [1] * self.world, [1] * self.world, self.group).tolist()
-        send, receive = counts.tolist(), [c for c, _ in received]
-        batches = [b for _, b in received]  # every rank's B
+        if any(bad for _, _, bad in received):
+            mine = int(outside)
+            raise ValueError(
+                f"ids outside their tables in a lookup of {sorted(set(tables))}: {mine} of this rank's, "
+                f"{sum(bad for _, _, bad in received) - mine} of the other ranks'"
+            )
+        send, receive = counts.tolist(), [c for c, _, _ in received]
+        batches = [b for _, b, _ in received]  # every rank's B
         payload = _all_to_all(torch.stack([rows[order], bag[order]], dim=1), send, receive, self.group)
         weights = None
         if per_sample_weights is not None:

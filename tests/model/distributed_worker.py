@@ -122,8 +122,15 @@ def lookup(out_dir: Path) -> None:
             want_state = whole.state[whole_at : whole_at + rows.shape[0]]
             worst["state"] = max(worst["state"], _relative(state, want_state))
     held = {t.name: sharded.local_table(t.name) is not None for t in TABLES}
+    # An id past its table on the last rank only: every rank refuses the call, none waits.
+    bad = torch.tensor([0, 1, 37 if rank == world - 1 else 2], device=_device())
+    try:
+        sharded(["items"], bad, torch.tensor([0, 3], device=_device()))
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
     (out_dir / f"rank_{rank}.json").write_text(
-        json.dumps({"worst": worst, "held": held, "kinds": plan.kinds})
+        json.dumps({"worst": worst, "held": held, "kinds": plan.kinds, "refused": refused})
     )
 
 
