@@ -30,6 +30,7 @@ from agent.state import CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
 from sandbox.backend import Backend
+from sandbox.gpus import select_gpus, visible_gpus
 from sandbox.local import LocalBackend
 
 if TYPE_CHECKING:
@@ -69,7 +70,20 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path
         parallel=sandbox.parallel_workers,
         artifact_root=artifact_root,
         isolation=sandbox.isolation,
+        gpus=campaign_gpus(sandbox),
     )
+
+
+def campaign_gpus(sandbox: SandboxConfig) -> list[str] | None:
+    """The GPUs of this host that the local backend evaluates on, one timing worker each
+    (sandbox.gpus; None: the visible GPUs as one); CampaignError, saying what the host has,
+    where `sandbox.gpus` names GPUs it does not have."""
+    if sandbox.gpus is None:
+        return None
+    try:
+        return select_gpus(sandbox.gpus, visible_gpus())
+    except ValueError as exc:
+        raise CampaignError(f"sandbox.{exc}") from None
 
 
 def campaign_library(config: CampaignConfig) -> KernelLibrary:
@@ -128,7 +142,8 @@ class Campaigns:
         self, config: CampaignConfig, events: Events | None = None, campaign_id: str | None = None
     ) -> CampaignOutcome:
         """Run a new campaign (under `campaign_id`, default a new_id) to its end."""
-        endpoint = self._preflight(config)  # before anything is recorded or spent
+        campaign_gpus(config.sandbox)  # the GPUs it asks for are here, before anything is recorded
+        endpoint = self._preflight(config)  # or spent
         campaign_id = campaign_id or self.new_id(config)
         if config.model is not None:
             # Profile the model once (and keep the library as it is): the plan works from it,

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from search_space import get_problem, problem_names
 from search_space.template import get_template
@@ -194,7 +202,19 @@ class SandboxConfig(_Strict):
         "container; ray: tasks on a Ray cluster, one GPU each where there are GPUs",
     )
     parallel_workers: int = Field(
-        1, ge=1, le=16, description="local backend: workers at once; they take turns only for timing"
+        1,
+        ge=1,
+        le=16,
+        description="local backend: workers at once on each GPU of `gpus` (without it, on the host); "
+        "they take turns only for timing",
+    )
+    gpus: Literal["all"] | StrictInt | list[StrictInt] | None = Field(
+        None,
+        description='local backend: the GPUs to evaluate on, each with a timing worker of its own: "all", '
+        "the first N, or a list of indices as torch numbers them (within CUDA_VISIBLE_DEVICES); each "
+        "evaluation's judge sees only its GPU, and a candidate goes to whichever GPU frees first. Unset: "
+        "the visible GPUs as one, whose evaluations take turns for timing. On a host without a GPU, "
+        '"all" changes nothing',
     )
     ray_address: str | None = Field(None, description="Ray cluster address (None: RAY_ADDRESS or local)")
     docker_mem_limit: str = Field("8g", description="memory limit of each container")
@@ -215,9 +235,26 @@ class SandboxConfig(_Strict):
     trials: int = Field(2, ge=2, le=10, description="correctness trials per check shape, fresh inputs each")
     baselines: list[str] | None = Field(
         None,
-        description="timed once per problem on the campaign's device (default: all of the "
-        "problem's; reference.compile is skipped when timings are interpreted)",
+        description="timed once per problem on each kind of device that evaluates its candidates "
+        "(default: all of the problem's; reference.compile is skipped when timings are interpreted)",
     )
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _some_gpus(cls, value):
+        # What no host takes, in one sentence; sandbox.gpus.select_gpus checks the rest against
+        # the host's GPUs when the campaign starts.
+        from sandbox.gpus import check_gpus
+
+        check_gpus(value)
+        return value
+
+    @model_validator(mode="after")
+    def _gpus_of_the_local_backend(self) -> SandboxConfig:
+        if self.gpus is not None and self.backend != "local":
+            how = "gives each task one GPU of its own" if self.backend == "ray" else "has no per-GPU workers"
+            raise ValueError(f"gpus applies to the local backend; the {self.backend} backend {how}")
+        return self
 
 
 class ReviewConfig(_Strict):

@@ -1,7 +1,10 @@
 """Incumbents: the kernels dispatch runs today, evaluated in the campaign beside the proposals.
 
-A campaign's winner is registered only if it beats them on the same device, in the same
-campaign, by more than the timing noise; otherwise the library would take a slower kernel.
+A campaign's winner is registered only if it beats them on the same kind of device, in the same
+campaign, by more than the timing noise; otherwise the library would take a slower kernel. They
+are measured first as the campaign's first candidates, and again on every other kind of device
+that measures proposals (a Ray cluster of several GPU models), beside the first proposal that
+lands there (sandbox.backend.Alongside).
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from agent.store import EvaluationRow, Store
 from kernels import ops  # noqa: F401 - registers each op's default kernel with the dispatcher
 from kernels.registry import DISPATCHER, KernelLibrary, device_arch
+from sandbox.backend import Alongside
 from sandbox.candidate import Candidate
 from search_space.template import get_template
 
@@ -72,3 +77,36 @@ def unmeasured_incumbents(rows) -> str | None:
         for r in failed
     )
     return f"what dispatch runs today could not be evaluated ({named})"
+
+
+def measurements(
+    store: Store, campaign_id: str, problem: str, rows: list[EvaluationRow]
+) -> list[EvaluationRow]:
+    """Every measurement of the campaign's incumbents of `problem`: their evaluations among `rows`
+    (the problem's) and their measurements on other kinds of device."""
+    held = [r for r in rows if r.candidate.origin == ORIGIN]
+    return held + store.incumbent_evaluations(campaign_id, problem)
+
+
+def to_measure(problem: str, library: KernelLibrary, measured: list[EvaluationRow]) -> Alongside:
+    """The incumbents to measure beside a batch of proposals on each kind of device that has not
+    measured them all (`measured`: every measurement of them so far): per architecture, what
+    dispatch runs there."""
+    arches = sorted({e.arch for e in library.entries() if e.op == problem})
+    out = Alongside(
+        by_arch={arch: incumbents(problem, library, arch) for arch in arches},
+        default=[default_candidate(problem)],
+    )
+    ids: dict[str, set[str]] = {}
+    arch_of: dict[str, str] = {}
+    for r in measured:
+        if (device := r.result.device) is not None:
+            ids.setdefault(device.kind, set()).add(r.candidate.id)
+            arch_of[device.kind] = device.arch
+    out.held_on = sorted(k for k, got in ids.items() if {c.id for c in out.kernels(arch_of[k])} <= got)
+    return out
+
+
+def on_kind(rows: list[EvaluationRow], kind: str | None) -> list[EvaluationRow]:
+    """The rows measured on `kind` of device (DeviceInfo.kind)."""
+    return [r for r in rows if r.result.kind == kind]

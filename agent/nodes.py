@@ -13,7 +13,14 @@ from langgraph.runtime import Runtime
 
 from agent.config import BudgetSpent
 from agent.incumbents import ORIGIN as INCUMBENT
-from agent.incumbents import campaign_arch, incumbents, unmeasured_incumbents
+from agent.incumbents import (
+    campaign_arch,
+    incumbents,
+    measurements,
+    on_kind,
+    to_measure,
+    unmeasured_incumbents,
+)
 from agent.model_plan import measure_change, measure_model
 from agent.population import (
     beats,
@@ -32,6 +39,7 @@ from agent.proposers import ProposalRequest, propose_batch
 from agent.report import lineage_of, write_report
 from agent.state import CampaignContext, CampaignProgress, CampaignState, ProblemProgress
 from agent.store import EvaluationRow, device_seconds
+from sandbox.backend import Alongside
 from sandbox.protocol import campaign_baselines
 from sandbox.result import EvalResult, Status, TimingStats
 
@@ -143,15 +151,13 @@ def _baselines(ctx: CampaignContext, problem: str) -> list[str]:
     return list(ctx.config.sandbox.baselines or campaign_baselines(get_problem(problem)))
 
 
-def _baselines_to_time(ctx: CampaignContext, problem: str) -> list[str]:
-    if ctx.store.baselines(ctx.campaign_id, problem):
-        return []
-    return _baselines(ctx, problem)
-
-
 def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
-    """Evaluate the pending candidates as one batch (a Ray backend spreads it over the cluster);
-    the first evaluation of a problem goes alone, to time the baselines the rest are compared to."""
+    """Evaluate the pending candidates as one batch (a Ray backend spreads it over the cluster).
+    Baselines are timed once per problem and kind of device: the first evaluation of a problem
+    goes alone, to time them where it lands; past it, each evaluation carries the kinds the
+    campaign holds them for, and one that lands on another kind (a Ray cluster of several GPU
+    models, a host whose GPUs differ) times them there. Likewise the incumbents are measured
+    again beside the first proposal on each kind that has not measured them."""
     ctx = runtime.context
     # After a resume, evaluations that finished before the kill are not run again.
     todo = [
@@ -160,11 +166,24 @@ def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
         if not ctx.store.is_evaluated(ctx.campaign_id, cid)
     ]
     while todo and _device_budget_left(ctx):
-        baselines = _baselines_to_time(ctx, todo[0].problem)
-        batch, todo = (todo[:1], todo[1:]) if baselines else (todo, [])
-        results = ctx.backend.evaluate_many(batch, baselines=baselines, trials=ctx.config.sandbox.trials)
+        problem = todo[0].problem
+        held = ctx.store.baseline_kinds(ctx.campaign_id, problem)
+        batch, todo = (todo, []) if held else (todo[:1], todo[1:])
+        alongside = _incumbents_alongside(ctx, problem, batch)
+        results = ctx.backend.evaluate_many(
+            batch,
+            baselines=_baselines(ctx, problem),
+            baselines_held_on=held,
+            trials=ctx.config.sandbox.trials,
+            alongside=alongside,
+        )
         for candidate, result in zip(batch, results, strict=True):
-            if result.status == Status.OK and baselines:
+            if alongside is not None:
+                _keep_incumbents(ctx, alongside, result.alongside)
+            result = result.model_copy(update={"alongside": []})
+            # The first timing of the baselines on a kind is kept: the comparisons use it from then on.
+            timed = result.status == Status.OK and any(t.baselines for t in result.timings)
+            if timed and result.kind not in ctx.store.baseline_kinds(ctx.campaign_id, problem):
                 ctx.store.add_baselines(ctx.campaign_id, candidate.problem, result)
             if result.status == Status.OK and not result.interpreted:
                 result = _check_plausible(ctx, candidate, result)
@@ -173,6 +192,25 @@ def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
             ctx.events.evaluated(result, best_speedup(ctx, candidate.problem))
             ctx.events.progress(campaign_progress(ctx))
     return {"pending": []}
+
+
+def _incumbents_alongside(ctx: CampaignContext, problem: str, batch: list) -> Alongside | None:
+    """The incumbents to measure on each kind of device the batch lands on that has not measured
+    them all; None where the campaign compares with none, or where the batch measures them
+    itself (its first batches: the incumbents as candidates)."""
+    if ctx.config.start_from != "library" or any(c.origin == INCUMBENT for c in batch):
+        return None
+    rows = ctx.store.evaluations(ctx.campaign_id, problem)
+    measured = measurements(ctx.store, ctx.campaign_id, problem, rows)
+    return to_measure(problem, ctx.library, measured) if measured else None
+
+
+def _keep_incumbents(ctx: CampaignContext, alongside: Alongside, measured: list[EvalResult]) -> None:
+    """The incumbents' measurements on a new kind of device, as the campaign's."""
+    kernels = {c.id: c for cs in [*alongside.by_arch.values(), alongside.default] for c in cs}
+    for result in measured:
+        if result.kind is not None:  # one that ran on nothing (screened out) says nothing of a kind
+            ctx.store.add_incumbent_evaluation(ctx.campaign_id, kernels[result.candidate_id], result)
 
 
 def best_baseline_speedup(result: EvalResult, stored: dict[str, dict[str, TimingStats]]) -> float | None:
@@ -189,7 +227,7 @@ def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> Eva
     """A speedup beyond SUSPICIOUS_SPEEDUP over the fastest baseline is more often a measuring
     or checking failure than a kernel: re-measure it in a fresh worker with its baselines, and
     record it as suspicious either way, so that it is never accepted without a person."""
-    stored = ctx.store.baselines(ctx.campaign_id, candidate.problem)
+    stored = ctx.store.baselines(ctx.campaign_id, candidate.problem, result.kind)
     speedup = best_baseline_speedup(result, stored)
     if speedup is None or speedup <= SUSPICIOUS_SPEEDUP:
         return result
@@ -210,12 +248,12 @@ def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> Eva
 
 def best_speedup(ctx: CampaignContext, problem: str) -> float | None:
     """Speedup of the fastest correct candidate so far over the problem's production baseline
-    (its first eager PyTorch op, e.g. torch.embedding_bag)."""
+    (its first eager PyTorch op, e.g. torch.embedding_bag), as timed on its kind of device."""
     rows = ctx.store.evaluations(ctx.campaign_id, problem, best_only=True)
     if not rows:
         return None
     best = rows[0]
-    speedups = best.result.speedups(ctx.store.baselines(ctx.campaign_id, problem))
+    speedups = best.result.speedups(ctx.store.baselines(ctx.campaign_id, problem, best.result.kind))
     return speedups.get(primary_baseline(problem))
 
 
@@ -256,9 +294,12 @@ def register(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
 
 
 def _winners(
-    ctx: CampaignContext, problem: str, rows: list[EvaluationRow]
+    ctx: CampaignContext, problem: str, rows: list[EvaluationRow], measured: list[EvaluationRow]
 ) -> dict[str, dict[str, list[str]]]:
-    """Candidate id -> dtype -> the shape buckets it is to serve.
+    """Candidate id -> dtype -> the shape buckets it is to serve, decided on each kind of device
+    apart: a proposal is compared only with what dispatch runs today as measured on the kind it
+    ran on (`measured`: every measurement of the incumbents), and where the campaign measured
+    incumbents but not on that kind, or one of them failed there, nothing is registered for it.
 
     On a GPU, each timed (dtype, bucket) goes to the fastest correct proposal on it, if that beats
     the fastest incumbent (what dispatch runs today) on the same bucket by more than either's
@@ -269,16 +310,44 @@ def _winners(
     the interpreter only and every bucket: the same campaign picks the same kernel every time."""
     winners: dict[str, dict[str, list[str]]] = {}
     proposals = [r for r in rows if r.score_us is not None and r.candidate.origin != INCUMBENT]
-    held = [r for r in rows if r.score_us is not None and r.candidate.origin == INCUMBENT]
+    # Without a correct proposal, the incumbents' kinds: each says why nothing is registered.
+    kinds = sorted({r.result.kind for r in proposals} or {r.result.kind for r in measured}, key=str)
+    for kind in kinds:
+        where = problem if len(kinds) == 1 else f"{problem} on {kind}"
+        incumbents_here = on_kind(measured, kind)
+        if measured and not incumbents_here:
+            ctx.events.message(
+                f"{where}: nothing registered: what dispatch runs today was not measured there"
+            )
+            continue
+        unmeasured = unmeasured_incumbents(incumbents_here)
+        if unmeasured is not None:
+            ctx.events.message(f"{where}: nothing registered: {unmeasured}")
+            continue
+        held = [r for r in incumbents_here if r.score_us is not None]
+        _winners_on_kind(ctx, where, problem, on_kind(proposals, kind), held, winners)
+    return winners
+
+
+def _winners_on_kind(
+    ctx: CampaignContext,
+    where: str,
+    problem: str,
+    proposals: list[EvaluationRow],
+    held: list[EvaluationRow],
+    winners: dict[str, dict[str, list[str]]],
+) -> None:
+    """_winners among `proposals` and incumbents `held`, all measured on one kind of device."""
 
     def fastest(among: list[EvaluationRow], dtype: str, bucket: str | None = None):
         scored = [(r, s) for r in among if (s := serving_us(r.result, dtype, bucket)) is not None]
         return min(scored, key=lambda rs: rs[1], default=(None, None))
 
+    rows = proposals + held
     for dtype in sorted({t.dtype for r in rows for t in r.result.timings}):
         best, _ = fastest(proposals, dtype)
         if best is None:
-            ctx.events.message(f"{problem} {dtype}: no correct proposal; library unchanged")
+            ctx.events.message(f"{where} {dtype}: no correct proposal; library unchanged")
             continue
         if best.result.interpreted:
             first = first_correct_proposal(proposals, lambda r, d=dtype: serving_us(r.result, d))
@@ -293,13 +362,12 @@ def _winners(
             if inc is not None and not beats(win_us, win.result, inc_us, inc.result, (dtype, bucket)):
                 needed = margin(win.result, inc.result, (dtype, bucket))
                 ctx.events.message(
-                    f"{problem} {dtype} {bucket}: best proposal {win.candidate.id} ({win_us:.1f} us) "
+                    f"{where} {dtype} {bucket}: best proposal {win.candidate.id} ({win_us:.1f} us) "
                     f"does not beat what dispatch runs today ({inc_us:.1f} us) by {100 * needed:.0f}%; "
                     "bucket unchanged"
                 )
                 continue
             winners.setdefault(win.candidate.id, {}).setdefault(dtype, []).append(bucket)
-    return winners
 
 
 def _training_buckets(
@@ -313,14 +381,19 @@ def _training_buckets(
     """Of the buckets `won` (which the winner serves in serving), those it serves in training
     steps too; None: all of them. A forward that saves statistics for its backward (softmax's
     lse) is called in another form in training: there it serves a bucket only if its training
-    form was timed in that bucket and is not slower than what dispatch runs today by more than
-    either's noise. Ops without statistics are called alike in both graphs; on the interpreter
-    timings decide nothing."""
+    form was timed in that bucket and is not slower than what dispatch runs today (the
+    incumbents among `rows`, as measured on the winner's kind of device) by more than either's
+    noise. Ops without statistics are called alike in both graphs; on the interpreter timings
+    decide nothing."""
     from search_space import get_problem
 
     if get_problem(problem).statistics is None or winner.result.interpreted:
         return None
-    held = [r for r in rows if r.score_us is not None and r.candidate.origin == INCUMBENT]
+    held = [
+        r
+        for r in on_kind(rows, winner.result.kind)
+        if r.score_us is not None and r.candidate.origin == INCUMBENT
+    ]
     train = []
     for bucket in won:
         where = (dtype, bucket, "train")
@@ -345,14 +418,12 @@ def _training_buckets(
 
 def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
     rows = ctx.store.evaluations(ctx.campaign_id, problem)
-    unmeasured = unmeasured_incumbents(rows)
-    if unmeasured is not None:
-        ctx.events.message(f"{problem}: nothing registered: {unmeasured}")
-        return []
+    measured = measurements(ctx.store, ctx.campaign_id, problem, rows)
     kernel_ids = []
-    for candidate_id, served in _winners(ctx, problem, rows).items():
+    for candidate_id, served in _winners(ctx, problem, rows, measured).items():
         row = next(r for r in rows if r.candidate.id == candidate_id)
         candidate, evidence = row.candidate, row.result
+        held = [r for r in on_kind(measured, evidence.kind) if r.score_us is not None]
         # A fresh judge and runner check it again and time it again: the timing that won must
         # hold up, or nothing is registered.
         recheck = ctx.backend.evaluate(candidate, timing=True, trials=ctx.config.sandbox.trials)
@@ -362,6 +433,13 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                 f"({recheck.status.value}: {recheck.message}); not registered"
             )
             continue
+        if recheck.kind != evidence.kind and not recheck.interpreted:
+            # A Ray backend picks no kind: there the re-verification shows it correct, and its
+            # times say nothing of the ones that won.
+            ctx.events.message(
+                f"{problem}: candidate {candidate.id} was re-verified on {recheck.kind}, not on "
+                f"{evidence.kind} where it won: its checks count, its timing is not compared"
+            )
         slower = slower_on_recheck(evidence, recheck, served)
         if slower is not None:
             ctx.events.message(f"{problem}: candidate {candidate.id}: {slower}; not registered")
@@ -376,7 +454,7 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                 if t.dtype == dtype and t.bucket in dtype_buckets
             ]
             per_bucket = {b: us for b in dtype_buckets if (us := serving_us(evidence, dtype, b)) is not None}
-            train_buckets = _training_buckets(ctx, problem, rows, row, dtype, dtype_buckets)
+            train_buckets = _training_buckets(ctx, problem, held, row, dtype, dtype_buckets)
             entry = ctx.library.add(
                 op=problem,
                 entry=candidate.entry,
@@ -402,7 +480,7 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                     "knobs": candidate.knobs,
                 },
             )
-            _open_change(ctx, problem, rows, row, entry)
+            _open_change(ctx, problem, held, row, entry)
             training = "" if train_buckets is None else f" (training: {', '.join(train_buckets) or 'none'})"
             ctx.events.message(
                 f"{problem} {dtype}: registered {entry.kernel_id} for {', '.join(entry.buckets)}{training} "
@@ -414,10 +492,11 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
 
 
 def _open_change(
-    ctx: CampaignContext, problem: str, rows: list[EvaluationRow], row: EvaluationRow, entry
+    ctx: CampaignContext, problem: str, held: list[EvaluationRow], row: EvaluationRow, entry
 ) -> None:
-    """A kernel change for review of what was just registered, where the campaign opens them
-    (agent.review); a change that cannot be opened is reported, the registration stands."""
+    """A kernel change for review of what was just registered (`held`: the incumbents' correct
+    measurements on its kind of device), where the campaign opens them (agent.review); a change
+    that cannot be opened is reported, the registration stands."""
     import hashlib
 
     from agent import review
@@ -425,16 +504,15 @@ def _open_change(
     repo = review.campaign_repo(ctx.config)
     if repo is None:
         return
-    held = [r for r in rows if r.score_us is not None and r.candidate.origin == INCUMBENT]
     previous = min(held, key=lambda r: bucket_us(r.result, entry.dtype) or float("inf"), default=None)
     lineage = [cid for cid, _ in lineage_of(ctx.store, ctx.campaign_id, row.candidate.id)]
     llm = ctx.store.llm_proposals(ctx.campaign_id, problem).get(row.candidate.id)
     prompt_hash = None
     if llm is not None and llm.messages:
         prompt_hash = hashlib.sha256(json.dumps(llm.messages[:2], sort_keys=True).encode()).hexdigest()[:16]
-    # Eager and torch.compile are timed once per problem, with its first evaluation: the change's
-    # tables show them beside the winner and the previous best all the same.
-    stored = ctx.store.baselines(ctx.campaign_id, problem)
+    # Eager and torch.compile are timed once per problem and kind of device, with its first
+    # evaluation there: the change's tables show them beside the winner and the previous best.
+    stored = ctx.store.baselines(ctx.campaign_id, problem, row.result.kind)
     result = row.result.with_baselines(stored)
     before = previous.result.with_baselines(stored) if previous else None
     headline, message = review.describe(

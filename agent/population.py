@@ -189,8 +189,9 @@ def primary_baseline(problem: str) -> str:
 
 def slower_on_recheck(evidence: EvalResult, recheck: EvalResult, served: dict[str, list[str]]) -> str | None:
     """Why the re-verification's timing does not bear out the evaluation's, or None: on a GPU,
-    each served (dtype, bucket) must time no slower than it did by more than either's noise."""
-    if recheck.interpreted:
+    each served (dtype, bucket) must time no slower than it did by more than either's noise,
+    where the re-verification ran on the same kind of device (its times say nothing otherwise)."""
+    if recheck.interpreted or recheck.kind != evidence.kind:
         return None
     for dtype, dtype_buckets in served.items():
         for bucket in dtype_buckets:

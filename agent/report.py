@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 
-from agent.incumbents import ORIGIN as INCUMBENT
-from agent.incumbents import unmeasured_incumbents
+from agent.incumbents import measurements, unmeasured_incumbents
 from agent.plots import SpeedupSeries, speedup_plot
 from agent.population import bucket_key, bucket_us, buckets, pick_bucket_bests, primary_baseline
 from agent.store import EvaluationRow, Store
@@ -82,10 +81,15 @@ class ProblemReport:
     rows: list[EvaluationRow]
     status_counts: dict[str, int]
     interpreted: bool
-    baselines: dict[str, dict[str, TimingStats]]
+    baselines: dict[str, dict[str, TimingStats]]  # timed on the best's kind of device
     baseline_names: list[str]
     best: EvaluationRow | None = None
-    previous: EvaluationRow | None = None  # fastest of what dispatch ran at the campaign's start
+    # Fastest of what dispatch ran at the campaign's start, as measured on the best's kind of device.
+    previous: EvaluationRow | None = None
+    # Per kind of device (DeviceInfo.kind): its baselines, and the fastest of what dispatch ran
+    # there: each row is compared with those of its own kind.
+    baselines_by_kind: dict[str | None, dict[str, dict[str, TimingStats]]] = field(default_factory=dict)
+    previous_by_kind: dict[str | None, EvaluationRow] = field(default_factory=dict)
     # Geometric means over the best candidate's timing shapes, in microseconds.
     reference_us: float | None = None
     compile_us: float | None = None
@@ -184,9 +188,22 @@ def _problem(
 ) -> ProblemReport:
 
     rows = store.evaluations(campaign_id, problem)
-    baselines = store.baselines(campaign_id, problem)
+    measured = measurements(store, campaign_id, problem, rows)
     counts = Counter(r.result.status.value for r in rows)
     ok = [r for r in rows if r.score_us is not None]
+    best = next((r for r in ok if r.candidate.id == best_id), None)
+    kinds = {r.result.kind for r in rows}
+    by_kind = {kind: store.baselines(campaign_id, problem, kind) for kind in kinds}
+    previous_by_kind: dict[str | None, EvaluationRow] = {}
+    for r in measured:
+        if r.score_us is not None:
+            known = previous_by_kind.get(r.result.kind)
+            if known is None or r.score_us < known.score_us:
+                previous_by_kind[r.result.kind] = r
+    # The best's kind of device, else (no best yet) the first evaluation's, which timed baselines.
+    first = next((r.result.kind for r in rows if r.result.kind is not None), None)
+    kind = best.result.kind if best is not None else first
+    baselines = by_kind.get(kind, {})
     timed = sorted({n for per_shape in baselines.values() for n in per_shape})
     # The production op, unless the config's sandbox.baselines left it out.
     primary = primary_baseline(problem)
@@ -198,11 +215,11 @@ def _problem(
         interpreted=any(r.result.interpreted for r in rows),
         baselines=baselines,
         baseline_names=timed,
-        best=next((r for r in ok if r.candidate.id == best_id), None),
-        previous=min(
-            (r for r in ok if r.candidate.origin == INCUMBENT), key=lambda r: r.score_us, default=None
-        ),
-        unmeasured=unmeasured_incumbents(rows),
+        best=best,
+        previous=previous_by_kind.get(kind),
+        baselines_by_kind=by_kind,
+        previous_by_kind=previous_by_kind,
+        unmeasured=unmeasured_incumbents(measured),
     )
     if p.best is None:
         return p
@@ -228,16 +245,20 @@ def _series(
     order = {seq: i + 1 for i, seq in enumerate(sorted(when))}
     out = []
     for p in problems:
-        # Over the previous best (what dispatch ran at the start, timed in the campaign) where
-        # there is one: the improvement the campaign made, on a GPU and interpreted alike (an
-        # interpreted kernel against a compiled baseline is a flat line near zero). Else over
-        # the problem's primary baseline.
-        previous = p.previous.score_us if p.previous is not None else None
-        one = SpeedupSeries(problem=p.name, baseline="previous best" if previous else p.primary)
+        # Over the previous best (what dispatch ran at the start, timed in the campaign on the
+        # same kind of device) where there is one: the improvement the campaign made, on a GPU
+        # and interpreted alike (an interpreted kernel against a compiled baseline is a flat line
+        # near zero). Else over the problem's primary baseline, timed on the same kind.
+        over_previous = bool(p.previous_by_kind)
+        one = SpeedupSeries(problem=p.name, baseline="previous best" if over_previous else p.primary)
         for r in p.rows:
             if r.score_us is None:
                 continue
-            speedup = previous / r.score_us if previous else r.result.speedups(p.baselines).get(p.primary)
+            previous = p.previous_by_kind.get(r.result.kind)
+            if over_previous:
+                speedup = previous.score_us / r.score_us if previous is not None else None
+            else:
+                speedup = r.result.speedups(p.baselines_by_kind.get(r.result.kind, {})).get(p.primary)
             if speedup is None:
                 continue
             one.evaluation.append(order[r.seq])
@@ -402,11 +423,12 @@ def render_report(
         )
         for p in config.problems
     ]
-    device = None
+    devices: dict[str, None] = {}  # each kind of device the campaign ran on, in order
     for p in problems:
         for r in p.rows:
             if (d := r.result.device) is not None:
-                device = f"{d.name} ({d.arch}), torch {d.torch}, triton {d.triton}, Python {d.python}"
+                devices[f"{d.kind}, torch {d.torch}, triton {d.triton}, Python {d.python}"] = None
+    device = "; ".join(devices) or None
     interpreted = any(p.interpreted for p in problems)
     series = _series(store, campaign_id, campaign.created_at, problems)
     pngs = {over: speedup_plot(series, over=over, interpreted=interpreted) for over in PLOTS}

@@ -21,7 +21,11 @@ from sandbox.result import EvalResult, Status, TimingStats
 if TYPE_CHECKING:
     from agent.llm.preflight import Preflight
 
-SCHEMA = """
+BASELINES_TABLE = """CREATE TABLE IF NOT EXISTS baselines (
+    campaign_id TEXT NOT NULL, problem TEXT NOT NULL, kind TEXT NOT NULL, shape_key TEXT NOT NULL,
+    name TEXT NOT NULL, stats_json TEXT NOT NULL, PRIMARY KEY (campaign_id, problem, kind, shape_key, name)
+);"""
+SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS campaigns (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, config_json TEXT NOT NULL, status TEXT NOT NULL,
     stop_reason TEXT, wall_s REAL NOT NULL DEFAULT 0, created_at TEXT NOT NULL,
@@ -37,9 +41,14 @@ CREATE TABLE IF NOT EXISTS evaluations (
     problem TEXT NOT NULL, status TEXT NOT NULL, score_us REAL, interpreted INTEGER NOT NULL,
     result_json TEXT NOT NULL, created_at TEXT NOT NULL, UNIQUE (campaign_id, candidate_id)
 );
-CREATE TABLE IF NOT EXISTS baselines (
-    campaign_id TEXT NOT NULL, problem TEXT NOT NULL, shape_key TEXT NOT NULL,
-    name TEXT NOT NULL, stats_json TEXT NOT NULL, PRIMARY KEY (campaign_id, problem, shape_key, name)
+-- Baselines as timed on each kind of device (DeviceInfo.kind): a candidate is compared only with
+-- those of the kind it ran on. (Stores from before kinds: Store._baselines_by_kind.)
+{BASELINES_TABLE}
+-- Incumbents (the kernels dispatch runs today) measured again on another kind of device, beside
+-- a proposal that ran on it (sandbox.backend.Alongside); their first measurement is in evaluations.
+CREATE TABLE IF NOT EXISTS incumbent_evaluations (
+    campaign_id TEXT NOT NULL, kind TEXT NOT NULL, candidate_id TEXT NOT NULL, problem TEXT NOT NULL,
+    result_json TEXT NOT NULL, created_at TEXT NOT NULL, PRIMARY KEY (campaign_id, kind, candidate_id)
 );
 CREATE TABLE IF NOT EXISTS accepted (
     campaign_id TEXT NOT NULL, problem TEXT NOT NULL, candidate_id TEXT NOT NULL,
@@ -191,12 +200,61 @@ class Store:
         self._db.execute("PRAGMA busy_timeout=10000")
         self._db.executescript(SCHEMA)
         self._add_columns()
+        self._baselines_by_kind()
+
+    def _columns(self, table: str) -> set[str]:
+        return {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
 
     def _add_columns(self) -> None:
         """Columns added since a store was created (CREATE TABLE IF NOT EXISTS keeps its tables)."""
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(llm_exchanges)")}
-        if "finish_reason" not in columns:
+        if "finish_reason" not in self._columns("llm_exchanges"):
             self._db.execute("ALTER TABLE llm_exchanges ADD COLUMN finish_reason TEXT")
+
+    def _baselines_by_kind(self) -> None:
+        """A store from before baselines were kept per kind of device: each campaign timed a
+        problem's baselines once, with the first correct evaluation asked to (the problem's
+        first evaluation, alone), on the one host it ran on. Its rows take the kind of the
+        device of that evaluation, the first correct one whose timings hold baselines; where
+        none says (no such evaluation, or none with a device), they are dropped, and a resumed
+        campaign times them again with its next evaluation."""
+        if "kind" in self._columns("baselines"):
+            return
+        self._db.execute("BEGIN IMMEDIATE")  # one process migrates; the others find it done
+        try:
+            if "kind" in self._columns("baselines"):
+                self._db.execute("COMMIT")
+                return
+            self._db.execute("ALTER TABLE baselines RENAME TO baselines_without_kind")
+            self._db.execute(BASELINES_TABLE)
+            pairs = self._db.execute(
+                "SELECT DISTINCT campaign_id, problem FROM baselines_without_kind"
+            ).fetchall()
+            for campaign_id, problem in pairs:
+                kind = self._kind_that_timed_baselines(campaign_id, problem)
+                if kind is None:
+                    continue
+                self._db.execute(
+                    "INSERT INTO baselines SELECT campaign_id, problem, ?, shape_key, name, stats_json "
+                    "FROM baselines_without_kind WHERE campaign_id = ? AND problem = ?",
+                    (kind, campaign_id, problem),
+                )
+            self._db.execute("DROP TABLE baselines_without_kind")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _kind_that_timed_baselines(self, campaign_id: str, problem: str) -> str | None:
+        rows = self._db.execute(
+            "SELECT result_json FROM evaluations WHERE campaign_id = ? AND problem = ? AND status = ? "
+            "ORDER BY seq",
+            (campaign_id, problem, Status.OK.value),
+        )
+        for (result_json,) in rows:
+            result = EvalResult.model_validate_json(result_json)
+            if any(t.baselines for t in result.timings):
+                return result.kind
+        return None
 
     def close(self) -> None:
         self._db.close()
@@ -308,12 +366,16 @@ class Store:
         ]
 
     def device_seconds(self, campaign_id: str) -> float:
-        """`device_seconds` summed over the campaign's evaluations, in SQL (no result parsed)."""
+        """`device_seconds` summed over the campaign's evaluations and its incumbents' measurements
+        on other kinds of device, in SQL (no result parsed)."""
         terms = " + ".join(f"COALESCE(json_extract(result_json, '$.phase_s.{p}'), 0)" for p in DEVICE_PHASES)
-        row = self._db.execute(
-            f"SELECT COALESCE(SUM({terms}), 0) FROM evaluations WHERE campaign_id = ?", (campaign_id,)
-        ).fetchone()
-        return float(row[0])
+        total = 0.0
+        for table in ("evaluations", "incumbent_evaluations"):
+            row = self._db.execute(
+                f"SELECT COALESCE(SUM({terms}), 0) FROM {table} WHERE campaign_id = ?", (campaign_id,)
+            ).fetchone()
+            total += float(row[0])
+        return total
 
     def evaluation_times(self, campaign_id: str) -> dict[int, str]:
         """When each evaluation was recorded (seq -> ISO time, UTC)."""
@@ -324,22 +386,62 @@ class Store:
 
     # baselines and acceptance
     def add_baselines(self, campaign_id: str, problem: str, result: EvalResult) -> None:
+        """The baselines `result`'s judge timed, as those of the kind of device it ran on."""
+        kind = result.kind
+        assert kind is not None, "baselines are timed by a judge, which always names its device"
         for t in result.timings:
             for name, stats in t.baselines.items():
                 self._db.execute(
-                    "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?)",
-                    (campaign_id, problem, f"{t.shape}/{t.dtype}", name, stats.model_dump_json()),
+                    "INSERT OR REPLACE INTO baselines VALUES (?, ?, ?, ?, ?, ?)",
+                    (campaign_id, problem, kind, f"{t.shape}/{t.dtype}", name, stats.model_dump_json()),
                 )
 
-    def baselines(self, campaign_id: str, problem: str) -> dict[str, dict[str, TimingStats]]:
+    def baselines(
+        self, campaign_id: str, problem: str, kind: str | None
+    ) -> dict[str, dict[str, TimingStats]]:
+        """Shape key -> name -> stats of the baselines timed on `kind` of device (DeviceInfo.kind;
+        None, a result that ran on none: no baselines)."""
         out: dict[str, dict[str, TimingStats]] = {}
         rows = self._db.execute(
-            "SELECT shape_key, name, stats_json FROM baselines WHERE campaign_id = ? AND problem = ?",
-            (campaign_id, problem),
+            "SELECT shape_key, name, stats_json FROM baselines "
+            "WHERE campaign_id = ? AND problem = ? AND kind = ?",
+            (campaign_id, problem, kind),
         )
         for shape_key, name, stats_json in rows:
             out.setdefault(shape_key, {})[name] = TimingStats.model_validate_json(stats_json)
         return out
+
+    def baseline_kinds(self, campaign_id: str, problem: str) -> list[str]:
+        """The kinds of device on which `problem`'s baselines have been timed."""
+        rows = self._db.execute(
+            "SELECT DISTINCT kind FROM baselines WHERE campaign_id = ? AND problem = ? ORDER BY kind",
+            (campaign_id, problem),
+        )
+        return [kind for (kind,) in rows]
+
+    def add_incumbent_evaluation(self, campaign_id: str, candidate: Candidate, result: EvalResult) -> None:
+        """An incumbent measured again on another kind of device (the first measurement on each
+        kind is kept: what the campaign's later comparisons on it have used)."""
+        assert result.kind is not None
+        self.add_candidate(campaign_id, candidate)
+        self._db.execute(
+            "INSERT OR IGNORE INTO incumbent_evaluations VALUES (?, ?, ?, ?, ?, ?)",
+            (campaign_id, result.kind, candidate.id, candidate.problem, result.model_dump_json(), _now()),
+        )
+
+    def incumbent_evaluations(self, campaign_id: str, problem: str) -> list[EvaluationRow]:
+        """The measurements of `problem`'s incumbents on other kinds of device than their first
+        (in `evaluations`), in order; their seq counts apart from the evaluations'."""
+        rows = self._db.execute(
+            f"SELECT i.rowid, i.result_json, {_CANDIDATE_COLUMNS} FROM incumbent_evaluations i "
+            "JOIN candidates c ON c.campaign_id = i.campaign_id AND c.id = i.candidate_id "
+            "WHERE i.campaign_id = ? AND i.problem = ? ORDER BY i.rowid",
+            (campaign_id, problem),
+        )
+        return [
+            EvaluationRow(seq, _candidate(rest), EvalResult.model_validate_json(result_json))
+            for seq, result_json, *rest in rows.fetchall()
+        ]
 
     def add_accepted(
         self, campaign_id: str, problem: str, candidate_id: str, kernel_id: str, library: str

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write every result here")
     args = parser.parse_args(argv)
     library = DISPATCHER.library
-    backend = LocalBackend(timeout_s=args.timeout)
+    # The backend runs as many of the pool's evaluations at once as its `parallel` says.
+    backend = LocalBackend(timeout_s=args.timeout, parallel=args.parallel)
     arch = campaign_arch()
     jobs = []
     for name in args.problems.split(","):

@@ -3,14 +3,56 @@ sandbox.ray_backend): a candidate in, its EvalResult out."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
+from pydantic import BaseModel, Field
+
 from sandbox.candidate import Candidate
-from sandbox.result import EvalResult
+from sandbox.result import DeviceInfo, EvalResult
+
+
+class Alongside(BaseModel):
+    """Kernels to evaluate beside a call's candidates on each kind of device that has not
+    measured them for the caller yet: right after the call's first evaluation that lands on such
+    a kind, on the same GPU, each comes back in that result's `alongside`. A campaign sends the
+    kernels dispatch runs today (its incumbents) so that every kind that measures proposals
+    measures them too, without knowing which kind a task lands on. It crosses to Ray tasks as
+    JSON."""
+
+    held_on: list[str] = Field(default_factory=list)  # DeviceInfo.kind values measured already
+    by_arch: dict[str, list[Candidate]] = Field(default_factory=dict)  # the kernels per architecture
+    default: list[Candidate] = Field(default_factory=list)  # for an architecture not in by_arch
+
+    def kernels(self, arch: str) -> list[Candidate]:
+        return self.by_arch.get(arch, self.default)
+
+
+class AlongsideClaims:
+    """Within one call, which evaluation measures the kernels of `alongside` on which kind: the
+    first to land on each kind not held, alone (the call's evaluations run in threads)."""
+
+    def __init__(self, alongside: Alongside | None) -> None:
+        self.alongside = alongside
+        self._claimed = set(alongside.held_on) if alongside is not None else set()
+        self._lock = threading.Lock()
+
+    def claim(self, device: DeviceInfo | None) -> list[Candidate]:
+        """The kernels an evaluation that ran on `device` is to measure beside it ([]: none)."""
+        if self.alongside is None or device is None:
+            return []
+        with self._lock:
+            if device.kind in self._claimed:
+                return []
+            self._claimed.add(device.kind)
+        return self.alongside.kernels(device.arch)
 
 
 class Backend(Protocol):
+    """`baselines` are timed in each evaluation's judge, unless it runs on a kind of device among
+    `baselines_held_on` (DeviceInfo.kind values); `alongside`: see Alongside."""
+
     name: str
 
     def evaluate(
@@ -20,7 +62,9 @@ class Backend(Protocol):
         check: bool = True,
         timing: bool = True,
         baselines: list[str] | None = None,
+        baselines_held_on: Collection[str] = (),
         trials: int = 2,
+        alongside: Alongside | None = None,
     ) -> EvalResult: ...
 
     def evaluate_many(
@@ -30,5 +74,7 @@ class Backend(Protocol):
         check: bool = True,
         timing: bool = True,
         baselines: list[str] | None = None,
+        baselines_held_on: Collection[str] = (),
         trials: int = 2,
+        alongside: Alongside | None = None,
     ) -> list[EvalResult]: ...

@@ -123,6 +123,7 @@ def device_info(device: torch.device) -> DeviceInfo:
         triton=triton.__version__,
         python=platform.python_version(),
         interpreted=device.type != "cuda",
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 
@@ -880,7 +881,9 @@ class Evaluation:
 
     # -- timing --------------------------------------------------------------------------------
 
-    def time_shapes(self, arch: str) -> list[ShapeTiming]:
+    def time_shapes(self, device: DeviceInfo) -> list[ShapeTiming]:
+        """The candidate's timings on every timing shape, with the baselines asked for, unless
+        the caller holds them for this kind of device already (EvalRequest.baselines_held_on)."""
         assert self.session is not None
         gpu = self.device.type == "cuda"
         shapes = self.problem.timing_shapes if gpu else self.problem.interpreted_timing_shapes
@@ -888,10 +891,11 @@ class Evaluation:
         if gpu:
             with self.session.gpu(exclusive=True):  # flushes the L2: nothing beside
                 calibration = Calibration.measure(self.session.runner, self.device)
-        baselines = baseline_providers(self.problem, self.request.baselines, self.device)
+        names = [] if device.kind in self.request.baselines_held_on else self.request.baselines
+        baselines = baseline_providers(self.problem, names, self.device)
         timings = []
         for shape in shapes:
-            timings.append(self.time_shape(shape, arch, calibration, baselines))
+            timings.append(self.time_shape(shape, device.arch, calibration, baselines))
             if gpu:
                 torch.cuda.empty_cache()
         return timings
@@ -1152,7 +1156,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
         if request.timing:
             ev.clock.start("timing")
             start = time.time()
-            timings = ev.time_shapes(info.arch)
+            timings = ev.time_shapes(info)
             window = (start, time.time())
     except Verdict as verdict:
         status, message, log = verdict.status, verdict.message, verdict.log
@@ -1199,6 +1203,11 @@ def main(argv: list[str]) -> int:
 
         die_with_parent(int(argv[2]))
     request = EvalRequest.model_validate_json(request_path.read_text())
+    if request.gpu is not None:
+        # The driver reads it once, when CUDA starts: nothing the judge imports starts CUDA
+        # (sandbox.judge_server forks judges only from a process where it has not started).
+        assert not torch.cuda.is_initialized()
+        os.environ["CUDA_VISIBLE_DEVICES"] = request.gpu
     try:
         result = evaluate(request, deadline_mark=result_path.with_name(DEADLINE_MARK))
     except Exception as exc:  # the judge's own failure: still a result, with its traceback

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,10 +28,12 @@ from pydantic import ValidationError
 
 from sandbox import cgroups, judge_server
 from sandbox.artifacts import ArtifactCache
+from sandbox.backend import Alongside, AlongsideClaims
 from sandbox.candidate import Candidate
+from sandbox.gpus import Place, Places, gpu_place
 from sandbox.hardware import cuda_present
 from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
-from sandbox.locks import gpu_use
+from sandbox.locks import gpu_use, lock_path
 from sandbox.protocol import DEADLINE_MARK, EvalRequest
 from sandbox.result import EvalResult, Status
 from sandbox.screen import screen_candidate
@@ -100,20 +102,41 @@ def _wait_within(wait: Callable[..., object], limit: float, judge_dir: Path) -> 
 
 class WorkerBackend:
     """What every backend that runs `sandbox.judge` on one host shares: screen first, then a
-    fresh scratch directory per evaluation (seeded with the compiled artifacts of an earlier
-    evaluation of the same source, where an artifact cache is set), removed afterwards.
-    Subclasses run the worker, with its Triton cache at `scratch / "triton"`."""
+    place to run (sandbox.gpus: a GPU of its own, or the host's GPUs as one), a fresh scratch
+    directory per evaluation (seeded with the compiled artifacts of an earlier evaluation of the
+    same source, where an artifact cache is set), removed afterwards. Subclasses run the worker,
+    with its Triton cache at `scratch / "triton"`."""
 
     scratch_root: Path | None
     keep_scratch: bool
     artifacts: ArtifactCache | None = None
-    # The host's device-memory lock (set on a GPU host): each evaluation holds it shared; one
-    # whose judge ran out of device memory beside others runs again holding it alone.
+    # The host's locks where its GPUs are one place (set on a GPU host): evaluations take turns
+    # for timing under the timing lock (which the judge takes), and each holds the memory lock
+    # shared; one whose judge ran out of device memory beside others runs again holding it alone.
+    timing_lock: Path | None = None
     memory_lock: Path | None = None
+    parallel: int = 1  # evaluations at once per place
+    _places: Places | None = None
 
-    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
-        """One after another: the evaluations on one host share its GPU, and timings must not."""
-        return [self.evaluate(c, **kwargs) for c in candidates]
+    @property
+    def places(self) -> Places:
+        """Where evaluations run, and how many at once on each (the host as one place unless a
+        subclass sets others)."""
+        if self._places is None:
+            self._places = Places([Place(None, self.timing_lock, self.memory_lock)], self.parallel)
+        return self._places
+
+    def evaluate_many(
+        self, candidates: Sequence[Candidate], *, alongside: Alongside | None = None, **kwargs
+    ) -> list[EvalResult]:
+        """As many at once as the places take, each on the place that frees first, in threads
+        (each evaluation is a judge process); the results in the order of `candidates`."""
+        claims = AlongsideClaims(alongside)
+        workers = min(self.places.capacity, len(candidates))
+        if workers <= 1:
+            return [self._evaluate(c, claims, **kwargs) for c in candidates]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(lambda c: self._evaluate(c, claims, **kwargs), candidates))
 
     def evaluate(
         self,
@@ -122,11 +145,54 @@ class WorkerBackend:
         check: bool = True,
         timing: bool = True,
         baselines: list[str] | None = None,
+        baselines_held_on: Collection[str] = (),
+        trials: int = 2,
+        alongside: Alongside | None = None,
+    ) -> EvalResult:
+        return self._evaluate(
+            candidate,
+            AlongsideClaims(alongside),
+            check=check,
+            timing=timing,
+            baselines=baselines,
+            baselines_held_on=baselines_held_on,
+            trials=trials,
+        )
+
+    def _evaluate(
+        self,
+        candidate: Candidate,
+        claims: AlongsideClaims,
+        *,
+        check: bool = True,
+        timing: bool = True,
+        baselines: list[str] | None = None,
+        baselines_held_on: Collection[str] = (),
         trials: int = 2,
     ) -> EvalResult:
         rejected = screen_candidate(candidate)
         if rejected is not None:
             return rejected
+        with self.places.use() as place:
+            result = self._evaluate_on(
+                place,
+                candidate,
+                check=check,
+                timing=timing,
+                baselines=baselines or [],
+                baselines_held_on=sorted(baselines_held_on),
+                trials=trials,
+            )
+            kernels = claims.claim(result.device)
+            if kernels:
+                # On the same GPU, while this evaluation's place is still held.
+                asked = {"check": check, "timing": timing, "trials": trials}
+                measured = [screen_candidate(k) or self._evaluate_on(place, k, **asked) for k in kernels]
+                result = result.model_copy(update={"alongside": measured})
+        return result
+
+    def _evaluate_on(self, place: Place, candidate: Candidate, **asked) -> EvalResult:
+        """One screened candidate's evaluation at `place`; `asked`: EvalRequest's fields."""
         if self.scratch_root:
             self.scratch_root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"eval-{candidate.id}-", dir=self.scratch_root)).resolve()
@@ -135,21 +201,17 @@ class WorkerBackend:
         (runner_dir / "candidate.py").write_text(candidate.source)
         reused = self.artifacts is not None and self.artifacts.restore(candidate.id, runner_dir / "triton")
         try:
-            result = self._run_sharing_memory(
-                candidate,
-                scratch,
-                EvalRequest(
-                    problem=candidate.problem,
-                    candidate_id=candidate.id,
-                    source_file=self._source_file(runner_dir),
-                    entry=candidate.entry,
-                    check=check,
-                    timing=timing,
-                    baselines=baselines or [],
-                    trials=trials,
-                    runner_dir=str(runner_dir),
-                ),
+            request = EvalRequest(
+                problem=candidate.problem,
+                candidate_id=candidate.id,
+                source_file=self._source_file(runner_dir),
+                entry=candidate.entry,
+                runner_dir=str(runner_dir),
+                gpu=place.gpu,
+                timing_lock=None if place.timing_lock is None else str(place.timing_lock),
+                **asked,
             )
+            result = self._run_sharing_memory(candidate, scratch, request, place.memory_lock)
             if self.artifacts is not None and not reused and result.status in COMPILED:
                 self.artifacts.save(candidate.id, runner_dir / "triton")
             return result.model_copy(update={"artifacts_reused": reused})
@@ -157,11 +219,13 @@ class WorkerBackend:
             if not self.keep_scratch:
                 shutil.rmtree(scratch, ignore_errors=True)
 
-    def _run_sharing_memory(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
-        """_run beside the host's other evaluations; again alone when the judge's own work ran
+    def _run_sharing_memory(
+        self, candidate: Candidate, scratch: Path, request: EvalRequest, memory_lock: Path | None
+    ) -> EvalResult:
+        """_run beside the other evaluations on its GPU; again alone when the judge's own work ran
         out of device memory (theirs and its together: a gradient reference at a timing shape
         can hold tens of GiB), so an honest candidate is never failed for its neighbours."""
-        lock = str(self.memory_lock) if self.memory_lock is not None else None
+        lock = str(memory_lock) if memory_lock is not None else None
         with gpu_use(lock, exclusive=False):
             result = self._run(candidate, scratch, request)
         if lock is None or not judge_out_of_memory(result):
@@ -193,16 +257,23 @@ class LocalBackend(WorkerBackend):
         parallel: int = 1,
         artifact_root: str | os.PathLike | None = None,
         isolation: str = "bwrap",
+        gpus: Sequence[str] | None = None,
     ) -> None:
-        """`parallel` evaluations run at once in `evaluate_many`: they import, compile and check
-        side by side, and take turns for timing (a file lock), so timings stay those of a lone
-        run. `artifact_root`: where compiled kernels are kept by content hash (None: never
-        reused). `isolation`: "bwrap" (sandbox.isolation); "none" runs the runner as a plain
-        process, for hosts without user namespaces, and holds nothing against a hostile one."""
+        """`gpus`: the GPUs to evaluate on, each a place of its own (sandbox.gpus.select_gpus
+        chooses them; names as CUDA_VISIBLE_DEVICES gives them): each evaluation's judge sees
+        one, and each GPU has its own timing and memory locks, so evaluations on different GPUs
+        time at once. None: the GPUs this process sees, as one place. `parallel` evaluations run
+        at once per place in `evaluate_many`: they import, compile and check side by side, and
+        take turns for timing (a file lock), so timings stay those of a lone run.
+        `artifact_root`: where compiled kernels are kept by content hash (None: never reused).
+        `isolation`: "bwrap" (sandbox.isolation); "none" runs the runner as a plain process, for
+        hosts without user namespaces, and holds nothing against a hostile one."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {parallel}")
+        if gpus is not None and (not gpus or len(set(gpus)) != len(gpus)):
+            raise ValueError(f"gpus must name at least one GPU, each once; got {list(gpus)}")
         if isolation not in ("bwrap", "none"):
             raise ValueError(f"isolation must be 'bwrap' or 'none', got {isolation!r}")
         if isolation == "bwrap" and (why := bwrap_works(cuda_present())) is not None:
@@ -214,21 +285,26 @@ class LocalBackend(WorkerBackend):
         self.keep_scratch = keep_scratch
         self.parallel = parallel
         self.artifacts = ArtifactCache(artifact_root) if artifact_root else None
-        # One lock per set of visible GPUs, shared by every backend on this host: two campaigns
-        # on one GPU take turns too. Without a GPU there is none: interpreted timings decide
-        # nothing (agent.nodes), and holding every evaluation's checks still while one of them
-        # times on the CPU would leave the host's cores idle in a convoy behind each timing.
-        self.timing_lock: Path | None = None
-        if cuda_present():
-            devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-") or "none"
-            self.timing_lock = Path(tempfile.gettempdir()) / f"recforge-timing-{devices}.lock"
-            self.memory_lock = Path(tempfile.gettempdir()) / f"recforge-memory-{devices}.lock"
+        # Locks shared by every backend on this host, one per GPU (or set of visible GPUs): two
+        # campaigns on one GPU take turns too. The host's GPUs as one place have none without a
+        # GPU: interpreted timings decide nothing (agent.nodes), and holding every evaluation's
+        # checks still while one of them times on the CPU would leave the host's cores idle in
+        # a convoy behind each timing.
+        self.gpus = list(gpus) if gpus is not None else None
+        if self.gpus is not None:
+            self._places = Places([gpu_place(gpu) for gpu in self.gpus], parallel)
+        else:
+            if cuda_present():
+                devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+                self.timing_lock = lock_path("timing", devices)
+                self.memory_lock = lock_path("memory", devices)
+            self._places = Places([Place(None, self.timing_lock, self.memory_lock)], parallel)
 
-    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
-        if self.parallel == 1 or len(candidates) < 2:
-            return super().evaluate_many(candidates, **kwargs)
-        with ThreadPoolExecutor(max_workers=self.parallel) as pool:
-            return list(pool.map(lambda c: self.evaluate(c, **kwargs), candidates))
+    def warm_up(self) -> None:
+        """Start the judges' fork server now (where judges are forked from one: sandbox.judge_server),
+        so that the first evaluation does not wait for its imports."""
+        if judge_server.enabled():
+            judge_server.server_for(self._env())
 
     def _env(self) -> dict[str, str]:
         """The judge's environment (trusted code; the runner's own is sandbox.isolation's)."""
@@ -290,7 +366,6 @@ class LocalBackend(WorkerBackend):
         # GPU. The judge ends the evaluation at timeout_s; this process ends the judge after that.
         request = request.model_copy(
             update={
-                "timing_lock": None if self.timing_lock is None else str(self.timing_lock),
                 "cpu_seconds": int(self.timeout_s) + 30,
                 "address_space_bytes": None if cuda_present() else CPU_ADDRESS_SPACE,
                 "timeout_s": self.timeout_s,

@@ -6,8 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import re
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+def lock_path(use: str, devices: str) -> Path:
+    """The host's `use` lock ("timing" or "memory") of the GPUs `devices` (CUDA_VISIBLE_DEVICES'
+    form: one GPU's index, UUID or MIG id, or a list of them; "all" where unset): one file per
+    GPU, or per set of GPUs, in the host's temporary directory, shared by every backend and
+    campaign there."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", devices.replace(",", "-")) or "none"
+    return Path(tempfile.gettempdir()) / f"recforge-{use}-{name}.lock"
 
 
 @contextlib.contextmanager

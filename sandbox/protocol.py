@@ -42,10 +42,18 @@ class EvalRequest(BaseModel):
     trials: int = 2  # at least two are run: see judge.Evaluation.run_checks
     timing: bool = True
     baselines: list[str] = []  # names among "reference", "reference.compile", problem baselines
+    # Device kinds (DeviceInfo.kind) on which the caller holds these baselines already: a judge on
+    # one of them times none. A campaign cannot know which kind a task lands on (a Ray cluster of
+    # several GPU models), so the judge, which knows its own, decides.
+    baselines_held_on: list[str] = []
     input_sets: int = 3  # for the baselines, which the judge times in its own process
     # The GPU's lock file (sandbox.locks.gpu_use): evaluations check and compile side by side under a
     # shared lock, and one at a time measures the GPU under an exclusive one, with nothing beside.
     timing_lock: str | None = None
+    # The one GPU the evaluation runs on, as CUDA_VISIBLE_DEVICES names it (sandbox.gpus): the
+    # judge sets that variable to it before CUDA starts, and its runner inherits it. None: the
+    # GPUs of the judge's environment.
+    gpu: str | None = None
     # The runner's scratch directory (its only writable place) and how it is isolated.
     runner_dir: str = ""
     isolation: str = "bwrap"

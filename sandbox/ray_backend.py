@@ -8,7 +8,14 @@ the wall-clock timeout. The task only
 carries the candidate in and the result out, both as JSON like the local worker's files.
 
 A task holds one GPU where the cluster has GPUs (Ray sets CUDA_VISIBLE_DEVICES for it, which the
-local backend passes on to its worker), else one CPU, where Triton runs interpreted.
+local backend passes on to its worker, and whose timing lock is that GPU's own), else one CPU,
+where Triton runs interpreted.
+
+A cluster may hold GPUs of several kinds, and which kind runs a task is Ray's choice: each task
+carries the kinds on which the caller holds its baselines (the judge times them on any other)
+and the kernels to measure beside it on a kind that has not measured them (sandbox.backend.
+Alongside). Tasks of one batch decide apart, so several of a batch that land on a new kind may
+each time the baselines and measure those kernels there: once per batch and kind at most.
 
 Assumptions about the cluster:
 - every node holds this checkout at the same path, in the same Python environment (true of a
@@ -26,9 +33,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+from sandbox.backend import Alongside
 from sandbox.candidate import Candidate
 from sandbox.local import REPO_ROOT, LocalBackend
 from sandbox.result import EvalResult, Status
@@ -41,11 +49,16 @@ LOG_TAIL_CHARS = 4000
 
 
 def _evaluate_on_host(
-    candidate_json: str, backend_kwargs: dict[str, Any], eval_kwargs: dict[str, Any]
+    candidate_json: str,
+    backend_kwargs: dict[str, Any],
+    eval_kwargs: dict[str, Any],
+    alongside_json: str | None,
 ) -> str:
     """The Ray task: one local-backend evaluation on this host, its result as JSON."""
     candidate = Candidate.model_validate_json(candidate_json)
-    return LocalBackend(**backend_kwargs).evaluate(candidate, **eval_kwargs).model_dump_json()
+    alongside = None if alongside_json is None else Alongside.model_validate_json(alongside_json)
+    result = LocalBackend(**backend_kwargs).evaluate(candidate, alongside=alongside, **eval_kwargs)
+    return result.model_dump_json()
 
 
 class RayBackend:
@@ -112,10 +125,18 @@ class RayBackend:
         check: bool = True,
         timing: bool = True,
         baselines: list[str] | None = None,
+        baselines_held_on: Collection[str] = (),
         trials: int = 2,
+        alongside: Alongside | None = None,
     ) -> EvalResult:
         (result,) = self.evaluate_many(
-            [candidate], check=check, timing=timing, baselines=baselines, trials=trials
+            [candidate],
+            check=check,
+            timing=timing,
+            baselines=baselines,
+            baselines_held_on=baselines_held_on,
+            trials=trials,
+            alongside=alongside,
         )
         return result
 
@@ -126,18 +147,27 @@ class RayBackend:
         check: bool = True,
         timing: bool = True,
         baselines: list[str] | None = None,
+        baselines_held_on: Collection[str] = (),
         trials: int = 2,
+        alongside: Alongside | None = None,
     ) -> list[EvalResult]:
         """Submits every candidate at once, so the cluster runs as many as it has GPUs (or CPUs)
         for, then gathers the results in the order of `candidates`."""
         import ray
 
-        eval_kwargs = {"check": check, "timing": timing, "baselines": baselines, "trials": trials}
+        eval_kwargs = {
+            "check": check,
+            "timing": timing,
+            "baselines": baselines,
+            "baselines_held_on": sorted(baselines_held_on),
+            "trials": trials,
+        }
+        alongside_json = None if alongside is None else alongside.model_dump_json()
         # Screened here, as the local backend screens: a rejected candidate never costs a task.
         results = {i: r for i, c in enumerate(candidates) if (r := screen_candidate(c)) is not None}
         refs = {
             i: self._task.options(name=f"eval-{c.id}", **self._task_options).remote(
-                c.model_dump_json(), self._backend_kwargs, eval_kwargs
+                c.model_dump_json(), self._backend_kwargs, eval_kwargs, alongside_json
             )
             for i, c in enumerate(candidates)
             if i not in results

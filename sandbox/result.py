@@ -80,6 +80,15 @@ class DeviceInfo(BaseModel):
     triton: str
     python: str
     interpreted: bool
+    # CUDA_VISIBLE_DEVICES as the judge ran under it (None: unset): which GPU of its host it was.
+    visible_devices: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The kind of device, e.g. `NVIDIA H200 (sm_90)`, or `x86_64 (interpreter)` on a CPU:
+        timings compare only within one kind (a campaign keeps baselines and incumbents per
+        kind), never across GPUs of other models or across hosts' interpreters."""
+        return f"{self.name} ({self.arch})"
 
 
 class EvalResult(BaseModel):
@@ -97,10 +106,18 @@ class EvalResult(BaseModel):
     # sum is the worker's start-up (interpreter, torch, CUDA context) and the backend's overhead.
     phase_s: dict[str, float] = Field(default_factory=dict)
     artifacts_reused: bool = False  # the worker started with this source's compiled kernels
+    # Other kernels the backend evaluated on the same device right after this one, because that
+    # kind of device had not measured them for the caller yet (sandbox.backend.Alongside).
+    alongside: list[EvalResult] = Field(default_factory=list)
 
     @property
     def interpreted(self) -> bool:
         return self.device is not None and self.device.interpreted
+
+    @property
+    def kind(self) -> str | None:
+        """DeviceInfo.kind of the device it ran on (None: it ran on none, e.g. screened out)."""
+        return None if self.device is None else self.device.kind
 
     def geomean_us(self, dtype: str | None = None) -> float | None:
         """Geometric mean of the candidate's median time over the timing shapes (of `dtype`)."""
@@ -109,8 +126,8 @@ class EvalResult(BaseModel):
 
     def with_baselines(self, baselines: dict[str, dict[str, TimingStats]]) -> EvalResult:
         """This result with each timing's baselines completed from `baselines` (shape key ->
-        name -> stats, measured earlier on the same device: a campaign times them once per
-        problem), its own kept where it has them."""
+        name -> stats, measured earlier on the same kind of device: a campaign times them once
+        per problem and kind), its own kept where it has them."""
         timings = [
             t.model_copy(update={"baselines": baselines.get(f"{t.shape}/{t.dtype}", {}) | t.baselines})
             for t in self.timings
@@ -119,7 +136,7 @@ class EvalResult(BaseModel):
 
     def speedups(self, baselines: dict[str, dict[str, TimingStats]] | None = None) -> dict[str, float]:
         """Geometric-mean speedup over each baseline, from this result's own baseline timings
-        or from `baselines` (shape key -> name -> stats) measured earlier on the same device."""
+        or from `baselines` (shape key -> name -> stats) measured earlier on the same kind of device."""
         ratios: dict[str, list[float]] = {}
         for t in self.timings:
             known = dict(t.baselines)

@@ -374,6 +374,11 @@ class LLMProposer:
         own = prompting.lineage(request.rows, parent, self.config.history)
         others = prompting.other_attempts(request.rows, parent, self.config.history - len(own))
 
+        # The timings the prompt shows (the parent's, else the best's), beside the baselines of
+        # their kind of device.
+        shown = parent or request.best
+        baselines = self.store.baselines(self.campaign_id, self.problem, shown.result.kind) if shown else {}
+
         def messages(**smaller) -> list[dict]:
             return fresh_messages(
                 self.problem,
@@ -381,7 +386,7 @@ class LLMProposer:
                 best=request.best,
                 parent=parent,
                 llm_rows=llm_rows,
-                baselines=self.store.baselines(self.campaign_id, self.problem),
+                baselines=baselines,
                 rejected=self.rejections(self.problem) if self.rejections else None,
                 **({"attempts": own, "others": others} | smaller),
             )

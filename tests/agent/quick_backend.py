@@ -10,6 +10,7 @@ The real backends are tested in tests/sandbox; this one keeps a campaign to a fe
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 import time
 import traceback
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from sandbox.backend import Alongside, AlongsideClaims
 from sandbox.candidate import Candidate
 from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
 from sandbox.runner import _is_compile_error
@@ -53,6 +55,10 @@ def hashed_speed(candidate: Candidate) -> float:
 
 
 class QuickBackend:
+    """`devices`: the device each evaluation runs on, in turn (one kind by default); baselines
+    are timed, and the kernels of `alongside` measured, as the real backends do them: on a
+    kind the caller does not hold them for."""
+
     name = "quick"
 
     def __init__(
@@ -60,23 +66,67 @@ class QuickBackend:
         speed: Callable[[Candidate], float] = hashed_speed,
         delay_s: float = 0.0,
         phase_s: dict[str, float] | None = None,
+        devices: Sequence[DeviceInfo] = (DEVICE,),
     ) -> None:
         self.speed, self.delay_s, self.phase_s = speed, delay_s, phase_s or {}
         self.evaluated: list[str] = []
+        self.devices = itertools.cycle(devices)
         self._dir = Path(tempfile.mkdtemp(prefix="quick-backend-"))
 
-    def evaluate_many(self, candidates: Sequence[Candidate], **kwargs) -> list[EvalResult]:
-        return [self.evaluate(c, **kwargs) for c in candidates]
+    def evaluate_many(
+        self, candidates: Sequence[Candidate], *, alongside: Alongside | None = None, **kwargs
+    ) -> list[EvalResult]:
+        claims = AlongsideClaims(alongside)
+        return [self._with_alongside(self.evaluate(c, **kwargs), claims, kwargs) for c in candidates]
+
+    def _with_alongside(self, result: EvalResult, claims: AlongsideClaims, kwargs: dict) -> EvalResult:
+        kernels = claims.claim(result.device)
+        if not kernels:
+            return result
+        # On the same device: the next evaluations' devices go on as they would.
+        asked = {k: v for k, v in kwargs.items() if k in ("check", "timing", "trials")}
+        measured = [self._evaluate_on(result.device, k, **asked) for k in kernels]
+        return result.model_copy(update={"alongside": measured})
 
     def evaluate(
-        self, candidate: Candidate, *, check=True, timing=True, baselines=None, trials=2
+        self,
+        candidate: Candidate,
+        *,
+        check=True,
+        timing=True,
+        baselines=None,
+        baselines_held_on=(),
+        trials=2,
+        alongside=None,
+    ) -> EvalResult:
+        result = self._evaluate_on(
+            next(self.devices),
+            candidate,
+            timing=timing,
+            baselines=baselines,
+            baselines_held_on=baselines_held_on,
+        )
+        return self._with_alongside(result, AlongsideClaims(alongside), {"timing": timing})
+
+    def _evaluate_on(
+        self,
+        device: DeviceInfo,
+        candidate: Candidate,
+        *,
+        check=True,
+        timing=True,
+        baselines=None,
+        baselines_held_on=(),
+        trials=2,
     ) -> EvalResult:
         self.evaluated.append(candidate.id)
         time.sleep(self.delay_s)
         rejected = screen_candidate(candidate)
         if rejected is not None:
             return rejected
-        base = {"problem": candidate.problem, "candidate_id": candidate.id, "device": DEVICE}
+        base = {"problem": candidate.problem, "candidate_id": candidate.id, "device": device}
+        if device.kind in baselines_held_on:
+            baselines = []
         phases = self.phase_s
         base["phase_s"] = {k: v for k, v in phases.items() if k == "load"}
         problem = get_problem(candidate.problem)

@@ -1,0 +1,257 @@
+"""The local backend on every GPU of a host: which GPUs a config names, which GPU each evaluation
+gets (one evaluation at a time per GPU for timing, the GPU that frees first), each GPU's own
+locks, the judge on its one GPU, and the kernels measured beside the first evaluation on a new
+kind of device. Without GPUs, the places are GPU names given to the backend: the scheduling,
+the requests and the locks are the real ones; only the judge is scripted, except in the tests
+that run real judges (on this host's CPU, and on two GPUs where they exist)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from sandbox.backend import Alongside
+from sandbox.candidate import Candidate
+from sandbox.gpus import Place, Places, check_gpus, gpu_place, select_gpus, visible_gpus
+from sandbox.local import LocalBackend, WorkerBackend
+from sandbox.locks import lock_path
+from sandbox.protocol import EvalRequest
+from sandbox.result import DeviceInfo, EvalResult, Status
+from search_space.embedding_bag import TEMPLATE
+
+
+def _candidate(block_l: int | None = 8, origin: str = "template", **knobs) -> Candidate:
+    source = TEMPLATE.render({"BLOCK_L": block_l, **knobs})
+    return Candidate(problem="embedding_bag", source=source, entry=TEMPLATE.entry, origin=origin)
+
+
+# --- which GPUs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "visible", "chosen"),
+    [
+        (None, ["0", "1"], None),  # unset: the visible GPUs as one place, as before
+        ("all", ["0", "1"], ["0", "1"]),
+        ("all", [], None),  # a host without a GPU: nothing changes
+        (1, ["0", "1"], ["0"]),
+        ([1], ["0", "1"], ["1"]),
+        ([1, 0], ["3", "5"], ["5", "3"]),  # indices into CUDA_VISIBLE_DEVICES' list, names from it
+    ],
+)
+def test_a_config_names_gpus_of_the_host(spec, visible: list[str], chosen: list[str] | None) -> None:
+    assert select_gpus(spec, visible) == chosen
+
+
+@pytest.mark.parametrize(
+    ("spec", "visible", "message"),
+    [
+        (0, ["0"], "gpus = 0: at least 1 GPU is needed"),
+        ([], ["0"], "gpus = []: the list names no GPU"),
+        ([0, 0], ["0", "1"], "gpus = [0, 0] names GPU 0 more than once"),
+        ([-1], ["0"], "gpus = [-1]: GPU indices are whole numbers from 0"),
+        (True, ["0"], 'gpus = True: give "all", a number of GPUs, or a list of GPU indices'),
+        (3, ["0", "1"], "gpus = 3, but this host shows 2 GPU(s)"),
+        ([0, 2], ["0", "1"], "gpus = [0, 2]: no GPU 2 here; this host shows 2 GPU(s)"),
+        ([1], ["GPU-a1"], "gpus = [1]: no GPU 1 here; this host shows 1 GPU(s) (0 is GPU-a1)"),
+        (1, [], "gpus = 1, but this host shows 0 GPU(s)"),
+    ],
+)
+def test_gpus_a_host_does_not_have_are_named_in_the_error(spec, visible: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        select_gpus(spec, visible)
+    assert str(caught.value) == message
+
+
+def test_what_no_host_takes_is_refused_without_looking_at_one() -> None:
+    check_gpus("all")
+    check_gpus([0, 7])
+    with pytest.raises(ValueError, match="at least 1 GPU"):
+        check_gpus(0)
+
+
+def test_visible_gpus_are_cuda_visible_devices_names_as_far_as_cuda_counts(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-8f2a,5")
+    assert visible_gpus() == ["3", "GPU-8f2a"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus() == ["0", "1"]
+
+
+def test_each_gpu_has_its_own_locks() -> None:
+    zero, one = gpu_place("0"), gpu_place("1")
+    assert zero.timing_lock == lock_path("timing", "0") and zero.timing_lock.name == "recforge-timing-0.lock"
+    assert len({zero.timing_lock, zero.memory_lock, one.timing_lock, one.memory_lock}) == 4
+    # A MIG id holds slashes: its lock is still one file in the temporary directory.
+    assert lock_path("timing", "MIG-GPU-1/2/0").parent == zero.timing_lock.parent
+
+
+# --- which GPU each evaluation gets -------------------------------------------------------------
+
+
+def _places(n: int, per_place: int = 1) -> Places:
+    return Places([gpu_place(str(i)) for i in range(n)], per_place)
+
+
+def test_an_evaluation_goes_to_the_least_busy_gpu_and_among_idle_ones_to_the_first_freed() -> None:
+    places = _places(2)
+    with places.use() as a, places.use() as b:
+        assert {a.gpu, b.gpu} == {"0", "1"}
+    # GPU 1 freed first (the inner `use` ends first), so it takes the next evaluation.
+    with places.use() as c:
+        assert c.gpu == b.gpu
+    two_each = _places(2, per_place=2)
+    with two_each.use() as a, two_each.use() as b, two_each.use() as c:
+        assert [a.gpu, b.gpu, c.gpu] == ["0", "1", "0"]  # spread before doubling up
+
+
+def test_a_full_set_of_gpus_holds_the_next_evaluation_until_one_frees() -> None:
+    places = _places(1)
+    got: list[str | None] = []
+
+    def take() -> None:
+        with places.use() as place:
+            got.append(place.gpu)
+
+    with places.use():
+        taker = threading.Thread(target=take)
+        taker.start()
+        taker.join(timeout=0.5)
+        assert taker.is_alive() and got == []  # still waiting: GPU 0 is busy
+    taker.join(timeout=30)
+    assert got == ["0"]
+
+
+class Scripted(WorkerBackend):
+    """The backend's own scheduling, requests and locks around a scripted judge: `_run` records
+    what each evaluation was given and answers as a judge on that GPU would, with the device
+    kind `kinds` gives its GPU. `meet` evaluations wait for each other inside the judge, so that
+    they provably run at once."""
+
+    def __init__(self, tmp_path: Path, gpus: list[str], kinds: dict[str, DeviceInfo], meet: int = 1) -> None:
+        self.scratch_root, self.keep_scratch = tmp_path / "scratch", False
+        self._places = Places([gpu_place(g) for g in gpus], 1)
+        self.kinds = kinds
+        self.requests: list[EvalRequest] = []
+        self.memory_held: list[bool] = []
+        self.running: dict[str, int] = dict.fromkeys(gpus, 0)
+        self.most_at_once: dict[str, int] = dict.fromkeys(gpus, 0)
+        self._lock = threading.Lock()
+        self._meet = threading.Barrier(meet)
+
+    def _run(self, candidate, scratch, request):
+        assert request.gpu is not None
+        with self._lock:
+            self.requests.append(request)
+            self.running[request.gpu] += 1
+            self.most_at_once[request.gpu] = max(self.most_at_once[request.gpu], self.running[request.gpu])
+        # This evaluation holds its GPU's memory lock shared: nothing takes it alone meanwhile.
+        with open(gpu_place(request.gpu).memory_lock, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock, fcntl.LOCK_UN)
+                held = False
+            except BlockingIOError:
+                held = True
+        self._meet.wait(timeout=30)
+        with self._lock:
+            self.memory_held.append(held)
+            self.running[request.gpu] -= 1
+        return EvalResult(
+            status=Status.OK,
+            problem=candidate.problem,
+            candidate_id=candidate.id,
+            device=self.kinds[request.gpu],
+        )
+
+
+def _device(name: str, arch: str) -> DeviceInfo:
+    return DeviceInfo(name=name, arch=arch, torch="t", triton="t", python="p", interpreted=False)
+
+
+H100, A100 = _device("NVIDIA H100", "sm_90"), _device("NVIDIA A100", "sm_80")
+
+
+def test_evaluations_at_once_each_get_a_gpu_of_their_own_with_its_locks(tmp_path: Path) -> None:
+    backend = Scripted(tmp_path, ["0", "1"], {"0": H100, "1": H100}, meet=2)
+    candidates = [_candidate(n) for n in (4, 8, 16, 32)]
+    results = backend.evaluate_many(candidates)
+    assert [r.candidate_id for r in results] == [c.id for c in candidates]  # order kept
+    # Two at a time (they met inside the judge), never two on one GPU, both GPUs used.
+    assert backend.most_at_once == {"0": 1, "1": 1}
+    assert {r.gpu for r in backend.requests} == {"0", "1"}
+    for request in backend.requests:
+        assert request.timing_lock == str(lock_path("timing", request.gpu))
+    assert backend.memory_held == [True] * 4
+
+
+def test_the_first_evaluation_on_a_new_kind_measures_the_kernels_beside_it_on_its_gpu(tmp_path: Path) -> None:
+    """GPU 0 is a kind the caller measured its incumbents on, GPU 1 another: the first evaluation
+    that lands on GPU 1 measures them there, on GPU 1, with its architecture's kernels; no other
+    evaluation does."""
+    backend = Scripted(tmp_path, ["0", "1"], {"0": H100, "1": A100})
+    default, sm80 = _candidate(None, "library"), _candidate(4, "library", BLOCK_D=32)
+    alongside = Alongside(held_on=[H100.kind], by_arch={"sm_80": [default, sm80]}, default=[default])
+    results = backend.evaluate_many([_candidate(n) for n in (4, 8, 16, 32)], alongside=alongside)
+    measured = [r for r in results if r.alongside]
+    assert len(measured) == 1 and measured[0].kind == A100.kind
+    assert [m.candidate_id for m in measured[0].alongside] == [default.id, sm80.id]
+    assert all(m.kind == A100.kind for m in measured[0].alongside)
+    beside = [r for r in backend.requests if r.candidate_id in (default.id, sm80.id)]
+    assert [r.gpu for r in beside] == ["1", "1"]
+    # A kind already held measures nothing.
+    both = alongside.model_copy(update={"held_on": [H100.kind, A100.kind]})
+    assert backend.evaluate(_candidate(4), alongside=both).alongside == []
+
+
+def test_without_gpus_chosen_the_host_is_one_place_as_before() -> None:
+    backend = LocalBackend(timeout_s=60, parallel=3, isolation="none")
+    assert backend.places.capacity == 3
+    assert [p.gpu for p in backend.places.places] == [None]
+    place: Place = backend.places.places[0]
+    assert place.timing_lock == backend.timing_lock  # None on a host without a GPU
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="names here are real GPUs: the two-GPU test's")
+def test_each_judge_runs_on_the_gpu_it_was_given(tmp_path: Path) -> None:
+    """Real judges: each evaluation's judge runs with CUDA_VISIBLE_DEVICES set to its GPU (here
+    names on a CPU host, where they change nothing else), its request carries that GPU's timing
+    lock, and a judge on a kind of device whose baselines the caller holds times none."""
+    from sandbox.judge import device_info
+
+    backend = LocalBackend(timeout_s=120, scratch_root=tmp_path, keep_scratch=True, gpus=["0", "1"])
+    here = device_info(torch.device("cpu")).kind
+    # Timed unchecked: what a judge's GPU is shows before any check.
+    results = backend.evaluate_many(
+        [_candidate(8), _candidate(16)], check=False, baselines=["reference"], baselines_held_on=[here]
+    )
+    assert [r.status for r in results] == [Status.OK] * 2, [r.message for r in results]
+    assert sorted(r.device.visible_devices for r in results) == ["0", "1"]
+    assert all(r.kind == here and r.timings for r in results)
+    assert not any(t.baselines for r in results for t in r.timings)
+    for result in results:
+        [request_file] = tmp_path.glob(f"eval-{result.candidate_id}-*/judge/request.json")
+        request = json.loads(request_file.read_text())
+        assert request["gpu"] == result.device.visible_devices
+        assert request["timing_lock"] == str(lock_path("timing", request["gpu"]))
+
+
+@pytest.mark.slow
+@pytest.mark.two_gpus
+def test_two_gpus_time_at_once_and_never_two_kernels_on_one(tmp_path: Path) -> None:
+    """On two real GPUs: every evaluation ran on one of them (its judge saw that one alone),
+    both were used, and the timing phases of evaluations on one GPU never overlap."""
+    gpus = visible_gpus()[:2]
+    backend = LocalBackend(timeout_s=600, scratch_root=tmp_path, gpus=gpus)
+    results = backend.evaluate_many([_candidate(n) for n in (4, 8, 16, 32)], trials=1)
+    assert [r.status for r in results] == [Status.OK] * 4, [r.message for r in results]
+    assert {r.device.visible_devices for r in results} == set(gpus)
+    for gpu in gpus:
+        windows = sorted(r.timing_window for r in results if r.device.visible_devices == gpu)
+        assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:], strict=False)), windows
