@@ -71,6 +71,7 @@ def _write_json(path: Path | None, data: object) -> None:
 
 @model_app.command("train")
 def model_train(
+    ctx: typer.Context,
     config: ConfigOption = "tiny",
     steps: Annotated[
         int | None, typer.Option(min=1, help="train to this step (default: the config's)")
@@ -109,37 +110,56 @@ def model_train(
     if "LOCAL_RANK" in os.environ:  # a rank that torchrun started (here, or by hand)
         nproc = int(os.environ["WORLD_SIZE"])
     elif nproc > 1:  # this process starts the ranks, and waits for them
-        given = dict(
-            config=config, steps=steps, checkpoint=checkpoint, resume=resume, compile=compile,
-            embedding_update=embedding_update, device=device, library=library,
-            reference_ops=reference_ops, json=json_out, balance=balance,
-        )  # fmt: skip
-        raise typer.Exit(_torchrun(nproc, ["model", "train", *_options(given)]))
+        _check_ranks(*_setup(config, device, library), nproc, embedding_update)
+        raise typer.Exit(_torchrun(nproc, ["model", "train", *_given_options(ctx, leave_out="nproc")]))
     cfg, dev = _setup(config, device, library)
     with _ranks(nproc, dev, balance) as (parallel, dev):
         if parallel is not None and parallel.rank != 0:  # the first rank speaks for the run
-            from agent.cli import console
+            from agent.cli import console, err
 
-            console.quiet = True
+            console.quiet = err.quiet = True
         _train(cfg, dev, parallel, config=config, steps=steps, checkpoint=checkpoint, resume=resume,
                compile=compile, embedding_update=embedding_update, reference_ops=reference_ops,
                json_out=json_out)  # fmt: skip
 
 
-def _options(given: dict[str, object]) -> list[str]:
-    """Command-line options that say `given` (None: left out; a flag: --x or --no-x)."""
-    out: list[str] = []
-    for name, value in given.items():
-        flag = "--" + name.replace("_", "-")
-        if value is None:
+def _check_ranks(cfg, dev, nproc: int, embedding_update: str | None) -> None:
+    """Refuse here, before any rank starts, a data-parallel run that cannot be made."""
+    import torch
+
+    from agent.cli import fail
+    from model.sharding import FUSED_ONLY
+
+    if (embedding_update or cfg.train.embedding_update) != "fused":
+        raise fail(
+            f"--nproc {nproc}: {FUSED_ONLY.replace('set train.embedding_update', '--embedding-update')}"
+        )
+    if cfg.data.requests_per_batch < nproc:
+        raise fail(
+            f"--nproc {nproc}: a batch of {cfg.data.requests_per_batch} requests cannot give each rank one"
+        )
+    if dev.type == "cuda":
+        if dev.index is not None:
+            raise fail(f"--nproc {nproc}: each rank takes a GPU of its own; pass --device cuda, not {dev}")
+        if torch.cuda.device_count() < nproc:
+            raise fail(f"--nproc {nproc}: this host has {torch.cuda.device_count()} GPU(s)")
+
+
+def _given_options(ctx: typer.Context, *, leave_out: str) -> list[str]:
+    """The options given on this command line (not their defaults), as a command line again,
+    but `leave_out`."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        if param.param_type_name != "option" or param.name in (leave_out, None):
             continue
-        if isinstance(value, bool):
-            if name in ("resume", "reference_ops") and not value:
-                continue
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
+        if ctx.get_parameter_source(param.name).name == "DEFAULT":
+            continue
+        value = ctx.params[param.name]
+        if param.is_flag:
+            args += (param.opts if value else param.secondary_opts)[:1]
+        elif value is not None:
+            args += [param.opts[0], str(value)]
+    return args
 
 
 def _torchrun(nproc: int, args: list[str]) -> int:
@@ -169,7 +189,8 @@ def _ranks(nproc: int, dev, balance: bool):
     if dev.type == "cuda":
         local = int(os.environ["LOCAL_RANK"])
         if local >= torch.cuda.device_count():
-            raise fail(f"{nproc} ranks, but this host has {torch.cuda.device_count()} GPU(s)")
+            ranks_here = os.environ.get("LOCAL_WORLD_SIZE", nproc)
+            raise fail(f"{ranks_here} ranks on this host, but it has {torch.cuda.device_count()} GPU(s)")
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
         dist.init_process_group("nccl", device_id=dev)
@@ -177,6 +198,7 @@ def _ranks(nproc: int, dev, balance: bool):
         dist.init_process_group("gloo")
     try:
         yield DataParallel.of_group(balance=balance), dev
+        dist.barrier()  # every rank done before any leaves
     finally:
         dist.destroy_process_group()
 
@@ -284,7 +306,7 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, compile, em
             + ", ".join(f"{t} {v:.4f}" for t, v in final.auc.items())
             + f", {last.examples_per_s:,.0f} examples/s"
             + ("" if last.mfu is None else f", MFU {last.mfu:.1%} (target: 40% or more)")
-            + f"; checkpoint {checkpoint if parallel is None else _rank_files(checkpoint, parallel)}"
+            + f"; checkpoint {checkpoint if parallel is None else parallel.checkpoint(checkpoint, rank='*')}"
         )
     _write_json(
         json_out if parallel is None or parallel.rank == 0 else None,
@@ -297,11 +319,6 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, compile, em
             "evals": [asdict(e) for e in result.evals],
         },
     )
-
-
-def _rank_files(checkpoint: Path, parallel) -> str:
-    """How a data-parallel run's checkpoint files are named."""
-    return str(parallel.checkpoint(checkpoint)).replace(f".rank{parallel.rank}-", ".rank*-")
 
 
 def _counts(text: str, option: str, least: int) -> tuple[int, ...]:

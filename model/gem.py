@@ -41,7 +41,7 @@ from model.config import FeatureConfig, ModelConfig
 from model.data import Bags, RequestBatch
 from model.embeddings import TableBatchedEmbeddings
 from model.hstu import HSTULayer
-from model.sharding import ShardedEmbeddings, Sharding
+from model.sharding import FUSED_ONLY, ShardedEmbeddings, Sharding
 
 
 def mlp(in_dim: int, dims: Sequence[int], *, last_activation: bool = True, device=None) -> nn.Sequential:
@@ -93,10 +93,7 @@ class SparseArch(nn.Module):
             )
         else:
             if t.embedding_update != "fused":
-                raise ValueError(
-                    "sharded tables are trained by the fused update only: "
-                    "set train.embedding_update = 'fused'"
-                )
+                raise ValueError(FUSED_ONLY)
             self.embeddings = ShardedEmbeddings(
                 config.tables, sharding.plan, group=sharding.group, lr=t.embedding_lr, device=device
             )

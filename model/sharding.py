@@ -23,8 +23,10 @@ over ranks of their losses, as DistributedDataParallel averages the dense gradie
 Every rank must make the same lookups in the same order, and use each one's output in its
 loss (the exchanges are collectives, forward and backward): the model's code path is the same
 on every rank, whatever its batch.
-Unpooled lookups (`lookup`, `gather`: candidate tokens, history events) go as bags of one id,
-each distinct id of the call once.
+Unpooled lookups (`lookup`, `gather`: candidate tokens, history events) send each distinct id
+of the call once, and get its row back from the rank holding it alone. A call that any rank
+must refuse (ids outside their tables, bad offsets, weights on some ranks only) is refused by
+every rank together, in the first exchange.
 """
 
 from __future__ import annotations
@@ -100,6 +102,14 @@ class ShardingPlan:
         first = rank * self.block(table)
         return TableShard(t, first, table.num_rows) if first < table.num_rows else None
 
+    def rows(self, tables: Sequence[TableConfig], t: int, rank: int) -> int:
+        """How many rows of table `t` rank `rank` holds."""
+        shard = self.shard(tables, t, rank)
+        if shard is None:
+            return 0
+        whole = tables[t].num_rows
+        return whole if self.kinds[t] == TABLE_WISE else min(self.block(tables[t]), whole - shard.first_row)
+
     def describe(self, tables: Sequence[TableConfig]) -> list[str]:
         """A line per table: how it is sharded."""
         return [
@@ -144,6 +154,24 @@ def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group) -> 
     return out
 
 
+FUSED_ONLY = "sharded tables are trained by the fused update only: set train.embedding_update = 'fused'"
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """Ids sent to the ranks holding their rows (_send): `order` sorts this rank's ids by
+    destination, `send[r]` of them to rank r; from rank r came `receive[r]` (their `rows` in this
+    rank's shards, their `bags` at the sender, and `weights`), and `batches[r]` is its B."""
+
+    order: torch.Tensor
+    send: list[int]
+    receive: list[int]
+    batches: list[int]
+    rows: torch.Tensor
+    bags: torch.Tensor
+    weights: torch.Tensor | None
+
+
 class ShardedEmbeddings(nn.Module):
     """The tables of `TableBatchedEmbeddings`, sharded by `plan` over `group`'s ranks, trained
     by the fused update on each shard. Its lookups are collectives (see the module's text)."""
@@ -167,45 +195,48 @@ class ShardedEmbeddings(nn.Module):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if plan.world != self.world:
             raise ValueError(f"the plan is for {plan.world} ranks, the group has {self.world}")
-        self.configs, self.plan = list(tables), plan
+        self.configs, self.plan, self.dtype = list(tables), plan, dtype
         self.index = {t.name: i for i, t in enumerate(self.configs)}
         self.lr, self.eps = lr, eps
         self.scale = 1.0 / (gradient_divisor if gradient_divisor is not None else self.world)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        held = [(t, s) for t in range(len(self.configs)) if (s := plan.shard(self.configs, t, self.rank))]
-        self.local_tables = [t for t, _ in held]  # global index of each local table
+        num_tables = len(self.configs)
+        # holds[r][t]: how many rows of table t rank r holds.
+        self._holds = [[plan.rows(self.configs, t, r) for t in range(num_tables)] for r in range(self.world)]
+        self.local_tables = [t for t in range(num_tables) if self._holds[self.rank][t]]
+        shards = [plan.shard(self.configs, t, self.rank) for t in self.local_tables]
         local_configs = [
             TableConfig(
-                name=self.configs[t].name,
-                num_rows=min(s.table_rows - s.first_row, self._block(t)),
-                dim=self.configs[t].dim,
+                name=self.configs[t].name, num_rows=self._holds[self.rank][t], dim=self.configs[t].dim
             )
-            for t, s in held
+            for t in self.local_tables
         ]
-        # Every rank draws the local module's seed, holding shards or not: the global generator
-        # stays in step across ranks, so the dense parameters made after start alike.
-        self.local = TableBatchedEmbeddings(
-            local_configs, fused=True, lr=lr, eps=eps, dtype=dtype, device=device, shards=[s for _, s in held]
-        ) if held else None  # fmt: skip
+        self.local = (
+            TableBatchedEmbeddings(
+                local_configs, fused=True, lr=lr, eps=eps, dtype=dtype, device=device, shards=shards
+            )
+            if local_configs
+            else None
+        )
         if self.local is None:
+            # The draw the local module makes: the global generator stays in step across ranks,
+            # so the dense parameters made after start alike.
             torch.randint(0, 2**62, (1,))
         self.anchor = torch.zeros((), requires_grad=True)
-        # Per global table: row-wise or not, its owner (table-wise), its block (row-wise).
-        self._row_wise = torch.tensor([k == ROW_WISE for k in plan.kinds], device=device)
-        self._owner = torch.tensor([max(o, 0) for o in plan.owners], device=device)
-        self._block_of = torch.tensor([self._block(t) for t in range(len(self.configs))], device=device)
-        self._rows_of = torch.tensor([t.num_rows for t in self.configs], device=device)
-        # holds[r][t]: whether rank r holds rows of table t.
-        self._holds = [
-            [plan.shard(self.configs, t, r) is not None for t in range(len(self.configs))]
-            for r in range(self.world)
-        ]
-        self._columns: dict[tuple[tuple[int, ...], str], tuple[list[int], torch.Tensor]] = {}
-
-    def _block(self, t: int) -> int:
-        return (
-            self.plan.block(self.configs[t]) if self.plan.kinds[t] == ROW_WISE else self.configs[t].num_rows
-        )
+        # Per global table (buffers, so that they follow the module's device; not saved): row-wise
+        # or not, its owner (table-wise), its block of rows a rank (row-wise), its rows.
+        meta = {
+            "_row_wise": [k == ROW_WISE for k in plan.kinds],
+            "_owner": [max(o, 0) for o in plan.owners],
+            "_block_of": [
+                plan.block(t) if k == ROW_WISE else t.num_rows
+                for t, k in zip(self.configs, plan.kinds, strict=True)
+            ],
+            "_rows_of": [t.num_rows for t in self.configs],
+        }
+        for name, values in meta.items():
+            self.register_buffer(name, torch.tensor(values, device=device), persistent=False)
+        self._columns: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
 
     def reset_parameters(self) -> None:
         if self.local is not None:
@@ -225,9 +256,73 @@ class ShardedEmbeddings(nn.Module):
         shard = self.local.shards[self.local_tables.index(t)]
         return self.local.table(name), shard.first_row
 
+    def plan_state(self) -> dict:
+        """What a checkpoint of this rank's shards was made under (compared on resume)."""
+        return {
+            "world": self.world,
+            "rank": self.rank,
+            "kinds": list(self.plan.kinds),
+            "owners": list(self.plan.owners),
+        }
+
     @property
     def steps(self) -> int:
         return self.local.steps if self.local is not None else 0
+
+    # --- the exchanges ------------------------------------------------------------------------
+
+    def _send(
+        self,
+        tables: Sequence[str],
+        table: torch.Tensor,
+        ids: torch.Tensor,
+        bag: torch.Tensor,
+        batch: int,
+        weights: torch.Tensor | None,
+        problem: str | None,
+    ) -> _Sent:
+        """Every id (of table `table[i]`, in bag `bag[i]`) to the rank holding its row. The split
+        sizes go first, with each rank's B, whether it is weighted, and how many of its ids lie
+        outside their tables; `problem` is this rank's reason to refuse the call (None: none).
+        Every rank then refuses a call that any rank refuses, together: none is left waiting in
+        the next exchange."""
+        row_wise, block = self._row_wise[table], self._block_of[table]
+        owner = torch.where(row_wise, ids // block, self._owner[table])
+        outside = ((ids < 0) | (ids >= self._rows_of[table])).sum()
+        counts = torch.bincount(owner.clamp(0, self.world - 1), minlength=self.world)
+        flags = torch.stack(
+            [torch.full_like(counts, batch), counts.new_full((self.world,), weights is not None)], 1
+        )
+        sizes = torch.cat([counts[:, None], flags, outside.expand(self.world)[:, None]], 1)
+        sizes[:, 3] += (problem is not None) << 40  # refused outright: beside any count of ids outside
+        received = _all_to_all(sizes, [1] * self.world, [1] * self.world, self.group).tolist()
+        refused = [r for r, (*_, bad) in enumerate(received) if bad >> 40]
+        if refused:
+            mine = f": {problem}" if problem is not None else ""
+            raise ValueError(f"a lookup of {sorted(set(tables))} refused by rank(s) {refused}{mine}")
+        if any(bad for *_, bad in received):
+            ours = int(outside)
+            raise ValueError(
+                f"ids outside their tables in a lookup of {sorted(set(tables))}: {ours} of this rank's, "
+                f"{sum(bad for *_, bad in received) - ours} of the other ranks'"
+            )
+        if len({weighted for _, _, weighted, _ in received}) > 1:
+            raise ValueError(f"a lookup of {sorted(set(tables))} with per_sample_weights on some ranks only")
+        order = torch.argsort(owner, stable=True)
+        send, receive = counts.tolist(), [c for c, *_ in received]
+        rows = torch.where(row_wise, ids - owner * block, ids)
+        payload = _all_to_all(torch.stack([rows[order], bag[order]], dim=1), send, receive, self.group)
+        sent_weights = None
+        if weights is not None:
+            sent_weights = _all_to_all(weights.detach()[order], send, receive, self.group)
+        batches = [b for _, b, *_ in received]
+        rows, bags = payload.unbind(1)
+        return _Sent(order, send, receive, batches, rows.contiguous(), bags.contiguous(), sent_weights)
+
+    def _back(self, values: torch.Tensor, send: list[int], receive: list[int]) -> torch.Tensor:
+        """Rows computed here for other ranks' ids back to them (the reverse of their sending),
+        differentiably: the gradient goes to this rank's lookups."""
+        return _Exchange.apply(values.reshape(-1), self.anchor, send, receive, self.group, self.scale)
 
     # --- lookups ------------------------------------------------------------------------------
 
@@ -242,100 +337,62 @@ class ShardedEmbeddings(nn.Module):
     ) -> torch.Tensor:
         """Features on `tables`, their bags feature-major (offsets [F * B + 1]) -> [B, sum of
         their dims]: what TableBatchedEmbeddings.forward returns for this rank's bags."""
-        if pooling not in ("sum", "mean"):
-            raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
-        features = [self.index[t] for t in tables]
-        num_features = len(features)
-        if (offsets.numel() - 1) % num_features:
-            raise ValueError(
-                f"offsets hold {offsets.numel() - 1} bags, not a multiple of {num_features} features"
-            )
-        batch = (offsets.numel() - 1) // num_features
-        device, n = indices.device, indices.numel()
-        dims = [self.configs[t].dim for t in features]
-        offsets = offsets.long()
+        features = tuple(self.index[t] for t in tables)
+        device = indices.device
+        problem = _refusal(len(features), offsets, pooling, per_sample_weights)
+        batch = 0 if problem is not None else (offsets.numel() - 1) // len(features)
+        offsets = offsets.long() if problem is None else offsets.new_zeros(1, dtype=torch.int64)
+        ids = indices.long() if problem is None else indices.new_zeros(0, dtype=torch.int64)
         lengths = offsets[1:] - offsets[:-1]
-
-        # 1. Each id to the rank holding its row: its row there, its bag here, its weight.
         bag = torch.repeat_interleave(
-            torch.arange(num_features * batch, device=device), lengths, output_size=n
+            torch.arange(lengths.numel(), device=device), lengths, output_size=ids.numel()
         )
-        table = torch.tensor(features, device=device)[bag // max(batch, 1)] if n else bag
-        ids = indices.long()
-        row_wise, block = self._row_wise[table], self._block_of[table]
-        owner = torch.where(row_wise, ids // block, self._owner[table])
-        rows = torch.where(row_wise, ids - owner * block, ids)
-        order = torch.argsort(owner, stable=True)
-        counts = torch.bincount(owner.clamp(0, self.world - 1), minlength=self.world)
-        # Every rank tells every other how many ids it sends it, its B, and how many of its ids
-        # lie outside their tables: then all ranks refuse such a call together.
-        outside = ((ids < 0) | (ids >= self._rows_of[table])).sum()
-        sizes = torch.stack([counts, torch.full_like(counts, batch), outside.expand(self.world)], dim=1)
-        received = _all_to_all(sizes, [1] * self.world, [1] * self.world, self.group).tolist()
-        if any(bad for _, _, bad in received):
-            mine = int(outside)
-            raise ValueError(
-                f"ids outside their tables in a lookup of {sorted(set(tables))}: {mine} of this rank's, "
-                f"{sum(bad for _, _, bad in received) - mine} of the other ranks'"
-            )
-        send, receive = counts.tolist(), [c for c, _, _ in received]
-        batches = [b for _, b, _ in received]  # every rank's B
-        payload = _all_to_all(torch.stack([rows[order], bag[order]], dim=1), send, receive, self.group)
-        weights = None
-        if per_sample_weights is not None:
-            weights = _all_to_all(per_sample_weights.detach()[order], send, receive, self.group)
+        table = torch.tensor(features, device=device)[bag // max(batch, 1)]
+        sent = self._send(tables, table, ids, bag, batch, per_sample_weights, problem)
 
-        # 2. Pool what came here: every rank's bags of the features whose tables this rank
-        # holds, feature-major over all ranks' bags (rank r's at rows start[r]...).
-        mine = [f for f, t in enumerate(features) if self._holds[self.rank][t]]
-        total_bags = sum(batches)
-        start = [sum(batches[:r]) for r in range(self.world)]
-        if mine:
+        # Pool what came here: every rank's bags of the features whose tables this rank holds,
+        # feature-major over all ranks' bags (rank r's at rows start[r]...).
+        held = [f for f, t in enumerate(features) if self._holds[self.rank][t]]
+        total = sum(sent.batches)
+        if held:
             assert self.local is not None
-            position = torch.full((num_features,), -1, dtype=torch.int64)
-            position[mine] = torch.arange(len(mine))
+            position = torch.full((len(features),), -1, dtype=torch.int64)
+            position[held] = torch.arange(len(held))
             source = torch.repeat_interleave(
                 torch.arange(self.world, device=device),
-                torch.tensor(receive, device=device),
-                output_size=sum(receive),
+                torch.tensor(sent.receive, device=device),
+                output_size=sent.rows.numel(),
             )
-            source_batch = torch.tensor(batches, device=device)[source].clamp(min=1)
-            their_bag = payload[:, 1]
+            their_batch = torch.tensor(sent.batches, device=device)[source].clamp(min=1)
+            start = torch.tensor([sum(sent.batches[:r]) for r in range(self.world)], device=device)
             key = (
-                position.to(device)[their_bag // source_batch] * total_bags
-                + torch.tensor(start, device=device)[source]
-                + their_bag % source_batch
+                position.to(device)[sent.bags // their_batch] * total
+                + start[source]
+                + sent.bags % their_batch
             )
             by_bag = torch.argsort(key, stable=True)
-            local_offsets = torch.zeros(len(mine) * total_bags + 1, dtype=torch.int64, device=device)
-            torch.cumsum(torch.bincount(key, minlength=len(mine) * total_bags), 0, out=local_offsets[1:])
+            local_offsets = torch.zeros(len(held) * total + 1, dtype=torch.int64, device=device)
+            torch.cumsum(torch.bincount(key, minlength=len(held) * total), 0, out=local_offsets[1:])
             pooled = self.local(
-                [self.configs[features[f]].name for f in mine],
-                payload[:, 0][by_bag],
+                [tables[f] for f in held],
+                sent.rows[by_bag],
                 local_offsets,
-                per_sample_weights=None if weights is None else weights[by_bag],
+                per_sample_weights=None if sent.weights is None else sent.weights[by_bag],
             )
         else:
-            pooled = torch.zeros(total_bags, 0, device=device, dtype=self._dtype())
+            pooled = torch.zeros(total, 0, device=device, dtype=self.dtype)
 
-        # 3. The pooled rows back to their bags' ranks; each feature's partial sums added.
-        widths, columns = self._gathered(tuple(features), device)
-        width = widths[self.rank]
-        back = _Exchange.apply(
-            pooled.reshape(-1),
-            self.anchor,
-            [b * width for b in batches],
-            [batch * w for w in widths],
-            self.group,
-            self.scale,
-        )
+        # The pooled rows back to their bags' ranks; each feature's partial sums added.
+        widths, columns = self._gathered(features, device)
+        back = self._back(pooled, [b * widths[self.rank] for b in sent.batches], [batch * w for w in widths])
         blocks = [
             b.view(batch, w) for b, w in zip(back.split([batch * w for w in widths]), widths, strict=True)
         ]
+        dims = [self.configs[t].dim for t in features]
         out = back.new_zeros(batch, sum(dims)).index_add(1, columns, torch.cat(blocks, dim=1))
         if pooling == "mean":
             per_column = (
-                lengths.view(num_features, batch)
+                lengths.view(len(features), batch)
                 .t()
                 .repeat_interleave(torch.tensor(dims, device=device), dim=1)
             )
@@ -345,8 +402,7 @@ class ShardedEmbeddings(nn.Module):
     def _gathered(self, features: tuple[int, ...], device: torch.device) -> tuple[list[int], torch.Tensor]:
         """For a call on `features`: the width of the pooled rows each rank sends back, and the
         output column of each value they hold, rank after rank (made once per feature list)."""
-        key = (features, str(device))
-        if key not in self._columns:
+        if features not in self._columns:
             dims = [self.configs[t].dim for t in features]
             at = [sum(dims[:f]) for f in range(len(features))]
             widths, columns = [], []
@@ -354,19 +410,49 @@ class ShardedEmbeddings(nn.Module):
                 held = [f for f, t in enumerate(features) if holds[t]]
                 widths.append(sum(dims[f] for f in held))
                 columns += [at[f] + c for f in held for c in range(dims[f])]
-            self._columns[key] = (widths, torch.tensor(columns, dtype=torch.int64, device=device))
-        return self._columns[key]
-
-    def _dtype(self) -> torch.dtype:
-        return self.local.weights.dtype if self.local is not None else torch.float32
+            self._columns[features] = (widths, torch.tensor(columns, dtype=torch.int64, device=device))
+        return self._columns[features]
 
     def lookup(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """One row per id ([N, dim]): each distinct id once, as a bag of one."""
-        distinct, inverse = torch.unique(ids, return_inverse=True)
-        offsets = torch.arange(distinct.numel() + 1, device=ids.device)
-        return self([table], distinct, offsets)[inverse]
+        """One row per id ([N, dim]): each distinct id sent once to the rank holding its row,
+        and its row alone sent back."""
+        t = self.index[table]
+        dim = self.configs[t].dim
+        distinct, inverse = torch.unique(ids.long(), return_inverse=True)
+        positions = torch.arange(distinct.numel(), device=ids.device)
+        sent = self._send(
+            [table], torch.full_like(distinct, t), distinct, positions, distinct.numel(), None, None
+        )
+        if self._holds[self.rank][t] and sent.rows.numel():
+            assert self.local is not None
+            offsets = torch.arange(sent.rows.numel() + 1, device=ids.device)
+            rows = self.local([table], sent.rows, offsets)  # in the order they came: rank by rank
+        else:
+            rows = torch.zeros(0, dim, device=ids.device, dtype=self.dtype)
+        back = self._back(rows, [n * dim for n in sent.receive], [n * dim for n in sent.send])
+        by_distinct = torch.empty_like(sent.order)
+        by_distinct[sent.order] = torch.arange(sent.order.numel(), device=ids.device)
+        return back.view(-1, dim)[by_distinct][inverse]
 
     def gather(self, table: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Each event's row ([T, dim]) of jagged sequences (offsets [B + 1]): a lookup of the
         events' ids (each distinct id exchanged once)."""
         return self.lookup(table, ids)
+
+
+def _refusal(
+    num_features: int, offsets: torch.Tensor, pooling: str, per_sample_weights: torch.Tensor | None
+) -> str | None:
+    """Why a pooled lookup cannot be made (None: it can), as TableBatchedEmbeddings would say."""
+    if pooling not in ("sum", "mean"):
+        return f"pooling must be 'sum' or 'mean', got {pooling!r}"
+    if (offsets.numel() - 1) % num_features or offsets.numel() < 1:
+        return f"offsets hold {offsets.numel() - 1} bags, not a multiple of {num_features} features"
+    if per_sample_weights is not None and pooling != "sum":
+        return "per_sample_weights is only supported with mode='sum'"
+    if per_sample_weights is not None and per_sample_weights.requires_grad:
+        return (
+            "fused tables give per_sample_weights no gradient: detach them, or train with "
+            "train.embedding_update = 'unfused'"
+        )
+    return None

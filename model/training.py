@@ -7,7 +7,9 @@ train --nproc N` starts them through torchrun): the dense parameters replicated 
 DistributedDataParallel, the tables sharded over the ranks (model.sharding). Step i trains on
 global batch i, every rank on its part of the requests (balanced by attention work unless told
 otherwise: model.balance); each rank's loss is weighted by its share of the candidates, so that
-the averaged gradient is the whole batch's, as one process training on it would take.
+the averaged gradient is the whole batch's, as one process training on it would take. (Not
+quite with experts: their load-balancing loss is a product of two batch statistics, which each
+rank takes over its own part.)
 
 Batch i of a run is a pure function of (seed, i), so a resumed run sees the batches the
 uninterrupted one would have. The held-out batches come from the same traffic (indices no
@@ -35,7 +37,7 @@ from model.flops import BatchSizes, by_component, forward_flops, peak_flops, tra
 from model.gem import GEMModel
 from model.metrics import auc, log_loss
 from model.optim import RowWiseAdagrad
-from model.sharding import Sharding, ShardingPlan
+from model.sharding import FUSED_ONLY, ShardedEmbeddings, Sharding, ShardingPlan
 
 # Held-out batches are drawn from indices no training run reaches.
 HELD_OUT_START = 1 << 40
@@ -102,9 +104,10 @@ class DataParallel:
             raise RuntimeError("data-parallel training needs torch.distributed initialised (torchrun)")
         return cls(dist.get_rank(), dist.get_world_size(), balance, row_wise)
 
-    def checkpoint(self, path: Path) -> Path:
-        """This rank's checkpoint file for the run's `path`."""
-        return path.with_name(f"{path.stem}.rank{self.rank}-of-{self.world}{path.suffix}")
+    def checkpoint(self, path: Path, rank: int | str | None = None) -> Path:
+        """Rank `rank`'s checkpoint file (default: this rank's) for the run's `path`."""
+        rank = self.rank if rank is None else rank
+        return path.with_name(f"{path.stem}.rank{rank}-of-{self.world}{path.suffix}")
 
 
 class Trainer:
@@ -122,11 +125,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         sharding = None
         if self.parallel is not None:
-            if t.embedding_update != "fused":
-                raise ValueError(
-                    "data-parallel training shards the tables, which only the fused update trains: "
-                    "set train.embedding_update = 'fused'"
-                )
+            if t.embedding_update != "fused":  # before the group is made: no rank waits for this one
+                raise ValueError(f"data-parallel training shards the tables; {FUSED_ONLY}")
             plan = ShardingPlan.of(config.tables, self.parallel.world, row_wise=self.parallel.row_wise)
             # The tables' exchanges go apart from DistributedDataParallel's reductions.
             sharding = Sharding(plan, dist.new_group())
@@ -151,8 +151,8 @@ class Trainer:
         self.peak = peak_flops(self.device, self.autocast_dtype or torch.float32)
         self._forward: Callable[[RequestBatch], Any] = self.model
         if self.parallel is not None:
-            # Each rank's shards are its own: never broadcast, never averaged (the tables are the
-            # model's only buffers; every other one would be broadcast from rank 0).
+            # The tables' buffers (each rank's shards and their optimizer state, its own) are left
+            # out of DDP's broadcast from rank 0 at the start and before each forward.
             shards = self.model.sparse.embeddings.named_buffers(prefix="sparse.embeddings")
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 self.model, [name for name, _ in shards]
@@ -310,12 +310,16 @@ class Trainer:
 
     def save(self, path: Path) -> None:
         """Everything a resumed run needs, written atomically (data-parallel: each rank its own
-        file beside `path`, DataParallel.checkpoint)."""
+        file beside `path`, DataParallel.checkpoint, renamed into place once every rank has
+        written its own)."""
         path = Path(path) if self.parallel is None else self.parallel.checkpoint(Path(path))
         path.parent.mkdir(parents=True, exist_ok=True)
+        embeddings = self.model.sparse.embeddings
         state = {
             "config": self.config.to_dict(),
             "world": 1 if self.parallel is None else self.parallel.world,
+            # The placement of the shards this file holds (data-parallel).
+            "plan": embeddings.plan_state() if isinstance(embeddings, ShardedEmbeddings) else None,
             "step": self.step,
             "model": self.model.state_dict(),
             "dense_optimizer": self.dense_optimizer.state_dict(),
@@ -328,19 +332,32 @@ class Trainer:
         }
         tmp = path.with_name(path.name + ".tmp")
         torch.save(state, tmp)
+        if self.parallel is not None:
+            dist.barrier()
         tmp.replace(path)
 
     @staticmethod
     def checkpoint_exists(path: Path, parallel: DataParallel | None = None) -> bool:
-        """Whether the run's checkpoint `path` (this rank's file, data-parallel) exists; a
-        ValueError where only a run of another number of ranks saved there."""
+        """Whether the run's checkpoint `path` exists (data-parallel: every rank's file; every
+        rank must ask at once). A ValueError where some ranks' files are missing, or only a run
+        of another number of ranks saved there."""
         path = Path(path)
-        mine = path if parallel is None else parallel.checkpoint(path)
-        if mine.exists():
+        world = 1 if parallel is None else parallel.world
+        if parallel is None or world == 1:
+            found = [path.exists()]
+        else:
+            found = [False] * world
+            dist.all_gather_object(found, parallel.checkpoint(path).exists())
+        if all(found):
             return True
+        if any(found):
+            missing = [r for r, f in enumerate(found) if not f]
+            raise ValueError(
+                f"{path}: the checkpoint files of rank(s) {missing} of {world} are missing: "
+                "the run cannot resume where the other ranks stopped"
+            )
         others = sorted(path.parent.glob(f"{path.stem}.rank0-of-*{path.suffix}")) + [path] * path.exists()
         if others:
-            world = 1 if parallel is None else parallel.world
             raise ValueError(
                 f"{others[0]} was saved by a run of another number of ranks than this one's {world}: "
                 "resume with as many, or train with another checkpoint"
@@ -382,6 +399,17 @@ class Trainer:
                 )
             saved = config
         trainer = cls(saved, device, parallel=parallel)
+        if parallel is not None and world > 1:
+            # Every rank's file must be of the same step and placement, or the ranks would part.
+            plan = trainer.model.sparse.embeddings.plan_state()
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, (state["step"], state.get("plan") == plan))
+            steps = sorted({step for step, _ in everyone})
+            if len(steps) > 1 or not all(same for _, same in everyone):
+                raise ValueError(
+                    f"{path} and the other ranks' files do not make one checkpoint (steps {steps}; "
+                    f"placements of the tables as this run's: {[same for _, same in everyone]})"
+                )
         trainer.model.load_state_dict(state["model"])
         trainer.dense_optimizer.load_state_dict(state["dense_optimizer"])
         if trainer.sparse_optimizer is not None:

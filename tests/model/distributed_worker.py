@@ -129,9 +129,48 @@ def lookup(out_dir: Path) -> None:
         refused = ""
     except ValueError as exc:
         refused = str(exc)
-    (out_dir / f"rank_{rank}.json").write_text(
-        json.dumps({"worst": worst, "held": held, "kinds": plan.kinds, "refused": refused})
+    report = {"worst": worst, "held": held, "kinds": plan.kinds, "refused": refused}
+    report["bf16"] = _bf16_lookups(rank, world)
+    report["refusals"] = _refusals(sharded, rank)
+    (out_dir / f"rank_{rank}.json").write_text(json.dumps(report))
+
+
+def _bf16_lookups(rank: int, world: int) -> float:
+    """bf16 tables all on rank 0 (the other ranks hold none, and still answer in bf16): the
+    largest difference of this rank's lookups from the unsharded tables'."""
+    plan = ShardingPlan(world, ("table",) * len(TABLES), (0,) * len(TABLES))
+    torch.manual_seed(1)
+    whole = TableBatchedEmbeddings(TABLES, dtype=torch.bfloat16, device=_device())
+    torch.manual_seed(1)
+    sharded = ShardedEmbeddings(TABLES, plan, dtype=torch.bfloat16, device=_device())
+    ids, offsets, _, _ = (t.to(_device()) for t in _bags(rank, 0))
+    with torch.no_grad():
+        pairs = [
+            (sharded(FEATURES, ids, offsets), whole(FEATURES, ids, offsets)),
+            (sharded.lookup("ads", ids % 23), whole.lookup("ads", ids % 23)),
+        ]
+    return max(
+        _relative(got.float(), want.float()) if got.dtype == torch.bfloat16 else 1.0 for got, want in pairs
     )
+
+
+def _refusals(sharded: ShardedEmbeddings, rank: int) -> list[str]:
+    """Calls that some or every rank makes wrongly: each refused on every rank, none left
+    waiting for the others."""
+    ids, offsets, weights, _ = (t.to(_device()) for t in _bags(rank, 0))
+    calls = [
+        lambda: sharded(FEATURES, ids, offsets, per_sample_weights=weights if rank == 0 else None),
+        lambda: sharded(FEATURES, ids, offsets, pooling="mean", per_sample_weights=weights),
+        lambda: sharded(FEATURES, ids, offsets[:-1] if rank == 0 else offsets),
+    ]
+    said = []
+    for call in calls:
+        try:
+            call()
+            said.append("")
+        except ValueError as exc:
+            said.append(str(exc))
+    return said
 
 
 def train(out_dir: Path, split: str = "balance") -> None:

@@ -3,8 +3,10 @@ against the unsharded module, in CPU processes talking through gloo (as torchrun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -141,6 +143,11 @@ def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(
             assert worst < 1e-5, (rank, what, worst)
         mine = 1 if rank == world - 1 else 0
         assert f"outside their tables in a lookup of ['items']: {mine} of this rank's" in report["refused"]
+        assert report["bf16"] < 1e-2  # bf16 outputs on every rank, the ranks without tables too
+        weighted, mean_weighted, offsets = report["refusals"]
+        assert "per_sample_weights on some ranks only" in weighted
+        assert "refused by rank(s) [0" in mean_weighted and "only supported with mode='sum'" in mean_weighted
+        assert "refused by rank(s) [0]" in offsets
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.two_gpus)])
@@ -160,18 +167,26 @@ def test_data_parallel_training_takes_the_steps_that_one_process_takes(tmp_path:
 
 
 def test_the_command_line_trains_on_two_ranks_and_resumes_them(tmp_path: Path) -> None:
-    """`recforge model train --nproc 2` (torchrun, gloo on CPUs): a checkpoint per rank,
-    resumed by a run of as many ranks (which ends where one process training throughout
-    does) and refused by a run of another number."""
+    """`recforge model train --nproc 2` (torchrun, gloo on CPUs): the options reach the ranks,
+    a checkpoint per rank, resumed by a run of as many ranks (which ends where one process
+    training throughout does), refused by a run of another number, where the ranks' files are
+    of different steps, and where a rank's file is missing; a run that cannot be made is refused
+    before any rank starts."""
 
-    def train(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def train(*args: str, check: bool = True) -> tuple[int, str]:
         cmd = [sys.executable, "-m", "agent", "model", "train", "--config", "tiny", "--device", "cpu",
                "--reference-ops", *args]  # fmt: skip
-        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                              env=os.environ | {"COLUMNS": "200"})  # fmt: skip
+        env = os.environ | {"COLUMNS": "200"}
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, start_new_session=True)  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=240)
+        finally:  # torchrun's ranks too, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
         if check:
-            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return done
+            assert proc.returncode == 0, out[-3000:]
+        return proc.returncode, out
 
     ranks = ["--checkpoint", "ranks.pt", "--nproc", "2"]
     train(*ranks, "--steps", "2")
@@ -179,13 +194,22 @@ def test_the_command_line_trains_on_two_ranks_and_resumes_them(tmp_path: Path) -
         "ranks.rank0-of-2.pt",
         "ranks.rank1-of-2.pt",
     ]
+    older = (tmp_path / "ranks.rank1-of-2.pt").read_bytes()
     train(*ranks, "--steps", "3", "--resume", "--json", "ranks.json")
     train("--checkpoint", "alone.pt", "--steps", "3", "--json", "alone.json")
     resumed, alone = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ranks", "alone"))
     assert resumed["ranks"] == 2 and resumed["steps"][-1]["step"] == 3
     assert resumed["steps"][-1]["loss"] == pytest.approx(alone["steps"][-1]["loss"], rel=1e-5)
-    refused = train("--checkpoint", "ranks.pt", "--steps", "4", "--resume", check=False)
-    assert refused.returncode != 0 and "another number of ranks" in refused.stdout + refused.stderr
+    code, out = train("--checkpoint", "ranks.pt", "--steps", "4", "--resume", check=False)
+    assert code != 0 and "another number of ranks" in out
+    (tmp_path / "ranks.rank1-of-2.pt").write_bytes(older)  # as if killed between two ranks' saves
+    code, out = train(*ranks, "--steps", "4", "--resume", check=False)
+    assert code != 0 and "do not make one checkpoint (steps [2, 3]" in out
+    (tmp_path / "ranks.rank1-of-2.pt").unlink()
+    code, out = train(*ranks, "--steps", "4", "--resume", check=False)
+    assert code != 0 and "checkpoint files of rank(s) [1] of 2 are missing" in out
+    code, out = train(*ranks, "--embedding-update", "unfused", check=False)
+    assert code == 2 and "fused update only" in out and "torch.distributed" not in out
 
 
 def test_data_parallel_training_refuses_the_unfused_update() -> None:
@@ -193,5 +217,5 @@ def test_data_parallel_training_refuses_the_unfused_update() -> None:
     from model.training import DataParallel, Trainer
 
     config = config_from_dict({"size": "tiny", "train": {"embedding_update": "unfused"}})
-    with pytest.raises(ValueError, match="only the fused update trains"):
+    with pytest.raises(ValueError, match="trained by the fused update only"):
         Trainer(config, parallel=DataParallel(rank=0, world=2))
