@@ -14,7 +14,10 @@ Rules (each enforced where it is written below):
 - filesystem: an empty root with, read-only, the system directories, the Python installation and
   the import paths the runner needs (of this repository, only the `sandbox` package, so neither
   campaign state nor the judge's files are there), a private /tmp and /dev/shm, GPU device nodes
-  where a GPU is used, and one writable directory: the runner's scratch directory at /scratch.
+  where a GPU is used (where its evaluation has a GPU of its own, EvalRequest.gpu, that GPU's
+  alone, if the host's driver lets a sandbox see one GPU so: then it cannot reach, and slow, a
+  kernel timed on another GPU), and one writable directory: the runner's scratch directory at
+  /scratch.
 - processes: --die-with-parent and a new PID namespace, so when the judge kills bubblewrap (or
   dies) every process the runner started dies with it, whatever session or process group it
   made for itself; --new-session takes the terminal away.
@@ -30,9 +33,11 @@ Rules (each enforced where it is written below):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -100,15 +105,58 @@ def _import_roots() -> list[Path]:
     return kept
 
 
-def _gpu_devices() -> list[str]:
-    dev = Path("/dev")
-    return sorted(str(p) for p in dev.glob("nvidia*") if not p.is_dir()) + (
-        ["/dev/nvidia-caps"] if (dev / "nvidia-caps").is_dir() else []
-    )
+def gpu_devices(only: int | None = None, dev: Path = Path("/dev")) -> list[str]:
+    """The GPU device nodes a runner gets: the driver's control nodes, and every GPU's
+    (nvidiaN), or GPU `only`'s alone."""
+    nodes = sorted(p for p in dev.glob("nvidia*") if not p.is_dir())
+    if only is not None:
+        nodes = [n for n in nodes if re.fullmatch(r"nvidia\d+", n.name) is None or n.name == f"nvidia{only}"]
+    return [str(n) for n in nodes] + ([str(dev / "nvidia-caps")] if (dev / "nvidia-caps").is_dir() else [])
 
 
-def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool) -> list[str]:
-    """The bubblewrap command line that runs `argv` in the runner's sandbox."""
+def gpu_minor(uuid: str, gpus: Path = Path("/proc/driver/nvidia/gpus")) -> int | None:
+    """The device minor number (its node is /dev/nvidiaN) of the GPU with `uuid`, as the
+    driver's entries under `gpus` give it; None where they do not."""
+    want = uuid.strip().lower().removeprefix("gpu-")
+    for info in sorted(gpus.glob("*/information")):
+        with contextlib.suppress(OSError):
+            fields = dict(line.split(":", 1) for line in info.read_text().splitlines() if ":" in line)
+            if fields.get("GPU UUID", "").strip().lower().removeprefix("gpu-") == want:
+                with contextlib.suppress(KeyError, ValueError):
+                    return int(fields["Device Minor"].strip())
+                return None
+    return None
+
+
+# Run in a runner's sandbox given one GPU's node: exit 0 where the CUDA driver sees exactly one.
+_ONE_GPU_PROBE = (
+    "import ctypes, sys; c = ctypes.CDLL('libcuda.so.1'); n = ctypes.c_int(); "
+    "sys.exit(0 if c.cuInit(0) == 0 and c.cuDeviceGetCount(ctypes.byref(n)) == 0 and n.value == 1 else 1)"
+)
+
+
+@functools.cache
+def one_gpu_sandbox_works(minor: int) -> bool:
+    """Whether a runner whose sandbox holds GPU `minor`'s device node alone sees that one GPU
+    here (the CUDA driver asked directly, in the runner's sandbox)."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="recforge-gpu-probe-") as tmp:
+            scratch = Path(tmp) / "scratch"
+            prepare_scratch(scratch)
+            done = subprocess.run(
+                bwrap_command(scratch, [sys.executable, "-c", _ONE_GPU_PROBE], gpu=True, only_gpu=minor),
+                env=runner_env(gpu=True, one_gpu=True),
+                capture_output=True,
+                timeout=60,
+            )
+    except (IsolationUnavailable, OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool, only_gpu: int | None = None) -> list[str]:
+    """The bubblewrap command line that runs `argv` in the runner's sandbox; with a GPU, every
+    GPU's device node, or (only_gpu) that GPU's alone (its minor number)."""
     bwrap = bwrap_path()
     if bwrap is None:
         raise IsolationUnavailable(
@@ -146,7 +194,7 @@ def bwrap_command(scratch: Path, argv: list[str], *, gpu: bool) -> list[str]:
     for root in binds:
         cmd += ["--ro-bind", str(root), str(root)]
     if gpu:
-        for node in _gpu_devices():
+        for node in gpu_devices(only_gpu):
             cmd += ["--dev-bind", node, node]
         # The CUDA driver reads the device's PCI topology there.
         cmd += ["--ro-bind", "/sys", "/sys"]
@@ -204,9 +252,10 @@ def lift_host_task_bound() -> None:
         resource.setrlimit(resource.RLIMIT_NPROC, (hard, hard))
 
 
-def runner_env(*, gpu: bool) -> dict[str, str]:
+def runner_env(*, gpu: bool, one_gpu: bool = False) -> dict[str, str]:
     """The runner's whole environment: nothing of the judge's (tokens, keys, proxies) but what a
-    GPU or the interpreter needs."""
+    GPU or the interpreter needs. `one_gpu`: its sandbox holds one GPU's device node, which the
+    driver numbers 0 there."""
     env = {
         k: os.environ[k]
         for k in ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "CUDA_HOME",
@@ -223,6 +272,8 @@ def runner_env(*, gpu: bool) -> dict[str, str]:
         PYTHONDONTWRITEBYTECODE="1",
         PYTHONUNBUFFERED="1",
     )
+    if one_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = "0"
     if not gpu:
         env["TRITON_INTERPRET"] = "1"
     elif "TRITON_LIBCUDA_PATH" not in env and (libcuda := _libcuda_dir()) is not None:
@@ -265,11 +316,14 @@ def start_runner(
     stdout,
     isolation: str = "bwrap",
     cgroup: RunnerCgroup | None = None,
+    only_gpu: int | None = None,
 ) -> subprocess.Popen:
     """Start `argv` (the runner) in its sandbox, inside `cgroup` where it has one (which then
-    bounds its tasks instead of RLIMIT_NPROC). `isolation="none"` runs it as a plain child
-    process instead, for hosts without user namespaces; never the default (rule: none holds)."""
-    env = runner_env(gpu=gpu)
+    bounds its tasks instead of RLIMIT_NPROC); `only_gpu`: the minor number of the one GPU whose
+    device node its sandbox holds (None: every GPU's). `isolation="none"` runs it as a plain
+    child process instead, for hosts without user namespaces; never the default (rule: none
+    holds)."""
+    env = runner_env(gpu=gpu, one_gpu=only_gpu is not None and isolation == "bwrap")
     if cgroup is None:
         argv = [*argv, "--max-tasks", str(task_limit(own_user_namespace=isolation == "bwrap"))]
     if isolation == "none":
@@ -282,7 +336,7 @@ def start_runner(
         if drops_privileges():
             lift_host_task_bound()
             argv = [*argv, "--become", str(NOBODY)]
-        cmd, cwd = bwrap_command(scratch, argv, gpu=gpu), "/"
+        cmd, cwd = bwrap_command(scratch, argv, gpu=gpu, only_gpu=only_gpu), "/"
     else:
         raise ValueError(f"unknown isolation {isolation!r}; known: 'bwrap', 'none'")
     if cgroup is not None:

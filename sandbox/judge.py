@@ -108,6 +108,18 @@ class _Unexplained(Verdict):
     """The audit's finding that a batch's events leave most of the judge's clock unexplained."""
 
 
+def _own_gpu_node() -> int | None:
+    """The minor number of this judge's one GPU (its evaluation's own, EvalRequest.gpu), where
+    a runner sandboxed with that GPU's device node alone sees it; else None, and the runner gets
+    every GPU's node (it could then reach the host's other GPUs: said in the judge's log)."""
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    minor = isolation.gpu_minor(str(uuid)) if uuid is not None else None
+    if minor is not None and isolation.one_gpu_sandbox_works(minor):
+        return minor
+    print(f"the runner's sandbox holds every GPU's device node (GPU {uuid}: minor {minor})", file=sys.stderr)
+    return None
+
+
 def device_info(device: torch.device) -> DeviceInfo:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -201,6 +213,7 @@ class RunnerProcess:
                 stdout=subprocess.PIPE,
                 isolation=request.isolation,
                 cgroup=self.cgroup,
+                only_gpu=_own_gpu_node() if gpu and self.bwrap and request.gpu is not None else None,
             )
         except BaseException:
             if self.cgroup is not None:

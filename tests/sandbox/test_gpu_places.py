@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sandbox import isolation
 from sandbox.backend import Alongside
 from sandbox.candidate import Candidate
 from sandbox.gpus import Place, Places, check_gpus, gpu_place, select_gpus, visible_gpus
@@ -255,3 +256,29 @@ def test_two_gpus_time_at_once_and_never_two_kernels_on_one(tmp_path: Path) -> N
     for gpu in gpus:
         windows = sorted(r.timing_window for r in results if r.device.visible_devices == gpu)
         assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:], strict=False)), windows
+
+
+def test_a_runner_with_a_gpu_of_its_own_gets_that_gpus_device_node_alone(tmp_path: Path) -> None:
+    """The nodes its sandbox binds: the driver's control nodes, and one GPU's of the host's."""
+    for name in ("nvidia0", "nvidia1", "nvidia12", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+        (tmp_path / name).touch()
+    (tmp_path / "nvidia-caps").mkdir()
+    every = sorted(Path(p).name for p in isolation.gpu_devices(dev=tmp_path))
+    assert every == sorted(
+        ["nvidia0", "nvidia1", "nvidia12", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps"]
+    )
+    one = sorted(Path(p).name for p in isolation.gpu_devices(1, dev=tmp_path))
+    assert one == sorted(["nvidia1", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps"])
+
+
+def test_a_gpus_device_node_is_found_by_its_uuid(tmp_path: Path) -> None:
+    for bus, uuid, minor in (("0000:18:00.0", "GPU-aaaa-1111", 3), ("0000:2a:00.0", "GPU-bbbb-2222", 0)):
+        (tmp_path / bus).mkdir()
+        (tmp_path / bus / "information").write_text(
+            f"Model: \t\t NVIDIA H100\nGPU UUID: \t {uuid}\n"
+            f"Bus Location: \t {bus}\nDevice Minor: \t {minor}\n"
+        )
+    assert isolation.gpu_minor("aaaa-1111", tmp_path) == 3  # torch's form: without the prefix
+    assert isolation.gpu_minor("GPU-BBBB-2222", tmp_path) == 0
+    assert isolation.gpu_minor("cccc", tmp_path) is None
+    assert isolation.gpu_minor("aaaa-1111", tmp_path / "missing") is None
