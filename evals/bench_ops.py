@@ -27,7 +27,7 @@ from torch import Tensor
 
 from evals.bench_attention import PASSES, run_attention_benchmark, timed_per_pass
 from evals.bench_common import BenchRun
-from kernels.registry import DISPATCHER, KernelLibrary, device_arch
+from kernels.registry import DISPATCHER, KernelLibrary, device_arch, device_name
 from sandbox.judge import baseline_providers
 from sandbox.protocol import all_baselines, compare
 from sandbox.timing import benchmark
@@ -73,7 +73,9 @@ def _providers(problem: Problem, library: KernelLibrary, device: torch.device, s
     providers: dict[str, Callable] = baseline_providers(problem, all_baselines(problem), device)
     with contextlib.suppress(ValueError):  # not every problem has a hand-written kernel
         providers["default kernel"] = DISPATCHER.default(problem.name)
-    entry = library.best(problem.name, device_arch(device), shape.dtype, problem.bucket(shape))
+    entry = library.best(
+        problem.name, device_arch(device), shape.dtype, problem.bucket(shape), gpu=device_name(device)
+    )
     if entry is not None:
         providers["best registered"] = library.load(entry)
     return providers

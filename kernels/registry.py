@@ -51,6 +51,19 @@ def _cuda_arch(index: int) -> str:
     return f"sm_{major}{minor}"
 
 
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> str | None:
+    """The GPU's model (`NVIDIA H200`), which an entry's times are comparable on; None off a GPU.
+    Cached per GPU, as device_arch."""
+    if device.type != "cuda":
+        return None
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def device_arch(device: torch.device) -> str:
     """`sm_90` for an H100/H200; `interpreter` for interpreted Triton; `cpu` otherwise. Cached per
     GPU: every dispatch asks, and the query costs microseconds of host time."""
@@ -109,6 +122,12 @@ class LibraryEntry:
     # The kit (kernels/kit) its source was verified with, where it imports the kit; dispatch
     # refuses it under another kit until `recforge library verify` verifies it again.
     kit_hash: str | None = None
+
+    @property
+    def measured_on(self) -> str | None:
+        """The GPU model its times were measured on (its evidence's device), or None (not said)."""
+        device = self.evidence.get("device")
+        return device.get("name") if isinstance(device, dict) else None
 
     @property
     def graphs(self) -> list[str]:
@@ -225,11 +244,15 @@ class KernelLibrary:
             self._checked = (now, _writes[0])
         return self._generation
 
-    def best(self, op: str, arch: str, dtype: str, bucket: str, graph: str = "serve") -> LibraryEntry | None:
+    def best(
+        self, op: str, arch: str, dtype: str, bucket: str, graph: str = "serve", gpu: str | None = None
+    ) -> LibraryEntry | None:
         """The fastest entry for the key among those serving `bucket` in `graph`, chosen once per
-        key and manifest version (dispatch asks on every op call)."""
+        key and manifest version (dispatch asks on every op call). Times are compared only among
+        entries measured on one GPU model: those measured on `gpu` (the GPU dispatching, where
+        given) first, fastest first, then the rest of the architecture's."""
         entries = self.entries()
-        key = (op, arch, dtype, bucket, graph)
+        key = (op, arch, dtype, bucket, graph, gpu)
         if self._chosen[0] is not self._entries:
             self._chosen = (self._entries, {})
         chosen = self._chosen[1]
@@ -238,7 +261,14 @@ class KernelLibrary:
         return chosen[key]
 
     def _choose(
-        self, entries: list[LibraryEntry], op: str, arch: str, dtype: str, bucket: str, graph: str
+        self,
+        entries: list[LibraryEntry],
+        op: str,
+        arch: str,
+        dtype: str,
+        bucket: str,
+        graph: str,
+        gpu: str | None,
     ) -> LibraryEntry | None:
         candidates = [
             e for e in entries if e.op == op and e.arch == arch and e.dtype == dtype and e.demoted is None
@@ -257,8 +287,13 @@ class KernelLibrary:
         def us(e: LibraryEntry) -> float | None:
             return e.bucket_us[bucket] if per_bucket else e.median_us
 
-        # Down the chain: an entry whose source is not what was verified is passed over.
-        for e in sorted(matches, key=lambda e: (us(e) is None, us(e) or 0.0, e.registered_at)):
+        # Down the chain: an entry whose source is not what was verified is passed over. An
+        # entry's times rank it only among entries measured on the same GPU model: a kernel that
+        # won on an H200 is not faster on an H100 than the H100's own winner for its numbers.
+        def rank(e: LibraryEntry) -> tuple:
+            return (gpu is not None and e.measured_on != gpu, us(e) is None, us(e) or 0.0, e.registered_at)
+
+        for e in sorted(matches, key=rank):
             if self.refusal(e) is None:
                 return e
         return None
@@ -486,7 +521,7 @@ class Dispatcher:
         if self._references_only or not triton_usable(device):
             impl = Implementation("reference", self._references[op])
         else:
-            entry = self._library.best(op, device_arch(device), dtype, bucket, graph)
+            entry = self._library.best(op, device_arch(device), dtype, bucket, graph, device_name(device))
             if entry is not None:
                 key = (id(self._library), entry.kernel_id)
                 impl = self._loaded.get(key)

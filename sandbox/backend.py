@@ -10,7 +10,7 @@ from typing import Protocol
 from pydantic import BaseModel, Field
 
 from sandbox.candidate import Candidate
-from sandbox.result import DeviceInfo, EvalResult
+from sandbox.result import EvalResult, Status
 
 
 class Alongside(BaseModel):
@@ -38,9 +38,13 @@ class AlongsideClaims:
         self._claimed = set(alongside.held_on) if alongside is not None else set()
         self._lock = threading.Lock()
 
-    def claim(self, device: DeviceInfo | None) -> list[Candidate]:
-        """The kernels an evaluation that ran on `device` is to measure beside it ([]: none)."""
-        if self.alongside is None or device is None:
+    def claim(self, result: EvalResult) -> list[Candidate]:
+        """The kernels to measure beside the evaluation that gave `result` ([]: none). Only an
+        evaluation that ran its course (checked and timed) claims a kind: one that failed early
+        (a candidate that raises at import) would choose when the incumbents are timed, beside
+        its siblings' work on the host."""
+        device = result.device
+        if self.alongside is None or device is None or result.status != Status.OK or not result.timings:
             return []
         with self._lock:
             if device.kind in self._claimed:

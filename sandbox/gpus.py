@@ -84,16 +84,37 @@ def select_gpus(spec: GpuSpec, visible: list[str]) -> list[str] | None:
 @dataclass(frozen=True)
 class Place:
     """Where one evaluation runs: the GPU its judge sees (as CUDA_VISIBLE_DEVICES names it; None:
-    whatever this process sees) and that GPU's timing and memory locks (None: unlocked)."""
+    whatever this process sees), that GPU's timing and memory locks (None: unlocked), and the
+    CPU cores its judge and runner run on (None: every core this process may use)."""
 
     gpu: str | None
     timing_lock: Path | None
     memory_lock: Path | None
+    cpus: tuple[int, ...] | None = None
 
 
-def gpu_place(gpu: str) -> Place:
+def gpu_place(gpu: str, cpus: tuple[int, ...] | None = None) -> Place:
     """One GPU as a place, with the locks every backend on this host uses for that GPU."""
-    return Place(gpu=gpu, timing_lock=lock_path("timing", gpu), memory_lock=lock_path("memory", gpu))
+    return Place(
+        gpu=gpu, timing_lock=lock_path("timing", gpu), memory_lock=lock_path("memory", gpu), cpus=cpus
+    )
+
+
+def split_cpus(parts: int, cpus: set[int] | None = None) -> list[tuple[int, ...]]:
+    """The cores this process may use (or `cpus`), in `parts` disjoint runs of consecutive
+    cores as even as they go: one per GPU place, so that what a runner does on the CPU (its host
+    code, a thread pool, a spin) cannot take the cores from a kernel timed on another GPU. With
+    fewer cores than places, the places share them all."""
+    cores = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cores) < parts:
+        return [tuple(cores)] * parts
+    base, extra = divmod(len(cores), parts)
+    out, at = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        out.append(tuple(cores[at : at + size]))
+        at += size
+    return out
 
 
 class Places:

@@ -1216,6 +1216,10 @@ def main(argv: list[str]) -> int:
 
         die_with_parent(int(argv[2]))
     request = EvalRequest.model_validate_json(request_path.read_text())
+    if request.cpus:
+        # Its place's cores, for this judge and (inherited) its runner: a runner's CPU work stays
+        # off the cores of the judges timing on the host's other GPUs.
+        os.sched_setaffinity(0, request.cpus)
     if request.gpu is not None:
         # The driver reads it once, when CUDA starts: nothing the judge imports starts CUDA
         # (sandbox.judge_server forks judges only from a process where it has not started).

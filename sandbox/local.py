@@ -30,7 +30,7 @@ from sandbox import cgroups, judge_server
 from sandbox.artifacts import ArtifactCache
 from sandbox.backend import Alongside, AlongsideClaims
 from sandbox.candidate import Candidate
-from sandbox.gpus import Place, Places, gpu_place
+from sandbox.gpus import Place, Places, gpu_place, split_cpus
 from sandbox.hardware import cuda_present
 from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
 from sandbox.locks import gpu_use, lock_path
@@ -183,7 +183,7 @@ class WorkerBackend:
                 baselines_held_on=sorted(baselines_held_on),
                 trials=trials,
             )
-            kernels = claims.claim(result.device)
+            kernels = claims.claim(result)
             if kernels:
                 # On the same GPU, while this evaluation's place is still held.
                 asked = {"check": check, "timing": timing, "trials": trials}
@@ -208,6 +208,7 @@ class WorkerBackend:
                 entry=candidate.entry,
                 runner_dir=str(runner_dir),
                 gpu=place.gpu,
+                cpus=None if place.cpus is None else list(place.cpus),
                 timing_lock=None if place.timing_lock is None else str(place.timing_lock),
                 **asked,
             )
@@ -292,7 +293,10 @@ class LocalBackend(WorkerBackend):
         # a convoy behind each timing.
         self.gpus = list(gpus) if gpus is not None else None
         if self.gpus is not None:
-            self._places = Places([gpu_place(gpu) for gpu in self.gpus], parallel)
+            cores = split_cpus(len(self.gpus))
+            self._places = Places(
+                [gpu_place(gpu, cpus) for gpu, cpus in zip(self.gpus, cores, strict=True)], parallel
+            )
         else:
             if cuda_present():
                 devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all")

@@ -54,6 +54,9 @@ class EvalRequest(BaseModel):
     # judge sets that variable to it before CUDA starts, and its runner inherits it. None: the
     # GPUs of the judge's environment.
     gpu: str | None = None
+    # The CPU cores the judge and its runner run on (sandbox.gpus.split_cpus: a GPU place's
+    # own), set by the judge on itself before anything starts; None: every core it may use.
+    cpus: list[int] | None = None
     # The runner's scratch directory (its only writable place) and how it is isolated.
     runner_dir: str = ""
     isolation: str = "bwrap"

@@ -80,7 +80,7 @@ class QuickBackend:
         return [self._with_alongside(self.evaluate(c, **kwargs), claims, kwargs) for c in candidates]
 
     def _with_alongside(self, result: EvalResult, claims: AlongsideClaims, kwargs: dict) -> EvalResult:
-        kernels = claims.claim(result.device)
+        kernels = claims.claim(result)
         if not kernels:
             return result
         # On the same device: the next evaluations' devices go on as they would.

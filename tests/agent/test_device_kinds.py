@@ -126,10 +126,10 @@ def test_each_kind_times_its_baselines_and_candidates_meet_only_their_own(tmp_pa
 
 
 def _registered(
-    tmp_path: Path, store: Store, recheck: DeviceInfo, us: float
+    tmp_path: Path, store: Store, recheck: DeviceInfo | tuple[DeviceInfo, ...], us: float
 ) -> tuple[CampaignContext, list[str]]:
     messages: list[str] = []
-    backend = QuickBackend(speed=lambda c: us, devices=(recheck,))
+    backend = QuickBackend(speed=lambda c: us, devices=recheck if isinstance(recheck, tuple) else (recheck,))
     ctx = _context(tmp_path, store, backend)
     ctx.events = SimpleNamespace(message=messages.append)
     nodes.register({"best": {}}, SimpleNamespace(context=ctx))
@@ -287,3 +287,19 @@ def test_gpus_this_host_lacks_stop_the_campaign_before_it_starts(tmp_path: Path,
     with pytest.raises(CampaignError, match=r"sandbox.gpus = 2, but this host shows 0 GPU\(s\)"):
         agent.campaign.Campaigns(tmp_path / "home").start(config)
     assert agent.campaign.Campaigns(tmp_path / "home").store.campaigns() == []  # nothing recorded
+
+
+def test_a_winner_is_registered_only_where_its_timing_is_borne_out_on_its_own_kind(tmp_path: Path) -> None:
+    """Its re-verification lands where the backend puts it: on another kind it is tried again;
+    one that never reaches the kind it won on is not registered (times from a slower GPU would
+    pass any winner, and from a faster one refuse it). On its kind, it is."""
+    for recheck, registered in (((A100, A100, A100), False), ((A100, H100), True)):
+        store = Store(tmp_path / f"{registered}.db")
+        incumbent, winner = default_candidate(OP), _candidate(8)
+        for c, us in ((incumbent, 100.0), (winner, 50.0)):
+            store.add_candidate("c", c)
+            store.add_evaluation("c", _result(c, H100, us))
+        ctx, messages = _registered(tmp_path / str(registered), store, recheck, 50.0)
+        assert bool(ctx.library.entries()) == registered, messages
+        if not registered:
+            assert any(f"never on {H100.kind} where it won, in 3 tries" in m for m in messages), messages

@@ -300,3 +300,20 @@ def test_dispatch_sees_a_write_of_this_process_at_once_and_another_processes_soo
     time.sleep(registry.RECHECK_S * 2)
     fastest = min(empty_library.entries(), key=lambda e: e.median_us)
     assert fastest.median_us == 1.0 and _resolve() == f"library:{fastest.kernel_id}"
+
+
+def test_times_rank_entries_only_among_those_measured_on_one_gpu_model(empty_library) -> None:
+    """An sm_90 entry that won on an H200 (faster hardware, faster numbers) does not displace
+    the H100's own winner on an H100; each GPU model gets its own first, then the rest."""
+    entries = {}
+    for gpu, us, block in (("NVIDIA H100 80GB HBM3", 80.0, 16), ("NVIDIA H200", 50.0, 32)):
+        entries[gpu] = empty_library.add(
+            op=OP, entry=TEMPLATE.entry, source=TEMPLATE.render({"BLOCK_L": block}), arch="sm_90",
+            dtype="fp32", buckets=["d64"], median_us=us, interpreted=False,
+            evidence={"device": {"name": gpu, "arch": "sm_90"}}, provenance={"origin": "template"},
+        )  # fmt: skip
+    best = {gpu: empty_library.best(OP, "sm_90", "fp32", "d64", gpu=gpu) for gpu in (*entries, "NVIDIA H800")}
+    assert best["NVIDIA H100 80GB HBM3"] == entries["NVIDIA H100 80GB HBM3"]
+    assert best["NVIDIA H200"] == entries["NVIDIA H200"]
+    assert best["NVIDIA H800"] == entries["NVIDIA H200"]  # none of its own: the fastest of the rest
+    assert entries["NVIDIA H200"].measured_on == "NVIDIA H200"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -16,13 +17,13 @@ import pytest
 import torch
 
 from sandbox import isolation
-from sandbox.backend import Alongside
+from sandbox.backend import Alongside, AlongsideClaims
 from sandbox.candidate import Candidate
-from sandbox.gpus import Place, Places, check_gpus, gpu_place, select_gpus, visible_gpus
+from sandbox.gpus import Place, Places, check_gpus, gpu_place, select_gpus, split_cpus, visible_gpus
 from sandbox.local import LocalBackend, WorkerBackend
 from sandbox.locks import lock_path
 from sandbox.protocol import EvalRequest
-from sandbox.result import DeviceInfo, EvalResult, Status
+from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
 from search_space.embedding_bag import TEMPLATE
 
 
@@ -163,11 +164,15 @@ class Scripted(WorkerBackend):
         with self._lock:
             self.memory_held.append(held)
             self.running[request.gpu] -= 1
+        stats = TimingStats(median_us=10.0, p20_us=10.0, p80_us=10.0, reps=5)
+        timed = ShapeTiming(shape="s", dtype="fp32", bucket="d64", candidate=stats, flops=1.0, bytes=1.0,
+                            achieved_gbps=1.0)  # fmt: skip
         return EvalResult(
             status=Status.OK,
             problem=candidate.problem,
             candidate_id=candidate.id,
             device=self.kinds[request.gpu],
+            timings=[timed] if request.timing else [],
         )
 
 
@@ -282,3 +287,30 @@ def test_a_gpus_device_node_is_found_by_its_uuid(tmp_path: Path) -> None:
     assert isolation.gpu_minor("GPU-BBBB-2222", tmp_path) == 0
     assert isolation.gpu_minor("cccc", tmp_path) is None
     assert isolation.gpu_minor("aaaa-1111", tmp_path / "missing") is None
+
+
+def test_each_gpu_place_has_cores_of_its_own(tmp_path: Path) -> None:
+    """A runner's CPU work (host code, a thread pool, a spin) stays on its place's cores, off
+    those of a kernel timed on another GPU: the places split the host's cores between them."""
+    assert split_cpus(2, set(range(16))) == [tuple(range(8)), tuple(range(8, 16))]
+    assert split_cpus(3, {0, 1, 2, 5, 6, 9, 11}) == [(0, 1, 2), (5, 6), (9, 11)]
+    assert split_cpus(4, {0, 1}) == [(0, 1)] * 4  # fewer cores than places: shared
+    backend = LocalBackend(gpus=["0", "1"], isolation="none", scratch_root=tmp_path)
+    cores = [set(place.cpus) for place in backend.places.places]
+    assert not cores[0] & cores[1] or len(os.sched_getaffinity(0)) < 2
+    assert cores[0] | cores[1] == os.sched_getaffinity(0)
+
+
+def test_only_an_evaluation_that_ran_its_course_claims_a_new_kind_for_the_incumbents() -> None:
+    """One that failed early (a candidate that raises at import) would choose when the
+    incumbents are timed, beside its siblings' work on the host: it claims nothing."""
+    kernel = _candidate(4, origin="library")
+    claims = AlongsideClaims(Alongside(default=[kernel]))
+    stats = TimingStats(median_us=10.0, p20_us=10.0, p80_us=10.0, reps=5)
+    timed = [ShapeTiming(shape="s", dtype="fp32", bucket="d64", candidate=stats, flops=1.0, bytes=1.0,
+                         achieved_gbps=1.0)]  # fmt: skip
+    base = {"problem": "embedding_bag", "candidate_id": "c", "device": H100}
+    assert claims.claim(EvalResult(status=Status.COMPILE_ERROR, message="raised at import", **base)) == []
+    assert claims.claim(EvalResult(status=Status.OK, **base)) == []  # checked, not timed
+    assert claims.claim(EvalResult(status=Status.OK, timings=timed, **base)) == [kernel]
+    assert claims.claim(EvalResult(status=Status.OK, timings=timed, **base)) == []  # the kind is claimed
