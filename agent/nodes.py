@@ -433,10 +433,11 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
         # hold up, or nothing is registered.
         recheck = ctx.backend.evaluate(candidate, timing=True, trials=ctx.config.sandbox.trials)
         # A backend picks the GPU, not its kind (a Ray cluster of several models, a host whose
-        # GPUs differ): times from another kind say nothing of the ones that won, so it tries
+        # GPUs differ): times from another GPU kind say nothing of the ones that won, so it tries
         # again, and registers nothing where the timing cannot be borne out on the winning kind.
+        # (A backend without a GPU re-verifies on the interpreter: its checks count, as ever.)
         elsewhere = []
-        while recheck.status == Status.OK and not evidence.interpreted and recheck.kind != evidence.kind:
+        while recheck.status == Status.OK and not recheck.interpreted and recheck.kind != evidence.kind:
             elsewhere.append(recheck.kind)
             if len(elsewhere) == RECHECK_TRIES:
                 break

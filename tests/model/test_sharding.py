@@ -126,8 +126,9 @@ def test_a_shard_starts_with_the_rows_of_the_whole_table() -> None:
     assert torch.equal(a.weights, b.weights)
 
 
+# Three CPU ranks (uneven blocks, a rank without a table); the training test below runs two.
 @pytest.mark.parametrize(
-    ("world", "device"), [(2, "cpu"), (3, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.two_gpus)]
+    ("world", "device"), [(3, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.two_gpus)]
 )
 def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(
     tmp_path: Path, world: int, device: str
