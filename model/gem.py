@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,7 +42,7 @@ from model.config import FeatureConfig, ModelConfig
 from model.data import Bags, RequestBatch
 from model.embeddings import TableBatchedEmbeddings
 from model.hstu import HSTULayer
-from model.sharding import FUSED_ONLY, ShardedEmbeddings, Sharding
+from model.sharding import FUSED_ONLY, ShardedEmbeddings, Sharding, sum_over_ranks
 
 
 def mlp(in_dim: int, dims: Sequence[int], *, last_activation: bool = True, device=None) -> nn.Sequential:
@@ -334,7 +335,12 @@ class WukongLayer(nn.Module):
 class MixtureOfExperts(nn.Module):
     """Top-k routing over `num_experts` two-layer experts, each layer one `grouped_gemm` call
     (the routed rows sorted by expert, one matrix per expert), with the switch load-balancing
-    loss."""
+    loss. `group` (set for data-parallel training): the ranks whose parts of a batch make one
+    batch; in training the loss's two batch statistics (the share routed to each expert, the mean
+    routing probability) are then the whole batch's, summed over the ranks (differentiably), so
+    the term is the one a single process takes on the whole batch."""
+
+    group: dist.ProcessGroup | None = None
 
     def __init__(self, in_dim: int, num_experts: int, top_k: int, expert_dim: int, *, device=None) -> None:
         super().__init__()
@@ -364,8 +370,14 @@ class MixtureOfExperts(nn.Module):
         out = grouped_gemm(hidden, offsets, self.w2.to(dtype), self.b2.to(dtype))
         routed = torch.empty_like(out).index_copy_(0, order, out).view(-1, self.top_k, out.shape[-1])
         mixed = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
-        fraction = counts.float() / flat_e.numel()
-        balance = self.num_experts * (fraction * probs_BE.mean(0)).sum()
+        routed = torch.cat([counts.float(), torch.full((1,), float(x_BF.shape[0]), device=x_BF.device)])
+        probs_sum = probs_BE.sum(0)
+        if self.group is not None and self.training:
+            dist.all_reduce(routed, group=self.group)  # each expert's rows, and the batch's, over the ranks
+            probs_sum = sum_over_ranks(probs_sum, self.group)
+        rows = routed[-1]
+        fraction = routed[:-1] / (rows * self.top_k)
+        balance = self.num_experts * (fraction * probs_sum / rows).sum()
         return mixed, balance
 
 

@@ -147,6 +147,29 @@ class _Exchange(torch.autograd.Function):
         return back * ctx.scale, None, None, None, None, None
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """The sum of `x` over the group's ranks, differentiable: each rank's gradient is the sum of
+    every rank's gradient of the sum (each rank's loss reads it)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`x` summed over `group`'s ranks, with the gradient to every rank's `x`."""
+    return _SumOverRanks.apply(x, group)
+
+
 def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
     """A plain all-to-all along dim 0 (no gradient): `send[r]` rows to rank r."""
     out = x.new_empty((sum(receive), *x.shape[1:]))

@@ -7,9 +7,8 @@ train --nproc N` starts them through torchrun): the dense parameters replicated 
 DistributedDataParallel, the tables sharded over the ranks (model.sharding). Step i trains on
 global batch i, every rank on its part of the requests (balanced by attention work unless told
 otherwise: model.balance); each rank's loss is weighted by its share of the candidates, so that
-the averaged gradient is the whole batch's, as one process training on it would take. (Not
-quite with experts: their load-balancing loss is a product of two batch statistics, which each
-rank takes over its own part.)
+the averaged gradient is the whole batch's, as one process training on it would take (the
+experts' load-balancing loss, a product of two batch statistics, sums them over the ranks).
 
 Batch i of a run is a pure function of (seed, i), so a resumed run sees the batches the
 uninterrupted one would have. The held-out batches come from the same traffic (indices no
@@ -131,6 +130,9 @@ class Trainer:
             # The tables' exchanges go apart from DistributedDataParallel's reductions.
             sharding = Sharding(plan, dist.new_group())
         self.model = GEMModel(config, device=self.device, sharding=sharding)
+        if sharding is not None and self.model.experts is not None:
+            # The experts' balancing loss over the whole batch, every rank's part of it.
+            self.model.experts.group = sharding.group
         self.dense_optimizer = torch.optim.AdamW(
             self.model.dense_parameters(), lr=t.lr, weight_decay=t.weight_decay
         )

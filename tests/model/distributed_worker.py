@@ -185,6 +185,8 @@ def train(out_dir: Path, split: str = "balance") -> None:
         {
             "size": "tiny",
             "data": {"requests_per_batch": 12},
+            # Experts: their balancing loss is a product of batch statistics, summed over ranks.
+            "heads": {"num_experts": 4, "top_k": 2, "expert_dim": 16, "balance_weight": 0.5},
             "train": {"steps": 4, "eval_every": 4, "eval_batches": 1, "autocast": False},
         }
     )
