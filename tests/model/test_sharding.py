@@ -155,8 +155,8 @@ def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(
 def test_data_parallel_training_takes_the_steps_that_one_process_takes(tmp_path: Path, device: str) -> None:
     """Two ranks, each on its part of every batch (balanced by attention work), the tables
     sharded (one row-wise, the rest placed by size), experts whose balancing loss weighs much:
-    the same losses and held-out AUC as one process training on the whole batches, step by step (fp32; on GPUs the kernels sum in
-    another order, hence the looser bound there)."""
+    the same losses and held-out AUC as one process training on the whole batches, step by
+    step (fp32; on GPUs the kernels sum in another order, hence the looser bound there)."""
     run_ranks(2, "train", str(tmp_path), device=device)
     ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
     alone = ranks[0]["alone_losses"]
