@@ -220,7 +220,6 @@ class ShardedEmbeddings(nn.Module):
             raise ValueError(f"the plan is for {plan.world} ranks, the group has {self.world}")
         self.configs, self.plan, self.dtype = list(tables), plan, dtype
         self.index = {t.name: i for i, t in enumerate(self.configs)}
-        self.lr, self.eps = lr, eps
         self.scale = 1.0 / (gradient_divisor if gradient_divisor is not None else self.world)
         device = torch.device(device) if device is not None else torch.device("cpu")
         num_tables = len(self.configs)
