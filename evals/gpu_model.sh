@@ -6,34 +6,41 @@
 # where the training and serving steps spend their time. Logs and JSON go to $OUT.
 # Usage (repo root, on a GPU host whose python3 has torch and triton):
 #   bash evals/gpu_model.sh [CONFIG] [STEPS]        (default: large 40)
+# STAGES (default "tests train serve profile") picks the parts to run, VARIANTS (default
+# "library unfused reference compiled") the training variants, and STAGE_S (default 300) bounds
+# each command's seconds, so one call fits the device time at hand.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=200 RECFORGE_HOME=$PWD/.recforge
 CONFIG=${1:-large}
 STEPS=${2:-40}
-rf() { python3 -m agent "$@"; }
-python3 -m pytest tests/model tests/agent/test_model_campaign.py -q -p no:cacheprovider -x 2>&1 | tail -5 | tee "$OUT/pytest_model.txt"
-for variant in library unfused reference compiled; do
+STAGES=${STAGES:-tests train serve profile}
+VARIANTS=${VARIANTS:-library unfused reference compiled}
+rf() { timeout "${STAGE_S:-300}" python3 -m agent "$@"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+has tests && timeout "${STAGE_S:-300}" python3 -m pytest tests/model tests/agent/test_model_campaign.py -q \
+  -p no:cacheprovider -rf 2>&1 | tail -15 | tee "$OUT/pytest_model.txt"
+has train && for variant in $VARIANTS; do
   case $variant in
     library) extra=() ;;
     unfused) extra=(--embedding-update unfused) ;;
     reference) extra=(--reference-ops) ;;
     compiled) extra=(--compile) ;;
   esac
-  rf model train --config "$CONFIG" --steps "$STEPS" --checkpoint "$OUT/ckpt-$variant.pt" \
+  rf model train --config "$CONFIG" --steps "$STEPS" --checkpoint "/tmp/ckpt-$variant.pt" \
     --json "$OUT/train_$variant.json" "${extra[@]}" 2>&1 | tee "$OUT/train_$variant.txt" | tail -4
-  rm -f "$OUT/ckpt-$variant.pt"
+  rm -f "/tmp/ckpt-$variant.pt"
 done
-rf model serve-bench --config "$CONFIG" --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt" | tail -20
-for graph in train serve; do
+has serve && rf model serve-bench --config "$CONFIG" --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt" | tail -20
+has profile && for graph in train serve; do
   rf model profile --graph "$graph" --config "$CONFIG" --json "$OUT/profile_$graph.json" 2>&1 | tee "$OUT/profile_$graph.txt" | tail -30
 done
-python3 - "$OUT" <<'PY'
+has train && python3 - "$OUT" $VARIANTS <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 print("variant     examples/s   MFU     loss")
-for variant in ("library", "unfused", "reference", "compiled"):
+for variant in sys.argv[2:]:
     path = out / f"train_{variant}.json"
     if not path.exists():
         print(f"{variant:<11} (no result)")

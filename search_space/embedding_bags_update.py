@@ -427,6 +427,22 @@ def _neighbours(exact: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return torch.minimum(nearest.float(), other), torch.maximum(nearest.float(), other)
 
 
+def rounding_bounds(
+    exact: torch.Tensor, before: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lowest and highest values of `dtype` that an honest stochastic rounding of the step
+    from `before` to the fp32 value `exact` may give. An fp32 step computed in another order
+    differs from this one by a few units of fp32 in its terms (the old weight and the step), so
+    the kernel's own fp32 value lies anywhere within that slack of `exact`; it rounds to either
+    value of `dtype` around it. Where `exact` lies just below a power of two and the kernel's
+    value just above, the value above the power of two is honest, though it lies more than one
+    spacing (the finer one, below) from `exact`."""
+    slack = (before.abs() + (before - exact).abs()) * 2**-20
+    lowest, _ = _neighbours(exact - slack, dtype)
+    _, highest = _neighbours(exact + slack, dtype)
+    return lowest, highest
+
+
 # Stochastic rounding, judged over the elements whose exact step falls between two values: a
 # rounding that is not stochastic (to nearest, toward zero) rounds up far more or far less often
 # than the fractions say in one half of them or the other (a count at least SR_SIGMAS binomial
@@ -454,12 +470,9 @@ def verify(inputs: Inputs, got: tuple[torch.Tensor, torch.Tensor]) -> str | None
     exact, mine = exact_weights[elements], weights[elements].float()
     low, high = _neighbours(exact, weights.dtype)
     spacing = high - low
-    # An fp32 step computed in another order may differ from this one by a few units of fp32 in
-    # its terms (the old weight and the step): where they nearly cancel, that is more than the
-    # new weight's spacing, and an honest kernel may round from the other side of a value.
     before = inputs.args[0][elements].float()
-    slack = (before.abs() + (before - exact).abs()) * 2**-20
-    outside = (mine - exact).abs() > spacing * (1 + 1e-3) + slack + 1e-30
+    lowest, highest = rounding_bounds(exact, before, weights.dtype)
+    outside = (mine < lowest) | (mine > highest)
     if bool(outside.any()):
         far = int(outside.sum())
         return (

@@ -17,7 +17,7 @@ from kernels import ops
 from sandbox import Candidate, LocalBackend, Status, isolation
 from sandbox.protocol import check_shape
 from search_space import get_problem
-from search_space.embedding_bags_update import reference, torch_sparse_update
+from search_space.embedding_bags_update import reference, rounding_bounds, torch_sparse_update
 from search_space.problem import Shape
 from search_space.template import get_template
 
@@ -164,6 +164,17 @@ def test_stochastic_rounding_is_unbiased(device: torch.device) -> None:
         lr=0.5,
     )
     assert torch.equal(nearest, weights0)
+
+
+def test_rounding_bounds_take_in_the_far_side_of_a_power_of_two() -> None:
+    """An exact fp32 step just below 2.0 that another summation order puts just above it: an
+    honest fp16 rounding gives 2.0 + 2^-9, more than one spacing below 2.0 (2^-10) away; two
+    values up or down lies outside. Away from a power of two, only the two neighbours pass."""
+    before = torch.tensor([2.25, 1.5])
+    exact = torch.tensor([2.0 - 2.0**-22, 1.5 - 2.0**-12])
+    lowest, highest = rounding_bounds(exact, before, torch.float16)
+    assert lowest.tolist() == [2.0 - 2.0**-10, 1.5 - 2.0**-10]
+    assert highest.tolist() == [2.0 + 2.0**-9, 1.5]
 
 
 def test_the_custom_op_says_what_it_updates_and_compiles(device: torch.device) -> None:
