@@ -11,7 +11,10 @@ GPUs are counted).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -81,23 +84,75 @@ def select_gpus(spec: GpuSpec, visible: list[str]) -> list[str] | None:
     return [visible[i] for i in spec]
 
 
+# Run with the caller's CUDA environment: the UUID of each GPU the CUDA driver shows, in its
+# order (the order of CUDA_VISIBLE_DEVICES, else of CUDA_DEVICE_ORDER), as nvidia-smi writes them;
+# a MIG instance's own where the driver has cuDeviceGetUuid_v2. The driver is asked directly,
+# with no context made, in a process of its own so that this one never initialises CUDA.
+_UUIDS = """
+import ctypes, sys
+c = ctypes.CDLL("libcuda.so.1")
+get = getattr(c, "cuDeviceGetUuid_v2", None) or c.cuDeviceGetUuid
+n = ctypes.c_int()
+if c.cuInit(0) or c.cuDeviceGetCount(ctypes.byref(n)):
+    sys.exit(1)
+for i in range(n.value):
+    d, u = ctypes.c_int(), (ctypes.c_ubyte * 16)()
+    if c.cuDeviceGet(ctypes.byref(d), i) or get(u, d):
+        sys.exit(1)
+    h = bytes(u).hex()
+    print(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+"""
+
+
+def gpu_uuids() -> list[str] | None:
+    """The UUIDs of the GPUs this process may use, in CUDA's order (so index i of visible_gpus is
+    uuids[i]); None where the CUDA driver cannot be asked (no GPU, no driver). What a lock file is
+    named by: the same GPU is the same file whichever index or name a campaign gives it."""
+    return _uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
+
+
+@functools.cache
+def _uuids(visible: str | None, order: str | None) -> list[str] | None:
+    try:
+        done = subprocess.run([sys.executable, "-c", _UUIDS], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.split() if done.returncode == 0 else None
+
+
 @dataclass(frozen=True)
 class Place:
     """Where one evaluation runs: the GPU its judge sees (as CUDA_VISIBLE_DEVICES names it; None:
-    whatever this process sees), that GPU's timing and memory locks (None: unlocked), and the
-    CPU cores its judge and runner run on (None: every core this process may use)."""
+    whatever this process sees), the timing and memory locks of the GPUs it may use (one per
+    GPU; none: unlocked), and the CPU cores its judge and runner run on (None: every core this
+    process may use)."""
 
     gpu: str | None
-    timing_lock: Path | None
-    memory_lock: Path | None
+    timing_locks: tuple[Path, ...] = ()
+    memory_locks: tuple[Path, ...] = ()
     cpus: tuple[int, ...] | None = None
 
 
-def gpu_place(gpu: str, cpus: tuple[int, ...] | None = None) -> Place:
-    """One GPU as a place, with the locks every backend on this host uses for that GPU."""
-    return Place(
-        gpu=gpu, timing_lock=lock_path("timing", gpu), memory_lock=lock_path("memory", gpu), cpus=cpus
-    )
+def locks_of(gpus: list[str]) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """The timing and memory locks of the GPUs `gpus` (UUIDs, or names where the driver gave
+    none)."""
+    return tuple(lock_path("timing", g) for g in gpus), tuple(lock_path("memory", g) for g in gpus)
+
+
+def gpu_place(gpu: str, cpus: tuple[int, ...] | None = None, uuid: str | None = None) -> Place:
+    """One GPU as a place, with the locks every backend on this host uses for that GPU: named by
+    its `uuid` where known, else by `gpu` as given."""
+    timing, memory = locks_of([uuid or gpu])
+    return Place(gpu=gpu, timing_locks=timing, memory_locks=memory, cpus=cpus)
+
+
+def host_place() -> Place:
+    """The GPUs this process sees as one place: the locks of each of them (so an evaluation here
+    and one on a single one of them never time at once), or one lock named by
+    CUDA_VISIBLE_DEVICES where the driver gave no UUIDs."""
+    uuids = gpu_uuids() or [os.environ.get("CUDA_VISIBLE_DEVICES", "all")]
+    timing, memory = locks_of(uuids)
+    return Place(None, timing, memory)
 
 
 def split_cpus(parts: int, cpus: set[int] | None = None) -> list[tuple[int, ...]]:

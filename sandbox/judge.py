@@ -460,9 +460,9 @@ class Session:
     """The judge's side of one evaluation's calls."""
 
     def __init__(
-        self, runner: RunnerProcess, problem: Problem, device: torch.device, lock: str | None
+        self, runner: RunnerProcess, problem: Problem, device: torch.device, locks: list[str]
     ) -> None:
-        self.runner, self.problem, self.device, self.lock = runner, problem, device, lock
+        self.runner, self.problem, self.device, self.locks = runner, problem, device, locks
         self.kind = "cuda" if device.type == "cuda" else "cpu"
         self.next_call = 1
         self.input_region: tuple[shared.Region, int] | None = None
@@ -470,9 +470,9 @@ class Session:
         self.updated_region: tuple[shared.Region, int] | None = None
 
     def gpu(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
-        """The GPU's lock, taken on the runner's behalf (sandbox.locks): exclusive for timing,
-        shared for everything else; the wait for it does not count against the deadline."""
-        return gpu_use(self.lock, exclusive=exclusive, waited=self.runner.deadline.extend)
+        """The GPUs' locks, taken on the runner's behalf (sandbox.locks): exclusive for timing,
+        shared for everything else; the wait for them does not count against the deadline."""
+        return gpu_use(self.locks, exclusive=exclusive, waited=self.runner.deadline.extend)
 
     def _input_region(self, nbytes: int, *, updated: bool = False) -> tuple[shared.Region, int]:
         """The region of the calls' read-only inputs, or of the arguments they update, at least
@@ -1155,7 +1155,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     try:
         ev.clock.start("start")
         runner = RunnerProcess(request, gpu=ev.device.type == "cuda", deadline=deadline)
-        ev.session = Session(runner, ev.problem, ev.device, request.timing_lock)
+        ev.session = Session(runner, ev.problem, ev.device, request.timing_locks)
         runner.ask({"op": "ping"}, where="start")
         ev.clock.start("load")
         load = {"op": "load", "source_file": request.source_file, "entry": request.entry,

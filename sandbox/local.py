@@ -30,10 +30,10 @@ from sandbox import cgroups, judge_server
 from sandbox.artifacts import ArtifactCache
 from sandbox.backend import Alongside, AlongsideClaims
 from sandbox.candidate import Candidate
-from sandbox.gpus import Place, Places, gpu_place, split_cpus
+from sandbox.gpus import Place, Places, gpu_place, gpu_uuids, host_place, split_cpus, visible_gpus
 from sandbox.hardware import cuda_present
 from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
-from sandbox.locks import gpu_use, lock_path
+from sandbox.locks import gpu_use
 from sandbox.protocol import DEADLINE_MARK, EvalRequest
 from sandbox.result import EvalResult, Status
 from sandbox.screen import screen_candidate
@@ -110,20 +110,15 @@ class WorkerBackend:
     scratch_root: Path | None
     keep_scratch: bool
     artifacts: ArtifactCache | None = None
-    # The host's locks where its GPUs are one place (set on a GPU host): evaluations take turns
-    # for timing under the timing lock (which the judge takes), and each holds the memory lock
-    # shared; one whose judge ran out of device memory beside others runs again holding it alone.
-    timing_lock: Path | None = None
-    memory_lock: Path | None = None
     parallel: int = 1  # evaluations at once per place
     _places: Places | None = None
 
     @property
     def places(self) -> Places:
-        """Where evaluations run, and how many at once on each (the host as one place unless a
-        subclass sets others)."""
+        """Where evaluations run, and how many at once on each (the host as one place, unlocked,
+        unless a subclass sets others)."""
         if self._places is None:
-            self._places = Places([Place(None, self.timing_lock, self.memory_lock)], self.parallel)
+            self._places = Places([Place(None)], self.parallel)
         return self._places
 
     def evaluate_many(
@@ -209,10 +204,10 @@ class WorkerBackend:
                 runner_dir=str(runner_dir),
                 gpu=place.gpu,
                 cpus=None if place.cpus is None else list(place.cpus),
-                timing_lock=None if place.timing_lock is None else str(place.timing_lock),
+                timing_locks=[str(lock) for lock in place.timing_locks],
                 **asked,
             )
-            result = self._run_sharing_memory(candidate, scratch, request, place.memory_lock)
+            result = self._run_sharing_memory(candidate, scratch, request, place.memory_locks)
             if self.artifacts is not None and not reused and result.status in COMPILED:
                 self.artifacts.save(candidate.id, runner_dir / "triton")
             return result.model_copy(update={"artifacts_reused": reused})
@@ -221,18 +216,17 @@ class WorkerBackend:
                 shutil.rmtree(scratch, ignore_errors=True)
 
     def _run_sharing_memory(
-        self, candidate: Candidate, scratch: Path, request: EvalRequest, memory_lock: Path | None
+        self, candidate: Candidate, scratch: Path, request: EvalRequest, memory_locks: tuple[Path, ...]
     ) -> EvalResult:
         """_run beside the other evaluations on its GPU; again alone when the judge's own work ran
         out of device memory (theirs and its together: a gradient reference at a timing shape
         can hold tens of GiB), so an honest candidate is never failed for its neighbours."""
-        lock = str(memory_lock) if memory_lock is not None else None
-        with gpu_use(lock, exclusive=False):
+        with gpu_use(memory_locks, exclusive=False):
             result = self._run(candidate, scratch, request)
-        if lock is None or not judge_out_of_memory(result):
+        if not memory_locks or not judge_out_of_memory(result):
             return result
         shutil.rmtree(scratch / "judge", ignore_errors=True)
-        with gpu_use(lock, exclusive=True):
+        with gpu_use(memory_locks, exclusive=True):
             again = self._run(candidate, scratch, request)
         return again.model_copy(update={"wall_s": again.wall_s + result.wall_s})
 
@@ -242,6 +236,16 @@ class WorkerBackend:
 
     def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
         raise NotImplementedError
+
+
+def _uuids_by_name() -> dict[str, str]:
+    """The UUID of each GPU this process sees, by the name sandbox.gpus.visible_gpus gives it
+    (empty where the driver gave none, or not one for each)."""
+    uuids = gpu_uuids()
+    if uuids is None:
+        return {}
+    visible = visible_gpus()
+    return dict(zip(visible, uuids, strict=True)) if len(uuids) == len(visible) else {}
 
 
 class LocalBackend(WorkerBackend):
@@ -286,23 +290,20 @@ class LocalBackend(WorkerBackend):
         self.keep_scratch = keep_scratch
         self.parallel = parallel
         self.artifacts = ArtifactCache(artifact_root) if artifact_root else None
-        # Locks shared by every backend on this host, one per GPU (or set of visible GPUs): two
-        # campaigns on one GPU take turns too. The host's GPUs as one place have none without a
-        # GPU: interpreted timings decide nothing (agent.nodes), and holding every evaluation's
-        # checks still while one of them times on the CPU would leave the host's cores idle in
-        # a convoy behind each timing.
+        # Locks shared by every backend on this host, one per GPU and named by its UUID: two
+        # campaigns on one GPU take turns, however each names it, and one that holds the host's
+        # GPUs as one place takes every one's. Without a GPU there are none: interpreted timings
+        # decide nothing (agent.nodes), and holding every evaluation's checks still while one of
+        # them times on the CPU would leave the host's cores idle in a convoy behind each timing.
         self.gpus = list(gpus) if gpus is not None else None
         if self.gpus is not None:
             cores = split_cpus(len(self.gpus))
+            uuid = _uuids_by_name()
             self._places = Places(
-                [gpu_place(gpu, cpus) for gpu, cpus in zip(self.gpus, cores, strict=True)], parallel
+                [gpu_place(g, cpus, uuid.get(g)) for g, cpus in zip(self.gpus, cores, strict=True)], parallel
             )
         else:
-            if cuda_present():
-                devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
-                self.timing_lock = lock_path("timing", devices)
-                self.memory_lock = lock_path("memory", devices)
-            self._places = Places([Place(None, self.timing_lock, self.memory_lock)], parallel)
+            self._places = Places([host_place() if cuda_present() else Place(None)], parallel)
 
     def warm_up(self) -> None:
         """Start the judges' fork server now (where judges are forked from one: sandbox.judge_server),

@@ -1,6 +1,7 @@
 """The GPU's locks, shared by every evaluation on one host (judges, backends, campaigns): flock(2)
-locks on files in the host's temporary directory, with a turnstile so that an exclusive waiter
-keeps new shared holders from starting. Standard library only."""
+locks on files in the host's temporary directory, one file per GPU named by what the GPU is (its
+UUID, sandbox.gpus.gpu_uuids) rather than by how a process numbers it, with a turnstile so that
+an exclusive waiter keeps new shared holders from starting. Standard library only."""
 
 from __future__ import annotations
 
@@ -9,44 +10,55 @@ import fcntl
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 
-def lock_path(use: str, devices: str) -> Path:
-    """The host's `use` lock ("timing" or "memory") of the GPUs `devices` (CUDA_VISIBLE_DEVICES'
-    form: one GPU's index, UUID or MIG id, or a list of them; "all" where unset): one file per
-    GPU, or per set of GPUs, in the host's temporary directory, shared by every backend and
-    campaign there."""
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", devices.replace(",", "-")) or "none"
+def lock_path(use: str, gpu: str) -> Path:
+    """The host's `use` lock ("timing" or "memory") of the GPU `gpu` (its UUID or MIG id; where
+    the driver could not say, how CUDA_VISIBLE_DEVICES names the GPUs, "all" where unset): one
+    file in the host's temporary directory, shared by every backend and campaign there."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", gpu.replace(",", "-")) or "none"
     return Path(tempfile.gettempdir()) / f"recforge-{use}-{name}.lock"
 
 
 @contextlib.contextmanager
 def gpu_use(
-    lock_path: str | None, *, exclusive: bool, waited: Callable[[float], None] | None = None
+    locks: str | Path | Sequence[str | Path] | None,
+    *,
+    exclusive: bool,
+    waited: Callable[[float], None] | None = None,
 ) -> Iterator[None]:
-    """Use of the GPU behind `lock_path` (nothing when None): shared for checks, which run side by
+    """Use of the GPUs behind `locks` (a lock file, or one per GPU; nothing when None or empty),
+    each taken in turn in the order of their names, so that evaluations holding sets of GPUs
+    that overlap never wait on each other in a circle: shared for checks, which run side by
     side in several evaluations, exclusive for timing, which runs with no check beside it (with
     checks running beside them, embedding-bag timings in a four-worker H200 campaign spread by up
     to 93%, and the noise margin then refused a 2.5x faster kernel). A timer waiting at the
     turnstile keeps new checks from starting, so checks cannot starve it. Both locks are flock(2)
     locks, taken by the judge on its runner's behalf: nothing the runner starts can see the lock
     file (sandbox.isolation), so none can hold it; the kernel releases them when the judge dies.
-    `waited` is told the seconds spent waiting for the lock (another evaluation's time, which no
+    `waited` is told the seconds spent waiting for the locks (another evaluation's time, which no
     deadline of this one should count)."""
-    if lock_path is None:
+    paths = sorted({str(locks)} if isinstance(locks, str | Path) else {str(p) for p in locks or ()})
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as held:
+        for path in paths:
+            held.enter_context(_held(path, exclusive))
+        if waited is not None and paths:
+            waited(time.monotonic() - t0)
         yield
-        return
-    with open(f"{lock_path}.turnstile", "a") as turnstile, open(lock_path, "a") as gpu:
-        t0 = time.monotonic()
+
+
+@contextlib.contextmanager
+def _held(path: str, exclusive: bool) -> Iterator[None]:
+    """One GPU's lock, through its turnstile."""
+    with open(f"{path}.turnstile", "a") as turnstile, open(path, "a") as gpu:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         try:
             fcntl.flock(gpu, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         finally:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
-        if waited is not None:
-            waited(time.monotonic() - t0)
         try:
             yield
         finally:

@@ -47,9 +47,10 @@ class EvalRequest(BaseModel):
     # several GPU models), so the judge, which knows its own, decides.
     baselines_held_on: list[str] = []
     input_sets: int = 3  # for the baselines, which the judge times in its own process
-    # The GPU's lock file (sandbox.locks.gpu_use): evaluations check and compile side by side under a
-    # shared lock, and one at a time measures the GPU under an exclusive one, with nothing beside.
-    timing_lock: str | None = None
+    # The timing lock files of the GPUs the evaluation may use, one per GPU (sandbox.locks.gpu_use):
+    # evaluations check and compile side by side under shared locks, and one at a time measures a
+    # GPU under an exclusive one, with nothing beside. Empty: unlocked.
+    timing_locks: list[str] = []
     # The one GPU the evaluation runs on, as CUDA_VISIBLE_DEVICES names it (sandbox.gpus): the
     # judge sets that variable to it before CUDA starts, and its runner inherits it. None: the
     # GPUs of the judge's environment.

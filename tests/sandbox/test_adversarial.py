@@ -226,7 +226,7 @@ def test_the_runner_cannot_reach_the_host_and_leaves_nothing_behind(tmp_path: Pa
             runner_dir=str(runner_dir),
             timing=False,
             timeout_s=60,
-            timing_lock=str(lock),
+            timing_locks=[str(lock)],
         )
         try:
             with ThreadPoolExecutor(max_workers=1) as pool:

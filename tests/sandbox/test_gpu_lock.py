@@ -1,5 +1,6 @@
-"""The GPU lock of the local backend's judges: checks share the GPU, timing has it alone, and a
-waiting timer is not starved by a stream of checks. Real processes, real flock(2) locks."""
+"""The GPU lock of the local backend's judges: checks share the GPU, timing has it alone, a
+waiting timer is not starved by a stream of checks, and an evaluation holding several GPUs
+times with no evaluation on any of them. Real processes, real flock(2) locks."""
 
 from __future__ import annotations
 
@@ -14,19 +15,25 @@ from sandbox.locks import gpu_use
 HOLD_S = 0.6
 
 
-def _hold(lock: str, exclusive: bool, delay: float, ready, log) -> None:
+def _hold(lock: str | list[str], exclusive: bool, delay: float, ready, log) -> None:
     ready.wait()  # every process imported and started: the plan's delays count from here
     time.sleep(delay)
     with gpu_use(lock, exclusive=exclusive):
         begin = time.time()
         time.sleep(HOLD_S)
-        log.put(("timing" if exclusive else "check", begin, time.time()))
+        log.put(("timing" if exclusive else "check", begin, time.time(), lock))
 
 
-def _run(lock: Path, plan: list[tuple[bool, float]]) -> list[tuple[str, float, float]]:
+def _run(lock: Path | list, plan: list[tuple[bool, float]]) -> list[tuple[str, float, float, object]]:
+    """Each (exclusive, delay) of `plan` in a process of its own, all on `lock`; or, where `lock`
+    is a list, each on its own entry of it (a lock file, or a list of them)."""
     ctx = multiprocessing.get_context("spawn")
     log, ready = ctx.Queue(), ctx.Barrier(len(plan))
-    procs = [ctx.Process(target=_hold, args=(str(lock), ex, delay, ready, log)) for ex, delay in plan]
+    locks = lock if isinstance(lock, list) else [str(lock)] * len(plan)
+    procs = [
+        ctx.Process(target=_hold, args=(lk, ex, delay, ready, log))
+        for lk, (ex, delay) in zip(locks, plan, strict=True)
+    ]
     for p in procs:
         p.start()
     windows = [log.get(timeout=60) for _ in procs]
@@ -53,8 +60,20 @@ def test_checks_share_the_gpu_and_timing_has_it_alone(tmp_path: Path) -> None:
     assert len(late) == 2 and all(c[1] >= timing[2] for c in late), "the waiting timer goes first"
 
 
+def test_an_evaluation_on_two_gpus_times_with_none_on_either(tmp_path: Path) -> None:
+    """GPU a and GPU b each time one evaluation at once, side by side; an evaluation holding both
+    (the host's GPUs as one place), whose list names them in the other order, times beside
+    neither, and none of the three waits forever."""
+    a, b = str(tmp_path / "a.lock"), str(tmp_path / "b.lock")
+    windows = _run([a, b, [b, a]], [(True, 0.0), (True, 0.0), (True, 0.2)])
+    on_a, on_b = (next(w for w in windows if w[3] == lk) for lk in (a, b))
+    [both] = [w for w in windows if isinstance(w[3], list)]
+    assert _overlap(on_a, on_b), "two GPUs time at once"
+    assert not _overlap(both, on_a) and not _overlap(both, on_b), "the pair times alone"
+
+
 def test_without_a_lock_file_nothing_is_locked() -> None:
-    with gpu_use(None, exclusive=True), gpu_use(None, exclusive=True):
+    with gpu_use(None, exclusive=True), gpu_use(None, exclusive=True), gpu_use([], exclusive=True):
         pass
 
 

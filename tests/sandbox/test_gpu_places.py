@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sandbox import isolation
+from sandbox import gpus, isolation, local
 from sandbox.backend import Alongside, AlongsideClaims
 from sandbox.candidate import Candidate
 from sandbox.gpus import Place, Places, check_gpus, gpu_place, select_gpus, split_cpus, visible_gpus
@@ -85,12 +85,52 @@ def test_visible_gpus_are_cuda_visible_devices_names_as_far_as_cuda_counts(monke
     assert visible_gpus() == ["0", "1"]
 
 
-def test_each_gpu_has_its_own_locks() -> None:
+def test_each_gpu_has_its_own_locks_named_by_its_uuid_where_known() -> None:
     zero, one = gpu_place("0"), gpu_place("1")
-    assert zero.timing_lock == lock_path("timing", "0") and zero.timing_lock.name == "recforge-timing-0.lock"
-    assert len({zero.timing_lock, zero.memory_lock, one.timing_lock, one.memory_lock}) == 4
+    assert zero.timing_locks == (lock_path("timing", "0"),)
+    assert zero.timing_locks[0].name == "recforge-timing-0.lock"
+    assert len({*zero.timing_locks, *zero.memory_locks, *one.timing_locks, *one.memory_locks}) == 4
     # A MIG id holds slashes: its lock is still one file in the temporary directory.
-    assert lock_path("timing", "MIG-GPU-1/2/0").parent == zero.timing_lock.parent
+    assert lock_path("timing", "MIG-GPU-1/2/0").parent == zero.timing_locks[0].parent
+    # Named by its UUID, a GPU's locks are the same files whatever index a campaign gives it.
+    uuid = "GPU-8f2a0c1e-0000-1111-2222-333344445555"
+    assert gpu_place("3", uuid=uuid).timing_locks == gpu_place("0", uuid=uuid).timing_locks
+
+
+def test_the_host_as_one_place_takes_the_lock_of_every_gpu_it_sees(monkeypatch) -> None:
+    """Two GPUs by UUID: the one-place mode holds both GPUs' locks, so its timing and that of a
+    campaign with a place on either GPU never overlap."""
+    uuids = ["GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"]
+    monkeypatch.setattr(gpus, "gpu_uuids", lambda: uuids)
+    host = gpus.host_place()
+    assert host.gpu is None
+    assert host.timing_locks == tuple(gpu_place(str(i), uuid=u).timing_locks[0] for i, u in enumerate(uuids))
+    assert host.memory_locks == tuple(gpu_place(str(i), uuid=u).memory_locks[0] for i, u in enumerate(uuids))
+    # Where the driver says nothing: one lock named by CUDA_VISIBLE_DEVICES, as before.
+    monkeypatch.setattr(gpus, "gpu_uuids", lambda: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert gpus.host_place().timing_locks == (lock_path("timing", "2,3"),)
+
+
+def test_per_gpu_places_take_the_uuids_the_driver_gives_in_cudas_order(monkeypatch) -> None:
+    uuids = ["GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"]
+    monkeypatch.setattr(local, "gpu_uuids", lambda: uuids)
+    monkeypatch.setattr(local, "visible_gpus", lambda: ["5", "7"])
+    backend = LocalBackend(timeout_s=60, isolation="none", gpus=["7"])
+    [place] = backend.places.places
+    assert place.gpu == "7" and place.timing_locks == (lock_path("timing", uuids[1]),)
+
+
+def test_the_driver_is_asked_for_uuids_without_this_process_starting_cuda() -> None:
+    """On this host: None without a CUDA driver, else one UUID per GPU torch counts, in the form
+    nvidia-smi writes; torch's CUDA is not initialised by asking."""
+    uuids = gpus._uuids.__wrapped__(os.environ.get("CUDA_VISIBLE_DEVICES"), None)
+    if not torch.cuda.is_available():
+        assert uuids is None
+        return
+    assert uuids is not None and len(uuids) == torch.cuda.device_count()
+    assert all(u.startswith("GPU-") and len(u) == 40 for u in uuids)
+    assert not torch.cuda.is_initialized()
 
 
 # --- which GPU each evaluation gets -------------------------------------------------------------
@@ -153,7 +193,7 @@ class Scripted(WorkerBackend):
             self.running[request.gpu] += 1
             self.most_at_once[request.gpu] = max(self.most_at_once[request.gpu], self.running[request.gpu])
         # This evaluation holds its GPU's memory lock shared: nothing takes it alone meanwhile.
-        with open(gpu_place(request.gpu).memory_lock, "a") as lock:
+        with open(gpu_place(request.gpu).memory_locks[0], "a") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -192,7 +232,7 @@ def test_evaluations_at_once_each_get_a_gpu_of_their_own_with_its_locks(tmp_path
     assert backend.most_at_once == {"0": 1, "1": 1}
     assert {r.gpu for r in backend.requests} == {"0", "1"}
     for request in backend.requests:
-        assert request.timing_lock == str(lock_path("timing", request.gpu))
+        assert request.timing_locks == [str(lock_path("timing", request.gpu))]
     assert backend.memory_held == [True] * 4
 
 
@@ -220,7 +260,7 @@ def test_without_gpus_chosen_the_host_is_one_place_as_before() -> None:
     assert backend.places.capacity == 3
     assert [p.gpu for p in backend.places.places] == [None]
     place: Place = backend.places.places[0]
-    assert place.timing_lock == backend.timing_lock  # None on a host without a GPU
+    assert place.timing_locks == (() if not torch.cuda.is_available() else gpus.host_place().timing_locks)
 
 
 @pytest.mark.slow
@@ -245,7 +285,7 @@ def test_each_judge_runs_on_the_gpu_it_was_given(tmp_path: Path) -> None:
         [request_file] = tmp_path.glob(f"eval-{result.candidate_id}-*/judge/request.json")
         request = json.loads(request_file.read_text())
         assert request["gpu"] == result.device.visible_devices
-        assert request["timing_lock"] == str(lock_path("timing", request["gpu"]))
+        assert request["timing_locks"] == [str(lock_path("timing", request["gpu"]))]
 
 
 @pytest.mark.slow

@@ -566,7 +566,7 @@ def test_timed_batches_hold_the_lock_alone_and_the_rest_shares_it(tmp_path: Path
         runner_dir = tmp_path / f"eval-{i}" / "runner"
         runner_dir.mkdir(parents=True)
         (runner_dir / "candidate.py").write_text(source)
-        requests.append(_request(runner_dir, timing=True, timing_lock=str(tmp_path / "gpu.lock")))
+        requests.append(_request(runner_dir, timing=True, timing_locks=[str(tmp_path / "gpu.lock")]))
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(evaluate, requests))
     for result in results:

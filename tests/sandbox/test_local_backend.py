@@ -208,13 +208,15 @@ def test_only_the_judges_own_out_of_memory_runs_alone(tmp_path: Path, message: s
     the host's memory lock alone (no other evaluation could take it shared meanwhile)."""
     import fcntl
 
+    from sandbox.gpus import Place, Places
     from sandbox.local import WorkerBackend, judge_out_of_memory
 
     lock = tmp_path / "memory.lock"
     runs: list[bool] = []  # per run: could another evaluation share the lock meanwhile?
 
     class Scripted(WorkerBackend):
-        scratch_root, keep_scratch, memory_lock = tmp_path / "scratch", False, lock
+        scratch_root, keep_scratch = tmp_path / "scratch", False
+        _places = Places([Place(None, memory_locks=(lock,))], 1)
 
         def _run(self, candidate, scratch, request):
             with open(lock, "a") as other:
