@@ -3,8 +3,11 @@ op and shape bucket, with each one's roofline fraction: what the campaign's plan
 
 Every call through `kernels.ops` is traced (kernels.trace): its bucket, the implementation that
 ran, its FLOPs and minimum bytes (the op's declared cost) and its time (CUDA events around it on
-a GPU, the host's clock on a CPU). The step's time less the ops' is the rest of the model
-(linear layers, norms, the optimizer): one row of its own. The roofline time of a call is the
+a GPU, the host's clock on a CPU). The rest of the step is broken down by the torch profiler:
+what the GPU ran (on a CPU, the host's time in torch ops) outside the library's calls, grouped
+by the outermost op that ran it (`torch: aten::linear`, `torch: MmBackward0`, `torch:
+AdamW.step`), so the next kernels can be chosen by it; what is left of the step's time is the
+host's and the GPU's idle time (a row of its own). The roofline time of a call is the
 larger of its FLOPs at the device's dense peak for its dtype and its bytes at the device's
 memory bandwidth; the fraction is that over the measured time (1.0: at the roofline). On a CPU
 no peak is known and fractions are left out.
@@ -12,15 +15,15 @@ no peak is known and fractions are left out.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from kernels.trace import Call, trace
+from kernels.trace import RANGE_PREFIX, Call, trace
 from model.config import ModelConfig
 from model.data import TrafficGenerator
 from model.flops import peak_flops
@@ -30,7 +33,9 @@ from model.training import Trainer
 # Memory bandwidth (bytes/s) by device name: the vendors' figures (HBM3e, HBM3, HBM2e).
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 GRAPHS = ("train", "serve")
-OTHER = "torch (linear layers, norms, optimizer)"
+TORCH = "torch: "  # the rows of the step's time outside the library's ops
+IDLE = "host and idle (the step's time in neither)"
+TORCH_ROWS = 12  # the largest torch groups shown one a row; the rest in one
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -77,7 +82,8 @@ class Profile:
 
     @property
     def ops(self) -> list[str]:
-        return sorted({r.op for r in self.rows if r.op != OTHER})
+        """The library's ops the step called."""
+        return sorted({r.op for r in self.rows if r.implementations})
 
 
 def _rows(calls: list[Call], steps: int, step_s: float, device: torch.device) -> list[OpRow]:
@@ -107,6 +113,66 @@ def _rows(calls: list[Call], steps: int, step_s: float, device: torch.device) ->
                 row.roofline_ms, row.fraction = 1e3 * roofline, roofline / seconds
         rows.append(row)
     return rows
+
+
+def _torch_rows(events: list[Any], steps: int, step_s: float, device: torch.device) -> list[OpRow]:
+    """The step's time in torch's ops outside the library's calls: on a GPU the device's time of
+    the kernels each op launched, on a CPU the host's own time in each op; each grouped under
+    the outermost op it ran inside (the `TORCH_ROWS` largest a row each, the rest in one)."""
+    on_gpu = device.type == "cuda"
+    spent: dict[str, list[float]] = {}  # group: [microseconds, top-level calls]
+    tops: set[int] = set()
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CPU or event.is_async:
+            continue  # a kernel's own event: its time is its launching op's too
+        own = _self_time_us(event, on_gpu)
+        if own <= 0:
+            continue
+        top, inside = event, event.name.startswith(RANGE_PREFIX)
+        while top.cpu_parent is not None and not inside:
+            top = top.cpu_parent
+            inside = top.name.startswith(RANGE_PREFIX)
+        if inside:
+            continue
+        group = spent.setdefault(_group(top.name), [0.0, 0.0])
+        group[0] += own
+        if id(top) not in tops:
+            tops.add(id(top))
+            group[1] += 1
+    ranked = sorted(spent.items(), key=lambda kv: -kv[1][0])
+    shown, rest = ranked[:TORCH_ROWS], ranked[TORCH_ROWS:]
+    if rest:
+        shown.append(("other ops", [sum(v[0] for _, v in rest), sum(v[1] for _, v in rest)]))
+    rows = []
+    for name, (us, count) in shown:
+        seconds = us / 1e6 / steps
+        rows.append(
+            OpRow(
+                op=TORCH + name,
+                bucket="-",
+                dtype="-",
+                implementations=[],
+                calls=count / steps,
+                ms=1e3 * seconds,
+                share=seconds / step_s if step_s else 0.0,
+            )
+        )
+    return rows
+
+
+def _self_time_us(event: Any, on_gpu: bool) -> float:
+    """A host op's own time in microseconds: on a GPU, that of the kernels it launched itself;
+    else the host's."""
+    if on_gpu:
+        return float(event.self_device_time_total)
+    return float(event.self_cpu_time_total)
+
+
+def _group(name: str) -> str:
+    """A profiler event's name as a group: an autograd node's backward by the node's name, an
+    optimizer's step by the optimizer's."""
+    name = name.removeprefix("autograd::engine::evaluate_function: ")
+    return name.split("#", 1)[1] if name.startswith("Optimizer.") and "#" in name else name
 
 
 def model_step(
@@ -150,13 +216,9 @@ def profile_model(
     for i in range(warmup):
         step(i)
     synchronize(device)
-    profiler = (
-        torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU]
-            + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        )
-        if trace_file is not None
-        else contextlib.nullcontext()
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+        + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     )
     with profiler as prof, trace(timed=True) as recorded:
         start = time.perf_counter()
@@ -169,11 +231,10 @@ def profile_model(
         Path(trace_file).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_file))
     rows = _rows(calls, steps, step_s, device)
-    rest = step_s - sum(r.ms for r in rows) / 1e3
+    rows += _torch_rows(prof.events(), steps, step_s, device)
+    rest = max(0.0, step_s - sum(r.ms for r in rows) / 1e3)
     rows.append(
-        OpRow(
-            op=OTHER, bucket="-", dtype="-", implementations=[], calls=0, ms=1e3 * rest, share=rest / step_s
-        )
+        OpRow(op=IDLE, bucket="-", dtype="-", implementations=[], calls=0, ms=1e3 * rest, share=rest / step_s)
     )
     rows.sort(key=lambda r: -r.ms)
     return Profile(
