@@ -80,6 +80,13 @@ def model_train(
         Path | None, typer.Option(help="checkpoint file (default: .recforge/model/<config file stem>.pt)")
     ] = None,
     resume: Annotated[bool, typer.Option(help="continue from the checkpoint if it exists")] = False,
+    save: Annotated[
+        bool,
+        typer.Option(
+            help="write the checkpoint (every checkpoint_every steps and at the end); "
+            "--no-save for a benchmark run"
+        ),
+    ] = True,
     compile: Annotated[
         bool | None, typer.Option(help="torch.compile the model (default: the config's)")
     ] = None,
@@ -119,7 +126,7 @@ def model_train(
 
             console.quiet = err.quiet = True
         _train(cfg, dev, parallel, config=config, steps=steps, checkpoint=checkpoint, resume=resume,
-               compile=compile, embedding_update=embedding_update, reference_ops=reference_ops,
+               save=save, compile=compile, embedding_update=embedding_update, reference_ops=reference_ops,
                json_out=json_out)  # fmt: skip
 
 
@@ -203,8 +210,8 @@ def _ranks(nproc: int, dev, balance: bool):
         dist.destroy_process_group()
 
 
-def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, compile, embedding_update, reference_ops,
-           json_out) -> None:  # fmt: skip
+def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compile, embedding_update,
+           reference_ops, json_out) -> None:  # fmt: skip
     """`recforge model train` in this process (one rank of a data-parallel run, or the run)."""
     from dataclasses import asdict, replace
 
@@ -295,18 +302,21 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, compile, em
 
         try:
             with _ops(reference_ops):
-                result = trainer.fit(end, checkpoint=checkpoint, on_step=on_step, on_eval=on_eval)
+                result = trainer.fit(
+                    end, checkpoint=checkpoint if save else None, on_step=on_step, on_eval=on_eval
+                )
         except FloatingPointError as exc:
             raise fail(str(exc)) from None
     last = result.steps[-1] if result.steps else None
     final = result.evals[-1] if result.evals else None
     if last is not None and final is not None:
+        saved = checkpoint if parallel is None else parallel.checkpoint(checkpoint, rank="*")
         console.print(
             f"step {last.step}: loss {last.loss:.4f}, AUC "
             + ", ".join(f"{t} {v:.4f}" for t, v in final.auc.items())
             + f", {last.examples_per_s:,.0f} examples/s"
             + ("" if last.mfu is None else f", MFU {last.mfu:.1%} (target: 40% or more)")
-            + f"; checkpoint {checkpoint if parallel is None else parallel.checkpoint(checkpoint, rank='*')}"
+            + (f"; checkpoint {saved}" if save else "; no checkpoint written (--no-save)")
         )
     _write_json(
         json_out if parallel is None or parallel.rank == 0 else None,

@@ -25,12 +25,9 @@ WARM_WINDOWS = 1
 def _run(out: Path, name: str, args: list[str]) -> dict | None:
     """One `recforge model train` run; its JSON, or None where it failed (its log says why)."""
     json_path, log = out / f"{name}.json", out / f"{name}.txt"
-    cmd = [sys.executable, "-m", "agent", "model", "train", "--checkpoint", str(out / f"{name}.pt"),
-           "--json", str(json_path), *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "agent", "model", "train", "--no-save", "--json", str(json_path), *args]
     with open(log, "w") as f:
         code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"COLUMNS": "200"})
-    for ckpt in out.glob(f"{name}*.pt"):
-        ckpt.unlink()
     if code != 0 or not json_path.exists():
         print(f"{name}: failed (exit {code}); see {log}", flush=True)
         return None

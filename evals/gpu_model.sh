@@ -27,9 +27,8 @@ has train && for variant in $VARIANTS; do
     reference) extra=(--reference-ops) ;;
     compiled) extra=(--compile) ;;
   esac
-  rf model train --config "$CONFIG" --steps "$STEPS" --checkpoint "/tmp/ckpt-$variant.pt" \
+  rf model train --config "$CONFIG" --steps "$STEPS" --no-save \
     --json "$OUT/train_$variant.json" "${extra[@]}" 2>&1 | tee "$OUT/train_$variant.txt" | tail -4
-  rm -f "/tmp/ckpt-$variant.pt"
 done
 has serve && rf model serve-bench --config "$CONFIG" --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt" | tail -20
 has profile && for graph in train serve; do

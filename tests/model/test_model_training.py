@@ -117,6 +117,13 @@ def test_the_command_line_trains_and_resumes(tmp_path: Path) -> None:
     assert done.exit_code == 0, done.output
     assert "resumed" in done.output and "at step 3" in done.output
     assert torch.load(checkpoint, weights_only=False)["step"] == 5
+    # A benchmark run writes none, and leaves the one there as it was.
+    done = runner.invoke(app, [*args, "--steps", "7", "--resume", "--no-save"])
+    assert done.exit_code == 0 and "(--no-save)" in done.output, done.output
+    assert torch.load(checkpoint, weights_only=False)["step"] == 5
+    fresh = tmp_path / "fresh.pt"
+    done = runner.invoke(app, [*args[:-1], str(fresh), "--steps", "1", "--no-save"])
+    assert done.exit_code == 0 and not fresh.exists(), done.output
 
 
 def test_the_command_line_serves_and_profiles(tmp_path: Path) -> None:
