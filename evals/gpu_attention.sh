@@ -11,16 +11,16 @@ export COLUMNS=200
 what=${1:-all}; shift || true
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -p no:cacheprovider -x -m gpu tests/kernels/test_attention.py tests/search_space/test_attention_problems.py \
-    2>&1 | tail -25 | tee "$OUT/pytest_attention.txt"
-  python3 -m pytest -q -p no:cacheprovider tests/model 2>&1 | tail -5 | tee "$OUT/pytest_model.txt"
+    2>&1 | tee -a "$LOG" | tail -25
+  python3 -m pytest -q -p no:cacheprovider tests/model 2>&1 | tee -a "$LOG" | tail -5
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for op in jagged_attention gdpa target_attention; do
-    python3 -m agent bench ops --op "$op" --output "$OUT/bench_rows.jsonl" "$@" 2>&1 | tee "$OUT/bench_$op.txt"
+    python3 -m agent bench ops --op "$op" --output "$OUT/bench_rows.jsonl" "$@" 2>&1 | tee -a "$LOG"
   done
 fi
 if [ "$what" = campaign ]; then
   export RECFORGE_HOME=$PWD/.recforge
-  python3 -m agent campaign run campaigns/attention-h200.toml 2>&1 | tee "$OUT/campaign.txt"
+  python3 -m agent campaign run campaigns/attention-h200.toml 2>&1 | tee -a "$LOG"
   tar czf "$OUT/runs.tgz" runs/attention .recforge/store.db
 fi

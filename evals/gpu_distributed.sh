@@ -13,7 +13,7 @@ export COLUMNS=200 RECFORGE_HOME=$PWD/.recforge
 CONFIG=${1:-large}
 STEPS=${2:-40}
 NPROC=${3:-2}
-nvidia-smi -L | tee "$OUT/gpus.txt"
-python3 -m pytest tests/model/test_sharding.py -q -p no:cacheprovider -rs 2>&1 | tail -6 | tee "$OUT/pytest_sharding.txt"
+nvidia-smi -L | tee -a "$LOG"
+python3 -m pytest tests/model/test_sharding.py -q -p no:cacheprovider -rs 2>&1 | tee -a "$LOG" | tail -6
 python3 -m evals.bench_distributed --config "$CONFIG" --steps "$STEPS" --nproc "$NPROC" \
-  --out "$OUT/distributed-$CONFIG" 2>&1 | tee "$OUT/bench_distributed_$CONFIG.txt" | tail -8
+  --out "$OUT/distributed-$CONFIG" 2>&1 | tee -a "$LOG" | tail -8

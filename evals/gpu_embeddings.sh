@@ -10,7 +10,7 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=180 RECFORGE_HOME=/tmp/recforge-home
 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_embedding_bag.py tests/kernels/test_embedding_bags.py \
-  tests/kernels/test_embedding_bags_update.py tests/kernels/test_history_gather.py 2>&1 | tail -5 | tee "$OUT/pytest.txt"
+  tests/kernels/test_embedding_bags_update.py tests/kernels/test_history_gather.py 2>&1 | tee -a "$LOG" | tail -5
 for op in embedding_bag embedding_bags embedding_bags_backward embedding_bags_update history_gather history_gather_backward; do
-  python3 -m agent bench ops --op "$op" --output "$OUT/embedding_rows.jsonl" 2>&1 | tee "$OUT/bench_$op.txt"
+  python3 -m agent bench ops --op "$op" --output "$OUT/embedding_rows.jsonl" 2>&1 | tee -a "$LOG"
 done

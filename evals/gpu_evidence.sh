@@ -6,9 +6,9 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=160 RECFORGE_HOME=$PWD/.recforge
 rf() { python3 -m agent "$@"; }
-python3 -m pytest tests/kernels tests/sandbox/test_protocol.py tests/model -q -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest.txt"
-rf bench ops --op embedding_bag 2>&1 | tee "$OUT/bench_before.txt"
+python3 -m pytest tests/kernels tests/sandbox/test_protocol.py tests/model -q -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -15
+rf bench ops --op embedding_bag 2>&1 | tee -a "$LOG"
 [ "${1:-}" = quick ] && exit 0
-rf campaign run campaigns/demo.toml 2>&1 | tee "$OUT/campaign.txt"
-rf bench ops --op embedding_bag --library runs/demo/library --output "$OUT/bench_rows.jsonl" 2>&1 | tee "$OUT/bench_after.txt"
+rf campaign run campaigns/demo.toml 2>&1 | tee -a "$LOG"
+rf bench ops --op embedding_bag --library runs/demo/library --output "$OUT/bench_rows.jsonl" 2>&1 | tee -a "$LOG"
 tar czf "$OUT/runs.tgz" runs .recforge/store.db

@@ -8,7 +8,7 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=160 RECFORGE_HOME=/tmp/recforge-home
-python3 -m pytest -q -p no:cacheprovider tests/kernels/test_jagged_transforms.py 2>&1 | tail -5 | tee "$OUT/pytest.txt"
+python3 -m pytest -q -p no:cacheprovider tests/kernels/test_jagged_transforms.py 2>&1 | tee -a "$LOG" | tail -5
 for op in jagged_to_padded_dense dense_to_jagged jagged_concat jagged_split; do
-  python3 -m agent bench ops --op "$op" --output "$OUT/jagged_rows.jsonl" 2>&1 | tee "$OUT/bench_$op.txt"
+  python3 -m agent bench ops --op "$op" --output "$OUT/jagged_rows.jsonl" 2>&1 | tee -a "$LOG"
 done

@@ -19,7 +19,7 @@ VARIANTS=${VARIANTS:-library unfused reference compiled}
 rf() { timeout "${STAGE_S:-300}" python3 -m agent "$@"; }
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 has tests && timeout "${STAGE_S:-300}" python3 -m pytest tests/model tests/agent/test_model_campaign.py -q \
-  -p no:cacheprovider -rf 2>&1 | tail -15 | tee "$OUT/pytest_model.txt"
+  -p no:cacheprovider -rf 2>&1 | tee -a "$LOG" | tail -15
 has train && for variant in $VARIANTS; do
   case $variant in
     library) extra=() ;;
@@ -28,11 +28,11 @@ has train && for variant in $VARIANTS; do
     compiled) extra=(--compile) ;;
   esac
   rf model train --config "$CONFIG" --steps "$STEPS" --no-save \
-    --json "$OUT/train_$variant.json" "${extra[@]}" 2>&1 | tee "$OUT/train_$variant.txt" | tail -4
+    --json "$OUT/train_$variant.json" "${extra[@]}" 2>&1 | tee -a "$LOG" | tail -4
 done
-has serve && rf model serve-bench --config "$CONFIG" --json "$OUT/serve.json" 2>&1 | tee "$OUT/serve.txt" | tail -20
+has serve && rf model serve-bench --config "$CONFIG" --json "$OUT/serve.json" 2>&1 | tee -a "$LOG" | tail -20
 has profile && for graph in train serve; do
-  rf model profile --graph "$graph" --config "$CONFIG" --json "$OUT/profile_$graph.json" 2>&1 | tee "$OUT/profile_$graph.txt" | tail -30
+  rf model profile --graph "$graph" --config "$CONFIG" --json "$OUT/profile_$graph.json" 2>&1 | tee -a "$LOG" | tail -30
 done
 has train && python3 - "$OUT" $VARIANTS <<'PY'
 import json, sys

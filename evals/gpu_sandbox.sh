@@ -2,7 +2,7 @@
 # The sandbox's GPU evidence in one call: the host-compute watch, the judge's cases, the
 # adversarial suite and the runner's channel on the GPU, then sandbox throughput now and, where
 # .tools/before.tgz holds an earlier commit's tree (git archive COMMIT | gzip), the same
-# benchmark on it, side by side. Logs go to $OUT.
+# benchmark on it, side by side. Logs go to $OUT/log.txt.
 # Usage (repo root, on a GPU host whose python3 has torch and triton; RECFORGE_BWRAP may name a
 # bubblewrap binary carried along): bash evals/gpu_sandbox.sh
 # SANDBOX_TESTS (the test files), BENCH_CANDIDATES (30) and RECFORGE_CORPUS_PARALLEL (the corpus's
@@ -15,10 +15,10 @@ candidates=${BENCH_CANDIDATES:-30}
 # shellcheck disable=SC2086
 python3 -m pytest -q -p no:cacheprovider -rA ${SANDBOX_TESTS:-tests/sandbox/test_host_ops.py \
   tests/sandbox/test_channel.py tests/sandbox/test_judge.py tests/sandbox/test_adversarial.py} 2>&1 \
-  | tee "$OUT/pytest_full.txt" | tail -40 | tee "$OUT/pytest.txt"
-python3 -m agent bench sandbox --candidates "$candidates" --parallel 6 2>&1 | tee "$OUT/bench_after.txt"
+  | tee -a "$LOG" | tail -40
+python3 -m agent bench sandbox --candidates "$candidates" --parallel 6 2>&1 | tee -a "$LOG"
 if [ -f .tools/before.tgz ]; then
   rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf .tools/before.tgz -C /tmp/before
   (cd /tmp/before && PYTHONPATH=/tmp/site:/tmp/before python3 -m agent bench sandbox --candidates "$candidates" \
-    --parallel 6) 2>&1 | tee "$OUT/bench_before.txt"
+    --parallel 6) 2>&1 | tee -a "$LOG"
 fi

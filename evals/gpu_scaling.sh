@@ -13,7 +13,7 @@ export COLUMNS=160 RECFORGE_HOME=/tmp/recforge-home
 CANDIDATES=${1:-24}
 COUNTS=${2:-1,2}
 PARALLEL=${3:-1}
-nvidia-smi -L | tee "$OUT/gpus.txt"
-python3 -m pytest tests/sandbox/test_gpu_places.py -q -p no:cacheprovider -rs 2>&1 | tail -6 | tee "$OUT/pytest_places.txt"
+nvidia-smi -L | tee -a "$LOG"
+python3 -m pytest tests/sandbox/test_gpu_places.py -q -p no:cacheprovider -rs 2>&1 | tee -a "$LOG" | tail -6
 python3 -m evals.bench_scaling --gpus "$COUNTS" --candidates "$CANDIDATES" --parallel "$PARALLEL" \
-  --json "$OUT/scaling.json" 2>&1 | tee "$OUT/bench_scaling.txt"
+  --json "$OUT/scaling.json" 2>&1 | tee -a "$LOG"
