@@ -131,6 +131,7 @@ class Place:
     timing_locks: tuple[Path, ...] = ()
     memory_locks: tuple[Path, ...] = ()
     cpus: tuple[int, ...] | None = None
+    uuid: str | None = None  # the GPU's, where the driver gave it
 
 
 def locks_of(gpus: list[str]) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
@@ -143,7 +144,7 @@ def gpu_place(gpu: str, cpus: tuple[int, ...] | None = None, uuid: str | None = 
     """One GPU as a place, with the locks every backend on this host uses for that GPU: named by
     its `uuid` where known, else by `gpu` as given."""
     timing, memory = locks_of([uuid or gpu])
-    return Place(gpu=gpu, timing_locks=timing, memory_locks=memory, cpus=cpus)
+    return Place(gpu=gpu, timing_locks=timing, memory_locks=memory, cpus=cpus, uuid=uuid)
 
 
 def host_place() -> Place:

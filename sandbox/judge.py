@@ -108,13 +108,14 @@ class _Unexplained(Verdict):
     """The audit's finding that a batch's events leave most of the judge's clock unexplained."""
 
 
-def _own_gpu_node() -> int | None:
+def _own_gpu_node(probed: int | None) -> int | None:
     """The minor number of this judge's one GPU (its evaluation's own, EvalRequest.gpu), where
-    a runner sandboxed with that GPU's device node alone sees it; else None, and the runner gets
+    a runner sandboxed with that GPU's device node alone sees it (`probed`: the node the backend
+    found so, taken where it is this GPU's; else asked here); else None, and the runner gets
     every GPU's node (it could then reach the host's other GPUs: said in the judge's log)."""
     uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
     minor = isolation.gpu_minor(str(uuid)) if uuid is not None else None
-    if minor is not None and isolation.one_gpu_sandbox_works(minor):
+    if minor is not None and (minor == probed or isolation.one_gpu_sandbox_works(minor)):
         return minor
     print(f"the runner's sandbox holds every GPU's device node (GPU {uuid}: minor {minor})", file=sys.stderr)
     return None
@@ -213,7 +214,9 @@ class RunnerProcess:
                 stdout=subprocess.PIPE,
                 isolation=request.isolation,
                 cgroup=self.cgroup,
-                only_gpu=_own_gpu_node() if gpu and self.bwrap and request.gpu is not None else None,
+                only_gpu=_own_gpu_node(request.gpu_node)
+                if gpu and self.bwrap and request.gpu is not None
+                else None,
             )
         except BaseException:
             if self.cgroup is not None:

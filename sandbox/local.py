@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from sandbox import cgroups, judge_server
+from sandbox import cgroups, isolation, judge_server
 from sandbox.artifacts import ArtifactCache
 from sandbox.backend import Alongside, AlongsideClaims
 from sandbox.candidate import Candidate
@@ -203,6 +203,7 @@ class WorkerBackend:
                 entry=candidate.entry,
                 runner_dir=str(runner_dir),
                 gpu=place.gpu,
+                gpu_node=self._gpu_node(place),
                 cpus=None if place.cpus is None else list(place.cpus),
                 timing_locks=[str(lock) for lock in place.timing_locks],
                 **asked,
@@ -229,6 +230,15 @@ class WorkerBackend:
         with gpu_use(memory_locks, exclusive=True):
             again = self._run(candidate, scratch, request)
         return again.model_copy(update={"wall_s": again.wall_s + result.wall_s})
+
+    def _gpu_node(self, place: Place) -> int | None:
+        """The device node of the place's GPU, where a runner sandboxed with it alone sees that
+        GPU: probed once per GPU for the backend's life (sandbox.isolation caches it), not
+        by each evaluation's judge; None where unknown or not so."""
+        if getattr(self, "isolation", None) != "bwrap" or place.uuid is None:
+            return None
+        minor = isolation.gpu_minor(place.uuid)
+        return minor if minor is not None and isolation.one_gpu_sandbox_works(minor) else None
 
     def _source_file(self, runner_dir: Path) -> str:
         """Where the runner finds the candidate's source."""

@@ -55,6 +55,11 @@ class EvalRequest(BaseModel):
     # judge sets that variable to it before CUDA starts, and its runner inherits it. None: the
     # GPUs of the judge's environment.
     gpu: str | None = None
+    # The device node (minor number) of `gpu` where the backend found that a runner sandboxed
+    # with it alone sees that GPU (sandbox.isolation.one_gpu_sandbox_works, asked once per GPU by
+    # the backend); None: the judge asks itself. The judge gives the runner that node alone only
+    # where it is its own GPU's.
+    gpu_node: int | None = None
     # The CPU cores the judge and its runner run on (sandbox.gpus.split_cpus: a GPU place's
     # own), set by the judge on itself before anything starts; None: every core it may use.
     cpus: list[int] | None = None

@@ -8,6 +8,7 @@ that run real judges (on this host's CPU, and on two GPUs where they exist)."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import threading
@@ -119,6 +120,35 @@ def test_per_gpu_places_take_the_uuids_the_driver_gives_in_cudas_order(monkeypat
     backend = LocalBackend(timeout_s=60, isolation="none", gpus=["7"])
     [place] = backend.places.places
     assert place.gpu == "7" and place.timing_locks == (lock_path("timing", uuids[1]),)
+    assert place.uuid == uuids[1]
+
+
+def test_the_backend_probes_each_gpus_node_once_and_hands_it_to_the_judges(monkeypatch) -> None:
+    """Under bubblewrap, the node of a place's GPU is probed by the backend once (not by every
+    judge) and sent in each request; where the probe fails, or the GPU's node is unknown, the
+    request carries none and the judge asks itself."""
+    probes: list[int] = []
+
+    def works(minor: int) -> bool:
+        probes.append(minor)
+        return minor != 9
+
+    monkeypatch.setattr(isolation, "gpu_minor", lambda uuid: {"GPU-a": 4, "GPU-b": 9}.get(uuid))
+    monkeypatch.setattr(isolation, "one_gpu_sandbox_works", functools.cache(works))
+    backend = WorkerBackend()
+    backend.isolation = "bwrap"
+    a, b, unknown = (gpu_place(g, uuid=u) for g, u in (("0", "GPU-a"), ("1", "GPU-b"), ("2", "GPU-c")))
+    assert [backend._gpu_node(p) for p in (a, a, b, b, unknown, gpu_place("3"))] == [
+        4,
+        4,
+        None,
+        None,
+        None,
+        None,
+    ]
+    assert probes == [4, 9]
+    backend.isolation = "none"  # no sandbox: no node to restrict to
+    assert backend._gpu_node(a) is None
 
 
 def test_the_driver_is_asked_for_uuids_without_this_process_starting_cuda() -> None:
@@ -354,3 +384,17 @@ def test_only_an_evaluation_that_ran_its_course_claims_a_new_kind_for_the_incumb
     assert claims.claim(EvalResult(status=Status.OK, **base)) == []  # checked, not timed
     assert claims.claim(EvalResult(status=Status.OK, timings=timed, **base)) == [kernel]
     assert claims.claim(EvalResult(status=Status.OK, timings=timed, **base)) == []  # the kind is claimed
+
+
+def test_the_judge_takes_the_backends_node_only_where_it_is_its_own_gpus(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from sandbox import judge
+
+    probes: list[int] = []
+    monkeypatch.setattr(judge.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="GPU-a"))
+    monkeypatch.setattr(isolation, "gpu_minor", lambda uuid: 4 if uuid == "GPU-a" else None)
+    monkeypatch.setattr(isolation, "one_gpu_sandbox_works", lambda minor: probes.append(minor) or False)
+    assert judge._own_gpu_node(4) == 4 and probes == []  # the backend's probe, for this GPU
+    assert judge._own_gpu_node(7) is None and probes == [4]  # another GPU's node: asked, and refused
+    assert judge._own_gpu_node(None) is None and probes == [4, 4]
