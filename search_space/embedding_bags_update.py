@@ -429,18 +429,22 @@ def _neighbours(exact: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 def rounding_bounds(
     exact: torch.Tensor, before: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lowest and highest values of `dtype` that an honest stochastic rounding of the step
-    from `before` to the fp32 value `exact` may give. An fp32 step computed in another order
-    differs from this one by a few units of fp32 in its terms (the old weight and the step), so
-    the kernel's own fp32 value lies anywhere within that slack of `exact`; it rounds to either
-    value of `dtype` around it. Where `exact` lies just below a power of two and the kernel's
-    value just above, the value above the power of two is honest, though it lies more than one
-    spacing (the finer one, below) from `exact`."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What an honest stochastic rounding of the step from `before` to the fp32 value `exact`
+    may give in `dtype`: the lowest and highest values, and the chance that it gives one beyond
+    the two values around `exact`. An fp32 step computed in another order differs from this one
+    by a few units of fp32 in its terms (the old weight and the step), so the kernel's own fp32
+    value lies anywhere within that slack of `exact` and rounds to either value around it. Where
+    that crosses a value of `dtype` (`exact` on a value, or just below a power of two and the
+    kernel's value just above), the one beyond is honest but rare: at most the slack over the
+    gap it rounds across."""
     slack = (before.abs() + (before - exact).abs()) * 2**-20
+    low, high = _neighbours(exact, dtype)
     lowest, _ = _neighbours(exact - slack, dtype)
     _, highest = _neighbours(exact + slack, dtype)
-    return lowest, highest
+    below = torch.where(lowest < low, slack / (low - lowest).clamp(min=1e-38), 0.0)
+    above = torch.where(highest > high, slack / (highest - high).clamp(min=1e-38), 0.0)
+    return lowest, highest, (below + above).clamp(max=1.0)
 
 
 # Stochastic rounding, judged over the elements whose exact step falls between two values: a
@@ -471,12 +475,19 @@ def verify(inputs: Inputs, got: tuple[torch.Tensor, torch.Tensor]) -> str | None
     low, high = _neighbours(exact, weights.dtype)
     spacing = high - low
     before = inputs.args[0][elements].float()
-    lowest, highest = rounding_bounds(exact, before, weights.dtype)
+    lowest, highest, chance = rounding_bounds(exact, before, weights.dtype)
     outside = (mine < lowest) | (mine > highest)
     if bool(outside.any()):
         far = int(outside.sum())
         return (
             f"{far} stochastically rounded weights lie more than one value of their dtype from the exact step"
+        )
+    # Beyond the two values around the exact step: honest only as often as the fp32 slack says.
+    beyond, expected = int(((mine < low) | (mine > high)).sum()), float(chance.sum())
+    if beyond > expected + SR_SIGMAS * expected**0.5 + 1:
+        return (
+            f"{beyond} stochastically rounded weights lie beyond the two values of their dtype around "
+            f"the exact step, where an honest rounding puts about {expected:.1f}"
         )
     between = spacing > 0
     frac = ((exact - low) / spacing.clamp(min=1e-38))[between].clamp(0, 1)

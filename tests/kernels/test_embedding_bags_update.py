@@ -18,7 +18,7 @@ from sandbox import Candidate, LocalBackend, Status, isolation
 from sandbox.protocol import check_shape
 from search_space import get_problem
 from search_space.embedding_bags_update import reference, rounding_bounds, torch_sparse_update
-from search_space.problem import Shape
+from search_space.problem import Inputs, Shape
 from search_space.template import get_template
 
 PROBLEM = get_problem("embedding_bags_update")
@@ -166,15 +166,50 @@ def test_stochastic_rounding_is_unbiased(device: torch.device) -> None:
     assert torch.equal(nearest, weights0)
 
 
-def test_rounding_bounds_take_in_the_far_side_of_a_power_of_two() -> None:
+def test_rounding_bounds_take_in_the_far_side_of_a_power_of_two_but_rarely() -> None:
     """An exact fp32 step just below 2.0 that another summation order puts just above it: an
     honest fp16 rounding gives 2.0 + 2^-9, more than one spacing below 2.0 (2^-10) away; two
-    values up or down lies outside. Away from a power of two, only the two neighbours pass."""
-    before = torch.tensor([2.25, 1.5])
-    exact = torch.tensor([2.0 - 2.0**-22, 1.5 - 2.0**-12])
-    lowest, highest = rounding_bounds(exact, before, torch.float16)
-    assert lowest.tolist() == [2.0 - 2.0**-10, 1.5 - 2.0**-10]
-    assert highest.tolist() == [2.0 + 2.0**-9, 1.5]
+    values up or down lies outside. Such a rounding is rare (the slack over the gap): a step
+    exactly on a value of the dtype may move a value either way only as rarely. Away from both,
+    only the two neighbours pass, and never beyond them."""
+    before = torch.tensor([2.25, 1.5, 1.25])
+    exact = torch.tensor([2.0 - 2.0**-22, 1.5 - 2.0**-12, 1.0])
+    lowest, highest, chance = rounding_bounds(exact, before, torch.float16)
+    assert lowest.tolist() == [2.0 - 2.0**-10, 1.5 - 2.0**-10, 1.0 - 2.0**-11]
+    assert highest.tolist() == [2.0 + 2.0**-9, 1.5, 1.0 + 2.0**-10]
+    slack = (before.abs() + (before - exact).abs()) * 2**-20
+    assert chance[0] == pytest.approx(float(slack[0]) / 2.0**-9) and chance[1] == 0.0
+    assert chance[2] == pytest.approx(float(slack[2]) * (2.0**11 + 2.0**10))
+    assert float(chance.max()) < 5e-3  # a few in a thousand at most
+
+
+def test_a_deterministic_move_off_exact_steps_is_refused() -> None:
+    """SGD steps that land exactly on a bf16 value: an honest stochastic rounding keeps them (all
+    but a rare one, from fp32's slack); moving each one value away, in either direction, lies
+    within the bounds of each weight alone but is refused by the count."""
+    from search_space.embedding_bags_update import verify
+
+    weights = torch.full((64 * 16,), 1.0, dtype=torch.bfloat16)
+    step = 2.0**-7  # bf16's spacing in [1, 2): the step lands on 1 - 2^-7 exactly
+    grad_out = torch.full((64, 16), step, dtype=torch.bfloat16)
+    args = (
+        weights,
+        torch.zeros(0),
+        grad_out,
+        torch.tensor([0]),
+        torch.tensor([0]),
+        torch.tensor([0, 16]),
+        torch.arange(64),
+        torch.arange(65),
+    )
+    inputs = Inputs(
+        args=args, kwargs={"max_dim": 16, "optimizer": "sgd", "lr": 1.0, "stochastic_rounding": True}
+    )
+    exact = weights.float() - step
+    assert verify(inputs, (exact.to(torch.bfloat16), torch.zeros(0))) is None
+    for moved in (exact - 2.0**-8, exact + 2.0**-8):  # a value down, a value up (spacing 2^-8 below 1)
+        message = verify(inputs, (moved.to(torch.bfloat16), torch.zeros(0)))
+        assert message is not None and "beyond the two values" in message, message
 
 
 def test_the_custom_op_says_what_it_updates_and_compiles(device: torch.device) -> None:
