@@ -11,7 +11,6 @@ GPUs are counted).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import subprocess
 import sys
@@ -104,15 +103,28 @@ for i in range(n.value):
 """
 
 
+class GpusUnknown(RuntimeError):
+    """The CUDA driver could not say which GPUs this host's places are."""
+
+
 def gpu_uuids() -> list[str] | None:
     """The UUIDs of the GPUs this process may use, in CUDA's order (so index i of visible_gpus is
     uuids[i]); None where the CUDA driver cannot be asked (no GPU, no driver). What a lock file is
-    named by: the same GPU is the same file whichever index or name a campaign gives it."""
-    return _uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
+    named by: the same GPU is the same file whichever index or name a campaign gives it. An
+    answer is kept for the process's life; a failure is asked again next time."""
+    key = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
+    if key not in _KNOWN_UUIDS:
+        uuids = _ask_uuids()
+        if uuids is None:
+            return None
+        _KNOWN_UUIDS[key] = uuids
+    return list(_KNOWN_UUIDS[key])
 
 
-@functools.cache
-def _uuids(visible: str | None, order: str | None) -> list[str] | None:
+_KNOWN_UUIDS: dict[tuple[str | None, str | None], list[str]] = {}
+
+
+def _ask_uuids() -> list[str] | None:
     try:
         done = subprocess.run([sys.executable, "-c", _UUIDS], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
@@ -148,10 +160,15 @@ def gpu_place(gpu: str, cpus: tuple[int, ...] | None = None, uuid: str | None = 
 
 
 def host_place() -> Place:
-    """The GPUs this process sees as one place: the locks of each of them (so an evaluation here
-    and one on a single one of them never time at once), or one lock named by
-    CUDA_VISIBLE_DEVICES where the driver gave no UUIDs."""
-    uuids = gpu_uuids() or [os.environ.get("CUDA_VISIBLE_DEVICES", "all")]
+    """The GPUs this process sees (a GPU host's) as one place: the locks of each of them, so an
+    evaluation here and one on a single one of them never time at once. GpusUnknown where the
+    driver names none: locks named otherwise would keep nothing apart."""
+    uuids = gpu_uuids()
+    if not uuids:
+        raise GpusUnknown(
+            "the CUDA driver named no GPU of this host: the locks that keep two campaigns' timings "
+            "on one GPU apart are named by each GPU's UUID"
+        )
     timing, memory = locks_of(uuids)
     return Place(None, timing, memory)
 

@@ -145,7 +145,8 @@ def one_gpu_sandbox_works(minor: int) -> bool:
             prepare_scratch(scratch)
             done = subprocess.run(
                 bwrap_command(scratch, [sys.executable, "-c", _ONE_GPU_PROBE], gpu=True, only_gpu=minor),
-                env=runner_env(gpu=True, one_gpu=True),
+                # Without CUDA_VISIBLE_DEVICES: the count is of every GPU the sandbox reaches.
+                env={k: v for k, v in runner_env(gpu=True).items() if k != "CUDA_VISIBLE_DEVICES"},
                 capture_output=True,
                 timeout=60,
             )
@@ -258,8 +259,8 @@ def runner_env(*, gpu: bool, one_gpu: bool = False) -> dict[str, str]:
     driver numbers 0 there."""
     env = {
         k: os.environ[k]
-        for k in ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "CUDA_HOME",
-                  "TRITON_PTXAS_PATH", "TRITON_LIBCUDA_PATH")
+        for k in ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LD_LIBRARY_PATH",
+                  "CUDA_HOME", "TRITON_PTXAS_PATH", "TRITON_LIBCUDA_PATH")
         if k in os.environ
     }  # fmt: skip
     paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -37,6 +37,7 @@ import math
 import os
 import platform
 import random
+import re
 import secrets
 import signal
 import stat
@@ -119,6 +120,25 @@ def _own_gpu_node(probed: int | None) -> int | None:
         return minor
     print(f"the runner's sandbox holds every GPU's device node (GPU {uuid}: minor {minor})", file=sys.stderr)
     return None
+
+
+def _check_own_gpu(request: EvalRequest) -> None:
+    """RuntimeError where the judge's one GPU is not the one the backend took the locks of
+    (EvalRequest.gpu_uuid): the two read CUDA_VISIBLE_DEVICES' indices differently, and this
+    judge would time beside another evaluation. MIG instances, whose UUIDs the two may give in
+    different forms, are taken as named."""
+    if request.gpu is None or request.gpu_uuid is None or request.gpu.upper().startswith("MIG-"):
+        return
+    own = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    if own is not None and _uuid_digits(str(own)) != _uuid_digits(request.gpu_uuid):
+        raise RuntimeError(
+            f"GPU {request.gpu} is {own} here, not {request.gpu_uuid} as the backend found it "
+            "(CUDA_DEVICE_ORDER differs?): its locks are another GPU's"
+        )
+
+
+def _uuid_digits(uuid: str) -> str:
+    return re.sub(r"[^0-9a-f]", "", uuid.lower().removeprefix("gpu-").removeprefix("mig-"))
 
 
 def device_info(device: torch.device) -> DeviceInfo:
@@ -1229,6 +1249,7 @@ def main(argv: list[str]) -> int:
         assert not torch.cuda.is_initialized()
         os.environ["CUDA_VISIBLE_DEVICES"] = request.gpu
     try:
+        _check_own_gpu(request)
         result = evaluate(request, deadline_mark=result_path.with_name(DEADLINE_MARK))
     except Exception as exc:  # the judge's own failure: still a result, with its traceback
         import traceback

@@ -30,7 +30,16 @@ from sandbox import cgroups, isolation, judge_server
 from sandbox.artifacts import ArtifactCache
 from sandbox.backend import Alongside, AlongsideClaims
 from sandbox.candidate import Candidate
-from sandbox.gpus import Place, Places, gpu_place, gpu_uuids, host_place, split_cpus, visible_gpus
+from sandbox.gpus import (
+    GpusUnknown,
+    Place,
+    Places,
+    gpu_place,
+    gpu_uuids,
+    host_place,
+    split_cpus,
+    visible_gpus,
+)
 from sandbox.hardware import cuda_present
 from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
 from sandbox.locks import gpu_use
@@ -46,6 +55,7 @@ PASSED_ENV = (
     "LANG",
     "LC_ALL",
     "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",  # how CUDA_VISIBLE_DEVICES' indices are read: the backend's, which named the places
     "LD_LIBRARY_PATH",
     "TRITON_INTERPRET",
     "CUDA_HOME",
@@ -203,6 +213,7 @@ class WorkerBackend:
                 entry=candidate.entry,
                 runner_dir=str(runner_dir),
                 gpu=place.gpu,
+                gpu_uuid=place.uuid,
                 gpu_node=self._gpu_node(place),
                 cpus=None if place.cpus is None else list(place.cpus),
                 timing_locks=[str(lock) for lock in place.timing_locks],
@@ -250,12 +261,17 @@ class WorkerBackend:
 
 def _uuids_by_name() -> dict[str, str]:
     """The UUID of each GPU this process sees, by the name sandbox.gpus.visible_gpus gives it
-    (empty where the driver gave none, or not one for each)."""
-    uuids = gpu_uuids()
-    if uuids is None:
+    (empty on a host without a GPU; sandbox.gpus.GpusUnknown where the driver cannot say)."""
+    if not cuda_present():
         return {}
-    visible = visible_gpus()
-    return dict(zip(visible, uuids, strict=True)) if len(uuids) == len(visible) else {}
+    uuids, visible = gpu_uuids(), visible_gpus()
+    if uuids is None or len(uuids) != len(visible):
+        raise GpusUnknown(
+            f"the CUDA driver named {'no' if uuids is None else len(uuids)} GPU(s) of the {len(visible)} "
+            "torch counts: the locks that keep two campaigns' timings on one GPU apart are named by "
+            "each GPU's UUID"
+        )
+    return dict(zip(visible, uuids, strict=True))
 
 
 class LocalBackend(WorkerBackend):

@@ -8,18 +8,21 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+# One directory for every process of the host whatever its TMPDIR, and one that no runner sees:
+# its sandbox has a /tmp of its own (sandbox.isolation), so none can open a lock file to hold it.
+LOCK_DIR = Path("/tmp")
+
 
 def lock_path(use: str, gpu: str) -> Path:
-    """The host's `use` lock ("timing" or "memory") of the GPU `gpu` (its UUID or MIG id; where
-    the driver could not say, how CUDA_VISIBLE_DEVICES names the GPUs, "all" where unset): one
-    file in the host's temporary directory, shared by every backend and campaign there."""
+    """The host's `use` lock ("timing" or "memory") of the GPU `gpu` (its UUID; a name as
+    CUDA_VISIBLE_DEVICES gives it for GPUs given by name on a host without a CUDA driver): one
+    file in LOCK_DIR, shared by every backend and campaign there."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", gpu.replace(",", "-")) or "none"
-    return Path(tempfile.gettempdir()) / f"recforge-{use}-{name}.lock"
+    return LOCK_DIR / f"recforge-{use}-{name}.lock"
 
 
 @contextlib.contextmanager

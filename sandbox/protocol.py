@@ -55,6 +55,9 @@ class EvalRequest(BaseModel):
     # judge sets that variable to it before CUDA starts, and its runner inherits it. None: the
     # GPUs of the judge's environment.
     gpu: str | None = None
+    # The UUID of `gpu` as the backend found it (sandbox.gpus.gpu_uuids): the judge refuses to
+    # run on a GPU that is another, whose locks it would not hold. None: not known.
+    gpu_uuid: str | None = None
     # The device node (minor number) of `gpu` where the backend found that a runner sandboxed
     # with it alone sees that GPU (sandbox.isolation.one_gpu_sandbox_works, asked once per GPU by
     # the backend); None: the judge asks itself. The judge gives the runner that node alone only

@@ -13,6 +13,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,14 +108,37 @@ def test_the_host_as_one_place_takes_the_lock_of_every_gpu_it_sees(monkeypatch) 
     assert host.gpu is None
     assert host.timing_locks == tuple(gpu_place(str(i), uuid=u).timing_locks[0] for i, u in enumerate(uuids))
     assert host.memory_locks == tuple(gpu_place(str(i), uuid=u).memory_locks[0] for i, u in enumerate(uuids))
-    # Where the driver says nothing: one lock named by CUDA_VISIBLE_DEVICES, as before.
+    # Where the driver names no GPU, a lock named otherwise would keep nothing apart: refused.
     monkeypatch.setattr(gpus, "gpu_uuids", lambda: None)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert gpus.host_place().timing_locks == (lock_path("timing", "2,3"),)
+    with pytest.raises(gpus.GpusUnknown, match="named by each GPU's UUID"):
+        gpus.host_place()
+
+
+def test_the_drivers_answer_is_kept_and_its_failure_asked_again(monkeypatch) -> None:
+    answers = iter([None, ["GPU-a"]])
+    asked: list[int] = []
+    monkeypatch.setattr(gpus, "_KNOWN_UUIDS", {})
+    monkeypatch.setattr(gpus, "_ask_uuids", lambda: asked.append(1) or next(answers))
+    assert gpus.gpu_uuids() is None
+    assert gpus.gpu_uuids() == ["GPU-a"] and gpus.gpu_uuids() == ["GPU-a"]
+    assert len(asked) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # another view of the host's GPUs: asked anew
+    monkeypatch.setattr(gpus, "_ask_uuids", lambda: ["GPU-b"])
+    assert gpus.gpu_uuids() == ["GPU-b"]
+
+
+def test_per_gpu_places_on_a_gpu_host_need_the_drivers_uuids(monkeypatch) -> None:
+    monkeypatch.setattr(local, "cuda_present", lambda: True)
+    monkeypatch.setattr(local, "visible_gpus", lambda: ["0", "1"])
+    for answer in (None, ["GPU-a"]):  # none, or not one for each GPU torch counts
+        monkeypatch.setattr(local, "gpu_uuids", lambda answer=answer: answer)
+        with pytest.raises(gpus.GpusUnknown, match="of the 2 torch counts"):
+            LocalBackend(timeout_s=60, isolation="none", gpus=["0"])
 
 
 def test_per_gpu_places_take_the_uuids_the_driver_gives_in_cudas_order(monkeypatch) -> None:
     uuids = ["GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"]
+    monkeypatch.setattr(local, "cuda_present", lambda: True)
     monkeypatch.setattr(local, "gpu_uuids", lambda: uuids)
     monkeypatch.setattr(local, "visible_gpus", lambda: ["5", "7"])
     backend = LocalBackend(timeout_s=60, isolation="none", gpus=["7"])
@@ -154,7 +178,7 @@ def test_the_backend_probes_each_gpus_node_once_and_hands_it_to_the_judges(monke
 def test_the_driver_is_asked_for_uuids_without_this_process_starting_cuda() -> None:
     """On this host: None without a CUDA driver, else one UUID per GPU torch counts, in the form
     nvidia-smi writes; torch's CUDA is not initialised by asking."""
-    uuids = gpus._uuids.__wrapped__(os.environ.get("CUDA_VISIBLE_DEVICES"), None)
+    uuids = gpus._ask_uuids()
     if not torch.cuda.is_available():
         assert uuids is None
         return
@@ -398,3 +422,40 @@ def test_the_judge_takes_the_backends_node_only_where_it_is_its_own_gpus(monkeyp
     assert judge._own_gpu_node(4) == 4 and probes == []  # the backend's probe, for this GPU
     assert judge._own_gpu_node(7) is None and probes == [4]  # another GPU's node: asked, and refused
     assert judge._own_gpu_node(None) is None and probes == [4, 4]
+
+
+def test_the_judge_refuses_a_gpu_that_is_not_the_one_the_backend_locked(monkeypatch) -> None:
+    """The backend named the place's GPU by its UUID and took that GPU's locks: a judge whose
+    CUDA_VISIBLE_DEVICES index reads as another GPU (another CUDA_DEVICE_ORDER) must not time
+    there. MIG instances are taken as named."""
+    from types import SimpleNamespace
+
+    from sandbox import judge
+
+    monkeypatch.setattr(
+        judge.torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="GPU-AAAA-0001")
+    )
+
+    def request(gpu: str | None, uuid: str | None) -> SimpleNamespace:
+        return SimpleNamespace(gpu=gpu, gpu_uuid=uuid)
+
+    judge._check_own_gpu(request("1", "gpu-aaaa-0001"))  # the same GPU, written otherwise
+    judge._check_own_gpu(request("1", None))  # not known: nothing to compare
+    judge._check_own_gpu(request(None, "GPU-bbbb-0002"))  # the host's GPUs as one place
+    judge._check_own_gpu(request("MIG-1/2/0", "GPU-bbbb-0002"))
+    with pytest.raises(RuntimeError, match="its locks are another GPU's"):
+        judge._check_own_gpu(request("1", "GPU-bbbb-0002"))
+
+
+def test_the_one_gpu_probe_counts_every_gpu_the_sandbox_reaches(monkeypatch) -> None:
+    """The probe runs without CUDA_VISIBLE_DEVICES: with it set to 0, one GPU would be counted
+    however many nodes the sandbox held."""
+    seen: list[dict] = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setattr(isolation, "bwrap_command", lambda scratch, argv, **kw: argv)
+    monkeypatch.setattr(isolation, "_libcuda_dir", lambda: None)
+    monkeypatch.setattr(
+        isolation.subprocess, "run", lambda cmd, env, **kw: seen.append(env) or SimpleNamespace(returncode=0)
+    )
+    assert isolation.one_gpu_sandbox_works.__wrapped__(5)
+    assert "CUDA_VISIBLE_DEVICES" not in seen[0]
