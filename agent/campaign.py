@@ -30,7 +30,7 @@ from agent.state import CampaignContext, CampaignState, Events, _QuietEvents
 from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
 from sandbox.backend import Backend
-from sandbox.gpus import select_gpus, visible_gpus
+from sandbox.gpus import GpusUnknown, select_gpus, visible_gpus
 from sandbox.local import LocalBackend
 
 if TYPE_CHECKING:
@@ -64,14 +64,17 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path
             if artifact_root is None
             else Path(tempfile.gettempdir()) / "recforge-artifacts",
         )
-    return LocalBackend(
-        timeout_s=sandbox.timeout_s,
-        scratch_root=scratch_root,
-        parallel=sandbox.parallel_workers,
-        artifact_root=artifact_root,
-        isolation=sandbox.isolation,
-        gpus=campaign_gpus(sandbox),
-    )
+    try:
+        return LocalBackend(
+            timeout_s=sandbox.timeout_s,
+            scratch_root=scratch_root,
+            parallel=sandbox.parallel_workers,
+            artifact_root=artifact_root,
+            isolation=sandbox.isolation,
+            gpus=campaign_gpus(sandbox),
+        )
+    except GpusUnknown as exc:
+        raise CampaignError(f"cannot evaluate on this host's GPUs: {exc}") from None
 
 
 def campaign_gpus(sandbox: SandboxConfig) -> list[str] | None:

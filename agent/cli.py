@@ -720,7 +720,7 @@ def bench_sandbox(
     parallel: Annotated[int, typer.Option(help="local backend: workers at once (timing takes turns)")] = 1,
 ) -> None:
     """Evaluations per hour on a realistic candidate mix (most correct, a third wrong, a few crash)."""
-    from agent.campaign import make_backend
+    from agent.campaign import CampaignError, make_backend
     from agent.config import SandboxConfig
     from evals.bench_sandbox import run_sandbox_benchmark
     from sandbox.protocol import all_baselines
@@ -733,7 +733,10 @@ def bench_sandbox(
     names = all_baselines(get_problem("embedding_bag"))
     scratch = Path(tempfile.mkdtemp(prefix="recforge-bench-"))
     try:
-        backend = make_backend(config, scratch / "scratch", scratch / "artifacts")
+        try:
+            backend = make_backend(config, scratch / "scratch", scratch / "artifacts")
+        except CampaignError as exc:
+            raise fail(str(exc)) from None
         run_sandbox_benchmark(backend, candidates, baselines=names, console=console)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -459,3 +459,15 @@ def test_the_one_gpu_probe_counts_every_gpu_the_sandbox_reaches(monkeypatch) -> 
     )
     assert isolation.one_gpu_sandbox_works.__wrapped__(5)
     assert "CUDA_VISIBLE_DEVICES" not in seen[0]
+
+
+def test_a_campaign_on_a_gpu_host_whose_driver_names_no_gpu_says_so(monkeypatch, tmp_path: Path) -> None:
+    from agent.campaign import CampaignError, make_backend
+    from agent.config import SandboxConfig
+
+    monkeypatch.setattr(local, "cuda_present", lambda: True)
+    monkeypatch.setattr(gpus, "gpu_uuids", lambda: None)
+    with pytest.raises(
+        CampaignError, match="cannot evaluate on this host's GPUs: the CUDA driver named no GPU"
+    ):
+        make_backend(SandboxConfig(isolation="none"), tmp_path / "scratch")
