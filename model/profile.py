@@ -35,7 +35,7 @@ BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 GRAPHS = ("train", "serve")
 TORCH = "torch: "  # the rows of the step's time outside the library's ops
 IDLE = "host and idle (the step's time in neither)"
-TORCH_ROWS = 12  # the largest torch groups shown one a row; the rest in one
+TORCH_ROWS = 12  # the largest torch groups get a row each; the rest share one
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
