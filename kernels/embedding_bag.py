@@ -30,6 +30,10 @@ KNOBS = {
     "num_stages": 1,
 }
 
+# A call whose bags hold at most this many ids on average is of the short regime, as its shape
+# bucket says (search_space.embedding_bag.SHORT_BAG_MEAN_IDS).
+SHORT_BAG_MEAN_IDS = 4.0
+
 
 @triton.jit
 def _embedding_bag_fwd_kernel(
@@ -140,16 +144,24 @@ def _block_d(dim: int) -> int:
     return min(triton.next_power_of_2(max(dim, 16)), 128)
 
 
-def _forward_config(dim: int, element_size: int, interpreted: bool = False) -> dict:
+def _forward_config(dim: int, element_size: int, mean_ids: float, interpreted: bool = False) -> dict:
     """Launch parameters of the forward, from a sweep on an H200 (BENCHMARKS.md, 2026-11-30):
     2-byte rows of more than 64 columns gather best as whole 256-byte rows, 4 bags x 8 ids per
-    step; everything else as 64-column slices, 2 bags x 4 ids, with the 3D accumulator.
+    step; everything else as 64-column slices, 2 bags x 4 ids, with the 3D accumulator. That
+    sweep's shapes were long bags: on short ones (at most SHORT_BAG_MEAN_IDS ids a bag on
+    average) these tiles lost to torch on an H100 (0.63x to 0.82x, BENCHMARKS.md 2026-12-05,
+    nineteenth session), with two bags a program and most of the id tile masked. Short bags take
+    the table-batched kernel's short-bag tiles instead (its sweep, same loop): 64 bags x 1 id x 32
+    columns (fp32) or 32 bags x 2 ids x 32 columns (2-byte rows), two warps.
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 8 bags x 16 ids of whole rows (up to 1024 columns) per step, about
     a fifth of the GPU configuration's time over the problem's check shapes."""
     if interpreted:
         return {"BLOCK_B": 8, "BLOCK_L": 16, "BLOCK_D": _whole_row(dim), "ACC_3D": False, "num_warps": 2}
+    if mean_ids <= SHORT_BAG_MEAN_IDS:
+        block_b, block_l = (64, 1) if element_size == 4 else (32, 2)
+        return {"BLOCK_B": block_b, "BLOCK_L": block_l, "BLOCK_D": 32, "ACC_3D": False, "num_warps": 2}
     if element_size == 2 and dim > 64:
         return {"BLOCK_B": 4, "BLOCK_L": 8, "BLOCK_D": 128, "ACC_3D": False, "num_warps": 2}
     block_d = min(triton.next_power_of_2(max(dim, 16)), 64)
@@ -205,7 +217,8 @@ def embedding_bag_forward(
     out = torch.empty((num_bags, dim), dtype=weight.dtype, device=weight.device)
     if num_bags == 0 or dim == 0:
         return out
-    cfg = _forward_config(dim, weight.element_size(), interpreted=weight.device.type == "cpu")
+    mean_ids = indices.numel() / num_bags  # sizes the host knows: no sync
+    cfg = _forward_config(dim, weight.element_size(), mean_ids, interpreted=weight.device.type == "cpu")
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
     has_psw = per_sample_weights is not None
     grid = (triton.cdiv(num_bags, cfg["BLOCK_B"]), triton.cdiv(dim, cfg["BLOCK_D"]))

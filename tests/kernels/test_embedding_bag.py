@@ -63,9 +63,27 @@ def test_the_gpu_launch_configuration_matches_too(shape: Shape, monkeypatch, emp
     import kernels.embedding_bag as module
 
     forward, backward = module._forward_config, module._backward_config
-    monkeypatch.setattr(module, "_forward_config", lambda dim, size, interpreted: forward(dim, size))
+    monkeypatch.setattr(
+        module, "_forward_config", lambda dim, size, ids, interpreted: forward(dim, size, ids)
+    )
+
     monkeypatch.setattr(module, "_backward_config", lambda dim, interpreted: backward(dim))
     _check_op_and_grads(shape, torch.device("cpu"))
+
+
+def test_the_check_shapes_take_both_regimes_tiles() -> None:
+    """Short bags (the shape bucket's regime) launch tiles of their own on a GPU: the check
+    shapes hold both regimes, so the test above runs both tiles."""
+    import kernels.embedding_bag as module
+    import search_space.embedding_bag as problem
+
+    assert module.SHORT_BAG_MEAN_IDS == problem.SHORT_BAG_MEAN_IDS
+    regimes = set()
+    for shape in CHECK_SHAPES:
+        _, indices, offsets = _inputs(shape, torch.device("cpu")).args
+        if offsets.numel() > 1:
+            regimes.add(indices.numel() / (offsets.numel() - 1) <= module.SHORT_BAG_MEAN_IDS)
+    assert regimes == {True, False}
 
 
 @pytest.mark.gpu
