@@ -26,6 +26,7 @@ has train && for variant in $VARIANTS; do
     unfused) extra=(--embedding-update unfused) ;;
     reference) extra=(--reference-ops) ;;
     compiled) extra=(--compile) ;;
+    *) echo "unknown variant $variant (library, unfused, reference, compiled)" | tee -a "$LOG" >&2; continue ;;
   esac
   rf model train --config "$CONFIG" --steps "$STEPS" --no-save \
     --json "$OUT/train_$variant.json" "${extra[@]}" 2>&1 | tee -a "$LOG" | tail -4
@@ -34,7 +35,8 @@ has serve && rf model serve-bench --config "$CONFIG" --json "$OUT/serve.json" 2>
 has profile && for graph in train serve; do
   rf model profile --graph "$graph" --config "$CONFIG" --json "$OUT/profile_$graph.json" 2>&1 | tee -a "$LOG" | tail -30
 done
-has train && python3 - "$OUT" $VARIANTS <<'PY'
+has train || exit 0
+python3 - "$OUT" $VARIANTS <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])

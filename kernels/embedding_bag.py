@@ -168,6 +168,21 @@ def _forward_config(dim: int, element_size: int, mean_ids: float, interpreted: b
     return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
 
 
+# Elements of a gather tile that stay in registers (the problem's bound on a tile a search fixes:
+# search_space.embedding_bag._knob_constraints): half with the 3D accumulator beside it.
+TILE_ELEMENTS = 16384
+
+
+def _fit_tile(cfg: dict, *, heuristic_bags: bool) -> dict:
+    """`cfg` with the heuristic's bags per program halved until the tile fits TILE_ELEMENTS, where
+    a search fixed the other sizes: 32 ids a step on short bags' 64 bags would spill."""
+    limit = TILE_ELEMENTS // 2 if cfg["ACC_3D"] else TILE_ELEMENTS
+    cfg = dict(cfg)
+    while heuristic_bags and cfg["BLOCK_B"] > 1 and cfg["BLOCK_B"] * cfg["BLOCK_L"] * cfg["BLOCK_D"] > limit:
+        cfg["BLOCK_B"] //= 2
+    return cfg
+
+
 def _backward_config(dim: int, interpreted: bool = False) -> tuple[int, int]:
     """(ids per step, columns per program) of the backward: 16 ids of up to 128 columns on a
     GPU; interpreted, 64 ids of whole rows (up to 1024 columns), few programs and few steps."""
@@ -218,8 +233,11 @@ def embedding_bag_forward(
     if num_bags == 0 or dim == 0:
         return out
     mean_ids = indices.numel() / num_bags  # sizes the host knows: no sync
-    cfg = _forward_config(dim, weight.element_size(), mean_ids, interpreted=weight.device.type == "cpu")
+    interpreted = weight.device.type == "cpu"
+    cfg = _forward_config(dim, weight.element_size(), mean_ids, interpreted=interpreted)
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
+    if not interpreted:
+        cfg = _fit_tile(cfg, heuristic_bags=KNOBS["BLOCK_B"] is None)
     has_psw = per_sample_weights is not None
     grid = (triton.cdiv(num_bags, cfg["BLOCK_B"]), triton.cdiv(dim, cfg["BLOCK_D"]))
     _embedding_bag_fwd_kernel[grid](

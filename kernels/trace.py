@@ -24,6 +24,12 @@ import torch
 
 from kernels.registry import DISPATCHER
 
+# A call's profiler range. An op-scoped range where torch has one, not a user-scoped
+# record_function: the profiler credits a GPU kernel to the innermost op-scoped event around its
+# launch, so the library's kernels are credited to the range of their call (model.profile tells
+# them from the rest of the step by it), not to the autograd Function around it.
+_RANGE = getattr(torch._C._profiler, "_RecordFunctionFast", torch.profiler.record_function)
+
 # The traces being recorded, innermost last (empty: tracing is off).
 ACTIVE: list[Trace] = []
 RANGE_PREFIX = "recforge::"
@@ -70,7 +76,7 @@ class Trace:
             events[0].record()
         elif self.timed:
             started = time.perf_counter()
-        with torch.profiler.record_function(range_name(op.name, bucket)):
+        with _RANGE(range_name(op.name, bucket)):
             out = call()
         seconds = None
         if events is not None:

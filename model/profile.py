@@ -16,6 +16,7 @@ no peak is known and fractions are left out.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +37,9 @@ GRAPHS = ("train", "serve")
 TORCH = "torch: "  # the rows of the step's time outside the library's ops
 IDLE = "host and idle (the step's time in neither)"
 TORCH_ROWS = 12  # the largest torch groups get a row each; the rest share one
+# Rows adding up to more than the step by this share of it (timing noise aside) count something
+# twice: warned of.
+OVERCOUNT = 0.05
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -216,23 +220,36 @@ def profile_model(
     for i in range(warmup):
         step(i)
     synchronize(device)
-    profiler = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU]
-        + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    )
-    with profiler as prof, trace(timed=True) as recorded:
+    # The step's time and the library's calls without the torch profiler, whose own cost would
+    # count in them; then the same steps under it, for what the rest of the step ran.
+    with trace(timed=True) as recorded:
         start = time.perf_counter()
         for i in range(warmup, warmup + steps):
             step(i)
         synchronize(device)
         step_s = (time.perf_counter() - start) / steps
     calls = recorded.seconds()
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+        + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    )
+    with profiler as prof, trace():
+        for i in range(warmup, warmup + steps):
+            step(i)
+        synchronize(device)
     if trace_file is not None:
         Path(trace_file).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_file))
     rows = _rows(calls, steps, step_s, device)
     rows += _torch_rows(prof.events(), steps, step_s, device)
-    rest = max(0.0, step_s - sum(r.ms for r in rows) / 1e3)
+    rest = step_s - sum(r.ms for r in rows) / 1e3
+    if rest < -OVERCOUNT * step_s:
+        warnings.warn(
+            f"the profile's rows add up to {1e3 * (step_s - rest):.3f} ms of a {1e3 * step_s:.3f} ms step: "
+            "some time is counted twice",
+            stacklevel=2,
+        )
+    rest = max(0.0, rest)
     rows.append(
         OpRow(op=IDLE, bucket="-", dtype="-", implementations=[], calls=0, ms=1e3 * rest, share=rest / step_s)
     )

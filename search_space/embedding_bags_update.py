@@ -427,8 +427,19 @@ def _neighbours(exact: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return torch.minimum(nearest.float(), other), torch.maximum(nearest.float(), other)
 
 
+def _summed_step(inputs: Inputs) -> torch.Tensor:
+    """Each weight's step as the reference takes it from the gradients' magnitudes (lr, or
+    adagrad's scale, times the sum of |g| over the row's ids), in fp32: the size of the terms
+    whose order of summation a kernel chooses."""
+    magnitude = inputs.clone()
+    weights, state, grad_out, *rest = magnitude.args
+    zeros = torch.zeros(weights.shape, dtype=torch.float32, device=weights.device)
+    reference(zeros, state, grad_out.abs(), *rest, **magnitude.kwargs)
+    return zeros.abs()
+
+
 def rounding_bounds(
-    exact: torch.Tensor, before: torch.Tensor, dtype: torch.dtype
+    exact: torch.Tensor, before: torch.Tensor, dtype: torch.dtype, summed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What an honest stochastic rounding of the step from `before` to the fp32 value `exact`
     may give in `dtype`: the lowest and highest values, and the chance that it gives one beyond
@@ -437,8 +448,12 @@ def rounding_bounds(
     value lies anywhere within that slack of `exact` and rounds to either value around it. Where
     that crosses a value of `dtype` (`exact` on a value, or just below a power of two and the
     kernel's value just above), the one beyond is honest but rare: at most the slack over the
-    gap it rounds across."""
+    gap it rounds across. `summed`: each weight's step from the magnitudes of its gradient terms
+    (a row summed over thousands of ids rounds each partial sum in fp32: its order matters that
+    much more)."""
     slack = (before.abs() + (before - exact).abs()) * 2**-20
+    if summed is not None:
+        slack = slack + summed * 2**-22
     low, high = _neighbours(exact, dtype)
     lowest, _ = _neighbours(exact - slack, dtype)
     _, highest = _neighbours(exact + slack, dtype)
@@ -475,7 +490,7 @@ def verify(inputs: Inputs, got: tuple[torch.Tensor, torch.Tensor]) -> str | None
     low, high = _neighbours(exact, weights.dtype)
     spacing = high - low
     before = inputs.args[0][elements].float()
-    lowest, highest, chance = rounding_bounds(exact, before, weights.dtype)
+    lowest, highest, chance = rounding_bounds(exact, before, weights.dtype, _summed_step(inputs)[elements])
     outside = (mine < lowest) | (mine > highest)
     if bool(outside.any()):
         far = int(outside.sum())

@@ -71,6 +71,22 @@ def test_the_gpu_launch_configuration_matches_too(shape: Shape, monkeypatch, emp
     _check_op_and_grads(shape, torch.device("cpu"))
 
 
+def test_the_heuristics_bags_give_way_to_a_searched_id_tile() -> None:
+    """A search that fixes 32 ids a step on short fp32 bags (whose heuristic takes 64 bags of 32
+    columns) gets 16 bags a program, within the tile bound; fixed bags are left as they are."""
+    import kernels.embedding_bag as module
+
+    short = module._forward_config(64, 4, 1.0)
+    searched = {**short, "BLOCK_L": 32}
+    assert module._fit_tile(searched, heuristic_bags=True)["BLOCK_B"] == 16
+    assert module._fit_tile(searched, heuristic_bags=False)["BLOCK_B"] == 64
+    assert module._fit_tile(short, heuristic_bags=True) == short
+    for size in (2, 4):  # the heuristic's own tiles fit as they are
+        for mean_ids in (1.0, 8.0):
+            cfg = module._forward_config(256, size, mean_ids)
+            assert module._fit_tile(cfg, heuristic_bags=True) == cfg
+
+
 def test_the_check_shapes_take_both_regimes_tiles() -> None:
     """Short bags (the shape bucket's regime) launch tiles of their own on a GPU: the check
     shapes hold both regimes, so the test above runs both tiles."""

@@ -5,6 +5,7 @@ counts its FLOPs right, and follows the kernel library when it changes."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter
 
 import pytest
@@ -226,7 +227,8 @@ def test_the_profile_lists_every_op_a_step_calls(device: torch.device) -> None:
     from model.profile import IDLE, TORCH, profile_model
 
     config = _config("targets-gdpa-softmax")
-    with DISPATCHER.references_only():
+    with DISPATCHER.references_only(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # rows that count some time twice warn
         profile = profile_model(config, "train", device, steps=1, warmup=0)
     expected = {
         "embedding_bags", "embedding_bags_update", "history_gather", "jagged_attention",
@@ -242,6 +244,7 @@ def test_the_profile_lists_every_op_a_step_calls(device: torch.device) -> None:
     [idle] = [r for r in profile.rows if r.op == IDLE]
     assert idle.ms >= 0
     assert sum(r.ms for r in profile.rows) == pytest.approx(profile.step_ms, rel=1e-6) or idle.ms == 0
+
     for row in profile.rows:
         if row.implementations:
             assert row.calls >= 1 and row.ms >= 0 and row.gflops is not None and row.mbytes > 0, row
@@ -405,3 +408,15 @@ def test_models_without_user_features_or_histories_train_and_serve(device: torch
     assert empty.history_items.numel() == 0
     model.loss(empty)[0].backward()
     _same_scores(score(model, empty), score(model, empty, naive=True), device)
+
+
+def test_the_librarys_calls_are_op_scoped_ranges_under_the_profiler(device: torch.device) -> None:
+    """A GPU kernel is credited to the innermost op-scoped event around its launch, not to a
+    user-scoped range: each library call's range is op-scoped, so its kernels are its own in the
+    profile and not counted again under the autograd Function around it."""
+    config = _config()
+    model, batch = _model(config, device), _batch(config, device, requests=2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, trace():
+        model.loss(batch)[0].backward()
+    scopes = {e.scope for e in prof.events() if e.name.startswith("recforge::") and "::" in e.name[10:]}
+    assert scopes == {int(torch._C._profiler.RecordScope.FUNCTION)}
