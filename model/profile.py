@@ -15,6 +15,7 @@ no peak is known and fractions are left out.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -220,28 +221,32 @@ def profile_model(
     for i in range(warmup):
         step(i)
     synchronize(device)
-    # The step's time and the library's calls without the torch profiler, whose own cost would
-    # count in them; then the same steps under it, for what the rest of the step ran.
-    with trace(timed=True) as recorded:
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+        + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    )
+    # On a GPU, the step's time and the library's calls are measured without the torch
+    # profiler, whose host cost would count in them, then the same steps run under it for what
+    # the GPU ran outside the library (kernel times it does not change). On a CPU every row is
+    # the host's time, so all of them are measured in one pass under the profiler, alike.
+    on_gpu = device.type == "cuda"
+    with profiler if not on_gpu else contextlib.nullcontext(), trace(timed=True) as recorded:
         start = time.perf_counter()
         for i in range(warmup, warmup + steps):
             step(i)
         synchronize(device)
         step_s = (time.perf_counter() - start) / steps
     calls = recorded.seconds()
-    profiler = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU]
-        + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    )
-    with profiler as prof, trace():
-        for i in range(warmup, warmup + steps):
-            step(i)
-        synchronize(device)
+    if on_gpu:
+        with profiler, trace():
+            for i in range(warmup, warmup + steps):
+                step(i)
+            synchronize(device)
     if trace_file is not None:
         Path(trace_file).parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace_file))
+        profiler.export_chrome_trace(str(trace_file))
     rows = _rows(calls, steps, step_s, device)
-    rows += _torch_rows(prof.events(), steps, step_s, device)
+    rows += _torch_rows(profiler.events(), steps, step_s, device)
     rest = step_s - sum(r.ms for r in rows) / 1e3
     if rest < -OVERCOUNT * step_s:
         warnings.warn(
