@@ -4,6 +4,7 @@ counts its FLOPs right, and follows the kernel library when it changes."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections import Counter
@@ -223,11 +224,22 @@ def test_the_attention_flops_are_the_ops_declared_costs() -> None:
         assert calls[scoring_op] == analytic["scoring.attention"]
 
 
-def test_the_profile_lists_every_op_a_step_calls(device: torch.device) -> None:
+ON_A_GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="interpreted, 30 s; what it checks is a GPU's"
+)
+
+
+@pytest.mark.parametrize(
+    "references", [True, pytest.param(False, marks=ON_A_GPU)], ids=["references", "kernels"]
+)
+def test_the_profile_lists_every_op_a_step_calls(device: torch.device, references: bool) -> None:
+    """On the references and on the default kernels (whose launches, on a GPU, the profiler
+    credits to the library's ranges, not again to the autograd Function around them)."""
     from model.profile import IDLE, TORCH, profile_model
 
     config = _config("targets-gdpa-softmax")
-    with DISPATCHER.references_only(), warnings.catch_warnings():
+    only = DISPATCHER.references_only() if references else contextlib.nullcontext()
+    with only, warnings.catch_warnings():
         warnings.simplefilter("error")  # rows that count some time twice warn
         profile = profile_model(config, "train", device, steps=1, warmup=0)
     expected = {
