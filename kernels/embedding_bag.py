@@ -168,15 +168,17 @@ def _forward_config(dim: int, element_size: int, mean_ids: float, interpreted: b
     return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
 
 
-# Elements of a gather tile that stay in registers (the problem's bound on a tile a search fixes:
-# search_space.embedding_bag._knob_constraints): half with the 3D accumulator beside it.
-TILE_ELEMENTS = 16384
+def tile_limit(acc_3d: bool) -> int:
+    """Elements of a gather tile that stay in registers: half as many with the 3D accumulator
+    beside it (also the problem's bound on a tile a search fixes,
+    search_space.embedding_bag._knob_constraints)."""
+    return 8192 if acc_3d else 16384
 
 
 def _fit_tile(cfg: dict, *, heuristic_bags: bool) -> dict:
-    """`cfg` with the heuristic's bags per program halved until the tile fits TILE_ELEMENTS, where
+    """`cfg` with the heuristic's bags per program halved until the tile fits tile_limit, where
     a search fixed the other sizes: 32 ids a step on short bags' 64 bags would spill."""
-    limit = TILE_ELEMENTS // 2 if cfg["ACC_3D"] else TILE_ELEMENTS
+    limit = tile_limit(cfg["ACC_3D"])
     cfg = dict(cfg)
     while heuristic_bags and cfg["BLOCK_B"] > 1 and cfg["BLOCK_B"] * cfg["BLOCK_L"] * cfg["BLOCK_D"] > limit:
         cfg["BLOCK_B"] //= 2

@@ -148,21 +148,13 @@ def _torch_rows(events: list[Any], steps: int, step_s: float, device: torch.devi
     shown, rest = ranked[:TORCH_ROWS], ranked[TORCH_ROWS:]
     if rest:
         shown.append(("other ops", [sum(v[0] for _, v in rest), sum(v[1] for _, v in rest)]))
-    rows = []
-    for name, (us, count) in shown:
-        seconds = us / 1e6 / steps
-        rows.append(
-            OpRow(
-                op=TORCH + name,
-                bucket="-",
-                dtype="-",
-                implementations=[],
-                calls=count / steps,
-                ms=1e3 * seconds,
-                share=seconds / step_s if step_s else 0.0,
-            )
-        )
-    return rows
+    return [_rest_row(TORCH + name, us / 1e6 / steps, count / steps, step_s) for name, (us, count) in shown]
+
+
+def _rest_row(op: str, seconds: float, calls: float, step_s: float) -> OpRow:
+    """A row of the step's time that is no library op's (no bucket, dtype or cost)."""
+    share = seconds / step_s if step_s else 0.0
+    return OpRow(op=op, bucket="-", dtype="-", implementations=[], calls=calls, ms=1e3 * seconds, share=share)
 
 
 def _self_time_us(event: Any, on_gpu: bool) -> float:
@@ -254,10 +246,7 @@ def profile_model(
             "some time is counted twice",
             stacklevel=2,
         )
-    rest = max(0.0, rest)
-    rows.append(
-        OpRow(op=IDLE, bucket="-", dtype="-", implementations=[], calls=0, ms=1e3 * rest, share=rest / step_s)
-    )
+    rows.append(_rest_row(IDLE, max(0.0, rest), 0, step_s))
     rows.sort(key=lambda r: -r.ms)
     return Profile(
         graph=graph,

@@ -114,14 +114,20 @@ def gpu_devices(only: int | None = None, dev: Path = Path("/dev")) -> list[str]:
     return [str(n) for n in nodes] + ([str(dev / "nvidia-caps")] if (dev / "nvidia-caps").is_dir() else [])
 
 
+def uuid_key(uuid: str) -> str:
+    """A GPU's UUID as its hex digits alone, however it is written (`GPU-8f2a0c1e-...`, torch's
+    bare form, upper or lower case)."""
+    return re.sub(r"[^0-9a-f]", "", uuid.lower().removeprefix("gpu-").removeprefix("mig-"))
+
+
 def gpu_minor(uuid: str, gpus: Path = Path("/proc/driver/nvidia/gpus")) -> int | None:
     """The device minor number (its node is /dev/nvidiaN) of the GPU with `uuid`, as the
     driver's entries under `gpus` give it; None where they do not."""
-    want = uuid.strip().lower().removeprefix("gpu-")
+    want = uuid_key(uuid)
     for info in sorted(gpus.glob("*/information")):
         with contextlib.suppress(OSError):
             fields = dict(line.split(":", 1) for line in info.read_text().splitlines() if ":" in line)
-            if fields.get("GPU UUID", "").strip().lower().removeprefix("gpu-") == want:
+            if uuid_key(fields.get("GPU UUID", "")) == want:
                 with contextlib.suppress(KeyError, ValueError):
                     return int(fields["Device Minor"].strip())
                 return None

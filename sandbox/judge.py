@@ -37,7 +37,6 @@ import math
 import os
 import platform
 import random
-import re
 import secrets
 import signal
 import stat
@@ -130,15 +129,11 @@ def _check_own_gpu(request: EvalRequest) -> None:
     if request.gpu is None or request.gpu_uuid is None or request.gpu.upper().startswith("MIG-"):
         return
     own = getattr(torch.cuda.get_device_properties(0), "uuid", None)
-    if own is not None and _uuid_digits(str(own)) != _uuid_digits(request.gpu_uuid):
+    if own is not None and isolation.uuid_key(str(own)) != isolation.uuid_key(request.gpu_uuid):
         raise RuntimeError(
             f"GPU {request.gpu} is {own} here, not {request.gpu_uuid} as the backend found it "
             "(CUDA_DEVICE_ORDER differs?): its locks are another GPU's"
         )
-
-
-def _uuid_digits(uuid: str) -> str:
-    return re.sub(r"[^0-9a-f]", "", uuid.lower().removeprefix("gpu-").removeprefix("mig-"))
 
 
 def device_info(device: torch.device) -> DeviceInfo:

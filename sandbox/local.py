@@ -122,6 +122,7 @@ class WorkerBackend:
     artifacts: ArtifactCache | None = None
     parallel: int = 1  # evaluations at once per place
     _places: Places | None = None
+    _gpu_nodes: dict[str, int | None] | None = None  # by GPU UUID (_gpu_node)
 
     @property
     def places(self) -> Places:
@@ -244,12 +245,17 @@ class WorkerBackend:
 
     def _gpu_node(self, place: Place) -> int | None:
         """The device node of the place's GPU, where a runner sandboxed with it alone sees that
-        GPU: probed once per GPU for the backend's life (sandbox.isolation caches it), not
-        by each evaluation's judge; None where unknown or not so."""
+        GPU: found and probed once per GPU for the backend's life, not by each evaluation's
+        judge; None where unknown or not so."""
         if getattr(self, "isolation", None) != "bwrap" or place.uuid is None:
             return None
-        minor = isolation.gpu_minor(place.uuid)
-        return minor if minor is not None and isolation.one_gpu_sandbox_works(minor) else None
+        if self._gpu_nodes is None:
+            self._gpu_nodes = {}
+        if place.uuid not in self._gpu_nodes:
+            minor = isolation.gpu_minor(place.uuid)
+            works = minor is not None and isolation.one_gpu_sandbox_works(minor)
+            self._gpu_nodes[place.uuid] = minor if works else None
+        return self._gpu_nodes[place.uuid]
 
     def _source_file(self, runner_dir: Path) -> str:
         """Where the runner finds the candidate's source."""

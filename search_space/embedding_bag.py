@@ -271,8 +271,10 @@ def _knob_constraints(knobs: dict) -> str | None:
     sizes = [knobs["BLOCK_B"], knobs["BLOCK_L"], knobs["BLOCK_D"]]
     if None in sizes:
         return None
+    from kernels.embedding_bag import tile_limit
+
     tile = sizes[0] * sizes[1] * sizes[2]
-    limit = 8192 if knobs["ACC_3D"] else 16384
+    limit = tile_limit(knobs["ACC_3D"])
     if tile > limit:
         return f"BLOCK_B * BLOCK_L * BLOCK_D = {tile} > {limit} elements: the tile spills registers"
     warps = knobs["num_warps"] or 1
