@@ -94,6 +94,9 @@ def model_train(
         str | None,
         typer.Option(help="fused (the tables stepped in their backward) or unfused (default: the config's)"),
     ] = None,
+    log_every: Annotated[
+        int, typer.Option(min=1, help="log the loss and the window's rate every this many steps")
+    ] = 10,
     device: DeviceOption = None,
     library: LibraryOption = None,
     reference_ops: ReferenceOption = False,
@@ -127,7 +130,7 @@ def model_train(
             console.quiet = err.quiet = True
         _train(cfg, dev, parallel, config=config, steps=steps, checkpoint=checkpoint, resume=resume,
                save=save, compile=compile, embedding_update=embedding_update, reference_ops=reference_ops,
-               json_out=json_out)  # fmt: skip
+               json_out=json_out, log_every=log_every)  # fmt: skip
 
 
 def _check_ranks(cfg, dev, nproc: int, embedding_update: str | None) -> None:
@@ -211,7 +214,7 @@ def _ranks(nproc: int, dev, balance: bool):
 
 
 def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compile, embedding_update,
-           reference_ops, json_out) -> None:  # fmt: skip
+           reference_ops, json_out, log_every) -> None:  # fmt: skip
     """`recforge model train` in this process (one rank of a data-parallel run, or the run)."""
     from dataclasses import asdict, replace
 
@@ -303,7 +306,11 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compi
         try:
             with _ops(reference_ops):
                 result = trainer.fit(
-                    end, checkpoint=checkpoint if save else None, on_step=on_step, on_eval=on_eval
+                    end,
+                    checkpoint=checkpoint if save else None,
+                    on_step=on_step,
+                    on_eval=on_eval,
+                    log_every=log_every,
                 )
         except FloatingPointError as exc:
             raise fail(str(exc)) from None

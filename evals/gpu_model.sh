@@ -7,8 +7,9 @@
 # Usage (repo root, on a GPU host whose python3 has torch and triton):
 #   bash evals/gpu_model.sh [CONFIG] [STEPS]        (default: large 40)
 # STAGES (default "tests train serve profile") picks the parts to run, VARIANTS (default
-# "library unfused reference compiled") the training variants, and STAGE_S (default 300) bounds
-# each command's seconds, so one call fits the device time at hand.
+# "library unfused reference compiled") the training variants (the reference ops train
+# REFERENCE_STEPS, default 3, each logged), and STAGE_S (default 300) bounds each command's
+# seconds, so one call fits the device time at hand.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=200 RECFORGE_HOME=$PWD/.recforge
@@ -21,14 +22,16 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 has tests && timeout "${STAGE_S:-300}" python3 -m pytest tests/model tests/agent/test_model_campaign.py -q \
   -p no:cacheprovider -rf 2>&1 | tee -a "$LOG" | tail -15
 has train && for variant in $VARIANTS; do
+  steps=$STEPS every=10
   case $variant in
     library) extra=() ;;
     unfused) extra=(--embedding-update unfused) ;;
-    reference) extra=(--reference-ops) ;;
+    # Seconds a step: a few steps, each logged (the first holds the warm-up).
+    reference) extra=(--reference-ops) steps=${REFERENCE_STEPS:-3} every=1 ;;
     compiled) extra=(--compile) ;;
     *) echo "unknown variant $variant (library, unfused, reference, compiled)" | tee -a "$LOG" >&2; continue ;;
   esac
-  rf model train --config "$CONFIG" --steps "$STEPS" --no-save \
+  rf model train --config "$CONFIG" --steps "$steps" --log-every "$every" --no-save \
     --json "$OUT/train_$variant.json" "${extra[@]}" 2>&1 | tee -a "$LOG" | tail -4
 done
 has serve && rf model serve-bench --config "$CONFIG" --json "$OUT/serve.json" 2>&1 | tee -a "$LOG" | tail -20

@@ -437,22 +437,34 @@ class Dispatcher:
         self._resolved: dict[tuple, tuple[KernelLibrary, int, Implementation]] = {}
         self.calls: Counter[tuple[str, str]] = Counter()
         self.last: dict[str, str] = {}
-        # Every op's plain PyTorch reference, whatever the library holds (references_only).
-        self._references_only = False
+        # The ops whose plain PyTorch reference runs, whatever the library holds (references_only);
+        # None: every op, those registered later too.
+        self._reference_ops: frozenset[str] | None = frozenset()
 
     @property
     def library(self) -> KernelLibrary:
         return self._library
 
     @contextlib.contextmanager
-    def references_only(self) -> Iterator[None]:
-        """Within the block, every call runs its op's plain PyTorch reference: the model on the
-        reference ops, to measure the library's kernels against."""
-        before, self._references_only = self._references_only, True
+    def references_only(self, *ops: str) -> Iterator[None]:
+        """Within the block, every call of `ops` and of their gradients (of every op, given none)
+        runs its op's plain PyTorch reference: the model on the reference ops, to measure the
+        library's kernels against, or on the kernels of the ops a test is about and the
+        references of the rest."""
+        unknown = sorted(set(ops) - self._references.keys())
+        if unknown:
+            known = ", ".join(sorted(self._references))
+            raise KeyError(f"no op named {', '.join(unknown)}; the ops are {known}")
+        before = self._reference_ops
+        self._reference_ops = None if not ops or before is None else before | frozenset(ops)
         try:
             yield
         finally:
-            self._references_only = before
+            self._reference_ops = before
+
+    def _reference(self, op: str) -> bool:
+        ops = self._reference_ops
+        return ops is None or op in ops or self._gradient_of.get(op) in ops
 
     @contextlib.contextmanager
     def library_at(self, library: KernelLibrary | str | os.PathLike) -> Iterator[KernelLibrary]:
@@ -503,7 +515,7 @@ class Dispatcher:
         index = device.index
         if device.type == "cuda" and index is None:
             index = torch.cuda.current_device()
-        key = (op, device.type, index, dtype, bucket, graph, interpret_enabled(), self._references_only)
+        key = (op, device.type, index, dtype, bucket, graph, interpret_enabled(), self._reference(op))
         library = self._library
         hit = self._resolved.get(key)
         if hit is not None and hit[0] is library and hit[1] == library.dispatch_version():
@@ -518,7 +530,7 @@ class Dispatcher:
     def _choose(
         self, op: str, *, device: torch.device, dtype: str, bucket: str, graph: str
     ) -> Implementation:
-        if self._references_only or not triton_usable(device):
+        if self._reference(op) or not triton_usable(device):
             impl = Implementation("reference", self._references[op])
         else:
             entry = self._library.best(op, device_arch(device), dtype, bucket, graph, device_name(device))

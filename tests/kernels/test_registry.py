@@ -74,6 +74,25 @@ def test_no_triton_ignores_the_library(empty_library, monkeypatch: pytest.Monkey
     assert _resolve() == "reference"
 
 
+def test_references_only_names_ops_and_takes_their_gradients_along(
+    empty_library, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def names(*ops: str) -> list[str]:
+        return [DISPATCHER.resolve(op, device=CPU, dtype="fp32", bucket="d64").name for op in ops]
+
+    both = ("jagged_attention", "jagged_attention_grad", "embedding_bag")
+    with DISPATCHER.references_only("jagged_attention"):
+        assert names(*both) == ["reference", "reference", "default"]
+        with DISPATCHER.references_only():
+            assert names(*both) == ["reference"] * 3
+        assert names(*both) == ["reference", "reference", "default"]
+    assert names(*both) == ["default"] * 3
+    with pytest.raises(KeyError, match="no op named jaged_attention"):
+        DISPATCHER.references_only("jaged_attention").__enter__()
+
+
 def test_library_kernel_for_matching_key_else_default(empty_library, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     added = _add(empty_library, TEMPLATE.render({"BLOCK_D": 32}), buckets=["d64", "d128"])
