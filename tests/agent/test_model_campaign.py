@@ -96,6 +96,12 @@ def test_a_campaign_plans_from_the_model_and_reports_its_step(tmp_path: Path, mo
     repo.mkdir()
     for args in (["init", "-q", "-b", "main"], ["commit", "-q", "--allow-empty", "-m", "start"]):
         subprocess.run(["git", *args], cwd=repo, check=True, env=GIT_ENV)
+    # The tiny model serving fewer and shorter requests: fourteen interpreted serving steps.
+    model = tmp_path / "tiny.toml"
+    model.write_text(
+        'size = "tiny"\n[data]\nserve_requests = 2\nserve_candidates = 8\n'
+        "[history]\nmedian_len = 6\nmax_len = 24\n"
+    )
     config = parse_config(
         {
             "name": "model",
@@ -103,7 +109,7 @@ def test_a_campaign_plans_from_the_model_and_reports_its_step(tmp_path: Path, mo
             "library": str(tmp_path / "library"),
             "review": {"changes": True, "repo": str(repo), "pull_requests": False},
             "model": {
-                "config": "tiny",
+                "config": str(model),
                 "graph": "serve",
                 "device": "cpu",
                 "profile_steps": 1,
