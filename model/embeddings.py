@@ -116,7 +116,7 @@ class TableBatchedEmbeddings(nn.Module):
             self.anchor = torch.zeros((), requires_grad=True)
         else:
             self.weights = nn.Parameter(weights)
-        self._metadata: dict[tuple[int, ...], tuple] = {}
+        self._metadata: dict[tuple, tuple | torch.Tensor] = {}
         self._pending: list[_Call] = []
         self._pass: int | None = None  # the backward pass the pending gradients belong to
         self.steps = 0  # fused updates applied: the stochastic rounding's seed, in the checkpoint
@@ -147,6 +147,14 @@ class TableBatchedEmbeddings(nn.Module):
         if key not in self._metadata:
             layout = Layout(self.layout.tables, tables)
             self._metadata[key] = (*layout.metadata(device), layout.total_dim, layout.max_dim)
+        return self._metadata[key]
+
+    def _table_ids(self, tables: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """`tables` as a tensor on `device`, made once: a tensor made from a list on a GPU
+        waits for the GPU's queue, and the update asks for one per lookup every step."""
+        key = ("ids", tables, str(device))
+        if key not in self._metadata:
+            self._metadata[key] = torch.tensor(tables, device=device)
         return self._metadata[key]
 
     def forward(
@@ -235,7 +243,7 @@ class TableBatchedEmbeddings(nn.Module):
         weighted = any(c.per_sample_weights is not None for c in calls)
         for c in calls:
             batch = c.grad_out.shape[0]
-            tables.append(torch.tensor(c.features, device=device).repeat_interleave(batch))
+            tables.append(self._table_ids(c.features, device).repeat_interleave(batch))
             lengths = (c.offsets[1:] - c.offsets[:-1]).clamp(min=1).float()
             at = 0
             for f, table in enumerate(c.features):  # feature f's [B, dim] block, bag after bag
@@ -266,7 +274,7 @@ class TableBatchedEmbeddings(nn.Module):
             row_at[bag_tables],
             dim_offsets,
             torch.cat(indices),
-            torch.cat([*offsets, torch.tensor([shift], device=device)]),
+            torch.cat([*offsets, torch.full((1,), shift, device=device)]),
             max_dim=self.layout.max_dim,
             optimizer="adagrad",
             lr=self.lr,
