@@ -142,7 +142,7 @@ def _check_ranks(cfg, dev, nproc: int, embedding_update: str | None) -> None:
 
     if (embedding_update or cfg.train.embedding_update) != "fused":
         raise fail(
-            f"--nproc {nproc}: {FUSED_ONLY.replace('set train.embedding_update', '--embedding-update')}"
+            f"--nproc {nproc}: {FUSED_ONLY}: pass --embedding-update fused"
         )
     if cfg.data.requests_per_batch < nproc:
         raise fail(

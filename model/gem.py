@@ -42,7 +42,7 @@ from model.config import FeatureConfig, ModelConfig
 from model.data import Bags, RequestBatch
 from model.embeddings import TableBatchedEmbeddings
 from model.hstu import HSTULayer
-from model.sharding import FUSED_ONLY, ShardedEmbeddings, Sharding, sum_over_ranks
+from model.sharding import FUSED_ONLY_CONFIG, ShardedEmbeddings, Sharding, sum_over_ranks
 
 
 def mlp(in_dim: int, dims: Sequence[int], *, last_activation: bool = True, device=None) -> nn.Sequential:
@@ -94,7 +94,7 @@ class SparseArch(nn.Module):
             )
         else:
             if t.embedding_update != "fused":
-                raise ValueError(FUSED_ONLY)
+                raise ValueError(FUSED_ONLY_CONFIG)
             self.embeddings = ShardedEmbeddings(
                 config.tables, sharding.plan, group=sharding.group, lr=t.embedding_lr, device=device
             )

@@ -177,7 +177,9 @@ def _all_to_all(x: torch.Tensor, send: list[int], receive: list[int], group) -> 
     return out
 
 
-FUSED_ONLY = "sharded tables are trained by the fused update only: set train.embedding_update = 'fused'"
+FUSED_ONLY = "sharded tables are trained by the fused update only"
+# How a config file asks for it; the command line says it with --embedding-update.
+FUSED_ONLY_CONFIG = f"{FUSED_ONLY}: set train.embedding_update = 'fused'"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from model.flops import BatchSizes, by_component, forward_flops, peak_flops, tra
 from model.gem import GEMModel
 from model.metrics import auc, log_loss
 from model.optim import RowWiseAdagrad
-from model.sharding import FUSED_ONLY, ShardedEmbeddings, Sharding, ShardingPlan
+from model.sharding import FUSED_ONLY_CONFIG, ShardedEmbeddings, Sharding, ShardingPlan
 
 # Held-out batches are drawn from indices no training run reaches.
 HELD_OUT_START = 1 << 40
@@ -125,7 +125,7 @@ class Trainer:
         sharding = None
         if self.parallel is not None:
             if t.embedding_update != "fused":  # before the group is made: no rank waits for this one
-                raise ValueError(f"data-parallel training shards the tables; {FUSED_ONLY}")
+                raise ValueError(f"data-parallel training shards the tables; {FUSED_ONLY_CONFIG}")
             plan = ShardingPlan.of(config.tables, self.parallel.world, row_wise=self.parallel.row_wise)
             # The tables' exchanges go apart from DistributedDataParallel's reductions.
             sharding = Sharding(plan, dist.new_group())
