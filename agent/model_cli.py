@@ -64,9 +64,13 @@ def _setup(config: str, device: str | None, library: Path | None):
 
 
 def _write_json(path: Path | None, data: object) -> None:
+    """`data` at `path`, whole or not at all (renamed into place: a run killed while it writes
+    leaves the last file)."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        partial.replace(path)
 
 
 @model_app.command("train")
@@ -275,6 +279,19 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compi
         + ("unknown (no MFU)" if trainer.peak is None else f"{trainer.peak / 1e12:,.0f} TFLOP/s")
     )
 
+    def dump(history) -> None:
+        _write_json(
+            json_out if parallel is None or parallel.rank == 0 else None,
+            {
+                "config": cfg.name,
+                "device": str(dev),
+                "ranks": 1 if parallel is None else parallel.world,
+                "flops_per_step": per_step,
+                "steps": [asdict(s) for s in history.steps],
+                "evals": [asdict(e) for e in history.evals],
+            },
+        )
+
     columns = (
         TextColumn("[bold]train"),
         BarColumn(),
@@ -290,6 +307,7 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compi
         )
 
         def on_step(log) -> None:
+            dump(trainer.history)  # what a run cut short has logged is kept
             progress.update(
                 task,
                 completed=log.step,
@@ -325,17 +343,7 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compi
             + ("" if last.mfu is None else f", MFU {last.mfu:.1%} (target: 40% or more)")
             + (f"; checkpoint {saved}" if save else "; no checkpoint written (--no-save)")
         )
-    _write_json(
-        json_out if parallel is None or parallel.rank == 0 else None,
-        {
-            "config": cfg.name,
-            "device": str(dev),
-            "ranks": 1 if parallel is None else parallel.world,
-            "flops_per_step": per_step,
-            "steps": [asdict(s) for s in result.steps],
-            "evals": [asdict(e) for e in result.evals],
-        },
-    )
+    dump(result)
 
 
 def _counts(text: str, option: str, least: int) -> tuple[int, ...]:

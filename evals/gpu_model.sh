@@ -7,9 +7,9 @@
 # Usage (repo root, on a GPU host whose python3 has torch and triton):
 #   bash evals/gpu_model.sh [CONFIG] [STEPS]        (default: large 40)
 # STAGES (default "tests train serve profile") picks the parts to run, VARIANTS (default
-# "library unfused reference compiled") the training variants (the reference ops train
-# REFERENCE_STEPS, default 3, each logged), and STAGE_S (default 300) bounds each command's
-# seconds, so one call fits the device time at hand.
+# "library unfused reference compiled"; also reference_compiled) the training variants (on the
+# reference ops: REFERENCE_STEPS, default 3, each logged), and STAGE_S (default 300) bounds each
+# command's seconds, so one call fits the device time at hand.
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=200 RECFORGE_HOME=$PWD/.recforge
@@ -29,7 +29,9 @@ has train && for variant in $VARIANTS; do
     # Seconds a step: a few steps, each logged (the first holds the warm-up).
     reference) extra=(--reference-ops) steps=${REFERENCE_STEPS:-3} every=1 ;;
     compiled) extra=(--compile) ;;
-    *) echo "unknown variant $variant (library, unfused, reference, compiled)" | tee -a "$LOG" >&2; continue ;;
+    reference_compiled) extra=(--reference-ops --compile) steps=${REFERENCE_STEPS:-3} every=1 ;;
+    *) echo "unknown variant $variant (library, unfused, reference, compiled, reference_compiled)" | tee -a "$LOG" >&2
+       continue ;;
   esac
   rf model train --config "$CONFIG" --steps "$steps" --log-every "$every" --no-save \
     --json "$OUT/train_$variant.json" "${extra[@]}" 2>&1 | tee -a "$LOG" | tail -4
@@ -43,18 +45,19 @@ python3 - "$OUT" $VARIANTS <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print("variant     examples/s   MFU     loss")
+print("variant             examples/s   MFU     loss")
 for variant in sys.argv[2:]:
     path = out / f"train_{variant}.json"
     if not path.exists():
-        print(f"{variant:<11} (no result)")
+        print(f"{variant:<19} (no result: see the log)")
         continue
     steps = json.loads(path.read_text())["steps"][1:]  # the first window holds warm-up and compiles
     if not steps:
-        print(f"{variant:<11} (too few steps)")
+        print(f"{variant:<19} (too few steps)")
         continue
     rate = sum(s["examples_per_s"] for s in steps) / len(steps)
     mfu = [s["mfu"] for s in steps if s["mfu"] is not None]
-    print(f"{variant:<11} {rate:>10,.0f}   {sum(mfu) / len(mfu) if mfu else float('nan'):6.1%}  {steps[-1]['loss']:.4f}")
+    mean_mfu = sum(mfu) / len(mfu) if mfu else float("nan")
+    print(f"{variant:<19} {rate:>10,.0f}   {mean_mfu:6.1%}  {steps[-1]['loss']:.4f}")
 print("MFU target: 40% or more (published GEM-class systems report 20% to 37%)")
 PY

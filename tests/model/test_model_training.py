@@ -131,6 +131,24 @@ def test_the_command_line_trains_and_resumes(tmp_path: Path) -> None:
     assert done.exit_code == 0 and not fresh.exists(), done.output
 
 
+def test_a_run_cut_short_keeps_the_steps_it_logged(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "train.json"
+    evaluate = Trainer.evaluate
+
+    def fails_at_the_end(self):
+        if self.step == 3:
+            raise RuntimeError("cut short")
+        return evaluate(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", fails_at_the_end)
+    args = ["model", "train", "--config", "tiny", "--reference-ops", "--no-save", "--steps", "3"]
+    done = runner.invoke(app, [*args, "--log-every", "1", "--json", str(out)])
+    assert isinstance(done.exception, RuntimeError), done.output
+    result = json.loads(out.read_text())
+    assert [s["step"] for s in result["steps"]] == [1, 2, 3] and [e["step"] for e in result["evals"]] == [0]
+    assert [p.name for p in tmp_path.iterdir()] == ["train.json"]  # nothing half written beside it
+
+
 def test_the_command_line_serves_and_profiles(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     serve = ["model", "serve-bench", "--config", "tiny", "--reference-ops", "--candidates", "4,16"]
