@@ -196,16 +196,43 @@ def train(out_dir: Path, split: str = "balance") -> None:
         parallel = DataParallel.of_group(balance=split == "balance", row_wise=("items",))
         trainer = Trainer(config, device, parallel=parallel)
         first = trainer.traffic.batch(0)
+        checkpoint = out_dir / "run.pt"
         report = {
-            "losses": [s.loss for s in trainer.fit(log_every=1).steps],
+            "losses": [s.loss for s in trainer.fit(log_every=1, checkpoint=checkpoint).steps],
             "auc": trainer.history.evals[-1].auc,
             "requests": len(rank_batch_of(first, parallel)),
+            "refusals": _checkpoint_refusals(trainer, checkpoint, parallel),
         }
         if rank == 0:
             alone = Trainer(config, device)
             report["alone_losses"] = [s.loss for s in alone.fit(log_every=1).steps]
             report["alone_auc"] = alone.history.evals[-1].auc
     (out_dir / f"rank_{rank}.json").write_text(json.dumps(report))
+
+
+def _checkpoint_refusals(trainer, checkpoint: Path, parallel) -> list[str]:
+    """What resuming says where one rank's file is of another step (as if the run were killed
+    between two ranks' saves), then missing: every rank refuses, none waits for the others."""
+    from model.training import Trainer
+
+    said = []
+    mine = parallel.checkpoint(checkpoint)
+    if parallel.rank == 1:
+        state = torch.load(mine, weights_only=False)
+        torch.save({**state, "step": state["step"] - 1}, mine)
+    dist.barrier()
+    for attempt in ("older", "missing"):
+        try:
+            if Trainer.checkpoint_exists(checkpoint, parallel):
+                Trainer.resume(checkpoint, trainer.device, parallel=parallel)
+            said.append("")
+        except ValueError as exc:
+            said.append(str(exc))
+        dist.barrier()
+        if attempt == "older" and parallel.rank == 1:
+            mine.unlink()
+        dist.barrier()
+    return said
 
 
 def rank_batch_of(batch, parallel) -> list[int]:
