@@ -86,9 +86,16 @@ def _serve_copies(
     )
 
 
+def _serve_graphed(graphed, batch: RequestBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """serve() with the scores from a replay of the batch's CUDA graph."""
+    return top_k_per_request(
+        ranking_score(graphed(batch)), batch.candidate_offsets, k, max_candidates=batch.max_candidates
+    )
+
+
 @dataclass
 class LatencyRow:
-    path: str  # "request" or "naive"
+    path: str  # "request", "graph" (request, in CUDA graphs) or "naive"
     candidates_per_request: int
     history_length: int
     requests: int
@@ -136,16 +143,25 @@ def serve_bench(
     repeats: int = 100,
     warmup: int = 3,
     naive: bool = True,
+    graphs: bool = False,
     model: GEMModel | None = None,
     naive_token_budget: int = NAIVE_TOKEN_BUDGET,
 ) -> list[LatencyRow]:
     """Latency of serving `requests` requests of each candidate count and history length
-    (default: the config's median and max), on the request-oriented path and (naive) the path
-    that repeats the user's work for every candidate: scores and top-k, end to end."""
+    (default: the config's median and max), on the request-oriented path, (graphs, on a GPU)
+    the same captured in CUDA graphs (model.graphed: the batch padded to its capacity, then one
+    replay) and (naive) the path that repeats the user's work for every candidate: scores and
+    top-k, end to end."""
+    from model.graphed import GraphedScorer
+
     device = torch.device(device)
+    if graphs and device.type != "cuda":
+        raise ValueError(f"CUDA graphs serve on a GPU, not on {device}")
     if model is None:
         torch.manual_seed(config.train.seed)
         model = GEMModel(config, device=device)
+    graphed = GraphedScorer(model) if graphs else None
+    paths = ("request",) + ("graph",) * graphs + ("naive",) * naive
     h = config.history
     if history_lengths is None:
         history_lengths = (h.median_len, h.max_len) if h is not None else (0,)
@@ -161,7 +177,7 @@ def serve_bench(
                 history_length=length if h is not None else None,
             ).to(device)
             targets = h is not None and h.candidates_as_targets
-            for path in ("request", "naive") if naive else ("request",):
+            for path in paths:
                 row = LatencyRow(path, count, length, requests)
                 copies = requests * count * (count if targets else 1)
                 if targets and count > h.max_targets:
@@ -175,6 +191,8 @@ def serve_bench(
                     continue
                 if path == "request":
                     work = functools.partial(serve, model, batch, k)
+                elif path == "graph":  # the first of the warm-up calls captures
+                    work = functools.partial(_serve_graphed, graphed, batch, k)
                 else:
                     # The naive service gets each candidate's copy of its request as its input:
                     # the copies are made before the clock starts.
