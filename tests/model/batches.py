@@ -1,10 +1,21 @@
-"""What the model's data tests share."""
+"""What the model's tests share."""
 
 from __future__ import annotations
 
 import torch
 
 from model.data import RequestBatch
+
+# The model's variants that its scoring tests run: the tiny config as it is, candidates as
+# targets of the history with softmax attention and GDPA scoring, and sparse experts.
+VARIANTS = {
+    "target-silu": {},
+    "targets-gdpa-softmax": {
+        "history": {"candidates_as_targets": True, "attention": "softmax", "max_targets": 32},
+        "scoring": {"attention": "gdpa"},
+    },
+    "experts": {"heads": {"num_experts": 4, "top_k": 2, "expert_dim": 16}},
+}
 
 
 def assert_same_batch(a: RequestBatch, b: RequestBatch) -> None:

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+from batches import VARIANTS
 from torch.utils.flop_counter import FlopCounterMode
 
 from kernels.registry import ARCH_INTERPRETER, DISPATCHER, KernelLibrary, device_arch
@@ -23,15 +24,6 @@ from model.metrics import auc
 from model.optim import RowWiseAdagrad
 from model.serving import score, top_k_per_request
 from search_space import embedding_bags as eb_problem
-
-VARIANTS = {
-    "target-silu": {},
-    "targets-gdpa-softmax": {
-        "history": {"candidates_as_targets": True, "attention": "softmax", "max_targets": 32},
-        "scoring": {"attention": "gdpa"},
-    },
-    "experts": {"heads": {"num_experts": 4, "top_k": 2, "expert_dim": 16}},
-}
 
 
 def _config(name: str = "target-silu") -> ModelConfig:

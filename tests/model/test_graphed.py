@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from batches import VARIANTS
 
 from kernels.registry import DISPATCHER
 from model.config import config_from_dict
@@ -15,15 +16,6 @@ from model.data import RequestBatch, TrafficGenerator
 from model.gem import GEMModel
 from model.graphed import Capacity, GraphedScorer, capacity_for, pad_batch, round_up
 from model.serving import score
-
-VARIANTS = {
-    "target-silu": {},
-    "targets-gdpa-softmax": {
-        "history": {"candidates_as_targets": True, "attention": "softmax", "max_targets": 32},
-        "scoring": {"attention": "gdpa"},
-    },
-    "experts": {"heads": {"num_experts": 4, "top_k": 2, "expert_dim": 16}},
-}
 
 
 def _setup(variant: str, device: torch.device, **batch) -> tuple[GEMModel, RequestBatch]:
