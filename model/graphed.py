@@ -3,8 +3,9 @@ batch that fits it, so that a batch's hundreds of launches cost the host one rep
 request-oriented step was bound by the host's launches: BENCHMARKS.md, nineteenth session).
 
 A graph replays fixed shapes, and batches vary. Each batch is padded up to its capacity: every
-size (requests, candidates, history events, each feature's ids) rounded up on a grid of steps
-of at most 1/8 (`round_up`), so that a few graphs serve a stream of batches. The padding is
+size (requests, candidates, history events, each feature's ids; a feature of one id a bag
+keeps one a bag) rounded up on a grid of steps of at most 1/8 (`round_up`), so that a few
+graphs serve a stream of batches. The padding is
 requests of no real user appended after the batch's own, which hold the padding candidates and
 history events, each within the batch's static bounds (max_candidates, max_history), and bags
 holding the padding ids (row 0, weight 0). Every op scores a candidate from its own request
@@ -65,12 +66,19 @@ def capacity_for(batch: RequestBatch) -> Capacity:
     )
     if spare_events and not batch.max_history:
         raise ValueError("a batch with history events needs a positive max_history")
+    requests = round_up(batch.num_requests + padding_requests)
+
+    def ids(bags: Bags, capacity: int) -> int:
+        # A feature of one id a bag stays so (the model reads the candidate's item feature as
+        # one row per candidate); the others are rounded up.
+        return capacity if bags.ids.shape[0] == bags.num_bags else round_up(bags.ids.shape[0])
+
     return Capacity(
-        requests=round_up(batch.num_requests + padding_requests),
+        requests=requests,
         candidates=candidates,
         history=history,
-        user_ids=tuple(round_up(b.ids.shape[0]) for b in batch.user_features.values()),
-        item_ids=tuple(round_up(b.ids.shape[0]) for b in batch.item_features.values()),
+        user_ids=tuple(ids(b, requests) for b in batch.user_features.values()),
+        item_ids=tuple(ids(b, candidates) for b in batch.item_features.values()),
     )
 
 

@@ -49,10 +49,14 @@ def _lengths(offsets: torch.Tensor) -> list[int]:
     return offsets.diff().tolist()
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_a_padded_batch_scores_its_candidates_as_the_batch_does(variant: str) -> None:
+@pytest.mark.parametrize(
+    ("variant", "candidates"),
+    [(v, None) for v in sorted(VARIANTS)] + [("target-silu", 16)],  # 16 x 4 candidates: on the grid
+)
+def test_a_padded_batch_scores_its_candidates_as_the_batch_does(variant: str, candidates: int | None) -> None:
     cpu = torch.device("cpu")
-    model, batch = _setup(variant, cpu, num_requests=5)
+    exact = {} if candidates is None else {"candidates_per_request": candidates, "exact_candidates": True}
+    model, batch = _setup(variant, cpu, num_requests=5 if candidates is None else 4, **exact)
     capacity = capacity_for(batch)
     padded = pad_batch(batch, capacity)
     real_requests, real = batch.num_requests, batch.num_candidates
@@ -66,6 +70,9 @@ def test_a_padded_batch_scores_its_candidates_as_the_batch_does(variant: str) ->
             int(b.offsets[-1]) == b.ids.shape[0] and min(_lengths(b.offsets)) >= 0 for b in side.values()
         )
     assert padded.user_features.keys() == batch.user_features.keys()
+    for name, bags in batch.item_features.items():  # a feature of one id a bag keeps one a bag
+        if bags.ids.shape[0] == bags.num_bags:
+            assert _lengths(padded.item_features[name].offsets) == [1] * capacity.candidates
     padding_candidates = _lengths(padded.candidate_offsets)[real_requests:]
     padding_events = _lengths(padded.history_offsets)[real_requests:]
     assert max(padding_candidates) <= batch.max_candidates and max(padding_events) <= batch.max_history
