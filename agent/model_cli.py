@@ -448,7 +448,10 @@ def model_profile(
     graph: Annotated[str, typer.Option(help="train or serve")] = "train",
     config: ConfigOption = "tiny",
     steps: Annotated[int, typer.Option(min=1, help="profiled steps")] = 3,
-    warmup: Annotated[int, typer.Option(min=0, help="steps before profiling")] = 2,
+    warmup: Annotated[
+        int,
+        typer.Option(min=0, help="untimed steps first, on the profiled steps' batches (each one at least)"),
+    ] = 2,
     trace: Annotated[Path | None, typer.Option(help="also write the torch profiler's trace here")] = None,
     device: DeviceOption = None,
     library: LibraryOption = None,

@@ -201,17 +201,20 @@ def profile_model(
     trace_file: Path | None = None,
 ) -> Profile:
     """Profile `steps` steps of `graph` ("train": a training step on a training batch; "serve":
-    scoring a serving batch) after `warmup` steps. With `trace_file`, the torch profiler's
-    trace of the profiled steps is written there too (chrome://tracing, Perfetto), each op's
-    call a range named recforge::<op>::<bucket>."""
+    scoring a serving batch) after `warmup` steps on the same batches, the profiled steps'
+    batches each once at least: a kernel compiles for the values a batch brings (Triton
+    specializes on its integer arguments), so a batch first seen in the profiled steps would
+    put its compiles in them. With `trace_file`, the torch profiler's trace of the profiled
+    steps is written there too (chrome://tracing, Perfetto), each op's call a range named
+    recforge::<op>::<bucket>."""
     if graph not in GRAPHS:
         raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps} and {warmup}")
     device = torch.device(device)
-    step = model_step(config, graph, device, batches=steps + warmup)
-    for i in range(warmup):
-        step(i)
+    step = model_step(config, graph, device, batches=steps)
+    for i in range(max(warmup, steps)):
+        step(i % steps)
     synchronize(device)
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU]
@@ -224,14 +227,14 @@ def profile_model(
     on_gpu = device.type == "cuda"
     with profiler if not on_gpu else contextlib.nullcontext(), trace(timed=True) as recorded:
         start = time.perf_counter()
-        for i in range(warmup, warmup + steps):
+        for i in range(steps):
             step(i)
         synchronize(device)
         step_s = (time.perf_counter() - start) / steps
     calls = recorded.seconds()
     if on_gpu:
         with profiler, trace():
-            for i in range(warmup, warmup + steps):
+            for i in range(steps):
                 step(i)
             synchronize(device)
     if trace_file is not None:
