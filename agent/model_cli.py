@@ -145,9 +145,7 @@ def _check_ranks(cfg, dev, nproc: int, embedding_update: str | None) -> None:
     from model.sharding import FUSED_ONLY
 
     if (embedding_update or cfg.train.embedding_update) != "fused":
-        raise fail(
-            f"--nproc {nproc}: {FUSED_ONLY}: pass --embedding-update fused"
-        )
+        raise fail(f"--nproc {nproc}: {FUSED_ONLY}: pass --embedding-update fused")
     if cfg.data.requests_per_batch < nproc:
         raise fail(
             f"--nproc {nproc}: a batch of {cfg.data.requests_per_batch} requests cannot give each rank one"
@@ -280,8 +278,10 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compi
     )
 
     def dump(history) -> None:
+        if json_out is None or (parallel is not None and parallel.rank != 0):
+            return
         _write_json(
-            json_out if parallel is None or parallel.rank == 0 else None,
+            json_out,
             {
                 "config": cfg.name,
                 "device": str(dev),
@@ -398,6 +398,10 @@ def model_serve_bench(
         raise fail("--history given, but the config has no history")
     if cfg.history is not None and lengths is not None and max(lengths) > cfg.history.max_len:
         raise fail(f"--history {max(lengths)} exceeds the config's history max_len {cfg.history.max_len}")
+    if graphs and reference_ops:
+        raise fail(
+            "--graphs with --reference-ops: the reference ops copy to the host, which a CUDA graph cannot"
+        )
     try:
         with _ops(reference_ops):
             rows = serve_bench(
@@ -409,7 +413,7 @@ def model_serve_bench(
                 k=top_k,
                 repeats=repeats,
                 naive=naive,
-                graphs=dev.type == "cuda" if graphs is None else graphs,
+                graphs=dev.type == "cuda" and not reference_ops if graphs is None else graphs,
             )
     except ValueError as exc:
         raise fail(str(exc)) from None

@@ -2,25 +2,33 @@
 batch that fits it, so that a batch's hundreds of launches cost the host one replay (the
 request-oriented step was bound by the host's launches: BENCHMARKS.md, nineteenth session).
 
-A graph replays fixed shapes, and batches vary. Each batch is padded up to its capacity: every
-size (requests, candidates, history events, each feature's ids; a feature of one id a bag
-keeps one a bag) rounded up on a grid of steps of at most 1/8 (`round_up`), so that a few
-graphs serve a stream of batches. The padding is
-requests of no real user appended after the batch's own, which hold the padding candidates and
-history events, each within the batch's static bounds (max_candidates, max_history), and bags
-holding the padding ids (row 0, weight 0). Every op scores a candidate from its own request
-alone, so the real candidates' scores are those of the batch unpadded (`pad_batch`'s test
-checks it); the padding's are dropped.
+A graph replays fixed shapes, and batches vary. Each batch is padded up to a capacity: its
+sizes (candidates, history events, each feature's ids) with a quarter and a few more of room
+(`HEADROOM`, `SLACK`: sizes vary from batch to batch, and one capacity should hold many),
+rounded up on a grid of steps of at most 1/8 (`round_up`), with padding requests enough to
+hold all of it; a feature of one id a bag keeps one a bag. A batch takes the smallest graph
+already captured that holds it (`holds`); only one that none holds captures another, and the
+least recently used graph goes when more than `max_graphs` are kept. The static bounds
+(max_candidates, max_history) are part of the capacity: the kernels size their grids by them.
+The room costs work: on the configs' own serving traffic, capacities hold 1.3 to 1.6 times
+the batch's candidates and events, and 200 batches take 3 (small) to 5 (tiny) graphs.
+
+The padding is requests of no real user appended after the batch's own, which hold the
+padding candidates and history events, each within the bounds, and bags holding the padding
+ids (row 0, weight 0). Every op scores a candidate from its own request alone, so the real
+candidates' scores are those of the batch unpadded (`pad_batch`'s test checks it); the
+padding's are dropped.
 
 Capture needs a pass that never waits for the device: the model's ops take the batch's static
-bounds for their grids (kernels.ops), and the warm-up before each capture fills the caches
-that a first call makes (kernels compiled, dispatch resolved, the tables' metadata on the
-device).
+bounds for their grids (kernels.ops; the plain reference ops copy to the host, and cannot be
+captured), and the warm-up before each capture fills the caches that a first call makes
+(kernels compiled, dispatch resolved, the tables' metadata on the device).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 
 import torch
@@ -30,6 +38,9 @@ from model.gem import GEMModel
 from model.serving import score
 
 WARMUP_CALLS = 2
+HEADROOM = 1.25
+SLACK = 8
+MAX_GRAPHS = 8
 
 
 def round_up(n: int) -> int:
@@ -42,44 +53,99 @@ def round_up(n: int) -> int:
 
 @dataclass(frozen=True)
 class Capacity:
-    """The padded sizes of a batch: the shapes of one graph."""
+    """The padded sizes of a batch and its bounds: the shapes and grids of one graph."""
 
     requests: int
     candidates: int
     history: int
-    user_ids: tuple[int, ...]  # per user feature, in the batch's order
-    item_ids: tuple[int, ...]  # per item feature
+    max_candidates: int
+    max_history: int
+    user_ids: tuple[tuple[str, int], ...]  # (feature, ids), in the order of their names
+    item_ids: tuple[tuple[str, int], ...]
+    # The features of one id a bag, which hold one id for each request or candidate.
+    single: frozenset[str] = frozenset()
 
 
-def capacity_for(batch: RequestBatch) -> Capacity:
-    """The capacity that `batch` pads to: its sizes rounded up, with one padding candidate at
-    least (it holds the items' padding ids), and as many padding requests as the padding
-    candidates and events need within the batch's bounds, one at least (it holds the users')."""
-    candidates = round_up(batch.num_candidates + 1)
-    history = round_up(batch.history_items.shape[0])
-    spare_candidates = candidates - batch.num_candidates
-    spare_events = history - batch.history_items.shape[0]
-    padding_requests = max(
+def _single(bags: Bags) -> bool:
+    return bags.ids.shape[0] == bags.num_bags
+
+
+def _room(n: int) -> int:
+    """A capacity for n: a quarter and a few more, rounded up on the grid."""
+    return round_up(math.ceil(n * HEADROOM) + SLACK)
+
+
+def _padding_requests(batch: RequestBatch, candidates: int, history: int, *, whole: bool = False) -> int:
+    """Padding requests that `candidates` and `history` need for this batch (with whole: all of
+    them, padding alone), within its bounds (one at least: it holds the users' padding ids)."""
+    spare_candidates = candidates - (0 if whole else batch.num_candidates)
+    spare_events = history - (0 if whole else batch.history_items.shape[0])
+    if spare_events and not batch.max_history:
+        raise ValueError("a batch with history events needs a positive max_history")
+    return max(
         1,
         math.ceil(spare_candidates / max(batch.max_candidates, 1)),
         math.ceil(spare_events / batch.max_history) if batch.max_history else 0,
     )
-    if spare_events and not batch.max_history:
-        raise ValueError("a batch with history events needs a positive max_history")
-    requests = round_up(batch.num_requests + padding_requests)
 
-    def ids(bags: Bags, capacity: int) -> int:
-        # A feature of one id a bag stays so (the model reads the candidate's item feature as
-        # one row per candidate); the others are rounded up.
-        return capacity if bags.ids.shape[0] == bags.num_bags else round_up(bags.ids.shape[0])
+
+def capacity_for(batch: RequestBatch, single: frozenset[str] | None = None) -> Capacity:
+    """The capacity that `batch` pads to when no graph holds it: its sizes with room for larger
+    batches, rounded up, with one padding candidate at least (it holds the items' padding ids)
+    and as many padding requests as the padding needs within the batch's bounds. `single`: the features
+    of one id a bag (their config's max_bag is 1); by default, those whose bags all hold one
+    in this batch."""
+    if single is None:
+        sides = (batch.user_features, batch.item_features)
+        single = frozenset(name for side in sides for name, b in side.items() if _single(b))
+    candidates = _room(batch.num_candidates + 1)
+    history = _room(batch.history_items.shape[0])
+    # Padding requests enough to hold every candidate and event of the capacity: a smaller
+    # batch leaves more to pad.
+    requests = round_up(batch.num_requests + _padding_requests(batch, candidates, history, whole=True))
+
+    def ids(side: dict[str, Bags], bags_there: int) -> tuple[tuple[str, int], ...]:
+        return tuple(
+            (name, bags_there if name in single else _room(b.ids.shape[0]))
+            for name, b in sorted(side.items())
+        )
 
     return Capacity(
         requests=requests,
         candidates=candidates,
         history=history,
-        user_ids=tuple(ids(b, requests) for b in batch.user_features.values()),
-        item_ids=tuple(ids(b, candidates) for b in batch.item_features.values()),
+        max_candidates=batch.max_candidates,
+        max_history=batch.max_history,
+        user_ids=ids(batch.user_features, requests),
+        item_ids=ids(batch.item_features, candidates),
+        single=single,
     )
+
+
+def holds(capacity: Capacity, batch: RequestBatch) -> str | None:
+    """Why `capacity` cannot hold `batch` and its padding, or None where it can."""
+    if (capacity.max_candidates, capacity.max_history) != (batch.max_candidates, batch.max_history):
+        return "other bounds"
+    candidates, events = batch.num_candidates, batch.history_items.shape[0]
+    if capacity.candidates <= candidates or capacity.history < events:
+        return "too few candidates or history events"
+    if capacity.requests - batch.num_requests < _padding_requests(
+        batch, capacity.candidates, capacity.history
+    ):
+        return "too few padding requests for the padding within the bounds"
+    for side, sizes, bags_there in (
+        (batch.user_features, capacity.user_ids, capacity.requests),
+        (batch.item_features, capacity.item_ids, capacity.candidates),
+    ):
+        if sorted(side) != [name for name, _ in sizes]:
+            return "other features"
+        for name, size in sizes:
+            bags = side[name]
+            if name in capacity.single and not _single(bags):
+                return f"feature {name} holds other than one id a bag"
+            if size < bags.ids.shape[0] or (name in capacity.single and size != bags_there):
+                return f"too few ids of feature {name}"
+    return None
 
 
 def _fill(start: int, count: int, total: int, most: int, device: torch.device) -> torch.Tensor:
@@ -102,36 +168,24 @@ def _pad_bags(bags: Bags, count: int, capacity: int) -> Bags:
 
 
 def pad_batch(batch: RequestBatch, capacity: Capacity) -> RequestBatch:
-    """`batch` padded to `capacity` (capacity_for(batch), or one larger in every size): its
-    requests, then padding requests that hold the padding candidates and events, each within
-    the batch's bounds."""
+    """`batch` padded to `capacity` (one that holds it: `holds`): its requests, then padding
+    requests that hold the padding candidates and events, each within the batch's bounds; its
+    features in the order of their names (every padded batch alike)."""
+    why = holds(capacity, batch)
+    if why is not None:
+        raise ValueError(f"capacity {capacity} does not hold this batch: {why}")
     device = batch.candidate_offsets.device
     requests, candidates, events = batch.num_requests, batch.num_candidates, batch.history_items.shape[0]
     extra_requests = capacity.requests - requests
     extra_candidates = capacity.candidates - candidates
     extra_events = capacity.history - events
-    if extra_requests < 1 or extra_candidates < 1 or extra_events < 0:
-        raise ValueError(f"capacity {capacity} does not hold this batch and its padding")
-    if extra_candidates > extra_requests * batch.max_candidates or (
-        extra_events > extra_requests * batch.max_history
-    ):
-        raise ValueError(
-            f"capacity {capacity}: its padding requests cannot hold the padding within the bounds"
+    features = [
+        {name: _pad_bags(side[name], count, size) for name, size in sizes}
+        for side, sizes, count in (
+            (batch.user_features, capacity.user_ids, extra_requests),
+            (batch.item_features, capacity.item_ids, extra_candidates),
         )
-    per_side = (
-        (batch.user_features, capacity.user_ids, extra_requests),
-        (batch.item_features, capacity.item_ids, extra_candidates),
-    )
-    features = []
-    for side, capacities, count in per_side:
-        if len(capacities) != len(side):
-            raise ValueError(f"capacity {capacity} is not of this batch's features")
-        features.append(
-            {
-                name: _pad_bags(bags, count, c)
-                for (name, bags), c in zip(side.items(), capacities, strict=True)
-            }
-        )
+    ]
     padding_owner = torch.arange(extra_candidates, device=device) // batch.max_candidates + requests
 
     def extended(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -181,26 +235,42 @@ class _Graph:
 
 
 class GraphedScorer:
-    """`model.serving.score` of `model` on a GPU, each batch padded to its capacity and scored
-    by a replay of that capacity's graph (captured at its first batch). The returned
-    probabilities [B, tasks] are a view of the graph's output: the next call of the same
-    capacity overwrites them."""
+    """`model.serving.score` of `model` on a GPU, each batch padded to the smallest captured
+    capacity that holds it (or a new one, captured at its first batch; at most `max_graphs`
+    kept, the least recently used dropped) and scored by a replay of that capacity's graph.
+    The returned probabilities [B, tasks] are a view of the graph's output: the next call that
+    replays the same graph overwrites them."""
 
-    def __init__(self, model: GEMModel) -> None:
-        self.model = model
-        self.graphs: dict[Capacity, _Graph] = {}
+    def __init__(self, model: GEMModel, *, max_graphs: int = MAX_GRAPHS) -> None:
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        self.model, self.max_graphs = model, max_graphs
+        self.single = frozenset(f.name for f in model.config.features if f.max_bag == 1)
+        self.graphs: OrderedDict[Capacity, _Graph] = OrderedDict()
+        self.captures = 0
+
+    def capacity(self, batch: RequestBatch) -> Capacity:
+        """The smallest captured capacity that holds `batch`, else the one it would capture."""
+        fitting = [c for c in self.graphs if holds(c, batch) is None]
+        if fitting:
+            return min(fitting, key=lambda c: (c.candidates + c.history, c.requests))
+        return capacity_for(batch, self.single)
 
     def __call__(self, batch: RequestBatch) -> torch.Tensor:
         if batch.candidate_offsets.device.type != "cuda":
             raise ValueError(
                 f"CUDA graphs score batches on a GPU; this one is on {batch.candidate_offsets.device}"
             )
-        capacity = capacity_for(batch)
+        capacity = self.capacity(batch)
         padded = pad_batch(batch, capacity)
         entry = self.graphs.get(capacity)
         if entry is None:
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.popitem(last=False)
             entry = self.graphs[capacity] = self._capture(padded)
+            self.captures += 1
         else:
+            self.graphs.move_to_end(capacity)
             torch._foreach_copy_(_tensors(entry.inputs), _tensors(padded))
         entry.graph.replay()
         return entry.output[: batch.num_candidates]

@@ -14,7 +14,7 @@ from kernels.registry import DISPATCHER
 from model.config import config_from_dict
 from model.data import RequestBatch, TrafficGenerator
 from model.gem import GEMModel
-from model.graphed import Capacity, GraphedScorer, capacity_for, pad_batch, round_up
+from model.graphed import Capacity, GraphedScorer, capacity_for, holds, pad_batch, round_up
 from model.serving import score
 
 
@@ -65,11 +65,11 @@ def test_a_padded_batch_scores_its_candidates_as_the_batch_does(variant: str, ca
     assert padded.num_candidates == capacity.candidates > real
     assert padded.history_items.shape[0] == capacity.history >= batch.history_items.shape[0]
     for side, sizes in ((padded.user_features, capacity.user_ids), (padded.item_features, capacity.item_ids)):
-        assert [b.ids.shape[0] for b in side.values()] == list(sizes)
+        assert [(name, b.ids.shape[0]) for name, b in side.items()] == list(sizes)  # by name
         assert all(
             int(b.offsets[-1]) == b.ids.shape[0] and min(_lengths(b.offsets)) >= 0 for b in side.values()
         )
-    assert padded.user_features.keys() == batch.user_features.keys()
+    assert sorted(padded.user_features) == sorted(batch.user_features)
     for name, bags in batch.item_features.items():  # a feature of one id a bag keeps one a bag
         if bags.ids.shape[0] == bags.num_bags:
             assert _lengths(padded.item_features[name].offsets) == [1] * capacity.candidates
@@ -87,18 +87,42 @@ def test_a_padded_batch_scores_its_candidates_as_the_batch_does(variant: str, ca
     torch.testing.assert_close(got[:real], want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_capacity_too_small_or_of_other_features_is_refused() -> None:
+def test_a_capacity_too_small_of_other_bounds_or_features_is_refused() -> None:
     _, batch = _setup("target-silu", torch.device("cpu"), num_requests=2)
     capacity = capacity_for(batch)
-    with pytest.raises(ValueError, match="does not hold this batch"):
-        pad_batch(batch, dataclasses.replace(capacity, candidates=batch.num_candidates))
-    with pytest.raises(ValueError, match="within the bounds"):
-        pad_batch(batch, dataclasses.replace(capacity, requests=batch.num_requests + 1, history=10**6))
-    with pytest.raises(ValueError, match="not of this batch's features"):
-        pad_batch(batch, dataclasses.replace(capacity, item_ids=capacity.item_ids[1:]))
+    refusals = {
+        "too few candidates": dataclasses.replace(capacity, candidates=batch.num_candidates),
+        "within the bounds": dataclasses.replace(capacity, requests=batch.num_requests + 1, history=10**6),
+        "other features": dataclasses.replace(capacity, item_ids=capacity.item_ids[1:]),
+        "other bounds": dataclasses.replace(capacity, max_candidates=batch.max_candidates + 1),
+        "too few ids of feature": dataclasses.replace(
+            capacity, user_ids=tuple((name, 0) for name, _ in capacity.user_ids)
+        ),
+    }
+    for why, wrong in refusals.items():
+        with pytest.raises(ValueError, match=f"does not hold this batch: .*{why}"):
+            pad_batch(batch, wrong)
     with pytest.raises(ValueError, match="score batches on a GPU"):
         GraphedScorer(GEMModel(config_from_dict({"size": "tiny"})))(batch)
     assert isinstance(capacity, Capacity)
+
+
+def test_a_stream_of_batches_shares_a_few_capacities() -> None:
+    """The capacities a stream of serving batches needs, each batch taking the smallest that
+    holds it (as GraphedScorer chooses, without the captures): a few, not one per batch; and a
+    batch of other bounds never takes another's."""
+    config = config_from_dict({"size": "tiny"})
+    scorer = GraphedScorer(GEMModel(config))
+    traffic = TrafficGenerator(config, seed=5)
+    d = config.data
+    for i in range(60):
+        batch = traffic.batch(i, num_requests=d.serve_requests, candidates_per_request=d.serve_candidates)
+        capacity = scorer.capacity(batch)
+        assert holds(capacity, batch) is None and capacity.max_candidates == batch.max_candidates
+        scorer.graphs.setdefault(capacity, None)
+    assert len(scorer.graphs) <= 6, len(scorer.graphs)
+    single = {f.name for f in config.features if f.max_bag == 1}
+    assert single and all(name in c.single for c in scorer.graphs for name in single)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -112,8 +136,12 @@ def test_graphs_score_as_the_eager_pass_one_capture_per_capacity(variant: str) -
         first,
         generator.batch(1, num_requests=4).to(cuda),
         generator.batch(2, num_requests=9).to(cuda),
+        # Bounds of their own: a graph sized by smaller bounds would drop candidates.
+        generator.batch(3, num_requests=4, candidates_per_request=14, exact_candidates=True).to(cuda),
+        generator.batch(4, num_requests=4, candidates_per_request=15, exact_candidates=True).to(cuda),
     ]
     for batch in batches * 2:
         got = graphed(batch).clone()
         torch.testing.assert_close(got, score(model, batch), atol=2e-2, rtol=2e-2)
-    assert len(graphed.graphs) == len({capacity_for(b) for b in batches})
+    assert graphed.captures == len(graphed.graphs) <= len(batches)
+    assert len({(c.max_candidates, c.max_history) for c in graphed.graphs}) >= 3

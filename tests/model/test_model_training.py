@@ -176,6 +176,8 @@ def test_the_command_line_serves_and_profiles(tmp_path: Path) -> None:
         (["model", "train", "--config", "absent.toml"], "no model config at absent.toml"),
         (["model", "serve-bench", "--candidates", "4,x"], "--candidates takes comma-separated integers"),
         (["model", "serve-bench", "--history", "100000"], "exceeds the config's history max_len"),
+        (["model", "serve-bench", "--graphs", "--reference-ops"], "a CUDA graph cannot"),
+        (["model", "serve-bench", "--graphs", "--device", "cpu"], "CUDA graphs serve on a GPU, not on cpu"),
         (["model", "profile", "--graph", "eval"], "--graph must be one of train, serve"),
         (["model", "train", "--library", "absent-library"], "no kernel library at absent-library"),
     ],
