@@ -64,6 +64,8 @@ class Capacity:
     item_ids: tuple[tuple[str, int], ...]
     # The features of one id a bag, which hold one id for each request or candidate.
     single: frozenset[str] = frozenset()
+    # The features whose ids are weighted (per_sample_weights).
+    weighted: frozenset[str] = frozenset()
 
 
 def _single(bags: Bags) -> bool:
@@ -119,6 +121,12 @@ def capacity_for(batch: RequestBatch, single: frozenset[str] | None = None) -> C
         user_ids=ids(batch.user_features, requests),
         item_ids=ids(batch.item_features, candidates),
         single=single,
+        weighted=frozenset(
+            name
+            for side in (batch.user_features, batch.item_features)
+            for name, b in side.items()
+            if b.weights is not None
+        ),
     )
 
 
@@ -141,6 +149,8 @@ def holds(capacity: Capacity, batch: RequestBatch) -> str | None:
             return "other features"
         for name, size in sizes:
             bags = side[name]
+            if (name in capacity.weighted) != (bags.weights is not None):
+                return f"feature {name} is weighted in one and not the other"
             if name in capacity.single and not _single(bags):
                 return f"feature {name} holds other than one id a bag"
             if size < bags.ids.shape[0] or (name in capacity.single and size != bags_there):

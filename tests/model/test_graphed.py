@@ -95,6 +95,9 @@ def test_a_capacity_too_small_of_other_bounds_or_features_is_refused() -> None:
         "within the bounds": dataclasses.replace(capacity, requests=batch.num_requests + 1, history=10**6),
         "other features": dataclasses.replace(capacity, item_ids=capacity.item_ids[1:]),
         "other bounds": dataclasses.replace(capacity, max_candidates=batch.max_candidates + 1),
+        "weighted in one and not the other": dataclasses.replace(
+            capacity, weighted=capacity.weighted ^ {capacity.user_ids[0][0]}
+        ),
         "too few ids of feature": dataclasses.replace(
             capacity, user_ids=tuple((name, 0) for name, _ in capacity.user_ids)
         ),
