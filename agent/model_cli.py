@@ -277,7 +277,7 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compi
         + ("unknown (no MFU)" if trainer.peak is None else f"{trainer.peak / 1e12:,.0f} TFLOP/s")
     )
 
-    def dump(history) -> None:
+    def dump(history, complete: bool = False) -> None:
         if json_out is None or (parallel is not None and parallel.rank != 0):
             return
         _write_json(
@@ -286,6 +286,7 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compi
                 "config": cfg.name,
                 "device": str(dev),
                 "ranks": 1 if parallel is None else parallel.world,
+                "complete": complete,  # false while training, and where the run was cut short
                 "flops_per_step": per_step,
                 "steps": [asdict(s) for s in history.steps],
                 "evals": [asdict(e) for e in history.evals],
@@ -343,7 +344,7 @@ def _train(cfg, dev, parallel, *, config, steps, checkpoint, resume, save, compi
             + ("" if last.mfu is None else f", MFU {last.mfu:.1%} (target: 40% or more)")
             + (f"; checkpoint {saved}" if save else "; no checkpoint written (--no-save)")
         )
-    dump(result)
+    dump(result, complete=True)
 
 
 def _counts(text: str, option: str, least: int) -> tuple[int, ...]:

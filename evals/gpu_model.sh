@@ -51,13 +51,15 @@ for variant in sys.argv[2:]:
     if not path.exists():
         print(f"{variant:<19} (no result: see the log)")
         continue
-    steps = json.loads(path.read_text())["steps"][1:]  # the first window holds warm-up and compiles
+    result = json.loads(path.read_text())
+    steps = result["steps"][1:]  # the first window holds warm-up and compiles
+    cut = "" if result.get("complete", True) else "  (cut short: the steps it logged)"
     if not steps:
         print(f"{variant:<19} (too few steps)")
         continue
     rate = sum(s["examples_per_s"] for s in steps) / len(steps)
     mfu = [s["mfu"] for s in steps if s["mfu"] is not None]
     mean_mfu = sum(mfu) / len(mfu) if mfu else float("nan")
-    print(f"{variant:<19} {rate:>10,.0f}   {mean_mfu:6.1%}  {steps[-1]['loss']:.4f}")
+    print(f"{variant:<19} {rate:>10,.0f}   {mean_mfu:6.1%}  {steps[-1]['loss']:.4f}{cut}")
 print("MFU target: 40% or more (published GEM-class systems report 20% to 37%)")
 PY

@@ -117,6 +117,7 @@ def test_the_command_line_trains_and_resumes(tmp_path: Path) -> None:
     assert "model FLOPs of a training step" in done.output and "held-out AUC" in done.output
     result = json.loads(out.read_text())
     assert [s["step"] for s in result["steps"]][-1] == 3 and result["evals"][-1]["auc"]["ctr"] > 0
+    assert result["complete"] is True
     assert set(result["flops_per_step"]) >= {"embeddings", "history", "scoring", "interaction", "heads"}
     done = runner.invoke(app, [*args, "--steps", "5", "--resume"])
     assert done.exit_code == 0, done.output
@@ -146,6 +147,7 @@ def test_a_run_cut_short_keeps_the_steps_it_logged(tmp_path: Path, monkeypatch) 
     assert isinstance(done.exception, RuntimeError), done.output
     result = json.loads(out.read_text())
     assert [s["step"] for s in result["steps"]] == [1, 2, 3] and [e["step"] for e in result["evals"]] == [0]
+    assert result["complete"] is False
     assert [p.name for p in tmp_path.iterdir()] == ["train.json"]  # nothing half written beside it
 
 
