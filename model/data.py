@@ -116,6 +116,13 @@ class RequestBatch:
     def pin_memory(self) -> RequestBatch:
         return self._map(lambda t: t.pin_memory())
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch, in one order (the fields', each feature's ids, offsets and
+        weights): two batches of one shape list theirs alike."""
+        out: list[torch.Tensor] = []
+        self._map(lambda t: out.append(t) or t)
+        return out
+
     def _map(self, fn) -> RequestBatch:
         values = {}
         for f in fields(self):

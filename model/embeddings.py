@@ -116,7 +116,8 @@ class TableBatchedEmbeddings(nn.Module):
             self.anchor = torch.zeros((), requires_grad=True)
         else:
             self.weights = nn.Parameter(weights)
-        self._metadata: dict[tuple, tuple | torch.Tensor] = {}
+        self._metadata: dict[tuple, tuple] = {}
+        self._table_ids_on: dict[tuple, torch.Tensor] = {}
         self._pending: list[_Call] = []
         self._pass: int | None = None  # the backward pass the pending gradients belong to
         self.steps = 0  # fused updates applied: the stochastic rounding's seed, in the checkpoint
@@ -152,10 +153,10 @@ class TableBatchedEmbeddings(nn.Module):
     def _table_ids(self, tables: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """`tables` as a tensor on `device`, made once: a tensor made from a list on a GPU
         waits for the GPU's queue, and the update asks for one per lookup every step."""
-        key = ("ids", tables, str(device))
-        if key not in self._metadata:
-            self._metadata[key] = torch.tensor(tables, device=device)
-        return self._metadata[key]
+        key = (tables, str(device))
+        if key not in self._table_ids_on:
+            self._table_ids_on[key] = torch.tensor(tables, device=device)
+        return self._table_ids_on[key]
 
     def forward(
         self,

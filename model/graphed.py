@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +72,11 @@ def _single(bags: Bags) -> bool:
     return bags.ids.shape[0] == bags.num_bags
 
 
+def _features(batch: RequestBatch) -> dict[str, Bags]:
+    """Both sides' features by name (a feature is of one side)."""
+    return {**batch.user_features, **batch.item_features}
+
+
 def _room(n: int) -> int:
     """A capacity for n: a quarter and a few more, rounded up on the grid."""
     return round_up(math.ceil(n * HEADROOM) + SLACK)
@@ -94,12 +99,12 @@ def _padding_requests(batch: RequestBatch, candidates: int, history: int, *, who
 def capacity_for(batch: RequestBatch, single: frozenset[str] | None = None) -> Capacity:
     """The capacity that `batch` pads to when no graph holds it: its sizes with room for larger
     batches, rounded up, with one padding candidate at least (it holds the items' padding ids)
-    and as many padding requests as the padding needs within the batch's bounds. `single`: the features
-    of one id a bag (their config's max_bag is 1); by default, those whose bags all hold one
-    in this batch."""
+    and as many padding requests as the padding needs within the batch's bounds. `single`: the
+    features of one id a bag (their config's max_bag is 1); by default, those whose bags all
+    hold one in this batch."""
+    features = _features(batch)
     if single is None:
-        sides = (batch.user_features, batch.item_features)
-        single = frozenset(name for side in sides for name, b in side.items() if _single(b))
+        single = frozenset(name for name, b in features.items() if _single(b))
     candidates = _room(batch.num_candidates + 1)
     history = _room(batch.history_items.shape[0])
     # Padding requests enough to hold every candidate and event of the capacity: a smaller
@@ -121,12 +126,7 @@ def capacity_for(batch: RequestBatch, single: frozenset[str] | None = None) -> C
         user_ids=ids(batch.user_features, requests),
         item_ids=ids(batch.item_features, candidates),
         single=single,
-        weighted=frozenset(
-            name
-            for side in (batch.user_features, batch.item_features)
-            for name, b in side.items()
-            if b.weights is not None
-        ),
+        weighted=frozenset(name for name, b in features.items() if b.weights is not None),
     )
 
 
@@ -184,6 +184,11 @@ def pad_batch(batch: RequestBatch, capacity: Capacity) -> RequestBatch:
     why = holds(capacity, batch)
     if why is not None:
         raise ValueError(f"capacity {capacity} does not hold this batch: {why}")
+    return _pad(batch, capacity)
+
+
+def _pad(batch: RequestBatch, capacity: Capacity) -> RequestBatch:
+    """pad_batch without the check: `capacity` holds `batch`."""
     device = batch.candidate_offsets.device
     requests, candidates, events = batch.num_requests, batch.num_candidates, batch.history_items.shape[0]
     extra_requests = capacity.requests - requests
@@ -224,19 +229,6 @@ def pad_batch(batch: RequestBatch, capacity: Capacity) -> RequestBatch:
     )
 
 
-def _tensors(batch: RequestBatch) -> list[torch.Tensor]:
-    """Every tensor of `batch`, in one fixed order."""
-    out = []
-    for f in fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, dict):
-            for bags in value.values():
-                out += [t for t in (bags.ids, bags.offsets, bags.weights) if t is not None]
-    return out
-
-
 @dataclass
 class _Graph:
     inputs: RequestBatch  # the static batch the graph reads
@@ -272,7 +264,7 @@ class GraphedScorer:
                 f"CUDA graphs score batches on a GPU; this one is on {batch.candidate_offsets.device}"
             )
         capacity = self.capacity(batch)
-        padded = pad_batch(batch, capacity)
+        padded = _pad(batch, capacity)  # held: chosen so, or made for it
         entry = self.graphs.get(capacity)
         if entry is None:
             while len(self.graphs) >= self.max_graphs:
@@ -281,7 +273,7 @@ class GraphedScorer:
             self.captures += 1
         else:
             self.graphs.move_to_end(capacity)
-            torch._foreach_copy_(_tensors(entry.inputs), _tensors(padded))
+            torch._foreach_copy_(entry.inputs.tensors(), padded.tensors())
         entry.graph.replay()
         return entry.output[: batch.num_candidates]
 
