@@ -31,6 +31,7 @@ from agent.store import Store
 from kernels.registry import DISPATCHER, KernelLibrary
 from sandbox.backend import Backend
 from sandbox.gpus import GpusUnknown, select_gpus, visible_gpus
+from sandbox.isolation import IsolationUnavailable
 from sandbox.local import LocalBackend
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ def make_backend(sandbox: SandboxConfig, scratch_root: Path, artifact_root: Path
         )
     except GpusUnknown as exc:
         raise CampaignError(f"cannot evaluate on this host's GPUs: {exc}") from None
+    except IsolationUnavailable as exc:
+        raise CampaignError(str(exc)) from None
 
 
 def campaign_gpus(sandbox: SandboxConfig) -> list[str] | None:

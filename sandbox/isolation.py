@@ -362,9 +362,15 @@ def start_runner(
     )
 
 
-@functools.cache
 def bwrap_works(gpu: bool = False) -> str | None:
-    """None if a sandboxed `true` runs here, else why not (the message bubblewrap gave)."""
+    """None if a sandboxed `true` runs here, else why not (the message bubblewrap gave). Asked
+    once per bubblewrap binary (bwrap_path names it) and GPU view."""
+    return _bwrap_works(bwrap_path(), gpu)
+
+
+@functools.cache
+def _bwrap_works(binary: str | None, gpu: bool) -> str | None:
+    del binary  # the cache's key: bwrap_command finds the same binary
     try:
         with tempfile.TemporaryDirectory(prefix="recforge-bwrap-probe-") as tmp:
             scratch = Path(tmp) / "scratch"

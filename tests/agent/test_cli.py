@@ -117,6 +117,21 @@ def test_a_campaign_says_its_id_and_how_to_resume_it_when_stopped(tmp_path, monk
     assert f"continue it with: recforge campaign resume {row.id} --home {tmp_path / 'h'}" in result.output
 
 
+@pytest.mark.parametrize("command", ["campaign", "bench"])
+def test_a_host_whose_sandbox_cannot_start_is_told_why(tmp_path, monkeypatch, command) -> None:
+    """No bubblewrap where the local backend needs it: the reason and how to fix it, no traceback."""
+    monkeypatch.setenv("RECFORGE_BWRAP", str(tmp_path / "no-bwrap-here"))
+    monkeypatch.setenv("RECFORGE_HOME", str(tmp_path / "h"))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('name = "x"\nproblems = ["embedding_bag"]\n[budget]\nmax_evaluations = 1\nmax_wall_s = 1')
+    bench = ["bench", "sandbox", "--candidates", "2"]
+    args = ["campaign", "run", str(cfg)] if command == "campaign" else bench
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0
+    assert "sandbox cannot run here" in result.output and "no-bwrap-here" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_campaign_stopped_by_a_signal_says_how_to_resume_it(tmp_path, monkeypatch, signum) -> None:
     from agent.campaign import Campaigns
