@@ -149,21 +149,24 @@ def _forward_config(dim: int, element_size: int, mean_ids: float, interpreted: b
     2-byte rows of more than 64 columns gather best as whole 256-byte rows, 4 bags x 8 ids per
     step; everything else as 64-column slices, 2 bags x 4 ids, with the 3D accumulator. That
     sweep's shapes were long bags: on short ones (at most SHORT_BAG_MEAN_IDS ids a bag on
-    average) these tiles lost to torch on an H100 (0.63x to 0.82x, BENCHMARKS.md 2026-12-05,
-    nineteenth session), with two bags a program and most of the id tile masked. Short bags take
-    the table-batched kernel's short-bag tiles instead (its sweep, same loop): 64 bags x 1 id x 32
-    columns (fp32) or 32 bags x 2 ids x 32 columns (2-byte rows), two warps.
+    average) the 64-column slices lost to torch on an H100 (0.63x to 0.82x, BENCHMARKS.md
+    2026-12-05, nineteenth session), with two bags a program and most of the id tile masked.
+    Short bags of up to 64 columns, or of 4-byte rows, take the table-batched kernel's short-bag
+    tiles instead (its sweep, same loop): 64 bags x 1 id x 32 columns (fp32) or 32 bags x 2 ids x
+    32 columns (2-byte rows), two warps: 3.6x the slices at d64 in bf16 on an H100. Wider
+    2-byte rows keep the whole-row tile on short bags too: at d128 in bf16 the short-bag tiles
+    took 1.29x its time (BENCHMARKS.md 2026-12-05, twenty-first session).
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 8 bags x 16 ids of whole rows (up to 1024 columns) per step, about
     a fifth of the GPU configuration's time over the problem's check shapes."""
     if interpreted:
         return {"BLOCK_B": 8, "BLOCK_L": 16, "BLOCK_D": _whole_row(dim), "ACC_3D": False, "num_warps": 2}
+    if element_size == 2 and dim > 64:
+        return {"BLOCK_B": 4, "BLOCK_L": 8, "BLOCK_D": 128, "ACC_3D": False, "num_warps": 2}
     if mean_ids <= SHORT_BAG_MEAN_IDS:
         block_b, block_l = (64, 1) if element_size == 4 else (32, 2)
         return {"BLOCK_B": block_b, "BLOCK_L": block_l, "BLOCK_D": 32, "ACC_3D": False, "num_warps": 2}
-    if element_size == 2 and dim > 64:
-        return {"BLOCK_B": 4, "BLOCK_L": 8, "BLOCK_D": 128, "ACC_3D": False, "num_warps": 2}
     block_d = min(triton.next_power_of_2(max(dim, 16)), 64)
     return {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": block_d, "ACC_3D": True, "num_warps": 2}
 
