@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -481,6 +482,7 @@ class Session:
         self, runner: RunnerProcess, problem: Problem, device: torch.device, locks: list[str]
     ) -> None:
         self.runner, self.problem, self.device, self.locks = runner, problem, device, locks
+        self.on_wait: Callable[[float], None] | None = None
         self.kind = "cuda" if device.type == "cuda" else "cpu"
         self.next_call = 1
         self.input_region: tuple[shared.Region, int] | None = None
@@ -489,8 +491,14 @@ class Session:
 
     def gpu(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
         """The GPUs' locks, taken on the runner's behalf (sandbox.locks): exclusive for timing,
-        shared for everything else; the wait for them does not count against the deadline."""
-        return gpu_use(self.locks, exclusive=exclusive, waited=self.runner.deadline.extend)
+        shared for everything else; the wait for them does not count against the deadline, and
+        is told to `on_wait` (the evaluation's phase clock)."""
+        return gpu_use(self.locks, exclusive=exclusive, waited=self._waited)
+
+    def _waited(self, seconds: float) -> None:
+        self.runner.deadline.extend(seconds)
+        if self.on_wait is not None:
+            self.on_wait(seconds)
 
     def _input_region(self, nbytes: int, *, updated: bool = False) -> tuple[shared.Region, int]:
         """The region of the calls' read-only inputs, or of the arguments they update, at least
@@ -1140,7 +1148,9 @@ def baseline_providers(problem: Problem, names: list[str], device: torch.device)
 
 
 class PhaseClock:
-    """Seconds spent in each named phase; starting one ends the one before."""
+    """Seconds spent in each named phase; starting one ends the one before. The phases partition
+    the time from the first start to the last stop: a wait inside a phase (`waited`) is taken out
+    of it into a phase of its own."""
 
     def __init__(self) -> None:
         self.phases: dict[str, float] = {}
@@ -1150,6 +1160,12 @@ class PhaseClock:
     def start(self, name: str) -> None:
         self.stop()
         self._name, self._since = name, time.perf_counter()
+
+    def waited(self, seconds: float, name: str = "lock_wait") -> None:
+        """`seconds` of the running phase, just ended, spent waiting: counted as `name` instead."""
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+        if self._name is not None:
+            self._since += seconds
 
     def stop(self) -> dict[str, float]:
         if self._name is not None:
@@ -1174,6 +1190,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
         ev.clock.start("start")
         runner = RunnerProcess(request, gpu=ev.device.type == "cuda", deadline=deadline)
         ev.session = Session(runner, ev.problem, ev.device, request.timing_locks)
+        ev.session.on_wait = ev.clock.waited
         runner.ask({"op": "ping"}, where="start")
         ev.clock.start("load")
         load = {"op": "load", "source_file": request.source_file, "entry": request.entry,

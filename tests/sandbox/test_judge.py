@@ -589,6 +589,60 @@ def test_timed_batches_hold_the_lock_alone_and_the_rest_shares_it(tmp_path: Path
         assert not beside, f"a {beside[0][1]} lock held beside a timed batch"
 
 
+def test_a_wait_for_the_lock_is_a_phase_of_its_own() -> None:
+    from sandbox.judge import PhaseClock
+
+    clock = PhaseClock()
+    clock.start("check")
+    time.sleep(0.05)
+    clock.waited(0.03)  # 30 ms of those 50 were a wait
+    clock.start("timing")
+    phases = clock.stop()
+    assert phases["lock_wait"] == 0.03
+    assert 0.015 <= phases["check"] < 0.05
+
+
+@needs_bwrap
+def test_an_evaluation_says_how_long_it_waited_for_the_gpu(tmp_path: Path) -> None:
+    """Another evaluation's timed batch holds the lock while this one wants it for its checks:
+    the wait is the phase `lock_wait`, not check time, and the phases add up to no more than
+    the evaluation's wall time."""
+    import fcntl
+    import threading
+
+    lock = tmp_path / "gpu.lock"
+    runner_dir = tmp_path / "eval" / "runner"
+    runner_dir.mkdir(parents=True)
+    (runner_dir / "candidate.py").write_text(DEFAULT_SOURCE)
+    request = _request(runner_dir, timing_locks=[str(lock)])
+    held = threading.Event()
+
+    def hold_until_it_waits() -> None:
+        with open(f"{lock}.turnstile", "a") as turnstile, open(lock, "a") as gpu:
+            fcntl.flock(gpu, fcntl.LOCK_EX)
+            held.set()
+            # The evaluation waits for the lock holding the turnstile (sandbox.locks).
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    fcntl.flock(turnstile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    break
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+                time.sleep(0.01)
+            time.sleep(1.0)
+            fcntl.flock(gpu, fcntl.LOCK_UN)
+
+    holder = threading.Thread(target=hold_until_it_waits)
+    holder.start()
+    held.wait()
+    result = evaluate(request)
+    holder.join()
+    _says(result, Status.OK)
+    assert result.phase_s["lock_wait"] >= 0.9, result.phase_s
+    assert sum(result.phase_s.values()) <= result.wall_s, (result.phase_s, result.wall_s)
+
+
 # ---- baselines: the judge times them in its own process ------------------------------------------
 
 
