@@ -16,7 +16,7 @@ microseconds until one call returns (launches only, the GPU idle at its start).
 
     git archive <commit> | tar x -C /tmp/before
     python3 evals/studies/ops_public.py --tree after=. --tree before=/tmp/before \
-        [--case SUBSTRING ...] [--json rows.jsonl]
+        [--case SUBSTRING ...] [--json rows.jsonl] [--host-profile CALLS]
 """
 
 from __future__ import annotations
@@ -228,7 +228,27 @@ def _host_us(fn, reps: int = 15) -> float:
     return statistics.median(times)
 
 
-def measure(ops, case: str, dtype: str) -> dict:
+def _host_profile(fn, calls: int) -> list[str]:
+    """The host's functions by their own time over `calls` calls (cProfile, so slower than the
+    calls alone): the top 25, microseconds a call each, with their calls a call."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    rows = sorted(pstats.Stats(profile).stats.items(), key=lambda kv: -kv[1][2])[:25]
+    return [
+        f"{tottime * 1e6 / calls:9.1f} us {primitive / calls:6.1f}x  {Path(file).name}:{line} {name}"
+        for (file, line, name), (primitive, _, tottime, _, _) in rows
+    ]
+
+
+def measure(ops, case: str, dtype: str, host_profile: int = 0) -> dict:
     _, _, build = CASES[case]
     call, leaves, info = build(ops, DTYPES[dtype], _gen(1234))
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=DEVICE)
@@ -255,6 +275,8 @@ def measure(ops, case: str, dtype: str) -> dict:
         result[f"{name} single"] = _single_ms(fn, flush)
         result[f"{name} steady"] = _steady_ms(fn)
         result[f"{name} host_us"] = _host_us(fn)
+    if host_profile:
+        result["host_profile"] = _host_profile(forward_backward, host_profile)
     return result
 
 
@@ -265,7 +287,7 @@ def serve() -> int:
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            answer = measure(ops, request["case"], request["dtype"])
+            answer = measure(ops, request["case"], request["dtype"], request.get("host_profile", 0))
         except Exception as exc:  # out of memory, an unsupported case: the row's note
             answer = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
         torch.cuda.empty_cache()
@@ -279,7 +301,7 @@ class Worker:
         self.label, self.tree = label, tree
         self.proc: subprocess.Popen | None = None
 
-    def ask(self, case: str, dtype: str) -> dict:
+    def ask(self, case: str, dtype: str, host_profile: int = 0) -> dict:
         if self.proc is None or self.proc.poll() is not None:
             path = os.pathsep.join([str(self.tree), os.environ.get("PYTHONPATH", "")])
             env = dict(os.environ, PYTHONPATH=path)
@@ -287,7 +309,7 @@ class Worker:
                 [sys.executable, str(Path(__file__).resolve()), "--serve"], cwd=self.tree, env=env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
-        self.proc.stdin.write(json.dumps({"case": case, "dtype": dtype}) + "\n")
+        self.proc.stdin.write(json.dumps({"case": case, "dtype": dtype, "host_profile": host_profile}) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -303,7 +325,9 @@ def _combine(answers: list[dict], key: str) -> tuple[float, float] | None:
     return statistics.fmean(values), (max(values) - min(values)) / statistics.fmean(values)
 
 
-def drive(trees: list[tuple[str, Path]], only: list[str], json_path: str | None) -> int:
+def drive(
+    trees: list[tuple[str, Path]], only: list[str], json_path: str | None, host_profile: int = 0
+) -> int:
     workers = [Worker(label, path) for label, path in trees]
     a, b = workers
     print(f"{a.label} vs {b.label}: ratio = {b.label} / {a.label} (above 1: {a.label} faster;"
@@ -320,7 +344,7 @@ def drive(trees: list[tuple[str, Path]], only: list[str], json_path: str | None)
             started = time.perf_counter()
             answers = {w.label: [] for w in workers}
             for w in (a, b, b, a):
-                answers[w.label].append(w.ask(case, dtype))
+                answers[w.label].append(w.ask(case, dtype, host_profile))
             row = {"case": case, "op": op, "dtype": dtype, "seconds": round(time.perf_counter() - started, 1)}
             row |= {w.label: answers[w.label] for w in workers}
             errors = [x["error"] for w in workers for x in answers[w.label] if "error" in x]
@@ -343,6 +367,10 @@ def drive(trees: list[tuple[str, Path]], only: list[str], json_path: str | None)
                         line += "  outputs differ: " + ",".join(row["mismatch"])
                     print(line, flush=True)
                     table.append(line)
+                for w in workers if host_profile else ():
+                    print(f"  {w.label}'s host, forward+backward ({host_profile} calls under cProfile):")
+                    for entry in answers[w.label][0]["host_profile"]:
+                        print("    " + entry, flush=True)
             if json_path:
                 with open(json_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
@@ -356,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", action="append", default=[], help="LABEL=PATH, twice")
     parser.add_argument("--case", action="append", default=[], help="only cases containing this")
     parser.add_argument("--json", default=None, help="append one row per case and dtype here")
+    parser.add_argument(
+        "--host-profile", type=int, default=0, metavar="CALLS",
+        help="also profile the host's functions over CALLS forward+backward calls (cProfile), per tree",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.serve:
         return serve()
@@ -365,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, path in trees:
         if not (path / "kernels" / "ops.py").is_file():
             parser.error(f"--tree {label}={path}: no kernels/ops.py there")
-    return drive(trees, args.case, args.json)
+    return drive(trees, args.case, args.json, args.host_profile)
 
 
 if __name__ == "__main__":
