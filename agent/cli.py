@@ -78,6 +78,18 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def local_backend(**kwargs):
+    """sandbox.local.LocalBackend(**kwargs), or the CLI's one-line error where its sandbox cannot
+    run on this host."""
+    from sandbox.isolation import IsolationUnavailable
+    from sandbox.local import LocalBackend
+
+    try:
+        return LocalBackend(**kwargs)
+    except IsolationUnavailable as exc:
+        raise fail(str(exc)) from None
+
+
 def _amount(done: float, limit: float, unit: str = "", digits: int = 0) -> str:
     left = max(0.0, limit - done)
     return f"{done:.{digits}f} of {limit:.{digits}f}{unit} ({left:.{digits}f}{unit} left)"
@@ -400,7 +412,7 @@ def sandbox_eval(
     as_json: Annotated[bool, typer.Option("--json", help="print the EvalResult as JSON")] = False,
 ) -> None:
     """Check and time one candidate in an isolated worker process."""
-    from sandbox import Candidate, LocalBackend, Status
+    from sandbox import Candidate, Status
     from sandbox.protocol import campaign_baselines
     from search_space import get_problem
 
@@ -417,7 +429,7 @@ def sandbox_eval(
     candidate = Candidate(
         problem=prob.name, source=text, entry=entry or _default_entry(prob, text), origin="human"
     )
-    result = LocalBackend(timeout_s=timeout).evaluate(
+    result = local_backend(timeout_s=timeout).evaluate(
         candidate, timing=timing, baselines=campaign_baselines(prob) if baselines else []
     )
     if as_json:
@@ -598,11 +610,10 @@ def review_approve(
     architecture its timings against its evidence), then merge it into the library branch."""
     from agent import review
     from agent.incumbents import campaign_arch
-    from sandbox.local import LocalBackend
 
     def verify(source, entry) -> str | None:
         with tempfile.TemporaryDirectory(prefix="recforge-approve-") as scratch:
-            backend = LocalBackend(timeout_s=timeout, scratch_root=Path(scratch))
+            backend = local_backend(timeout_s=timeout, scratch_root=Path(scratch))
             return review.reverify(source, entry, backend.evaluate, campaign_arch())
 
     try:
@@ -623,13 +634,12 @@ def library_verify(
     from agent.incumbents import campaign_arch
     from agent.library_verify import verify_library
     from kernels.registry import DISPATCHER, KernelLibrary
-    from sandbox.local import LocalBackend
 
     lib = KernelLibrary(library) if library else DISPATCHER.library
     with tempfile.TemporaryDirectory(prefix="recforge-verify-") as scratch:
         try:
             rows, changed = verify_library(
-                lib, LocalBackend(timeout_s=timeout, scratch_root=Path(scratch)), campaign_arch()
+                lib, local_backend(timeout_s=timeout, scratch_root=Path(scratch)), campaign_arch()
             )
         except ValueError as exc:
             raise fail(str(exc)) from None

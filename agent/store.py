@@ -167,8 +167,10 @@ class LLMProposalRow:
 # The phases of an evaluation that run kernels on its device, and so count against the GPU-seconds
 # budget: the worker's checks and timing, and a suspicious result's re-measurement in a fresh
 # worker (`remeasure`, added by the campaign). Not counted: the worker's start-up, the candidate's
-# import, `lock_wait` (waiting for another worker's timing to finish), and the re-verification of
-# winners at registration, which runs after the budgets have stopped the loop.
+# import, `lock_wait` (the judge waiting for the GPU's lock while other evaluations time or
+# check: judge-side time, though the runner may still have work of its own on the device), and
+# the re-verification of winners at registration, which runs after the budgets have stopped the
+# loop.
 DEVICE_PHASES = ("check", "timing", "remeasure")
 
 

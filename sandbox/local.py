@@ -241,7 +241,10 @@ class WorkerBackend:
         shutil.rmtree(scratch / "judge", ignore_errors=True)
         with gpu_use(memory_locks, exclusive=True):
             again = self._run(candidate, scratch, request)
-        return again.model_copy(update={"wall_s": again.wall_s + result.wall_s})
+        phases = dict(result.phase_s)
+        for name, seconds in again.phase_s.items():
+            phases[name] = phases.get(name, 0.0) + seconds
+        return again.model_copy(update={"wall_s": again.wall_s + result.wall_s, "phase_s": phases})
 
     def _gpu_node(self, place: Place) -> int | None:
         """The device node of the place's GPU, where a runner sandboxed with it alone sees that
@@ -314,7 +317,12 @@ class LocalBackend(WorkerBackend):
         if isolation not in ("bwrap", "none"):
             raise ValueError(f"isolation must be 'bwrap' or 'none', got {isolation!r}")
         if isolation == "bwrap" and (why := bwrap_works(cuda_present())) is not None:
-            raise IsolationUnavailable(f"the local backend's sandbox cannot run here: {why}")
+            raise IsolationUnavailable(
+                f"the local backend's sandbox cannot run here: {why}. Install or fix bubblewrap "
+                "(`make bwrap`, or RECFORGE_BWRAP naming its binary), or, on a host that runs only "
+                'trusted code, set isolation = "none" under [sandbox] (it holds nothing against a '
+                "hostile candidate)"
+            )
         self.isolation = isolation
         self.timeout_s = timeout_s
         # Absolute: the judge and runner run with other working directories.

@@ -117,18 +117,25 @@ def test_a_campaign_says_its_id_and_how_to_resume_it_when_stopped(tmp_path, monk
     assert f"continue it with: recforge campaign resume {row.id} --home {tmp_path / 'h'}" in result.output
 
 
-@pytest.mark.parametrize("command", ["campaign", "bench"])
+@pytest.mark.parametrize("command", ["campaign", "bench", "eval", "verify"])
 def test_a_host_whose_sandbox_cannot_start_is_told_why(tmp_path, monkeypatch, command) -> None:
     """No bubblewrap where the local backend needs it: the reason and how to fix it, no traceback."""
     monkeypatch.setenv("RECFORGE_BWRAP", str(tmp_path / "no-bwrap-here"))
     monkeypatch.setenv("RECFORGE_HOME", str(tmp_path / "h"))
     cfg = tmp_path / "c.toml"
     cfg.write_text('name = "x"\nproblems = ["embedding_bag"]\n[budget]\nmax_evaluations = 1\nmax_wall_s = 1')
-    bench = ["bench", "sandbox", "--candidates", "2"]
-    args = ["campaign", "run", str(cfg)] if command == "campaign" else bench
+    src = tmp_path / "k.py"
+    src.write_text(TEMPLATE.render({}))
+    args = {
+        "campaign": ["campaign", "run", str(cfg)],
+        "bench": ["bench", "sandbox", "--candidates", "2"],
+        "eval": ["sandbox", "eval", "--problem", "embedding_bag", "--source", str(src)],
+        "verify": ["library", "verify", "--library", str(tmp_path / "library")],
+    }[command]
     result = runner.invoke(app, args)
     assert result.exit_code != 0
     assert "sandbox cannot run here" in result.output and "no-bwrap-here" in result.output
+    assert 'isolation = "none"' in " ".join(result.output.split())
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
