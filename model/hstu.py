@@ -1,7 +1,9 @@
 """The HSTU layer: the sequence encoder of generative recommenders, over jagged histories.
 
-Its attention goes through `kernels.ops.jagged_attention`, so whichever kernel the library
-holds for the call's bucket runs in training and serving alike.
+Its attention goes through `kernels.ops.jagged_attention`, and the norm of its output with the
+gate through `kernels.ops.layer_norm_gate` (one pass over the activations, forward and
+backward), so whichever kernels the library holds for the calls' buckets run in training and
+serving alike.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.ops import jagged_attention
+from kernels.ops import jagged_attention, layer_norm_gate
 
 
 class HSTULayer(nn.Module):
@@ -55,5 +57,8 @@ class HSTULayer(nn.Module):
             num_targets=num_targets,
             rel_bias=self.rel_bias,
         )
-        gated_TI = self.norm_attn(attn_THD.reshape(x_TM.shape[0], self.num_heads * self.head_dim)) * u_TI
+        # norm_attn holds the norm's parameters (and its eps); the norm and the gate run as one op.
+        norm = self.norm_attn
+        attn_TI = attn_THD.reshape(x_TM.shape[0], self.num_heads * self.head_dim)
+        gated_TI = layer_norm_gate(attn_TI, u_TI, norm.weight, norm.bias, norm.eps)
         return x_TM + self.out(gated_TI)

@@ -143,6 +143,8 @@ def test_training_on_the_librarys_kernels_matches_the_reference_ops(
         "jagged_attention",
         "target_attention",
         "jagged_attention_grad",
+        "layer_norm_gate",
+        "layer_norm_gate_grad",
         "wukong_fm",
     } <= ran
     if config.heads.num_experts:
@@ -237,6 +239,7 @@ def test_the_profile_lists_every_op_a_step_calls(device: torch.device, reference
     expected = {
         "embedding_bags", "embedding_bags_update", "history_gather", "jagged_attention",
         "jagged_attention_grad", "gdpa", "gdpa_grad", "jagged_concat", "jagged_split", "wukong_fm",
+        "layer_norm_gate", "layer_norm_gate_grad",
     }  # fmt: skip
     assert set(profile.ops) == expected
     # The rest of the step by the torch op that ran it: the dense layers' matrix products, forward
