@@ -132,6 +132,7 @@ def test_a_campaign_plans_from_the_model_and_reports_its_step(tmp_path: Path, mo
         "embedding_bags",
         "history_gather",
         "jagged_attention",
+        "layer_norm_gate",
         "target_attention",
         "wukong_fm",
     }
