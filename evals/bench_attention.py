@@ -1,6 +1,7 @@
-"""Attention-family op benchmark: per op, timing shape and pass (fwd, bwd, fwd+bwd), the kernel
-under test (`kernels.ops.<op>`) and every baseline that applies, timed the same way side by side
-in one process (sandbox.timing: events, L2 flush, median with p20-p80).
+"""Per-pass op benchmark (the attention family, and every op whose gradients are a gradient op):
+per op, timing shape and pass (fwd, bwd, fwd+bwd), the kernel under test (`kernels.ops.<op>`)
+and every baseline that applies, timed the same way side by side in one process
+(sandbox.timing: events, L2 flush, median with p20-p80).
 
 Throughput is on useful FLOPs only (`Problem.flops`: allowed (query, key) pairs, never padding
 or masked pairs):
@@ -14,6 +15,9 @@ or masked pairs):
     TFLOP/s          = FLOPs / median time
     fraction of peak = TFLOP/s / the bf16 matrix-product TFLOP/s measured in this same run
                        (an 8192-cube torch.matmul on random data, the best of three medians)
+    GB/s             = the pass's minimum bytes / median time: the forward problem's
+                       `Problem.bytes` for fwd, the gradient problem's for bwd, their sum for
+                       fwd+bwd (the figure that matters for memory-bound ops, a norm's say)
     peak memory      = torch.cuda.max_memory_allocated during one call, less what was allocated
                        before it (the inputs; for bwd also the forward's saved tensors)
     kernel speedup   = a baseline's median time / the kernel's, per shape and pass
@@ -63,6 +67,16 @@ def pass_flops(forward_flops: float, pass_name: str) -> float:
     """Useful FLOPs of a pass from the forward's (see the module docstring)."""
     factor = {"fwd": 1.0, "bwd": BWD_FLOP_FACTOR, "fwd+bwd": 1.0 + BWD_FLOP_FACTOR}[pass_name]
     return factor * forward_flops
+
+
+def pass_bytes(op: str, shape: Shape, pass_name: str) -> float:
+    """Minimum bytes of a pass: the forward problem's for fwd, its gradient problem's (on the
+    same shape: a gradient problem draws the forward's inputs) for bwd, both for fwd+bwd."""
+    forward = get_problem(op).bytes(shape)
+    if pass_name == "fwd":
+        return forward
+    backward = get_problem(get_op(op).backward.gradient_op).bytes(shape)
+    return backward if pass_name == "bwd" else forward + backward
 
 
 def measure_matmul_peak(device: torch.device, rounds: int = PEAK_ROUNDS) -> float | None:
@@ -324,6 +338,7 @@ def run_attention_benchmark(
         "p20-p80 ms",
         "TFLOP/s",
         "of bf16 peak",
+        "GB/s",
         "peak mem",
         "kernel speedup",
         "check",
@@ -348,9 +363,13 @@ def run_attention_benchmark(
             kernel_us = results.get(KERNEL, {}).get("stats")
             kernel_us = kernel_us.median_us if kernel_us else None
             flops = pass_flops(forward_flops, pass_name)
+            moved = pass_bytes(op, shape, pass_name)
             timed = {n: r["stats"].median_us for n, r in results.items() if "stats" in r}
             for name, r in results.items():
                 row = _row(op, name, shape, pass_name, flops, peak, r, kernel_us, timed)
+                row |= {"bytes": moved}
+                if "p50_us" in row:
+                    row["gbps"] = moved / (row["p50_us"] * 1e-6) / 1e9
                 row |= run.fields()
                 rows.append(row)
                 table.add_row(*_cells(row))
@@ -398,7 +417,7 @@ def _cells(row: dict) -> list[str]:
     head = [row["shape"], row["pass"], row["provider"]]
     if "p50_us" not in row:
         note = (row.get("error") or row.get("skipped") or "")[:48]
-        return [*head, "-", "-", "-", "-", "-", "-", f"[red]{note}[/]" if row.get("error") else note]
+        return [*head, "-", "-", "-", "-", "-", "-", "-", f"[red]{note}[/]" if row.get("error") else note]
     mem = row["peak_mem_bytes"]
     check = {True: "ok", False: f"WRONG {row['message'][:40]}", None: "-"}[row["correct"]]
     speedup = row.get("kernel_speedup")
@@ -408,6 +427,7 @@ def _cells(row: dict) -> list[str]:
         f"{row['p20_us'] / 1e3:.3f}-{row['p80_us'] / 1e3:.3f}",
         f"{row['tflops']:.3g}",
         f"{100 * row['peak_fraction']:.0f}%" if row["peak_fraction"] else "n/a",
+        f"{row['gbps']:.0f}" if row.get("gbps") is not None else "-",
         f"{mem / 2**20:.0f} MiB" if mem is not None else "n/a",
         f"{speedup:.2f}x" if speedup else "-",
         check,

@@ -1,7 +1,8 @@
 """Op benchmarks: every provider of an op timed the same way, side by side, in one process.
-An op whose declaration computes its gradients with a gradient op (the attention ops) is timed
-per pass instead (evals/bench_attention.py: forward and backward through kernels.ops, TFLOP/s on
-useful FLOPs); `run_op_benchmark` hands it over.
+An op whose declaration computes its gradients with a gradient op (the attention ops,
+layer_norm_gate) is timed per pass instead (evals/bench_attention.py: forward and backward
+through kernels.ops, TFLOP/s on useful FLOPs and GB/s on minimum bytes); `run_op_benchmark`
+hands it over.
 
 Embedding-bag throughput is on the problem's minimum bytes (`Problem.bytes`: each gathered row
 read once per occurrence, indices and offsets read, output written once):
