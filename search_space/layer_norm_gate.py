@@ -21,6 +21,7 @@ from search_space.template import Knob, KnobTemplate
 
 NAME = ENTRY = "layer_norm_gate"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def reference(
@@ -41,7 +42,8 @@ def eager(x, u, weight, bias, eps=1e-5):
 
 def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     """x ~ offset + scale * N(0, 1) (every `constant_every`-th row one value instead, the first
-    of them 0), u ~ N(0, 1), weight ~ 1 + 0.1 N(0, 1) and bias ~ 0.1 N(0, 1) in fp32."""
+    of them 0), u ~ N(0, 1), weight ~ 1 + 0.1 N(0, 1) and bias ~ 0.1 N(0, 1) in `param_dtype`
+    (fp32 unless the shape names another)."""
     p, dtype = shape.params, shape.torch_dtype
     gen = torch.Generator().manual_seed(seed)
     total, dim = p["tokens"], p["dim"]
@@ -60,8 +62,8 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
         args=(
             x.to(device, dtype),
             u.to(device, dtype),
-            weight.to(device),
-            bias.to(device),
+            weight.to(device, PARAM_DTYPES[p.get("param_dtype", "fp32")]),
+            bias.to(device, PARAM_DTYPES[p.get("param_dtype", "fp32")]),
             float(p.get("eps", 1e-5)),
         )
     )
@@ -96,19 +98,25 @@ _s = Shape.of
 # Edge cases: no rows; one row; widths that are no power of two (100, 200: a padded tile); rows
 # of one value (variance 0, the first of them zeros: a variance taken as E[x^2] - E[x]^2, or a
 # mean an ulp off, leaves them normalized values far from 0, which fp32's bounds see); magnitudes
-# far from 1, three standard deviations off zero (squares of fp16 values overflow fp16); an eps
-# other than the default; fp16.
+# far from 1, three standard deviations off zero (squares of fp16 values overflow fp16); rows
+# whose variance is near eps (eps misplaced or dropped moves every element); rows wider than the
+# model's, to 2100 columns (a kernel that caps its tile); parameters in bf16 and fp16 (their
+# gradients come back in their dtype); an eps other than the default; fp16.
 CHECK_SHAPES = (
     _s("empty", "fp32", tokens=0, dim=512),
     _s("empty", "bf16", tokens=0, dim=512),
     _s("one-row", "fp32", tokens=1, dim=100),
     _s("odd-width", "bf16", tokens=37, dim=200),
-    _s("odd-width", "fp16", tokens=19, dim=100),
+    _s("odd-width", "fp16", tokens=19, dim=100, param_dtype="fp16"),
     _s("constant-rows", "fp32", tokens=24, dim=100, constant_every=3),
     _s("constant-rows", "bf16", tokens=24, dim=200, constant_every=3),
     _s("large-magnitude", "fp32", tokens=16, dim=256, scale=1e4, offset=3e4),
     _s("large-magnitude", "bf16", tokens=16, dim=256, scale=1e3, offset=2e3),
     _s("large-magnitude", "fp16", tokens=16, dim=256, scale=1e3, offset=2e3),
+    _s("small-variance", "bf16", tokens=16, dim=256, scale=3e-3),
+    _s("small-variance", "fp32", tokens=8, dim=128, scale=2e-3),
+    _s("wide", "bf16", tokens=9, dim=1000, param_dtype="bf16"),
+    _s("wide", "fp32", tokens=3, dim=2100),
     _s("hstu-width", "fp32", tokens=33, dim=512, eps=1e-6),
     _s("hstu-width", "bf16", tokens=70, dim=512),
 )

@@ -117,8 +117,14 @@ TEMPLATE = KnobTemplate(
     constraint=lambda knobs: None,
 )
 
+# The forward's check shapes, and one of more rows than every configuration's programs times
+# their rows a step (4096 x 16 at most): each program then walks several blocks of rows, and
+# the parameters' gradients sum hundreds of partial sums (on a GPU's defaults; four interpreted).
+CHECK_SHAPES = (*forward.CHECK_SHAPES, Shape.of("many-rows", "bf16", tokens=70_001, dim=128))
+
 PROBLEM = dataclasses.replace(
     forward.PROBLEM,
+    check_shapes=CHECK_SHAPES,
     name=NAME,
     entry=ENTRY,
     op_family="normalization-grad",
