@@ -149,9 +149,11 @@ def _backward_config(block_d: int, interpreted: bool) -> dict:
     """Launch parameters of the gradients. On a GPU (untuned: not yet measured): about 2048
     elements a step (4 rows of 512 columns), 16 a thread in 4 warps, whose five row tiles and two
     accumulators stay in registers; about a thousand programs, each walking its share of the
-    rows. Interpreted: up to 64 rows a step and at most 4 programs."""
+    rows. Interpreted: up to 64 rows a step and at most 64 programs (as many NumPy calls in all
+    as fewer programs of more steps, and the partial sums' loop takes more than one block of
+    them on the gradient problem's many-rows shape)."""
     if interpreted:
-        return {"BLOCK_T": max(1, min(64, 16384 // block_d)), "num_warps": 4, "PROGRAMS": 4}
+        return {"BLOCK_T": max(1, min(64, 16384 // block_d)), "num_warps": 4, "PROGRAMS": 64}
     block_t = max(1, min(16, 2048 // block_d))
     return {"BLOCK_T": block_t, "num_warps": max(1, min(8, block_t * block_d // 512)), "PROGRAMS": 1024}
 
