@@ -479,10 +479,15 @@ class Session:
     """The judge's side of one evaluation's calls."""
 
     def __init__(
-        self, runner: RunnerProcess, problem: Problem, device: torch.device, locks: list[str]
+        self,
+        runner: RunnerProcess,
+        problem: Problem,
+        device: torch.device,
+        locks: list[str],
+        on_wait: Callable[[float], None] | None = None,
     ) -> None:
         self.runner, self.problem, self.device, self.locks = runner, problem, device, locks
-        self.on_wait: Callable[[float], None] | None = None
+        self.on_wait = on_wait
         self.kind = "cuda" if device.type == "cuda" else "cpu"
         self.next_call = 1
         self.input_region: tuple[shared.Region, int] | None = None
@@ -1189,8 +1194,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     try:
         ev.clock.start("start")
         runner = RunnerProcess(request, gpu=ev.device.type == "cuda", deadline=deadline)
-        ev.session = Session(runner, ev.problem, ev.device, request.timing_locks)
-        ev.session.on_wait = ev.clock.waited
+        ev.session = Session(runner, ev.problem, ev.device, request.timing_locks, on_wait=ev.clock.waited)
         runner.ask({"op": "ping"}, where="start")
         ev.clock.start("load")
         load = {"op": "load", "source_file": request.source_file, "entry": request.entry,
