@@ -133,13 +133,13 @@ def run_op_benchmark(
         args, kwargs = arg_sets[0]
         first = Inputs(args=args, kwargs=kwargs)
         nbytes, nflops = problem.bytes(shape), problem.flops(shape)
-        tol, scale = problem.closeness(shape.dtype, first)
         # An op that updates its arguments is checked on copies of them (Problem.result); timed
         # calls update the same ones again and again, as training steps do.
         pristine = first.clone() if problem.updates else first
         fresh = pristine.clone if problem.updates else (lambda kept=first: kept)
         checked = fresh()
         ref = problem.result(checked, problem.reference(*checked.args, **checked.kwargs))
+        tol, scale = problem.closeness(shape.dtype, first, ref)
         results = {}
         for name, fn in _providers(problem, lib, device, shape).items():
             call = fresh()

@@ -786,7 +786,7 @@ class Evaluation:
             if not self.session.inputs_unchanged(call, pristine):
                 self.checks.append(ShapeCheck(**base, ok=False, message="the candidate modified its inputs"))
                 raise Verdict(Status.WRONG, f"{where}: the candidate modified its inputs")
-            ok, details = compare(got, ref, *self.problem.closeness(call.shape.dtype, pristine))
+            ok, details = compare(got, ref, *self.problem.closeness(call.shape.dtype, pristine, ref))
             wrong = self.problem.verify(pristine, got) if ok and self.problem.verify is not None else None
             if wrong is not None:
                 ok, details = False, {**details, "message": wrong}
@@ -845,7 +845,7 @@ class Evaluation:
             second = self.check(
                 calls[1:], outputs[1:], trial, where=f"{where}, second call on the same inputs"
             )
-            tol, _ = self.problem.closeness(shape.dtype, call.inputs)
+            tol, _ = self.problem.closeness(shape.dtype, call.inputs, got[0])
             again, _ = compare(second[0], got[0], tol, None)
             if not again:
                 self.checks.append(ShapeCheck(shape=shape.name, dtype=shape.dtype, trial=trial, ok=False,
@@ -889,7 +889,7 @@ class Evaluation:
             return
         finally:
             self.session.drop(calls=[call])
-        still_ok, _ = compare(got, ref, *self.problem.closeness(shape.dtype, pristine))
+        still_ok, _ = compare(got, ref, *self.problem.closeness(shape.dtype, pristine, ref))
         if still_ok:
             message = "output is still correct with every Triton kernel disabled"
             self.checks.append(ShapeCheck(**proof, ok=False, message=message))

@@ -312,7 +312,7 @@ def check_shape(
             seen.add(storage)
             if held is not None:
                 held.append(tensor)
-    tol, scale = problem.closeness(shape.dtype, pristine)
+    tol, scale = problem.closeness(shape.dtype, pristine, ref)
     ok, details = compare(out, ref, tol, scale)
     wrong = problem.verify(pristine, out) if ok and problem.verify is not None else None
     if wrong is not None:

@@ -90,7 +90,9 @@ def bytes_moved(shape: Shape) -> float:
 
 
 # dx and du are rounded once to the inputs' dtype from fp32, as the forward's output is: its
-# bf16 and fp16 bounds (dweight and dbias, fp32 sums, come well within them). In fp32, dx
+# bf16 and fp16 bounds. dweight and dbias come back in the parameters' dtype, and each output is
+# judged by its own dtype's bounds (Problem.closeness): fp32 parameters' gradients by fp32's
+# whatever the activations' dtype. In fp32, dx
 # combines three terms of its row's scale (dy w, its mean, xhat times a mean of products), and
 # dweight and dbias sum up to 250k rows (at the timing shapes) in per-program partial sums: the
 # order of those sums moves an element by about 2^-24 sqrt(number of partial sums) of the

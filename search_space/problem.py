@@ -234,19 +234,29 @@ class Problem:
             return self.without_statistics(inputs)
         return Inputs(args=inputs.args, kwargs={**inputs.kwargs, self.statistics.flag: True})
 
-    def closeness(self, dtype: str, inputs: Inputs) -> tuple[Tolerance | tuple, float | None | tuple]:
-        """(tolerance, error scale) to compare a call's output with: per output, (output,
-        statistics), where the call asks for the statistics."""
+    def closeness(
+        self, dtype: str, inputs: Inputs, ref: Any
+    ) -> tuple[Tolerance | tuple, float | None | tuple]:
+        """(tolerance, error scale) to compare a call's output with, given the reference's output
+        `ref`. Where the call asks for the statistics: per output, (output, statistics). Where the
+        op returns (or updates) several tensors, each is judged by the tolerance of its own
+        dtype: a bf16 call's fp32 gradient of a parameter is held to fp32's bounds, not to
+        bf16's, which would let it come back rounded to bf16."""
         tol, scale = self.tolerance(dtype), self.tolerance_scale(inputs)
-        if self.updates:
-            updated = self.result(inputs, None)
-            return tuple(self.tolerance(DTYPE_NAMES[t.dtype]) for t in updated), scale
-        if not self.wants_statistics(inputs):
-            return tol, scale
-        assert self.statistics is not None
-        if dtype not in self.statistics.tolerances:
-            raise ValueError(f"problem {self.name!r} has no statistics tolerance for dtype {dtype!r}")
-        return (tol, self.statistics.tolerances[dtype]), (scale, None)
+        if self.wants_statistics(inputs):
+            assert self.statistics is not None
+            if dtype not in self.statistics.tolerances:
+                raise ValueError(f"problem {self.name!r} has no statistics tolerance for dtype {dtype!r}")
+            return (tol, self.statistics.tolerances[dtype]), (scale, None)
+        if isinstance(ref, tuple | list):
+            return tuple(self._tolerance_of(t, tol) for t in ref), scale
+        return tol, scale
+
+    def _tolerance_of(self, output: Any, call_tolerance: Tolerance) -> Tolerance:
+        """The tolerance of one output of several: its dtype's, or the call's for an output of
+        a dtype the problem sets none for (or not a tensor: the comparison then says so)."""
+        name = DTYPE_NAMES.get(output.dtype) if isinstance(output, torch.Tensor) else None
+        return self.tolerances.get(name, call_tolerance)
 
     def updated(self, inputs: Inputs) -> list[bool]:
         """For each of `inputs.tensors()`, in order, whether the call updates it in place."""

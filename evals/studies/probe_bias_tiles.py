@@ -39,7 +39,7 @@ def try_tile(shape_name: str, dtype: str, tile: dict | None) -> dict:
     got = ops.jagged_attention(*inputs.args, **inputs.kwargs)
     torch.cuda.synchronize()
     ref = problem.reference(*inputs.args, **inputs.kwargs)
-    ok, detail = compare(got, ref, *problem.closeness(shape.dtype, inputs))
+    ok, detail = compare(got, ref, *problem.closeness(shape.dtype, inputs, ref))
     return {"ok": ok, "detail": detail.get("message", "")}
 
 

@@ -73,13 +73,35 @@ def test_closeness_asks_for_the_statistics_bound_only_where_the_call_asks_for_th
     assert asking.kwargs["return_lse"] is True and "return_lse" not in plain.kwargs
     scale = jagged.tolerance_scale(plain)
     assert scale is not None
-    assert jagged.closeness("bf16", plain) == (jagged.tolerance("bf16"), scale)
-    assert jagged.closeness("bf16", asking) == (
+    out = jagged.reference(*plain.args, **plain.kwargs)
+    assert jagged.closeness("bf16", plain, out) == (jagged.tolerance("bf16"), scale)
+    assert jagged.closeness("bf16", asking, jagged.reference(*asking.args, **asking.kwargs)) == (
         (jagged.tolerance("bf16"), jagged.statistics.tolerances["bf16"]),
         (scale, None),
     )
     bags = PROBLEM.make_inputs(CHECK_SHAPES[0], 0, CPU)  # embedding bags save nothing
-    assert PROBLEM.closeness("fp32", bags) == (TOL, PROBLEM.tolerance_scale(bags))
+    assert PROBLEM.closeness("fp32", bags, reference(*bags.args, **bags.kwargs)) == (
+        TOL,
+        PROBLEM.tolerance_scale(bags),
+    )
+
+
+def test_each_output_of_several_is_held_to_its_own_dtypes_tolerance() -> None:
+    """A bf16 call of layer_norm_gate_grad returns bf16 dx and du beside fp32 dweight and dbias:
+    those are held to fp32's bounds, so that rounding them to bf16 is wrong (under the call's
+    bf16 tolerance it passed)."""
+    grad = get_problem("layer_norm_gate_grad")
+    shape = next(s for s in grad.check_shapes if s.dtype == "bf16" and s.params["tokens"] > 0)
+    inputs = grad.make_inputs(shape, 0, CPU)
+    ref = grad.reference(*inputs.args, **inputs.kwargs)
+    assert [t.dtype for t in ref] == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]
+    tol, _ = grad.closeness("bf16", inputs, ref)
+    assert tol == (grad.tolerance("bf16"),) * 2 + (grad.tolerance("fp32"),) * 2
+    assert compare(ref, ref, tol)[0]
+    rounded = (*ref[:2], *(t.to(torch.bfloat16).float() for t in ref[2:]))
+    assert compare(rounded, ref, grad.tolerance("bf16"))[0]  # what the call's tolerance let through
+    ok, details = compare(rounded, ref, tol)
+    assert not ok and details["message"].startswith("output 2:")
 
 
 def test_error_outside_tolerance_names_the_element() -> None:
