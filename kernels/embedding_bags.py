@@ -4,8 +4,10 @@ Forward:  out[b, dim_offsets[f] + c] = reduce_{i in bag (f, b)} psw[i] * W_f[ind
 Backward: grad[weight_offsets[f] + indices[i] * dim_f + c] += psw[i] * grad_out[b, dim_offsets[f] + c]
           (/ len(bag) for mean), W_f row r = weights[weight_offsets[f] + r * dim_f :][:dim_f]
 
-One launch serves every feature. A forward program takes one feature's block of bags and one
-block of columns of the widest feature; programs past their feature's dim exit at once. Inside,
+One launch serves every feature. A forward program takes one block of bags and one block of
+columns of one feature: the grid numbers every feature's column blocks in turn, so a narrow
+feature launches only the programs its dim needs (a grid over the widest feature's blocks
+launched 60% of its programs past their feature's dim at the timing shapes). Inside,
 it is the single-table kernel (kernels/embedding_bag.py): BLOCK_B bags advance together and
 gather a [BLOCK_B, BLOCK_L, BLOCK_D] tile of rows per step (many independent loads in flight
 hide HBM latency on random rows), accumulated in fp32, rounded once. The backward scatters
@@ -53,9 +55,10 @@ def _embedding_bags_fwd_kernel(
     out_ptr,
     stride_out_row,
     num_bags,
-    num_bag_blocks,
+    num_features,
     HAS_PSW: tl.constexpr,
     MODE_MEAN: tl.constexpr,
+    FEATURES: tl.constexpr,
     ACC_3D: tl.constexpr,
     EVICT_ROWS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -63,15 +66,27 @@ def _embedding_bags_fwd_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    feature = tl.program_id(0) // num_bag_blocks
-    first_col = tl.load(dim_offsets_ptr + feature)
-    dim = tl.load(dim_offsets_ptr + feature + 1) - first_col
-    cols_D = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    if tl.program_id(1) * BLOCK_D >= dim:
+    # Axis 1 numbers the column blocks of every feature in turn (a feature of dim d has
+    # cdiv(d, BLOCK_D) of them), so no program is launched for columns past a narrow feature's
+    # dim; the grid's count is a bound taken on the host, and programs past the last block exit.
+    f_F = tl.arange(0, FEATURES)
+    in_F = f_F < num_features
+    lo_F = tl.load(dim_offsets_ptr + f_F, mask=in_F, other=0)
+    dim_F = tl.load(dim_offsets_ptr + f_F + 1, mask=in_F, other=0) - lo_F
+    blocks_F = (dim_F + BLOCK_D - 1) // BLOCK_D
+    ends_F = tl.cumsum(blocks_F, axis=0)
+    block = tl.program_id(1)
+    feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
+    if feature >= num_features:
         return
+    this_F = f_F == feature
+    first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
+    dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)
+    col_block = block - tl.sum(tl.where(this_F, ends_F - blocks_F, 0), axis=0)
+    cols_D = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask_D = cols_D < dim
     table_ptr = weights_ptr + tl.load(weight_offsets_ptr + feature)
-    bags_B = (tl.program_id(0) % num_bag_blocks).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bags_B = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     bag_mask_B = bags_B < num_bags
     keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
     start_B = tl.load(offsets_ptr + keyed_B, mask=bag_mask_B, other=0).to(tl.int64)
@@ -212,8 +227,10 @@ def embedding_bags_forward(
     cfg = _forward_config(max_dim, weights.element_size(), mean_ids, interpreted=weights.device.type == "cpu")
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
     has_psw = per_sample_weights is not None
-    num_bag_blocks = triton.cdiv(num_bags, cfg["BLOCK_B"])
-    grid = (num_features * num_bag_blocks, triton.cdiv(max_dim, cfg["BLOCK_D"]))
+    # Every feature's column blocks: at most cdiv(dim_f, BLOCK_D) <= (dim_f + BLOCK_D - 1) / BLOCK_D
+    # each, summed from the dims' total (the dims themselves are on the device).
+    column_blocks = (total_dim + num_features * (cfg["BLOCK_D"] - 1)) // cfg["BLOCK_D"]
+    grid = (triton.cdiv(num_bags, cfg["BLOCK_B"]), column_blocks)
     _embedding_bags_fwd_kernel[grid](
         weights,
         weight_offsets,
@@ -224,9 +241,10 @@ def embedding_bags_forward(
         out,
         out.stride(0),
         num_bags,
-        num_bag_blocks,
+        num_features,
         HAS_PSW=has_psw,
         MODE_MEAN=mode == "mean",
+        FEATURES=triton.next_power_of_2(num_features),
         EVICT_ROWS=KNOBS["EVICT_ROWS"],
         NUM_STAGES=KNOBS["num_stages"],
         num_stages=1,

@@ -172,7 +172,7 @@ SLIPS = {
         "table_ptr = weights_ptr",
     ),
     "no-column-offset": ("* stride_out_row + first_col + cols_D", "* stride_out_row + cols_D"),
-    "no-mean": ('MODE_MEAN=mode == "mean",\n        EVICT', "MODE_MEAN=False,\n        EVICT"),
+    "no-mean": ('MODE_MEAN=mode == "mean",\n        FEATURES', "MODE_MEAN=False,\n        FEATURES"),
 }
 
 
