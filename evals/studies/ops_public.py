@@ -22,6 +22,7 @@ microseconds until one call returns (launches only, the GPU idle at its start).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -82,6 +83,43 @@ def embedding_bag_case(rows: int, dim: int, bags: int, kind: tuple, weighted: bo
             return ops.embedding_bag(leaves[0], indices, offsets, per_sample_weights=psw)
 
         return call, [weight], {"ids": nnz}
+
+    return build
+
+
+# The table-batched lookup's tables (rows, dim), as its timing shapes have them
+# (search_space/embedding_bags.py; this script imports no more of recforge than `kernels`).
+BAG_TABLES = (
+    (4_000_000, 64), (2_000_000, 128), (1_000_000, 128), (1_000_000, 32), (500_000, 256),
+    (200_000, 64), (100_000, 16), (50_000, 128), (20_000, 32), (10_000, 256), (10_000, 64),
+    (10_000, 16),
+)  # fmt: skip
+
+
+def embedding_bags_case(batch: int, features: int, pooled: int = 0):
+    """Feature f looks up table f mod 12 (every table's rows in one flat buffer); the first
+    `pooled` features hold power-law bags of up to 120 ids, the others one to three."""
+
+    def build(ops, dtype, gen):
+        tables = BAG_TABLES
+        sizes = [rows * dim for rows, dim in tables]
+        starts = [0, *itertools.accumulate(sizes)]
+        which = [f % len(tables) for f in range(features)]
+        dims = [tables[t][1] for t in which]
+        weight_offsets = torch.tensor([starts[t] for t in which], device=DEVICE)
+        dim_offsets = torch.tensor([0, *itertools.accumulate(dims)], device=DEVICE)
+        lengths = torch.cat([_lengths(_PL120 if f < pooled else _SHORT, batch, gen) for f in range(features)])
+        offsets = _offsets(lengths)
+        bag_rows = torch.tensor([tables[t][0] for t in which], device=DEVICE).repeat_interleave(batch)
+        rows = bag_rows.repeat_interleave(lengths)
+        indices = (torch.rand(rows.numel(), generator=gen, device=DEVICE) * rows).long()
+        weights = 0.1 * torch.randn(sum(sizes), generator=gen, device=DEVICE).to(dtype)
+        bounds = {"total_dim": sum(dims), "max_dim": max(dims)}
+
+        def call(leaves):
+            return ops.embedding_bags(leaves[0], weight_offsets, dim_offsets, indices, offsets, **bounds)
+
+        return call, [weights], {"ids": indices.numel()}
 
     return build
 
@@ -155,7 +193,13 @@ def target_attention_case(requests: int, candidates: tuple, seeds: int, history:
 # 256 sequences per GPU (median length about 500, up to 4096), 4 heads of 128; GDPA over 1024
 # samples with key lengths 256 to 2048 and 32 to 256 seeds; target attention at serving (15
 # requests x 70 candidates, or 1 x 2048) and training (256 users x 32 candidates).
-_EB, _JA, _GD, _TA = embedding_bag_case, jagged_attention_case, gdpa_case, target_attention_case
+_EB, _EBS, _JA, _GD, _TA = (
+    embedding_bag_case,
+    embedding_bags_case,
+    jagged_attention_case,
+    gdpa_case,
+    target_attention_case,
+)
 _BOTH, _BF16, _FP32 = ("fp32", "bf16"), ("bf16",), ("fp32",)
 _SHORT, _PL120 = ("short",), ("pl", 120)
 
@@ -174,6 +218,9 @@ CASES: dict[str, tuple[str, tuple[str, ...], object]] = {
     "eb/b256k-d64-4m-short": ("embedding_bag", _BOTH, _EB(4 * 10**6, 64, 262144, _SHORT)),
     "eb/b64k-d16-100k-short": ("embedding_bag", _BF16, _EB(10**5, 16, 65536, _SHORT)),
     "eb/b300k-d128-10m-short": ("embedding_bag", _BF16, _EB(10**7, 128, 300000, _SHORT)),
+    "ebs/b64k-f26-short": ("embedding_bags", _BF16, _EBS(65536, 26)),
+    "ebs/b128k-f32-mixed": ("embedding_bags", _BF16, _EBS(131072, 32, pooled=4)),
+    "ebs/b128k-f20-short": ("embedding_bags", _FP32, _EBS(131072, 20)),
     "ja/b256-l64to4096-silu-bias": ("jagged_attention", _BF16, _JA(256, _lu(64, 4096), "silu", bias=True)),
     "ja/b256-l64to4096-softmax-t32": ("jagged_attention", _BF16, _JA(256, _lu(64, 4096), "softmax", 32)),
     "ja/b1024-l1to64-silu-bias": ("jagged_attention", _BF16, _JA(1024, _u(1, 64), "silu", bias=True)),
