@@ -101,11 +101,15 @@ def verify_library(
             entry, mine if mine is not None else entry.median_us, per_bucket or entry.bucket_us
         )
         timed.append((entry, result))
-        detail = (
-            "correct"
-            if mine is None or theirs is None
-            else f"{mine:.1f} us against the default's {theirs:.1f}"
-        )
+        if mine is None:  # kept as it was: nothing to time it on
+            detail = (
+                f"correct; not timed: none of {entry.op}'s timing shapes falls in its buckets "
+                f"({', '.join(entry.buckets)}), so dispatch may never choose it"
+            )
+        elif theirs is None:
+            detail = f"{mine:.1f} us; the default kernel was not timed on its buckets"
+        else:
+            detail = f"{mine:.1f} us against the default's {theirs:.1f}"
         out.append(Verified(entry, "kept", detail))
     outdone = _outdone(timed)
     out = [

@@ -106,6 +106,24 @@ def test_an_entry_the_default_now_beats_is_demoted(tmp_path: Path) -> None:
     )
 
 
+def test_an_entry_whose_buckets_hold_no_timing_shape_says_it_was_not_timed(tmp_path: Path) -> None:
+    """An entry registered under a bucket the op no longer produces (the package library's first
+    entry served "d128" before buckets said the bag regime) cannot be timed: verify says so,
+    instead of calling it correct and nothing more."""
+    library = KernelLibrary(tmp_path / "lib")
+    old = library.add(
+        op=OP, entry=TEMPLATE.entry, source=TEMPLATE.render({"BLOCK_L": 8}) + "# old\n", arch="sm_90",
+        dtype="fp32", buckets=["d128"], median_us=50.0, interpreted=False, evidence={}, provenance={},
+    )  # fmt: skip
+    backend = _GpuTimes({"# old": 40.0, "def embedding_bag_forward": 100.0})
+    [row] = verify_library(library, backend, "sm_90")[0]
+    assert row.outcome == "kept" and row.entry.kernel_id == old.kernel_id
+    assert row.detail == (
+        "correct; not timed: none of embedding_bag's timing shapes falls in its buckets (d128), "
+        "so dispatch may never choose it"
+    )
+
+
 def test_an_entry_another_entry_now_beats_is_demoted_and_times_are_written_back(
     tmp_path: Path, monkeypatch
 ) -> None:
