@@ -160,6 +160,7 @@ def test_retries_malformed_output_and_repair_turns(tmp_path: Path, quick: QuickB
         ),
     ],
 )
+@pytest.mark.slow
 def test_llm_budgets_stop_the_campaign(tmp_path: Path, quick, budget, llm, expected) -> None:
     with FakeLLMServer(default=knob_replies(prompt_tokens=1000, completion_tokens=200)) as server:
         campaigns = Campaigns(tmp_path / "home")
@@ -173,6 +174,7 @@ def test_llm_budgets_stop_the_campaign(tmp_path: Path, quick, budget, llm, expec
     assert campaigns.store.count_evaluations(outcome.campaign_id) == 4  # the incumbent and three proposals
 
 
+@pytest.mark.slow
 def test_outage_pauses_the_llm_and_search_goes_on(tmp_path: Path, quick) -> None:
     events = Recorder()
     with FakeLLMServer(default=Fail(503, {"retry-after-ms": "1"})) as server:
@@ -196,6 +198,7 @@ def test_outage_pauses_the_llm_and_search_goes_on(tmp_path: Path, quick) -> None
     assert origins == ["library", "template", "template", "template", "template"]
 
 
+@pytest.mark.slow
 def test_llm_only_campaign_waits_out_an_outage(tmp_path: Path, quick) -> None:
     events = Recorder()
     with FakeLLMServer([Fail(500)], default=knob_replies()) as server:
@@ -267,6 +270,7 @@ def test_a_key_revoked_mid_campaign_stops_the_llm_and_the_campaign_says_why(tmp_
     assert campaigns.store.llm_pauses(outcome.campaign_id) == [(1.0, 2.0, "an outage")]
 
 
+@pytest.mark.slow
 def test_search_tunes_the_kernel_the_llm_wrote(tmp_path: Path, monkeypatch) -> None:
     backend = QuickBackend(speed=lambda c: 10.0 if "LLM-written" in c.source else hashed_speed(c))
     monkeypatch.setattr(agent.campaign, "make_backend", lambda *a, **k: backend)

@@ -56,6 +56,7 @@ def _evaluated_once(store: Store, campaign_id: str) -> list[str]:
 
 
 @pytest.mark.parametrize("point", ["after-reply-recorded", "after-outcome"])
+@pytest.mark.slow
 def test_a_reply_paid_for_before_a_kill_is_evaluated_after_the_resume_without_asking_again(
     tmp_path: Path, point: str
 ) -> None:
@@ -74,6 +75,7 @@ def test_a_reply_paid_for_before_a_kill_is_evaluated_after_the_resume_without_as
     assert _evaluated_once(campaigns.store, cid)[1] == paid["candidate_id"]  # after the incumbent
 
 
+@pytest.mark.slow
 def test_a_reask_cut_short_by_a_kill_continues_from_its_recorded_turns(tmp_path: Path) -> None:
     """Killed after an unusable reply is recorded, before it is asked again: the resume sends
     the re-ask of that conversation (the reply and the reason it was unusable), not a new one."""
@@ -91,6 +93,7 @@ def test_a_reask_cut_short_by_a_kill_continues_from_its_recorded_turns(tmp_path:
     assert _evaluated_once(campaigns.store, cid)[1] == paid["candidate_id"]
 
 
+@pytest.mark.slow
 def test_a_repair_cut_short_by_a_kill_continues_from_its_recorded_turns(tmp_path: Path) -> None:
     """A broken kernel goes back for repair; killed after the repair's unusable reply is
     recorded: the resume asks again within the repair (not the repair from its start), and the

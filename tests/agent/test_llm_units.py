@@ -395,6 +395,7 @@ VLLM_CONTEXT = (
 )
 
 
+@pytest.mark.slow
 def test_http_errors_are_told_apart(monkeypatch) -> None:
     monkeypatch.setenv(KEY_ENV, KEY)
     attempts = []

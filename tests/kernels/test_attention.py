@@ -306,6 +306,7 @@ def test_shifted_last_key_tile_with_tile_shapes(blocks: tuple[int, int], causal:
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.slow
 def test_jagged_attention_far_bias(causal: bool, device: torch.device) -> None:
     """Tiles far from the diagonal take the bias of at most two buckets without a per-score
     bucket (forward and bias gradient, below and, without the causal mask, above the diagonal);
@@ -576,6 +577,7 @@ def test_target_attention_rejects_bad_bounds(device: torch.device) -> None:
 # --- shared edge cases ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_int32_offsets(device: torch.device, empty_library) -> None:
     """int32 offsets, num_targets and cand_to_request, through every op."""
     options = {"max_seq_len": max(LENGTHS), "activation": "softmax", "causal": True}
@@ -690,6 +692,7 @@ OP_CASES = {
 
 
 @pytest.mark.parametrize("op_name", list(OP_CASES))
+@pytest.mark.slow
 def test_compiled_matches_eager(op_name: str, device: torch.device, empty_library) -> None:
     """The fake implementations and autograd registrations let torch.compile trace a caller in one
     graph; the compiled forward and gradients equal the eager ones."""
@@ -780,6 +783,7 @@ PROPERTY_SETTINGS = settings(
     with_bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
+@pytest.mark.slow
 def test_property_jagged_attention(
     device: torch.device,
     lengths: list[int],
@@ -810,6 +814,7 @@ def test_property_jagged_attention(
     num_seeds=st.integers(1, 20),
     seed=st.integers(0, 2**31 - 1),
 )
+@pytest.mark.slow
 def test_property_gdpa(
     device: torch.device,
     lengths: list[tuple[int, int]],

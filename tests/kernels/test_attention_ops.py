@@ -91,6 +91,7 @@ def test_public_signatures_are_the_ops() -> None:
         ("target_attention", True),
     ],
 )
+@pytest.mark.slow
 def test_the_custom_op_checks_out(
     case: str, statistics: bool | None, device: torch.device, empty_library
 ) -> None:
@@ -112,6 +113,7 @@ def test_the_custom_op_checks_out(
 
 
 @pytest.mark.parametrize("case", ["jagged_attention", "gdpa", "target_attention"])
+@pytest.mark.slow
 def test_the_gradient_op_checks_out(case: str, device: torch.device, empty_library) -> None:
     """recforge::<op>_grad, called as its problem calls a candidate; where its default reads the
     forward's saved output and statistics, with them too, to the same gradients."""
@@ -254,6 +256,7 @@ def test_a_library_forward_with_misshapen_statistics_is_named(
         getattr(ops, op)(*leaves, *inputs.args[3:], **inputs.kwargs)
 
 
+@pytest.mark.slow
 def test_a_backward_defines_the_ops_it_uses() -> None:
     """Defining one op defines the ops its backward calls (Backward.uses, and a gradient op), so
     the first backward finds them in any process, whatever was imported before."""

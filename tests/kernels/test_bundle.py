@@ -223,6 +223,7 @@ def test_the_commands_export_and_import(library: KernelLibrary, tmp_path: Path) 
     assert done.exit_code == 2 and "not a kernel bundle" in done.output and "Traceback" not in done.output
 
 
+@pytest.mark.slow
 def test_the_module_installs_and_names_what_is_wrong(library: KernelLibrary, tmp_path: Path) -> None:
     bundle.export(library.root, tmp_path / "b.tgz")
     run = [sys.executable, "-m", "kernels.bundle"]

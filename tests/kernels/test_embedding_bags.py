@@ -39,6 +39,7 @@ def _shape(name: str, dtype: str = "fp32") -> Shape:
 
 
 @pytest.mark.parametrize("problem", [PROBLEM, BACKWARD], ids=lambda p: p.name)
+@pytest.mark.slow
 def test_the_default_kernel_passes_every_check_shape(problem, device: torch.device, empty_library) -> None:
     fn = ops.op(problem.name)
     for trial, shape in enumerate(problem.check_shapes):

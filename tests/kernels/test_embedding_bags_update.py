@@ -24,12 +24,14 @@ from search_space.template import get_template
 PROBLEM = get_problem("embedding_bags_update")
 
 
+@pytest.mark.slow
 def test_the_default_kernel_passes_every_check_shape(device: torch.device) -> None:
     for trial, shape in enumerate(PROBLEM.check_shapes):
         result = check_shape(PROBLEM, ops.embedding_bags_update, shape, trial, device, repeat=True)
         assert result.ok, (shape.name, shape.dtype, result.message)
 
 
+@pytest.mark.slow
 def test_column_blocks_narrower_than_the_rows_pass_every_check_shape(
     monkeypatch, device: torch.device
 ) -> None:
@@ -44,6 +46,7 @@ def test_column_blocks_narrower_than_the_rows_pass_every_check_shape(
         assert result.ok, (shape.name, shape.dtype, result.message)
 
 
+@pytest.mark.slow
 def test_int64_keys_pass_every_check_shape(monkeypatch, device) -> None:
     """Buffers of 2^31 rows or more sort int64 keys: the same kernels on the other key type."""
     monkeypatch.setattr(kernel, "INT32_KEYS_BELOW", 0)
@@ -118,6 +121,7 @@ def test_several_steps_match_the_reference_and_torchs_sparse_path(
     assert not torch.equal(ours[0], PROBLEM.make_inputs(shape, 7, device).args[0])
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_is_unbiased(device: torch.device) -> None:
     """One sgd step that lands a quarter of the way between two bf16 values: rounded to nearest
     it never moves; stochastically, its mean over many seeds is the exact fp32 result."""
@@ -258,6 +262,7 @@ def test_bad_arguments_are_named(change: dict, match: str, device: torch.device)
 
 
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+@pytest.mark.slow
 def test_the_sandbox_accepts_the_default_and_refuses_skipped_rows_and_host_updates(tmp_path) -> None:
     backend = LocalBackend(timeout_s=240, scratch_root=tmp_path)
     template = get_template("embedding_bags_update")

@@ -165,6 +165,7 @@ def test_backward_returns_what_a_wrong_registered_kernel_computes(
         torch.testing.assert_close(got, -want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compiled_backward_dispatches_inside_the_op(
     device: torch.device, empty_library: KernelLibrary
 ) -> None:

@@ -120,6 +120,7 @@ def test_concat_and_split_are_each_others_gradient(dtype) -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
+@pytest.mark.slow
 def test_the_custom_op_checks_out(name) -> None:
     problem = get_problem(name)
     inputs = problem.make_inputs(problem.check_shapes[0], 0, CPU)

@@ -17,6 +17,7 @@ from search_space.layer_norm_gate import reference
 
 
 @pytest.mark.parametrize("name", ["layer_norm_gate", "layer_norm_gate_grad"])
+@pytest.mark.slow
 def test_the_default_kernels_pass_every_check_shape(name: str, device: torch.device, empty_library) -> None:
     problem = get_problem(name)
     fn = ops.op(name)

@@ -291,6 +291,7 @@ def test_a_source_edited_after_its_check_is_refused_at_load_and_dispatch_moves_o
     assert _resolve() == "default"
 
 
+@pytest.mark.slow
 def test_dispatch_sees_a_write_of_this_process_at_once_and_another_processes_soon(
     empty_library, monkeypatch: pytest.MonkeyPatch
 ) -> None:

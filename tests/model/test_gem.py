@@ -111,6 +111,7 @@ def test_the_users_work_is_done_once_per_request(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("variant", ["target-silu", "experts"])
+@pytest.mark.slow
 def test_training_on_the_librarys_kernels_matches_the_reference_ops(
     variant: str, device: torch.device
 ) -> None:
@@ -226,6 +227,7 @@ ON_A_GPU = pytest.mark.skipif(
 @pytest.mark.parametrize(
     "references", [True, pytest.param(False, marks=ON_A_GPU)], ids=["references", "kernels"]
 )
+@pytest.mark.slow
 def test_the_profile_lists_every_op_a_step_calls(device: torch.device, references: bool) -> None:
     """On the references and on the default kernels (whose launches, on a GPU, the profiler
     credits to the library's ranges, not again to the autograd Function around them)."""
@@ -257,6 +259,7 @@ def test_the_profile_lists_every_op_a_step_calls(device: torch.device, reference
             assert row.calls >= 1 and row.ms >= 0 and row.gflops is not None and row.mbytes > 0, row
 
 
+@pytest.mark.slow
 def test_a_registered_kernel_replaces_the_default_in_training_and_serving(
     empty_library: KernelLibrary, device: torch.device
 ) -> None:
@@ -383,6 +386,7 @@ def test_the_first_wukong_layer_computes_the_user_half_once_as_the_whole_layer_w
 
 
 @pytest.mark.parametrize("references", [True, False], ids=["reference-ops", "library-kernels"])
+@pytest.mark.slow
 def test_a_training_step_runs_under_bf16_autocast(references: bool) -> None:
     """As a GPU trains (bf16 autocast), here on the CPU: the ops run outside autocast with the
     dtypes they are given, their references and formulas too, and the loss agrees with fp32."""

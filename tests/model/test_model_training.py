@@ -29,6 +29,7 @@ def _config(**train):
 
 
 @pytest.mark.usefixtures("references")
+@pytest.mark.slow
 def test_the_tiny_model_learns_the_hidden_model() -> None:
     trainer = Trainer(_config(steps=60))
     history = trainer.fit()
@@ -39,6 +40,7 @@ def test_the_tiny_model_learns_the_hidden_model() -> None:
     assert all(s.examples_per_s > 0 and s.mfu is None for s in history.steps)  # no peak on a CPU
 
 
+@pytest.mark.slow
 def test_the_fused_embedding_update_trains_as_the_unfused_one() -> None:
     """Two steps on the library's kernels: the tables stepped in their backward (one fused
     update per step, every lookup's gradient joined: a candidate's item row is a feature, a
@@ -71,6 +73,7 @@ def test_the_fused_embedding_update_trains_as_the_unfused_one() -> None:
 
 
 @pytest.mark.usefixtures("references")
+@pytest.mark.slow
 def test_a_resumed_run_continues_exactly(tmp_path: Path) -> None:
     straight = Trainer(_config(steps=4))
     straight.fit()
@@ -109,6 +112,7 @@ def test_resuming_with_another_config_is_refused(tmp_path: Path) -> None:
         Trainer.resume(tmp_path / "absent.pt")
 
 
+@pytest.mark.slow
 def test_the_command_line_trains_and_resumes(tmp_path: Path) -> None:
     checkpoint, out = tmp_path / "tiny.pt", tmp_path / "train.json"
     args = ["model", "train", "--config", "tiny", "--reference-ops", "--checkpoint", str(checkpoint)]
@@ -151,6 +155,7 @@ def test_a_run_cut_short_keeps_the_steps_it_logged(tmp_path: Path, monkeypatch) 
     assert [p.name for p in tmp_path.iterdir()] == ["train.json"]  # nothing half written beside it
 
 
+@pytest.mark.slow
 def test_the_command_line_serves_and_profiles(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     serve = ["model", "serve-bench", "--config", "tiny", "--reference-ops", "--candidates", "4,16"]

@@ -130,6 +130,7 @@ def test_a_shard_starts_with_the_rows_of_the_whole_table() -> None:
 @pytest.mark.parametrize(
     ("world", "device"), [(3, "cpu"), pytest.param(2, "cuda", marks=pytest.mark.two_gpus)]
 )
+@pytest.mark.slow
 def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(
     tmp_path: Path, world: int, device: str
 ) -> None:
@@ -152,6 +153,7 @@ def test_sharded_lookups_and_fused_updates_match_the_unsharded_tables(
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.two_gpus)])
+@pytest.mark.slow
 def test_data_parallel_training_takes_the_steps_that_one_process_takes(tmp_path: Path, device: str) -> None:
     """Two ranks, each on its part of every batch (balanced by attention work), the tables
     sharded (one row-wise, the rest placed by size), experts whose balancing loss weighs much:
@@ -171,6 +173,7 @@ def test_data_parallel_training_takes_the_steps_that_one_process_takes(tmp_path:
         assert "checkpoint files of rank(s) [1] of 2 are missing" in missing, missing
 
 
+@pytest.mark.slow
 def test_the_command_line_trains_on_two_ranks_and_resumes_them(tmp_path: Path) -> None:
     """`recforge model train --nproc 2` (torchrun, gloo on CPUs): the options reach the ranks,
     a checkpoint per rank, resumed by a run of as many ranks, refused by a run of another

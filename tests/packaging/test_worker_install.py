@@ -90,6 +90,7 @@ def test_the_base_install_is_the_workers_and_the_agent_is_an_extra() -> None:
     assert not agent & base
 
 
+@pytest.mark.slow
 def test_a_worker_host_evaluates_and_runs_the_ops_without_the_agent(tmp_path: Path) -> None:
     env = _without(tmp_path, AGENT)
     # Where bubblewrap runs, the runner is sandboxed as on any host; elsewhere a plain process.

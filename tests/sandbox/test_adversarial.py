@@ -184,6 +184,7 @@ def _host_processes_with(marker: str) -> list[int]:
 
 
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+@pytest.mark.slow
 def test_the_runner_cannot_reach_the_host_and_leaves_nothing_behind(tmp_path: Path) -> None:
     """What the screen would refuse, tried anyway inside the runner's sandbox: no connection to
     a listener on the host's loopback, no sight of the host's /tmp (the GPU lock file) or of the
@@ -359,6 +360,7 @@ def _forks_end_at_the_budget(report: dict) -> None:
 
 
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+@pytest.mark.slow
 def test_the_runner_cannot_exhaust_the_hosts_memory_or_pids(tmp_path: Path) -> None:
     """Its /tmp and /dev/shm (in the host's memory) are sized, and end there (under a root judge
     they are root's, so closed to the runner's user altogether); forking ends at the task
@@ -382,6 +384,7 @@ def test_the_runner_cannot_exhaust_the_hosts_memory_or_pids(tmp_path: Path) -> N
 
 
 @pytest.mark.skipif(isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}")
+@pytest.mark.slow
 def test_a_judge_held_to_few_tasks_still_starts_its_runner(tmp_path: Path) -> None:
     """A judge held to fewer tasks than the budget (a small `ulimit -u`): its runner starts,
     and its forks end in EAGAIN below the judge's limit. Where the judge may not lift that limit

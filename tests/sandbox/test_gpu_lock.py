@@ -46,6 +46,7 @@ def _overlap(a: tuple, b: tuple) -> bool:
     return a[1] < b[2] and b[1] < a[2]
 
 
+@pytest.mark.slow
 def test_checks_share_the_gpu_and_timing_has_it_alone(tmp_path: Path) -> None:
     # Two checks start together, a timer arrives while they run, then two more checks arrive
     # while the timer waits: they must wait for it (the turnstile), not slip in ahead of it.

@@ -72,6 +72,7 @@ def test_a_forked_judge_leads_its_own_session_and_reports_its_exit(tmp_path: Pat
     assert judge_server.server_for(_env()) is server  # one server per judge environment
 
 
+@pytest.mark.slow
 def test_the_server_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
     code = (
         "import os, sys\n"
@@ -99,6 +100,7 @@ def test_the_server_ends_with_the_process_that_started_it(tmp_path: Path) -> Non
     assert not folder.exists()  # its socket and log go with it
 
 
+@pytest.mark.slow
 def test_idle_servers_of_other_environments_are_stopped(monkeypatch) -> None:
     monkeypatch.setattr(judge_server, "MAX_IDLE", 0)
     first = judge_server.server_for({**_env(), "RECFORGE_TEST_ENV": "1"})
@@ -109,6 +111,7 @@ def test_idle_servers_of_other_environments_are_stopped(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("how", ["switched off", "failing to start"])
+@pytest.mark.slow
 def test_without_the_server_judges_start_on_their_own(tmp_path: Path, monkeypatch, how: str) -> None:
     if how == "switched off":
         monkeypatch.setenv(judge_server.ENV_SWITCH, "0")
@@ -152,6 +155,7 @@ def _sleeper(tmp_path: Path, name: str, env: dict[str, str] | None = None) -> ju
                                                   tmp_path / f"{name}.log")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_no_client_can_stop_the_server_or_another_clients_judge(tmp_path: Path) -> None:
     server = judge_server.server_for(_env())
     other = _sleeper(tmp_path, "other")
@@ -189,6 +193,7 @@ def test_a_judge_whose_client_hangs_up_is_killed(tmp_path: Path) -> None:
     judge._server.ended(judge)
 
 
+@pytest.mark.slow
 def test_a_server_whose_code_changed_is_replaced(tmp_path: Path) -> None:
     env = {**_env(), "RECFORGE_TEST_ENV": "stale"}  # a server of its own, no other test's judges
     server = judge_server.server_for(env)
@@ -209,6 +214,7 @@ def test_a_server_whose_code_changed_is_replaced(tmp_path: Path) -> None:
     assert not server.alive() and not server.folder.exists()
 
 
+@pytest.mark.slow
 def test_plug_in_ops_are_imported_by_each_judge_not_by_the_server(monkeypatch) -> None:
     monkeypatch.setenv("RECFORGE_OPS", "seq_scaled_sum")
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "ops"), _env()["PYTHONPATH"]])}
@@ -218,6 +224,7 @@ def test_plug_in_ops_are_imported_by_each_judge_not_by_the_server(monkeypatch) -
     assert any("search_space/embedding_bag.py" in path for path, _, _ in server.files)
 
 
+@pytest.mark.slow
 def test_a_forked_copy_of_the_backend_leaves_its_parents_server_alone(tmp_path: Path) -> None:
     server = judge_server.server_for(_env())
     pid = os.fork()

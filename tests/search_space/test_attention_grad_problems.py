@@ -59,6 +59,7 @@ def test_reference_is_autograd_of_the_forward_reference() -> None:
         torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_library_backward_passes_every_check_shape(
     tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:

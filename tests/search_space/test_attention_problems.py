@@ -86,6 +86,7 @@ def test_length_regimes() -> None:
     assert attention_common.bucket_of(100, 1024) == "d128-medium"
 
 
+@pytest.mark.slow
 def test_dispatch_asks_for_the_bucket_the_problem_gives_its_shape(monkeypatch) -> None:
     """A call of each public attention op resolves the bucket its problem gives the shape of the
     same lengths: from the caller's bound, and from the offsets where it gave none."""
