@@ -103,11 +103,12 @@ def verify_library(
         timed.append((entry, result))
         if mine is None:  # kept as it was: nothing to time it on
             detail = (
-                f"correct; not timed: none of {entry.op}'s timing shapes falls in its buckets "
-                f"({', '.join(entry.buckets)}), so dispatch may never choose it"
+                f"correct; not timed: none of {entry.op}'s {entry.dtype} timing shapes falls in its "
+                f"buckets ({', '.join(entry.buckets)}), so dispatch may never choose it"
             )
         elif theirs is None:
-            detail = f"{mine:.1f} us; the default kernel was not timed on its buckets"
+            why = "" if base.status == Status.OK else f" ({base.status.value}: {base.message})"
+            detail = f"{mine:.1f} us; the default kernel was not timed on its buckets{why}"[:500]
         else:
             detail = f"{mine:.1f} us against the default's {theirs:.1f}"
         out.append(Verified(entry, "kept", detail))

@@ -12,7 +12,8 @@ export COLUMNS=200 RECFORGE_HOME=/tmp/recforge-review/home
 work=/tmp/recforge-review
 rm -rf "$work" && mkdir -p "$work/repo"
 git -C "$work/repo" init -q && git -C "$work/repo" -c user.name=r -c user.email=r@localhost commit -q --allow-empty -m root
-python3 - "$work" "${1:-{\"BLOCK_L\": 16}}" <<'PY' 2>&1 | tee -a "$LOG"
+default_knobs='{"BLOCK_L": 16}'
+python3 - "$work" "${1:-$default_knobs}" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
 
@@ -52,4 +53,8 @@ PY
 [ -f "$work/change" ] || exit 1
 python3 -m agent review list --repo "$work/repo" 2>&1 | tee -a "$LOG"
 timeout 300 python3 -m agent review approve "$(cat "$work/change")" --repo "$work/repo" 2>&1 | tee -a "$LOG" | tail -5
+approved=${PIPESTATUS[0]}
 timeout 300 python3 -m agent library verify --library "$work/library" 2>&1 | tee -a "$LOG" | tail -15
+verified=${PIPESTATUS[0]}
+echo "review approve exited $approved, library verify $verified" | tee -a "$LOG"
+[ "$approved" = 0 ] && [ "$verified" = 0 ]

@@ -60,6 +60,7 @@ def _embedding_bags_fwd_kernel(
     out_ptr,
     stride_out_row,
     num_bags,
+    num_bag_blocks,
     num_features,
     HAS_PSW: tl.constexpr,
     MODE_MEAN: tl.constexpr,
@@ -71,16 +72,18 @@ def _embedding_bags_fwd_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # Axis 1 numbers the column blocks of every feature in turn (a feature of dim d has
-    # cdiv(d, BLOCK_D) of them), so no program is launched for columns past a narrow feature's
-    # dim; the grid's count is a bound taken on the host, and programs past the last block exit.
+    # Program p takes bag block p % num_bag_blocks of column block p // num_bag_blocks, where
+    # the column blocks of every feature are numbered in turn (a feature of dim d has cdiv(d,
+    # BLOCK_D) of them): no program is launched for columns past a narrow feature's dim. The
+    # grid's count is a bound taken on the host; programs past the last block exit. (One axis:
+    # the blocks grow with the features, and a second axis would stop at 65535.)
     f_F = tl.arange(0, FEATURES)
     in_F = f_F < num_features
     lo_F = tl.load(dim_offsets_ptr + f_F, mask=in_F, other=0)
     dim_F = tl.load(dim_offsets_ptr + f_F + 1, mask=in_F, other=0) - lo_F
     blocks_F = (dim_F + BLOCK_D - 1) // BLOCK_D
     ends_F = tl.cumsum(blocks_F, axis=0)
-    block = tl.program_id(1)
+    block = tl.program_id(0) // num_bag_blocks
     feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
     if feature >= num_features:
         return
@@ -91,7 +94,7 @@ def _embedding_bags_fwd_kernel(
     cols_D = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask_D = cols_D < dim
     table_ptr = weights_ptr + tl.load(weight_offsets_ptr + feature)
-    bags_B = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bags_B = (tl.program_id(0) % num_bag_blocks).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     bag_mask_B = bags_B < num_bags
     keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
     start_B = tl.load(offsets_ptr + keyed_B, mask=bag_mask_B, other=0).to(tl.int64)
@@ -235,7 +238,8 @@ def embedding_bags_forward(
     # Every feature's column blocks: at most cdiv(dim_f, BLOCK_D) <= (dim_f + BLOCK_D - 1) / BLOCK_D
     # each, summed from the dims' total (the dims themselves are on the device).
     column_blocks = (total_dim + num_features * (cfg["BLOCK_D"] - 1)) // cfg["BLOCK_D"]
-    grid = (triton.cdiv(num_bags, cfg["BLOCK_B"]), column_blocks)
+    num_bag_blocks = triton.cdiv(num_bags, cfg["BLOCK_B"])
+    grid = (column_blocks * num_bag_blocks,)
     _embedding_bags_fwd_kernel[grid](
         weights,
         weight_offsets,
@@ -246,6 +250,7 @@ def embedding_bags_forward(
         out,
         out.stride(0),
         num_bags,
+        num_bag_blocks,
         num_features,
         HAS_PSW=has_psw,
         MODE_MEAN=mode == "mean",

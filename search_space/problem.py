@@ -248,15 +248,22 @@ class Problem:
             if dtype not in self.statistics.tolerances:
                 raise ValueError(f"problem {self.name!r} has no statistics tolerance for dtype {dtype!r}")
             return (tol, self.statistics.tolerances[dtype]), (scale, None)
-        if isinstance(ref, tuple | list):
-            return tuple(self._tolerance_of(t, tol) for t in ref), scale
+        if isinstance(ref, tuple):
+            return tuple(self._tolerance_of(t, tol, i) for i, t in enumerate(ref)), scale
         return tol, scale
 
-    def _tolerance_of(self, output: Any, call_tolerance: Tolerance) -> Tolerance:
-        """The tolerance of one output of several: its dtype's, or the call's for an output of
-        a dtype the problem sets none for (or not a tensor: the comparison then says so)."""
-        name = DTYPE_NAMES.get(output.dtype) if isinstance(output, torch.Tensor) else None
-        return self.tolerances.get(name, call_tolerance)
+    def _tolerance_of(self, output: Any, call_tolerance: Tolerance, index: int) -> Tolerance:
+        """The tolerance of output `index` of several: its dtype's (the call's for what is not a
+        tensor: the comparison then says what is wrong). An output of a dtype the problem sets
+        no tolerance for is the problem's error, never judged by another dtype's bounds."""
+        if not isinstance(output, torch.Tensor):
+            return call_tolerance
+        name = DTYPE_NAMES.get(output.dtype)
+        if name not in self.tolerances:
+            raise ValueError(
+                f"problem {self.name!r}: output {index} is {output.dtype}, a dtype it sets no tolerance for"
+            )
+        return self.tolerances[name]
 
     def updated(self, inputs: Inputs) -> list[bool]:
         """For each of `inputs.tensors()`, in order, whether the call updates it in place."""

@@ -98,7 +98,10 @@ BAG_TABLES = (
 
 def embedding_bags_case(batch: int, features: int, pooled: int = 0):
     """Feature f looks up table f mod 12 (every table's rows in one flat buffer); the first
-    `pooled` features hold power-law bags of up to 120 ids, the others one to three."""
+    `pooled` features hold power-law bags of up to 120 ids, the others one to three, with int64
+    ids. The batch, feature count and tables are those of the lookup's timing shape of the same
+    name; its bags are drawn otherwise (that shape's pooled features have different longest
+    bags, its short ones their own longest of 1 to 3, and its fp32 shape int32 ids)."""
 
     def build(ops, dtype, gen):
         tables = BAG_TABLES

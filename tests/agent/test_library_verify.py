@@ -119,7 +119,7 @@ def test_an_entry_whose_buckets_hold_no_timing_shape_says_it_was_not_timed(tmp_p
     [row] = verify_library(library, backend, "sm_90")[0]
     assert row.outcome == "kept" and row.entry.kernel_id == old.kernel_id
     assert row.detail == (
-        "correct; not timed: none of embedding_bag's timing shapes falls in its buckets (d128), "
+        "correct; not timed: none of embedding_bag's fp32 timing shapes falls in its buckets (d128), "
         "so dispatch may never choose it"
     )
 

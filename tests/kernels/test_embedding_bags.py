@@ -57,7 +57,7 @@ def _explicit(name: str, dtype: str, tables: list, lengths: list[int]) -> Shape:
 
 # Every branch of the GPU's launch heuristics, by the tile it picks (BLOCK_B, BLOCK_L, BLOCK_D,
 # ACC_3D): fp32 pooled, fp32 short, and 2-byte rows (short or pooled). Dims 4 and 200 beside:
-# several column blocks, and programs past their feature's dim.
+# several column blocks a feature, and feature dims that are not multiples of the block.
 THREE_TABLES = [[50, 64], [30, 200], [9, 4]]
 GPU_BRANCHES = [
     (_explicit("pooled", "fp32", THREE_TABLES, [9, 0, 3, 1, 2, 1, 1, 7, 0, 2, 1, 3]), (16, 2, 32, True)),

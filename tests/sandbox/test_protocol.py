@@ -102,6 +102,10 @@ def test_each_output_of_several_is_held_to_its_own_dtypes_tolerance() -> None:
     assert compare(rounded, ref, grad.tolerance("bf16"))[0]  # what the call's tolerance let through
     ok, details = compare(rounded, ref, tol)
     assert not ok and details["message"].startswith("output 2:")
+    # A problem with no bounds for an output's dtype is refused, not judged by the call's.
+    bf16_only = dataclasses.replace(grad, tolerances={"bf16": grad.tolerance("bf16")})
+    with pytest.raises(ValueError, match="output 2 is torch.float32, a dtype it sets no tolerance for"):
+        bf16_only.closeness("bf16", inputs, ref)
 
 
 def test_error_outside_tolerance_names_the_element() -> None:
