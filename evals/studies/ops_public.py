@@ -104,16 +104,15 @@ def embedding_bags_case(batch: int, features: int, pooled: int = 0):
     bags, its short ones their own longest of 1 to 3, and its fp32 shape int32 ids)."""
 
     def build(ops, dtype, gen):
-        tables = BAG_TABLES
-        sizes = [rows * dim for rows, dim in tables]
+        sizes = [rows * dim for rows, dim in BAG_TABLES]
         starts = [0, *itertools.accumulate(sizes)]
-        which = [f % len(tables) for f in range(features)]
-        dims = [tables[t][1] for t in which]
+        which = [f % len(BAG_TABLES) for f in range(features)]
+        dims = [BAG_TABLES[t][1] for t in which]
         weight_offsets = torch.tensor([starts[t] for t in which], device=DEVICE)
         dim_offsets = torch.tensor([0, *itertools.accumulate(dims)], device=DEVICE)
         lengths = torch.cat([_lengths(_PL120 if f < pooled else _SHORT, batch, gen) for f in range(features)])
         offsets = _offsets(lengths)
-        bag_rows = torch.tensor([tables[t][0] for t in which], device=DEVICE).repeat_interleave(batch)
+        bag_rows = torch.tensor([BAG_TABLES[t][0] for t in which], device=DEVICE).repeat_interleave(batch)
         rows = bag_rows.repeat_interleave(lengths)
         indices = (torch.rand(rows.numel(), generator=gen, device=DEVICE) * rows).long()
         weights = 0.1 * torch.randn(sum(sizes), generator=gen, device=DEVICE).to(dtype)
