@@ -11,7 +11,8 @@ launched 60% of its programs past their feature's dim at the timing shapes; on a
 forward took 0.83x to 0.94x of its time). Inside, it is the single-table kernel
 (kernels/embedding_bag.py): BLOCK_B bags advance together and gather a [BLOCK_B, BLOCK_L,
 BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
-rows), accumulated in fp32, rounded once.
+rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent launch): each
+program then loops over blocks, reading the features' dims once.
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
@@ -39,6 +40,7 @@ KNOBS = {
     "EVICT_ROWS": "",
     "num_warps": None,
     "num_stages": 1,
+    "PROGRAMS": None,
     "GRAD_BLOCK_L": None,
     "GRAD_BLOCK_D": None,
     "GRAD_num_warps": None,
@@ -61,6 +63,7 @@ def _embedding_bags_fwd_kernel(
     stride_out_row,
     num_bags,
     num_bag_blocks,
+    num_blocks,
     num_features,
     HAS_PSW: tl.constexpr,
     MODE_MEAN: tl.constexpr,
@@ -72,63 +75,64 @@ def _embedding_bags_fwd_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # Program p takes bag block p % num_bag_blocks of column block p // num_bag_blocks, where
-    # the column blocks of every feature are numbered in turn (a feature of dim d has cdiv(d,
-    # BLOCK_D) of them): no program is launched for columns past a narrow feature's dim. The
-    # grid's count is a bound taken on the host; programs past the last block exit. (One axis:
-    # the blocks grow with the features, and a second axis would stop at 65535.)
+    # Block p is bag block p % num_bag_blocks of column block p // num_bag_blocks, where the
+    # column blocks of every feature are numbered in turn (a feature of dim d has cdiv(d,
+    # BLOCK_D) of them): no block is launched for columns past a narrow feature's dim.
+    # `num_blocks` is a bound taken on the host; blocks past the last feature's store nothing.
+    # (One axis: the blocks grow with the features, and a second axis would stop at 65535.) A
+    # program takes blocks p, p + grid, ...: one each when the grid covers them all, several in
+    # a persistent launch.
     f_F = tl.arange(0, FEATURES)
     in_F = f_F < num_features
     lo_F = tl.load(dim_offsets_ptr + f_F, mask=in_F, other=0)
     dim_F = tl.load(dim_offsets_ptr + f_F + 1, mask=in_F, other=0) - lo_F
     blocks_F = (dim_F + BLOCK_D - 1) // BLOCK_D
     ends_F = tl.cumsum(blocks_F, axis=0)
-    block = tl.program_id(0) // num_bag_blocks
-    feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
-    if feature >= num_features:
-        return
-    this_F = f_F == feature
-    first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
-    dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)
-    col_block = block - tl.sum(tl.where(this_F, ends_F - blocks_F, 0), axis=0)
-    cols_D = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask_D = cols_D < dim
-    table_ptr = weights_ptr + tl.load(weight_offsets_ptr + feature)
-    bags_B = (tl.program_id(0) % num_bag_blocks).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    bag_mask_B = bags_B < num_bags
-    keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
-    start_B = tl.load(offsets_ptr + keyed_B, mask=bag_mask_B, other=0).to(tl.int64)
-    len_B = tl.load(offsets_ptr + keyed_B + 1, mask=bag_mask_B, other=0).to(tl.int64) - start_B
-    acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-    acc_BLD = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
-    # Bags that are done mask their loads off (no traffic) until the block's longest finishes.
-    for step in tl.range(0, tl.max(len_B, axis=0), BLOCK_L, num_stages=NUM_STAGES):
-        j_L = step + tl.arange(0, BLOCK_L)
-        pos_BL = start_B[:, None] + j_L[None, :]
-        mask_BL = j_L[None, :] < len_B[:, None]
-        rows_BL = tl.load(indices_ptr + pos_BL, mask=mask_BL, other=0).to(tl.int64)
-        vals_BLD = tl.load(
-            table_ptr + rows_BL[:, :, None] * dim + cols_D[None, None, :],
-            mask=mask_BL[:, :, None] & col_mask_D[None, None, :],
-            other=0.0,
-            eviction_policy=EVICT_ROWS,
-        )
-        vals_BLD = vals_BLD.to(tl.float32)
-        if HAS_PSW:
-            vals_BLD *= tl.load(psw_ptr + pos_BL, mask=mask_BL, other=0.0).to(tl.float32)[:, :, None]
+    for p in tl.range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+        block = p // num_bag_blocks
+        feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
+        this_F = f_F == feature
+        first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
+        dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)  # 0 past the last feature: nothing stored
+        col_block = block - tl.sum(tl.where(this_F, ends_F - blocks_F, 0), axis=0)
+        cols_D = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_mask_D = cols_D < dim
+        table_ptr = weights_ptr + tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))
+        bags_B = (p % num_bag_blocks).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+        bag_mask_B = bags_B < tl.where(feature < num_features, num_bags, 0)
+        keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
+        start_B = tl.load(offsets_ptr + keyed_B, mask=bag_mask_B, other=0).to(tl.int64)
+        len_B = tl.load(offsets_ptr + keyed_B + 1, mask=bag_mask_B, other=0).to(tl.int64) - start_B
+        acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+        acc_BLD = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
+        # Bags that are done mask their loads off (no traffic) until the block's longest finishes.
+        for step in tl.range(0, tl.max(len_B, axis=0), BLOCK_L, num_stages=NUM_STAGES):
+            j_L = step + tl.arange(0, BLOCK_L)
+            pos_BL = start_B[:, None] + j_L[None, :]
+            mask_BL = j_L[None, :] < len_B[:, None]
+            rows_BL = tl.load(indices_ptr + pos_BL, mask=mask_BL, other=0).to(tl.int64)
+            vals_BLD = tl.load(
+                table_ptr + rows_BL[:, :, None] * dim + cols_D[None, None, :],
+                mask=mask_BL[:, :, None] & col_mask_D[None, None, :],
+                other=0.0,
+                eviction_policy=EVICT_ROWS,
+            )
+            vals_BLD = vals_BLD.to(tl.float32)
+            if HAS_PSW:
+                vals_BLD *= tl.load(psw_ptr + pos_BL, mask=mask_BL, other=0.0).to(tl.float32)[:, :, None]
+            if ACC_3D:
+                acc_BLD += vals_BLD
+            else:
+                acc_BD += tl.sum(vals_BLD, axis=1)
         if ACC_3D:
-            acc_BLD += vals_BLD
-        else:
-            acc_BD += tl.sum(vals_BLD, axis=1)
-    if ACC_3D:
-        acc_BD = tl.sum(acc_BLD, axis=1)
-    if MODE_MEAN:
-        acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
-    tl.store(
-        out_ptr + bags_B[:, None] * stride_out_row + first_col + cols_D[None, :],
-        acc_BD.to(out_ptr.dtype.element_ty),
-        mask=bag_mask_B[:, None] & col_mask_D[None, :],
-    )
+            acc_BD = tl.sum(acc_BLD, axis=1)
+        if MODE_MEAN:
+            acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
+        tl.store(
+            out_ptr + bags_B[:, None] * stride_out_row + first_col + cols_D[None, :],
+            acc_BD.to(out_ptr.dtype.element_ty),
+            mask=bag_mask_B[:, None] & col_mask_D[None, :],
+        )
 
 
 @triton.jit
@@ -239,8 +243,10 @@ def embedding_bags_forward(
     # each, summed from the dims' total (the dims themselves are on the device).
     column_blocks = (total_dim + num_features * (cfg["BLOCK_D"] - 1)) // cfg["BLOCK_D"]
     num_bag_blocks = triton.cdiv(num_bags, cfg["BLOCK_B"])
-    grid = (column_blocks * num_bag_blocks,)
-    _embedding_bags_fwd_kernel[grid](
+    num_blocks = column_blocks * num_bag_blocks
+    # A persistent launch caps the grid (PROGRAMS knob); each program then loops over blocks.
+    programs = min(num_blocks, KNOBS["PROGRAMS"] or num_blocks)
+    _embedding_bags_fwd_kernel[(programs,)](
         weights,
         weight_offsets,
         dim_offsets,
@@ -251,6 +257,7 @@ def embedding_bags_forward(
         out.stride(0),
         num_bags,
         num_bag_blocks,
+        num_blocks,
         num_features,
         HAS_PSW=has_psw,
         MODE_MEAN=mode == "mean",

@@ -91,6 +91,19 @@ def test_the_gpu_launch_configuration_passes_too(
     assert [(c["BLOCK_B"], c["BLOCK_L"], c["BLOCK_D"], c["ACC_3D"]) for c in picked] == [tile]
 
 
+@pytest.mark.parametrize("programs", [1, 5])
+def test_a_persistent_launch_covers_every_block(programs: int, monkeypatch, empty_library) -> None:
+    """With the grid capped (the PROGRAMS knob), each program loops over blocks p, p + grid, ...:
+    every bag and column still comes out right at the GPU's tiles (many blocks a feature), and
+    the blocks of the host's bound past the last feature store nothing."""
+    forward = module._forward_config
+    monkeypatch.setattr(module, "_forward_config", lambda dim, size, ids, _: forward(dim, size, ids))
+    monkeypatch.setitem(module.KNOBS, "PROGRAMS", programs)
+    for shape, _ in GPU_BRANCHES:
+        result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
+        assert result.ok, (shape.name, result.message)
+
+
 def test_the_launch_regime_is_the_buckets() -> None:
     """The launcher (self-contained, as a candidate is) keeps its own copy of the bucket's
     short-call threshold: a call it launches as short is in a "-short" bucket."""
@@ -169,7 +182,7 @@ def _load(source: str, tmp_path: Path, name: str):
 # feature's pooled vector written at column 0, mean bags not divided.
 SLIPS = {
     "one-table": (
-        "table_ptr = weights_ptr + tl.load(weight_offsets_ptr + feature)",
+        "table_ptr = weights_ptr + tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))",
         "table_ptr = weights_ptr",
     ),
     "no-column-offset": ("* stride_out_row + first_col + cols_D", "* stride_out_row + cols_D"),
