@@ -27,11 +27,13 @@ PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 def reference(
     x: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
 ) -> torch.Tensor:
-    """Plain PyTorch in fp32 (fp64 for fp64), cast once. torch's layer norm takes its statistics
-    by Welford's updates, so a row of one value has variance 0 and normalizes to exactly 0."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    normed = F.layer_norm(x.to(acc), (x.shape[-1],), weight.to(acc), bias.to(acc), eps)
-    return (normed * u.to(acc)).to(x.dtype)
+    """Plain PyTorch in fp64, cast once: the oracle's own rounding is far below any dtype's
+    bound. (In fp32, on an H100, it was 1.4e-5 off at a row of one value, whose output is bias *
+    u exactly: an error in the mean is multiplied by 1 / sqrt(eps), 316 at 1e-5, and a correct
+    kernel failed against it.)"""
+    f64 = torch.float64
+    normed = F.layer_norm(x.to(f64), (x.shape[-1],), weight.to(f64), bias.to(f64), eps)
+    return (normed * u.to(f64)).to(x.dtype)
 
 
 def eager(x, u, weight, bias, eps=1e-5):
