@@ -796,6 +796,15 @@ class Evaluation:
             got_all.append(got)
         return got_all
 
+    def batch_calls(self, shape: Shape) -> int:
+        """Calls in one timed batch, up to 8: as many as the region budget holds, each with its
+        inputs, its output (held until the batch's checks) and the poison the runner fills
+        before the batch (poison_bytes a call, freed before the calls run, so the larger of the
+        two counts). A dense gradient of every table (GBs a call) is timed a few calls a batch."""
+        seen = self._out_bytes.get((shape.name, shape.dtype), 0)
+        per_call = self.set_bytes(shape) + max(seen, self.poison_bytes(shape))
+        return max(1, min(8, self.request.region_budget_bytes // per_call))
+
     def poison_bytes(self, shape: Shape) -> int:
         """How much freed memory the runner fills with NaN per call, before checked and timed calls
         alike: twice the largest output seen for the shape (its inputs' size before any is), so
@@ -986,13 +995,11 @@ class Evaluation:
         # outputs, the no-op proof) holds the shared lock, as the checks do: none of it runs beside
         # another evaluation's timed batch.
         with self.session.gpu(exclusive=False):
-            set_bytes = self.set_bytes(shape)
-        per_batch = max(1, min(8, self.request.region_budget_bytes // max(set_bytes, 1)))
+            per_batch = self.batch_calls(shape)
         samples: list[float] = []
         outside_us = accounted_us = 0.0
         checked = 0
         target = MAX_TIMED_CALLS if gpu else INTERPRETED_TIMED_CALLS
-        proof_at = self.rng.randrange(max(1, target // per_batch))  # rule no-op proof, in timing too
         # Warm-up, untimed: compiling and autotuning at this shape happen here, not in a timed
         # call, for each form of input its seeds draw (SEED_FORMS).
         residues = list(range(SEED_FORMS if gpu else 2))
@@ -1003,6 +1010,9 @@ class Evaluation:
                 )
                 self.note_output_bytes(shape, self.session.run(warm, where=f"warm-up {shape.describe()}"))
                 self.session.drop(calls=warm)
+        # Now that the warm-up's outputs gave their size, a batch's calls fit the budget with theirs.
+        per_batch = self.batch_calls(shape)
+        proof_at = self.rng.randrange(max(1, target // per_batch))  # rule no-op proof, in timing too
         training = self.problem.optimizes != "forward" or self.problem.wants_statistics(warm[0].inputs)
         # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
         # untimed one does, and before each batch the runner fills freed memory as it does

@@ -38,6 +38,8 @@ import torch
 from sandbox import confine, host_ops, interpreter_memory, shared, wire
 
 POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
+# Left unpoisoned below the allocator's headroom (Runner._poison): the calls' own work space.
+POISON_MARGIN = 1 << 30
 L2_FLUSH_BYTES = 128 * 1024 * 1024  # twice the H200's 60 MB L2: writing it evicts what a call left
 TRACEBACK_CHARS = 4000
 
@@ -116,6 +118,7 @@ class Runner:
         self.outputs: dict[int, list[torch.Tensor]] = {}  # call id -> its output tensors
         self.fn = None
         self._flush: torch.Tensor | None = None
+        self._memory_cap: int | None = None  # the allocator's cap in bytes (_cap_device_memory)
         # The host-compute watch (sandbox.host_ops): on for the calls of a run that asks for it;
         # what it found, by call id; the torch ops the problem lets host code run on floats.
         self.watch = False
@@ -195,6 +198,7 @@ class Runner:
             raise RunnerError(f"gpu_memory_bytes must be a positive integer, not {nbytes!r}")
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), 0)
+        self._memory_cap = min(nbytes, total)
 
     def op_region(self, message: dict, fds: list[int]) -> dict:
         if len(fds) != 1:
@@ -408,11 +412,25 @@ class Runner:
     def _poison(self, nbytes: int) -> None:
         """Fill memory the next allocations are likely to reuse with NaN bytes: on CUDA the caching
         allocator hands a freed block to the next request of a similar size, so a block filled
-        and freed here is what `torch.empty` in the candidate returns."""
+        and freed here is what `torch.empty` in the candidate returns. On CUDA at most what the
+        allocator can hand out beside what is held (under its cap, and on the device), less a
+        margin: the poison is the judge's, and must never be what runs a call out of memory."""
+        if nbytes > 0 and self.device == "cuda":
+            nbytes = min(nbytes, self._headroom() - POISON_MARGIN)
         if nbytes > 0:
             block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             block.fill_(POISON_BYTE)
             del block
+
+    def _headroom(self) -> int:
+        """Bytes the caching allocator can still hand out: the device's free memory and the blocks
+        it caches unused, within its cap."""
+        allocated = torch.cuda.memory_allocated()
+        free, _ = torch.cuda.mem_get_info()
+        room = free + torch.cuda.memory_reserved() - allocated
+        if self._memory_cap is not None:
+            room = min(room, self._memory_cap - allocated)
+        return room
 
     def _sync(self) -> None:
         if self.device == "cuda":

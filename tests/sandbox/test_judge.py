@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sandbox import isolation
-from sandbox.judge import LOG_TAIL_CHARS, baseline_providers, evaluate
+from sandbox.judge import LOG_TAIL_CHARS, Evaluation, baseline_providers, evaluate
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
 from search_space import get_problem
@@ -694,3 +694,23 @@ def test_compiled_reference_computes_the_reference(monkeypatch) -> None:
     assert len(got) == len(want) == 2
     for g, w in zip(got, want, strict=True):
         assert torch.allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_timed_batch_of_large_outputs_fits_the_region_budget(tmp_path: Path) -> None:
+    """The calls of a timed batch hold their outputs until checked, and the runner poisons twice
+    an output's size a call before the batch: a dense gradient of every table (GBs a call) is
+    timed a few calls a batch, within the budget, where small outputs take the batch's 8."""
+    request = _request(tmp_path / "runner", problem="embedding_bags_backward", region_budget_bytes=8 << 30)
+    evaluation = Evaluation(request)
+    shape = evaluation.problem.timing_shapes[0]
+    key = (shape.name, shape.dtype)
+    evaluation._set_bytes[key] = 300 << 20
+    evaluation._out_bytes[key] = 1 << 20
+    assert evaluation.batch_calls(shape) == 8
+    evaluation._out_bytes[key] = 1650 << 20  # 825M bf16 elements: the timing shapes' tables
+    calls = evaluation.batch_calls(shape)
+    assert calls == 2
+    per_call = evaluation.set_bytes(shape) + evaluation.poison_bytes(shape)
+    assert calls * per_call <= request.region_budget_bytes
+    evaluation._out_bytes[key] = 20 << 30  # larger than the budget: one call a batch, never none
+    assert evaluation.batch_calls(shape) == 1
