@@ -607,7 +607,8 @@ def review_approve(
     timeout: Annotated[float, typer.Option(help="hard wall-clock limit of the re-verification")] = 600.0,
 ) -> None:
     """Re-verify a change's kernel on this machine's device (checks, and on a GPU of its
-    architecture its timings against its evidence), then merge it into the library branch."""
+    architecture its timings beside the op's default kernel), then merge it into the library
+    branch."""
     from agent import review
     from agent.incumbents import campaign_arch
 

@@ -42,7 +42,8 @@ class Choice:
     after: str | None
 
 
-def _served_us(result: EvalResult, entry: LibraryEntry) -> float | None:
+def served_us(result: EvalResult, entry: LibraryEntry) -> float | None:
+    """Geometric mean of `result`'s serving times over the buckets `entry` serves (its dtype)."""
     times = [serving_us(result, entry.dtype, b) for b in entry.buckets]
     times = [t for t in times if t is not None]
     return geometric_mean(times) if times else None
@@ -91,7 +92,7 @@ def verify_library(
         if entry.op not in defaults:
             defaults[entry.op] = backend.evaluate(default_candidate(entry.op), timing=True, trials=trials)
         base = defaults[entry.op]
-        mine, theirs = _served_us(result, entry), _served_us(base, entry)
+        mine, theirs = served_us(result, entry), served_us(base, entry)
         if mine is not None and theirs is not None and beats(theirs, base, mine, result, (entry.dtype,)):
             reason = f"the default kernel is faster on its buckets ({theirs:.1f} us against {mine:.1f} us)"
             out.append(Verified(library.demote(entry, reason), "demoted", reason))
