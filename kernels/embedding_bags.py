@@ -41,6 +41,7 @@ KNOBS = {
     "num_warps": None,
     "num_stages": 1,
     "PROGRAMS": None,
+    "PREFETCH": False,
     "GRAD_BLOCK_L": None,
     "GRAD_BLOCK_D": None,
     "GRAD_num_warps": None,
@@ -49,6 +50,74 @@ KNOBS = {
 # A call whose bags hold at most this many ids on average holds short features only (one to three
 # ids): the bucket's regime (search_space.embedding_bags.SHORT_MEAN_IDS).
 SHORT_MEAN_IDS = 2.0
+
+
+@triton.jit
+def _block_of(
+    p, num_blocks, num_bag_blocks, num_bags, num_features, f_F, lo_F, dim_F, blocks_F, ends_F,
+    weight_offsets_ptr, offsets_ptr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Block p: its feature's first output column and dim, its column block, its table's offset,
+    its bags, their bound (0 past the last block or feature: nothing is loaded or stored), and
+    the bags' starts and lengths (the block's loads of the offsets)."""
+    block = p // num_bag_blocks
+    feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
+    feature = tl.where(p < num_blocks, feature, num_features)
+    this_F = f_F == feature
+    first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
+    dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)  # 0 past the last feature
+    col_block = block - tl.sum(tl.where(this_F, ends_F - blocks_F, 0), axis=0)
+    table = tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))
+    bags_B = (p % num_bag_blocks).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    limit = tl.where(feature < num_features, num_bags, 0)
+    bag_mask_B = bags_B < limit
+    keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
+    start_B = tl.load(offsets_ptr + keyed_B, mask=bag_mask_B, other=0).to(tl.int64)
+    len_B = tl.load(offsets_ptr + keyed_B + 1, mask=bag_mask_B, other=0).to(tl.int64) - start_B
+    return first_col, dim, col_block, table, bags_B, limit, start_B, len_B
+
+
+@triton.jit
+def _pool_block(
+    weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+    first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
+    HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, ACC_3D: tl.constexpr, EVICT_ROWS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One block's pooled bags (_block_of's description of it) into the output."""
+    cols_D = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask_D = cols_D < dim
+    table_ptr = weights_ptr + table
+    acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    acc_BLD = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
+    # Bags that are done mask their loads off (no traffic) until the block's longest finishes.
+    for step in tl.range(0, tl.max(len_B, axis=0), BLOCK_L, num_stages=NUM_STAGES):
+        j_L = step + tl.arange(0, BLOCK_L)
+        pos_BL = start_B[:, None] + j_L[None, :]
+        mask_BL = j_L[None, :] < len_B[:, None]
+        rows_BL = tl.load(indices_ptr + pos_BL, mask=mask_BL, other=0).to(tl.int64)
+        vals_BLD = tl.load(
+            table_ptr + rows_BL[:, :, None] * dim + cols_D[None, None, :],
+            mask=mask_BL[:, :, None] & col_mask_D[None, None, :],
+            other=0.0,
+            eviction_policy=EVICT_ROWS,
+        )
+        vals_BLD = vals_BLD.to(tl.float32)
+        if HAS_PSW:
+            vals_BLD *= tl.load(psw_ptr + pos_BL, mask=mask_BL, other=0.0).to(tl.float32)[:, :, None]
+        if ACC_3D:
+            acc_BLD += vals_BLD
+        else:
+            acc_BD += tl.sum(vals_BLD, axis=1)
+    if ACC_3D:
+        acc_BD = tl.sum(acc_BLD, axis=1)
+    if MODE_MEAN:
+        acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
+    tl.store(
+        out_ptr + bags_B[:, None] * stride_out_row + first_col + cols_D[None, :],
+        acc_BD.to(out_ptr.dtype.element_ty),
+        mask=(bags_B < limit)[:, None] & col_mask_D[None, :],
+    )
 
 
 @triton.jit
@@ -71,6 +140,7 @@ def _embedding_bags_fwd_kernel(
     ACC_3D: tl.constexpr,
     EVICT_ROWS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -81,58 +151,44 @@ def _embedding_bags_fwd_kernel(
     # `num_blocks` is a bound taken on the host; blocks past the last feature's store nothing.
     # (One axis: the blocks grow with the features, and a second axis would stop at 65535.) A
     # program takes blocks p, p + grid, ...: one each when the grid covers them all, several in
-    # a persistent launch.
+    # a persistent launch, where PREFETCH loads the next block's offsets before this block's
+    # rows are gathered (their latency then overlaps the gather's, and a block waits on its ids
+    # and rows alone).
     f_F = tl.arange(0, FEATURES)
     in_F = f_F < num_features
     lo_F = tl.load(dim_offsets_ptr + f_F, mask=in_F, other=0)
     dim_F = tl.load(dim_offsets_ptr + f_F + 1, mask=in_F, other=0) - lo_F
     blocks_F = (dim_F + BLOCK_D - 1) // BLOCK_D
     ends_F = tl.cumsum(blocks_F, axis=0)
-    for p in tl.range(tl.program_id(0), num_blocks, tl.num_programs(0)):
-        block = p // num_bag_blocks
-        feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
-        this_F = f_F == feature
-        first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
-        dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)  # 0 past the last feature: nothing stored
-        col_block = block - tl.sum(tl.where(this_F, ends_F - blocks_F, 0), axis=0)
-        cols_D = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
-        col_mask_D = cols_D < dim
-        table_ptr = weights_ptr + tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))
-        bags_B = (p % num_bag_blocks).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-        bag_mask_B = bags_B < tl.where(feature < num_features, num_bags, 0)
-        keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
-        start_B = tl.load(offsets_ptr + keyed_B, mask=bag_mask_B, other=0).to(tl.int64)
-        len_B = tl.load(offsets_ptr + keyed_B + 1, mask=bag_mask_B, other=0).to(tl.int64) - start_B
-        acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-        acc_BLD = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
-        # Bags that are done mask their loads off (no traffic) until the block's longest finishes.
-        for step in tl.range(0, tl.max(len_B, axis=0), BLOCK_L, num_stages=NUM_STAGES):
-            j_L = step + tl.arange(0, BLOCK_L)
-            pos_BL = start_B[:, None] + j_L[None, :]
-            mask_BL = j_L[None, :] < len_B[:, None]
-            rows_BL = tl.load(indices_ptr + pos_BL, mask=mask_BL, other=0).to(tl.int64)
-            vals_BLD = tl.load(
-                table_ptr + rows_BL[:, :, None] * dim + cols_D[None, None, :],
-                mask=mask_BL[:, :, None] & col_mask_D[None, None, :],
-                other=0.0,
-                eviction_policy=EVICT_ROWS,
-            )
-            vals_BLD = vals_BLD.to(tl.float32)
-            if HAS_PSW:
-                vals_BLD *= tl.load(psw_ptr + pos_BL, mask=mask_BL, other=0.0).to(tl.float32)[:, :, None]
-            if ACC_3D:
-                acc_BLD += vals_BLD
-            else:
-                acc_BD += tl.sum(vals_BLD, axis=1)
-        if ACC_3D:
-            acc_BD = tl.sum(acc_BLD, axis=1)
-        if MODE_MEAN:
-            acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
-        tl.store(
-            out_ptr + bags_B[:, None] * stride_out_row + first_col + cols_D[None, :],
-            acc_BD.to(out_ptr.dtype.element_ty),
-            mask=bag_mask_B[:, None] & col_mask_D[None, :],
-        )
+    grid = tl.num_programs(0)
+    if PREFETCH:
+        first_col, dim, col_block, table, bags_B, limit, start_B, len_B = _block_of(
+            tl.program_id(0), num_blocks, num_bag_blocks, num_bags, num_features,
+            f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
+        )  # fmt: skip
+        for p in tl.range(tl.program_id(0), num_blocks, grid):
+            n_first_col, n_dim, n_col_block, n_table, n_bags_B, n_limit, n_start_B, n_len_B = _block_of(
+                p + grid, num_blocks, num_bag_blocks, num_bags, num_features,
+                f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
+            )  # fmt: skip
+            _pool_block(
+                weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+                first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
+                HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+            )  # fmt: skip
+            first_col, dim, col_block, table = n_first_col, n_dim, n_col_block, n_table
+            bags_B, limit, start_B, len_B = n_bags_B, n_limit, n_start_B, n_len_B
+    else:
+        for p in tl.range(tl.program_id(0), num_blocks, grid):
+            first_col, dim, col_block, table, bags_B, limit, start_B, len_B = _block_of(
+                p, num_blocks, num_bag_blocks, num_bags, num_features,
+                f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
+            )  # fmt: skip
+            _pool_block(
+                weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+                first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
+                HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -264,6 +320,7 @@ def embedding_bags_forward(
         FEATURES=triton.next_power_of_2(num_features),
         EVICT_ROWS=KNOBS["EVICT_ROWS"],
         NUM_STAGES=KNOBS["num_stages"],
+        PREFETCH=bool(KNOBS["PREFETCH"]),
         num_stages=1,
         **cfg,
     )

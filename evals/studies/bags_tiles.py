@@ -17,32 +17,37 @@ from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
 
-# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS]); None keeps the launch heuristic's
-# (PROGRAMS: a persistent grid of that many programs, each looping over blocks; 132 SMs on an H100
-# or H200).
+# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, PREFETCH]]); None keeps the launch
+# heuristic's. PROGRAMS: a persistent grid of that many programs, each looping over blocks (132
+# SMs on an H100 or H200); PREFETCH: each loads the next block's offsets before gathering this
+# one's rows. BLOCK_D 256: whole rows of every feature of the timing shapes (dims up to 256).
+# The first rows are the twenty-third session's questions; the rest, the earlier sweeps' tiles.
 TILES = (
     (None, None, None, None, None),
-    (None, None, None, None, None, 132 * 8),
+    (16, 2, 32, None, 1),
     (None, None, None, None, None, 132 * 16),
-    (None, None, None, None, None, 132 * 32),
-    (64, 2, 32, None, 4, 132 * 8),
+    (None, None, None, None, None, 132 * 8, True),
+    (None, None, None, None, None, 132 * 16, True),
+    (None, None, None, None, None, 132 * 32, True),
+    (16, 2, 32, None, 1, 132 * 32, True),
+    (16, 1, 256, None, 4),
+    (16, 2, 256, None, 4),
+    (8, 2, 256, None, 2),
+    (32, 1, 256, None, 4),
+    (16, 2, 256, None, 4, 132 * 8, True),
+    (8, 2, 256, None, 2, 132 * 16, True),
+    (16, 1, 128, None, 2),
     (32, 2, 64, None, 2, 132 * 16),
-    (16, 2, None, None, 2),
     (32, 2, 32, None, 2),
     (32, 2, 64, None, 2),
     (16, 2, 64, None, 2),
-    (16, 4, 64, None, 4),
     (32, 1, 64, None, 2),
     (64, 1, 32, None, 2),
     (8, 2, 64, None, 1),
-    (16, 2, 32, None, 1),
     (4, 8, 64, False, 2),
-    (4, 16, 64, False, 4),
-    (8, 8, 64, False, 4),
-    (2, 16, 128, False, 4),
     (8, 4, 128, False, 4),
 )
-NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS")
+NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "PREFETCH")
 
 
 def main(pattern: str = "") -> None:

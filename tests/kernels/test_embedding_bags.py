@@ -91,14 +91,25 @@ def test_the_gpu_launch_configuration_passes_too(
     assert [(c["BLOCK_B"], c["BLOCK_L"], c["BLOCK_D"], c["ACC_3D"]) for c in picked] == [tile]
 
 
-@pytest.mark.parametrize("programs", [1, 5])
-def test_a_persistent_launch_covers_every_block(programs: int, monkeypatch, empty_library) -> None:
+@pytest.mark.parametrize(
+    ("programs", "prefetch"), [(1, False), (5, False), (None, True), (1, True), (5, True)]
+)
+def test_a_persistent_launch_covers_every_block(
+    programs: int | None, prefetch: bool, monkeypatch, empty_library
+) -> None:
     """With the grid capped (the PROGRAMS knob), each program loops over blocks p, p + grid, ...:
     every bag and column still comes out right at the GPU's tiles (many blocks a feature), and
-    the blocks of the host's bound past the last feature store nothing."""
+    the blocks of the host's bound past the last feature store nothing; so with PREFETCH, each
+    block's offsets loaded in the iteration before (the first block's before the loop, a block
+    past the last one's masked off)."""
     forward = module._forward_config
-    monkeypatch.setattr(module, "_forward_config", lambda dim, size, ids, _: forward(dim, size, ids))
+
+    def gpu_forward_config(dim, size, ids, interpreted):
+        return forward(dim, size, ids)
+
+    monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
     monkeypatch.setitem(module.KNOBS, "PROGRAMS", programs)
+    monkeypatch.setitem(module.KNOBS, "PREFETCH", prefetch)
     for shape, _ in GPU_BRANCHES:
         result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
         assert result.ok, (shape.name, result.message)
@@ -182,8 +193,8 @@ def _load(source: str, tmp_path: Path, name: str):
 # feature's pooled vector written at column 0, mean bags not divided.
 SLIPS = {
     "one-table": (
-        "table_ptr = weights_ptr + tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))",
-        "table_ptr = weights_ptr",
+        "table = tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))",
+        "table = tl.load(weight_offsets_ptr)",
     ),
     "no-column-offset": ("* stride_out_row + first_col + cols_D", "* stride_out_row + cols_D"),
     "no-mean": ('MODE_MEAN=mode == "mean",\n        FEATURES', "MODE_MEAN=False,\n        FEATURES"),
@@ -412,10 +423,18 @@ module._backward_config = lambda dim, interpreted=False: backward(dim)
 print(json.dumps(cuda_compile.main(["embedding_bags", "embedding_bags_backward"])))
 """
 
+# The same with a persistent, prefetching forward (the PROGRAMS and PREFETCH knobs).
+COMPILE_PERSISTENT_LAUNCHES = COMPILE_GPU_LAUNCHES.replace(
+    "print(", "module.KNOBS.update(PROGRAMS=2112, PREFETCH=True)\nprint(", 1
+)
+
 
 @pytest.mark.slow
-def test_every_gpu_launch_compiles_for_sm90() -> None:
-    report = in_subprocess(COMPILE_GPU_LAUNCHES)
+@pytest.mark.parametrize(
+    "script", [COMPILE_GPU_LAUNCHES, COMPILE_PERSISTENT_LAUNCHES], ids=["default", "persistent"]
+)
+def test_every_gpu_launch_compiles_for_sm90(script: str) -> None:
+    report = in_subprocess(script)
     assert report["failed"] == [], report["failed"]
     assert report["compiled"] == [
         "kernels.embedding_bags._embedding_bags_bwd_kernel",
