@@ -22,7 +22,7 @@ from search_space import embedding_bag as single
 from search_space.op import Backward, Op
 from search_space.packed_tables import Layout, draw_bags, feature_table, mean_bag_length, metadata_lists
 from search_space.problem import Inputs, Problem, Shape, Tolerance
-from search_space.template import KnobTemplate
+from search_space.template import Knob, KnobTemplate
 
 NAME = ENTRY = "embedding_bags"
 INDEX_DTYPES = {"int32": torch.int32, "int64": torch.int64}
@@ -302,12 +302,28 @@ TOLERANCES = {
 }
 
 # Each program runs the single-table kernel's loop on one feature's bags: the same knobs, with
-# the same tile bounds (kernels/embedding_bags.py, whose KNOBS dict they are).
+# the same tile bounds (kernels/embedding_bags.py, whose KNOBS dict they are), and the launch's
+# own: a persistent grid (132 SMs on an H100 or H200 times 8, 16 or 32 programs), and the next
+# block's offsets loaded before this block's rows are gathered.
 TEMPLATE = KnobTemplate(
     problem=NAME,
     source_module="kernels.embedding_bags",
     entry="embedding_bags_forward",
-    knobs=single.KNOBS,
+    knobs=(
+        *single.KNOBS,
+        Knob(
+            "PROGRAMS",
+            (None, 132 * 8, 132 * 16, 132 * 32),
+            default=None,
+            help="programs in a persistent grid, each looping over blocks (None: one program a block)",
+        ),
+        Knob(
+            "PREFETCH",
+            (False, True),
+            default=False,
+            help="load the next block's offsets before gathering this block's rows (persistent grids)",
+        ),
+    ),
     constraint=single.TEMPLATE.constraint,
 )
 
