@@ -1195,6 +1195,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     t0 = time.perf_counter()
     deadline = Deadline(request.timeout_s, deadline_mark)
     ev = Evaluation(request)
+    ev.clock.start("init")  # the judge's own device (its CUDA context, on a GPU)
     info = device_info(ev.device)
     base = {"problem": request.problem, "candidate_id": request.candidate_id, "device": info}
     timings: list[ShapeTiming] = []
@@ -1238,6 +1239,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
         status, log = Status.RUNTIME_ERROR, traceback.format_exc()
         message = f"the judge could not use the runner's answers ({type(exc).__name__}: {exc})"
     finally:
+        ev.clock.start("finish")  # the runner's end (its CUDA context torn down, on a GPU)
         if runner is not None:
             runner.kill()
     tail = log if log else (runner.log_tail() if runner is not None else "")

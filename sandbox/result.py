@@ -102,9 +102,10 @@ class EvalResult(BaseModel):
     log_tail: str = ""
     wall_s: float = 0.0
     timing_window: tuple[float, float] | None = None  # wall-clock start and end of the timing phase
-    # Seconds per phase of the judge (start, load, check, timing, and lock_wait: its waits for the
-    # GPU's lock while other evaluations time or check, taken out of the phase they interrupted);
-    # `wall_s` minus their sum is the judge's start-up and the backend's overhead.
+    # Seconds per phase of the judge (init: its own device; start: the runner's; load, check,
+    # timing; finish: the runner's end; and lock_wait: its waits for the GPU's lock while other
+    # evaluations time or check, taken out of the phase they interrupted); `wall_s` minus their
+    # sum is the judge process's start and exit and the backend's overhead.
     phase_s: dict[str, float] = Field(default_factory=dict)
     artifacts_reused: bool = False  # the worker started with this source's compiled kernels
     # Other kernels the backend evaluated on the same device right after this one, because that

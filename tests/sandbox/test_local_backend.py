@@ -114,7 +114,7 @@ def test_default_template_is_ok(outcomes) -> None:
     # The judge accounts for its phases (its runner's start included); the judge's own start-up
     # is what the backend's wall time adds. A GPU's lock is taken, and its wait reported, only
     # where the backend has a GPU.
-    phases = {"start", "load", "check", "timing"}
+    phases = {"init", "start", "load", "check", "timing", "finish"}
     assert phases <= set(result.phase_s) <= phases | {"lock_wait"}
     assert 0 < sum(result.phase_s.values()) < result.wall_s
     assert list(scratch.iterdir()) == []  # the scratch directory is removed afterwards
