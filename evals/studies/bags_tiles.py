@@ -2,7 +2,7 @@
 torch's per-feature lookups, as GB/s and the fraction of the copy bandwidth measured in the same
 run. One CUDA device; prints a table per shape.
 
-    python3 -m evals.studies.bags_tiles [SHAPE NAME SUBSTRING]
+    python3 -m evals.studies.bags_tiles [SHAPE NAME SUBSTRING] [FIRST N TILES]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ TILES = (
 NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "PREFETCH")
 
 
-def main(pattern: str = "") -> None:
+def main(pattern: str = "", first: str = "") -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags")
     copy_bw = measure_copy_bandwidth(device)
@@ -63,7 +63,7 @@ def main(pattern: str = "") -> None:
         rows = []
         torch_fn = problem.baselines["torch.embedding_bag_per_feature"]
         rows.append(("torch.embedding_bag_per_feature", benchmark(torch_fn, [call], device=device).median_us))
-        for tile in TILES:
+        for tile in TILES[: int(first)] if first else TILES:
             kernel.KNOBS.update(base, **dict(zip(NAMES, tile, strict=False)))
             ok, details = compare(
                 kernel.embedding_bags_forward(*call[0], **call[1]), want, problem.tolerance(shape.dtype)
