@@ -60,9 +60,17 @@ def main(pattern: str = "", first: str = "") -> None:
         call = (inputs.args, inputs.kwargs)
         want = problem.reference(*inputs.args, **inputs.kwargs)
         moved = problem.bytes(shape)
-        rows = []
+        print(f"\n{shape.name} {shape.dtype}: {moved / 1e6:.0f} MB", flush=True)
         torch_fn = problem.baselines["torch.embedding_bag_per_feature"]
-        rows.append(("torch.embedding_bag_per_feature", benchmark(torch_fn, [call], device=device).median_us))
+        torch_us = benchmark(torch_fn, [call], device=device).median_us
+
+        def show(label: str, us: float, moved=moved, torch_us=torch_us) -> None:
+            # Each row as soon as it is measured: a run cut short keeps what it timed.
+            gbs = moved / (us * 1e-6) / 1e9
+            frac = f"{moved / (us * 1e-6) / copy_bw:5.0%}" if copy_bw else "  n/a"
+            print(f"  {label:70} {us:9.1f} us {gbs:7.0f} GB/s {frac} {torch_us / us:5.2f}x", flush=True)
+
+        show("torch.embedding_bag_per_feature", torch_us)
         for tile in TILES[: int(first)] if first else TILES:
             kernel.KNOBS.update(base, **dict(zip(NAMES, tile, strict=False)))
             ok, details = compare(
@@ -70,15 +78,10 @@ def main(pattern: str = "", first: str = "") -> None:
             )
             label = " ".join(f"{k}={v}" for k, v in zip(NAMES, tile, strict=False))
             if not ok:
-                rows.append((label + " WRONG: " + details["message"][:40], float("nan")))
+                print(f"  {label} WRONG: {details['message'][:80]}", flush=True)
                 continue
-            rows.append((label, benchmark(kernel.embedding_bags_forward, [call], device=device).median_us))
+            show(label, benchmark(kernel.embedding_bags_forward, [call], device=device).median_us)
         kernel.KNOBS.update(base)
-        print(f"\n{shape.name} {shape.dtype}: {moved / 1e6:.0f} MB")
-        for label, us in rows:
-            gbs = moved / (us * 1e-6) / 1e9
-            frac = f"{moved / (us * 1e-6) / copy_bw:5.0%}" if copy_bw else "  n/a"
-            print(f"  {label:70} {us:9.1f} us {gbs:7.0f} GB/s {frac} {rows[0][1] / us:5.2f}x")
 
 
 if __name__ == "__main__":
