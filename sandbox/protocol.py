@@ -22,10 +22,10 @@ from collections.abc import Callable
 import torch
 from pydantic import BaseModel
 
+from sandbox.poison import poison
 from sandbox.result import ShapeCheck
 from search_space.problem import Inputs, Problem, Shape, Tolerance
 
-POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
 # Beside the judge's result file: when its evaluation's deadline now falls, in wall-clock seconds
 # since the epoch, written each time a wait for the GPU's lock moves it (sandbox.judge.Deadline).
 DEADLINE_MARK = "deadline"
@@ -70,8 +70,9 @@ class EvalRequest(BaseModel):
     runner_dir: str = ""
     isolation: str = "bwrap"
     timeout_s: float = 300.0  # the whole evaluation, from the judge's start
-    # Inputs of one timed batch live in one shared region of at most this many bytes (at least
-    # one call's): each timed call has inputs of its own.
+    # Inputs of one timed batch live in one shared region, and the batch's calls hold their
+    # outputs and the runner's poison before them: at most this many bytes in all (at least one
+    # call's), each timed call with inputs of its own.
     region_budget_bytes: int = 8 * 1024**3
     # Applied by the runner to itself before the candidate is imported (None: not set here).
     cpu_seconds: int | None = None
@@ -88,8 +89,9 @@ class EvalRequest(BaseModel):
 
 
 def all_baselines(problem: Problem) -> list[str]:
-    """Every baseline a worker can time for `problem`: the fp32 reference, torch.compile of it
-    (GPU only) and the problem's eager PyTorch ops."""
+    """Every baseline a worker can time for `problem`: its reference (fp32, or fp64 where the
+    problem's oracle needs it), torch.compile of it (GPU only) and the problem's eager PyTorch
+    ops."""
     return ["reference", "reference.compile", *problem.baselines]
 
 
@@ -102,18 +104,6 @@ def campaign_baselines(problem: Problem) -> list[str]:
 
 def fresh_seed() -> int:
     return secrets.randbits(62)
-
-
-def poison_allocator(device: torch.device, nbytes: int) -> None:
-    """Fill memory the next allocations are likely to reuse with NaN bytes.
-
-    On CUDA the caching allocator hands a freed block to the next request of a similar size,
-    so a block filled and freed here is what `torch.empty` in the candidate returns."""
-    if nbytes <= 0:
-        return
-    block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    block.fill_(POISON_BYTE)
-    del block
 
 
 def _storages(inputs: Inputs) -> set[int]:
@@ -262,7 +252,7 @@ def _compare_tensor(
 def _call(problem: Problem, fn: Callable, inputs: Inputs, device: torch.device, out_bytes: int) -> tuple:
     """(what the call computed, None), or (None, what is wrong with what it returned): an op that
     updates its arguments returns None (Problem.result)."""
-    poison_allocator(device, 2 * out_bytes + (1 << 20))
+    poison(device, 2 * out_bytes + (1 << 20))
     out = fn(*inputs.args, **inputs.kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -36,10 +36,8 @@ from collections.abc import Iterator
 import torch
 
 from sandbox import confine, host_ops, interpreter_memory, shared, wire
+from sandbox.poison import poison
 
-POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
-# Left unpoisoned below the allocator's headroom (Runner._poison): the calls' own work space.
-POISON_MARGIN = 1 << 30
 L2_FLUSH_BYTES = 128 * 1024 * 1024  # twice the H200's 60 MB L2: writing it evicts what a call left
 TRACEBACK_CHARS = 4000
 
@@ -118,7 +116,6 @@ class Runner:
         self.outputs: dict[int, list[torch.Tensor]] = {}  # call id -> its output tensors
         self.fn = None
         self._flush: torch.Tensor | None = None
-        self._memory_cap: int | None = None  # the allocator's cap in bytes (_cap_device_memory)
         # The host-compute watch (sandbox.host_ops): on for the calls of a run that asks for it;
         # what it found, by call id; the torch ops the problem lets host code run on floats.
         self.watch = False
@@ -198,7 +195,6 @@ class Runner:
             raise RunnerError(f"gpu_memory_bytes must be a positive integer, not {nbytes!r}")
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), 0)
-        self._memory_cap = min(nbytes, total)
 
     def op_region(self, message: dict, fds: list[int]) -> dict:
         if len(fds) != 1:
@@ -235,14 +231,14 @@ class Runner:
         calls = [(int(c["id"]), self._arguments(c)) for c in message["calls"]]
         timed, noop = bool(message.get("timed")), bool(message.get("noop"))
         self.watch = bool(message.get("watch"))
-        poison = int(message.get("poison_bytes", 0))
+        poison_bytes = int(message.get("poison_bytes", 0))
         results: list[dict] = []
         answering = message.get("nonce")  # the request this run's answer replies to
         try:
             if timed:
                 # Arguments and events are ready: the judge's clock runs from its "go" to this
                 # batch's answer, around the calls and the final synchronize alone.
-                self._poison(poison * len(calls))  # as before untimed calls: no tell-tale
+                self._poison(poison_bytes * len(calls))  # as before untimed calls: no tell-tale
                 starts, ends = self._prepare_timing(len(calls))
                 wire.send(self.sock, {"ok": True, "ready": True, "re": message.get("nonce")})
                 go, extra = wire.receive(self.sock)
@@ -255,7 +251,7 @@ class Runner:
             else:
                 times = [None] * len(calls)
                 for cid, (args, kwargs) in calls:
-                    self._poison(poison)
+                    self._poison(poison_bytes)
                     if noop:
                         with kernels_disabled():
                             try:
@@ -410,27 +406,9 @@ class Runner:
         return None
 
     def _poison(self, nbytes: int) -> None:
-        """Fill memory the next allocations are likely to reuse with NaN bytes: on CUDA the caching
-        allocator hands a freed block to the next request of a similar size, so a block filled
-        and freed here is what `torch.empty` in the candidate returns. On CUDA at most what the
-        allocator can hand out beside what is held (under its cap, and on the device), less a
-        margin: the poison is the judge's, and must never be what runs a call out of memory."""
-        if nbytes > 0 and self.device == "cuda":
-            nbytes = min(nbytes, self._headroom() - POISON_MARGIN)
-        if nbytes > 0:
-            block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            block.fill_(POISON_BYTE)
-            del block
-
-    def _headroom(self) -> int:
-        """Bytes the caching allocator can still hand out: the device's free memory and the blocks
-        it caches unused, within its cap."""
-        allocated = torch.cuda.memory_allocated()
-        free, _ = torch.cuda.mem_get_info()
-        room = free + torch.cuda.memory_reserved() - allocated
-        if self._memory_cap is not None:
-            room = min(room, self._memory_cap - allocated)
-        return room
+        """NaN bytes in every block the next allocations can get (sandbox.poison), at least
+        `nbytes` of them where the device has room."""
+        poison(self.device, nbytes)
 
     def _sync(self) -> None:
         if self.device == "cuda":

@@ -1,0 +1,66 @@
+"""NaN bytes in the memory a call's allocations will get: an output element a kernel never
+writes then reads as NaN, not as whatever an earlier call left there (a correct value, where the
+element does not depend on the inputs: the untouched rows of a dense gradient, a padding).
+
+On CUDA the caching allocator hands a request the smallest free block it holds that fits, from
+one of two pools: blocks of up to 1 MiB come from 2 MiB segments of their own. A single large
+block, filled and freed, is what a large request next gets, but never a small one, nor a block
+that a candidate keeps from being merged with its neighbours. So every free block of the
+allocator is filled, each by taking it whole (a request of its exact size, largest first: each
+then takes that block) and giving it back; a large block reserved first (and freed) leaves
+room of its own for the calls, poisoned with the rest. On a CPU (interpreted Triton) one block
+filled and freed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
+
+
+def poison(device: torch.device | str, nbytes: int) -> int:
+    """Fill the memory the next allocations on `device` can get with POISON_BYTE, having reserved
+    room of `nbytes` where there is none cached and the device and the process's cap hold it
+    (a reserve that ran out of memory would have the allocator release its cached blocks, whose
+    pages the next allocations then get unfilled). Returns the bytes filled."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        if nbytes <= 0:
+            return 0
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        block.fill_(POISON_BYTE)
+        return nbytes
+    if nbytes > 0 and max(_free_blocks(device), default=0) < nbytes and _room(device) >= nbytes:
+        reserve = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        del reserve
+    held = []
+    filled = 0
+    for size in sorted(_free_blocks(device), reverse=True):
+        block = torch.empty(size, dtype=torch.uint8, device=device)  # that cached block, whole
+        block.fill_(POISON_BYTE)
+        held.append(block)
+        filled += size
+    del held
+    return filled
+
+
+def _free_blocks(device: torch.device) -> list[int]:
+    """Sizes of the blocks the allocator holds free for this stream's requests on `device`."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return [
+        block["size"]
+        for segment in torch.cuda.memory_snapshot()
+        if segment["device"] == (device.index or 0) and segment["stream"] == stream
+        for block in segment["blocks"]
+        if block["state"] == "inactive"
+    ]
+
+
+def _room(device: torch.device) -> int:
+    """Bytes a new segment may take: the device's free memory and the process's cap on what the
+    allocator reserves, less a margin for the segment's rounding."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    capped = int(fraction * total) - torch.cuda.memory_reserved(device)
+    return min(free, capped) - (64 << 20)
