@@ -801,8 +801,7 @@ class Evaluation:
         inputs, its output (held until the batch's checks) and the poison the runner fills
         before the batch (poison_bytes a call, freed before the calls run, so the larger of the
         two counts). A dense gradient of every table (GBs a call) is timed a few calls a batch."""
-        seen = self._out_bytes.get((shape.name, shape.dtype), 0)
-        per_call = self.set_bytes(shape) + max(seen, self.poison_bytes(shape))
+        per_call = self.set_bytes(shape) + self.poison_bytes(shape)  # twice the output, at least
         return max(1, min(8, self.request.region_budget_bytes // per_call))
 
     def poison_bytes(self, shape: Shape) -> int:
@@ -991,27 +990,26 @@ class Evaluation:
     ) -> ShapeTiming:
         assert self.session is not None
         gpu = calibration is not None
-        # The judge's own device work in the timing phase (drawing inputs, the reference, copies of
-        # outputs, the no-op proof) holds the shared lock, as the checks do: none of it runs beside
-        # another evaluation's timed batch.
-        with self.session.gpu(exclusive=False):
-            per_batch = self.batch_calls(shape)
         samples: list[float] = []
         outside_us = accounted_us = 0.0
         checked = 0
         target = MAX_TIMED_CALLS if gpu else INTERPRETED_TIMED_CALLS
         # Warm-up, untimed: compiling and autotuning at this shape happen here, not in a timed
-        # call, for each form of input its seeds draw (SEED_FORMS).
+        # call, for each form of input its seeds draw (SEED_FORMS); the first form alone, whose
+        # output's size sizes the batches after it (batch_calls). The judge's own device work in
+        # the timing phase (drawing inputs, the reference, copies of outputs, the no-op proof)
+        # holds the shared lock, as the checks do: none of it runs beside another evaluation's
+        # timed batch.
         residues = list(range(SEED_FORMS if gpu else 2))
-        for at in range(0, len(residues), per_batch):
+        at, per_batch = 0, 1
+        while at < len(residues):
+            forms = residues[at : at + per_batch]
             with self.session.gpu(exclusive=False):
-                warm = self.session.place(
-                    shape, len(residues[at : at + per_batch]), residues=residues[at : at + per_batch]
-                )
+                warm = self.session.place(shape, len(forms), residues=forms)
                 self.note_output_bytes(shape, self.session.run(warm, where=f"warm-up {shape.describe()}"))
                 self.session.drop(calls=warm)
-        # Now that the warm-up's outputs gave their size, a batch's calls fit the budget with theirs.
-        per_batch = self.batch_calls(shape)
+                per_batch = self.batch_calls(shape)
+            at += len(forms)
         proof_at = self.rng.randrange(max(1, target // per_batch))  # rule no-op proof, in timing too
         training = self.problem.optimizes != "forward" or self.problem.wants_statistics(warm[0].inputs)
         # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
@@ -1052,6 +1050,9 @@ class Evaluation:
                     with contextlib.suppress(_EmptyOutput):
                         self.no_op_proof(shape)
             batch_index += 1
+        if batch_index <= proof_at:  # the timing ended (its time target met) before the proof's turn
+            with self.session.gpu(exclusive=False), contextlib.suppress(_EmptyOutput):
+                self.no_op_proof(shape)
         base = {}
         if baselines:
             arg_sets = []

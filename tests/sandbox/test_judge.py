@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sandbox import isolation
+from sandbox import isolation, judge
 from sandbox.judge import LOG_TAIL_CHARS, Evaluation, baseline_providers, evaluate
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
@@ -358,8 +358,11 @@ def test_default_template_is_ok_checked_and_timed(outcomes) -> None:
     assert [(c.shape, c.dtype, c.trial) for c in checks] == [
         (s.name, s.dtype, t) for s in CHECK_SHAPES for t in (0, 0, 1)
     ]
+    # Two no-op proofs among the checks, and one in each timing shape's batches (after its last
+    # batch, where its time target ends the timing before the proof's turn).
     proofs = [c for c in result.checks if c.trial == -1]
-    assert len(proofs) >= 3 and all(c.ok for c in result.checks)  # two among the checks, one timed
+    assert len(proofs) == judge.NO_OP_PROOFS + len(result.timings), [(c.shape, c.dtype) for c in proofs]
+    assert all(c.ok for c in result.checks)
     assert result.device is not None and result.device.interpreted == (not torch.cuda.is_available())
     if result.device.interpreted:
         assert [t.shape for t in result.timings] == [s.name for s in INTERPRETED_TIMING_SHAPES]
@@ -516,8 +519,6 @@ def test_timed_batches_hold_the_lock_alone_and_the_rest_shares_it(tmp_path: Path
     runner or computes (inputs, runs, fetched outputs, no-op proofs) holds one of the locks."""
     import threading
 
-    from sandbox import judge
-
     events: list[tuple[int, str, float, float]] = []  # (thread, what, start, end)
     real_gpu_use = judge.gpu_use
 
@@ -590,7 +591,6 @@ def test_timed_batches_hold_the_lock_alone_and_the_rest_shares_it(tmp_path: Path
 
 
 def test_a_wait_for_the_lock_is_a_phase_of_its_own(monkeypatch) -> None:
-    from sandbox import judge
 
     now = [100.0]
     monkeypatch.setattr(judge.time, "perf_counter", lambda: now[0])
