@@ -604,7 +604,9 @@ def review_reject(
 def review_approve(
     change: str,
     repo: Annotated[Path | None, _REPO_OPTION] = None,
-    timeout: Annotated[float, typer.Option(help="hard wall-clock limit of the re-verification")] = 600.0,
+    timeout: Annotated[
+        float, typer.Option(help="hard wall-clock limit of each evaluation (the kernel's, its default's)")
+    ] = 600.0,
 ) -> None:
     """Re-verify a change's kernel on this machine's device (checks, and on a GPU of its
     architecture its timings beside the op's default kernel), then merge it into the library

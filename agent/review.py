@@ -403,6 +403,11 @@ def reverify(
     if result.interpreted:
         return None
     default = evaluate(default_candidate(entry.op))
+    if default.status != Status.OK:
+        return (
+            f"the default kernel, timed beside it, did not run ({default.status.value}: "
+            f"{default.message}): nothing to compare it with on this GPU"
+        )[:2000]
     mine, theirs = served_us(result, entry), served_us(default, entry)
     if mine is not None and theirs is not None and beats(theirs, default, mine, result, (entry.dtype,)):
         return (

@@ -137,7 +137,7 @@ INTERPRETED_TIMING_SHAPES = (_s("interp-t256", "fp32", tokens=256, dim=128),)
 # fp32: the statistics are sums over a row's I elements in fp32 (a few units of 2^-24 of the
 # sum of magnitudes, log2(I) deep in a tree), rsqrt on a GPU is within 2^-22 of the true value,
 # and the affine map and gate add three roundings: each output within about 1e-6 of its row's
-# scale, the reference's own rounding alike. The row bound allows 2^-17 of the row's norm
+# scale (the fp64 reference's own rounding is far below). The row bound allows 2^-17 of the row's norm
 # (7.6e-6), the element bound 1e-5 of the output's RMS and of itself. A mean rounded an ulp off
 # on a row of one value is multiplied by 1/sqrt(eps) (316): 4e-5 of the value, above these.
 # bf16 and fp16: the fp32 result rounded once to the output dtype, half an ulp (2^-9 and 2^-12

@@ -309,11 +309,12 @@ def _evaluated(us: float, device: DeviceInfo = GPU) -> EvalResult:
         ("sm_90", 58.0, None),
         ("sm_90", 80.0, "the default kernel is faster on its buckets on this GPU: 60.0 us against 80.0 us"),
         ("sm_100", 50.0, "accepted for sm_90, and this machine is sm_100"),  # another GPU says nothing
+        ("sm_90", None, "the default kernel, timed beside it, did not run (runtime_error: crashed)"),
         ("interpreter", 5000.0, None),  # correctness only: interpreted timings decide nothing
     ],
 )
 def test_approval_times_the_kernel_beside_the_default_on_a_gpu_of_the_entrys_architecture(
-    arch: str, recheck_us: float, refusal: str | None
+    arch: str, recheck_us: float | None, refusal: str | None
 ) -> None:
     entry, source = _entry(8)
     entry = dataclasses.replace(entry, evidence={"evaluation": _evaluated(50.0).model_dump(mode="json")})
@@ -322,7 +323,13 @@ def test_approval_times_the_kernel_beside_the_default_on_a_gpu_of_the_entrys_arc
 
     def evaluate(candidate):
         evaluated.append(candidate)
-        return _evaluated(recheck_us if candidate.source == source else 60.0, device)
+        if candidate.source == source:
+            return _evaluated(50.0 if recheck_us is None else recheck_us, device)
+        if recheck_us is None:  # the default crashes on this GPU
+            return EvalResult(
+                status=Status.RUNTIME_ERROR, problem="embedding_bag", candidate_id="d", message="crashed"
+            )
+        return _evaluated(60.0, device)
 
     why = review.reverify(source, entry, evaluate, arch)
     assert why == refusal if refusal is None else refusal in why, why
