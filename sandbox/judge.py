@@ -602,7 +602,10 @@ class Session:
         "go" to the runner's answer (which comes after the runner's device-wide synchronize), the
         runner's per-call times, and what each call returned. `poison`: bytes per call the runner
         fills with NaN before it gets ready (outside the clock)."""
-        ready = self.runner.ask(self._message(calls, timed=True, poison=poison, watch=True), where=where)
+        # The runner's poison runs on the device before it gets ready: never beside another
+        # evaluation's timed batch (the shared lock).
+        with self.gpu(exclusive=False):
+            ready = self.runner.ask(self._message(calls, timed=True, poison=poison, watch=True), where=where)
         if ready.get("ready") is not True:
             raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner did not get ready to time")
         with self.gpu(exclusive=True):
@@ -798,9 +801,9 @@ class Evaluation:
 
     def batch_calls(self, shape: Shape) -> int:
         """Calls in one timed batch, up to 8: as many as the region budget holds, each with its
-        inputs, its output (held until the batch's checks) and the poison the runner fills
-        before the batch (poison_bytes a call, freed before the calls run, so the larger of the
-        two counts). A dense gradient of every table (GBs a call) is timed a few calls a batch."""
+        inputs and the poison the runner reserves for it before the batch (poison_bytes: twice
+        its output, which it holds until the batch's checks, at least). A dense gradient of
+        every table (GBs a call) is timed a few calls a batch."""
         per_call = self.set_bytes(shape) + self.poison_bytes(shape)  # twice the output, at least
         return max(1, min(8, self.request.region_budget_bytes // per_call))
 
@@ -1014,9 +1017,11 @@ class Evaluation:
         training = self.problem.optimizes != "forward" or self.problem.wants_statistics(warm[0].inputs)
         # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
         # untimed one does, and before each batch the runner fills freed memory as it does
-        # before checks: nothing tells a candidate whether a call is timed, checked or watched
-        # (in-process watches can be detected; one that is always on need not be). Its overhead
-        # is in every candidate's times alike, the incumbent's too.
+        # before checks: the watch does not tell a candidate whether a call is timed, checked or
+        # watched (in-process watches can be detected; one that is always on need not be). Its
+        # overhead is in every candidate's times alike, the incumbent's too. (Other things can
+        # tell: a timed batch holds up to 8 outputs at once, a check one or two, so their
+        # addresses differ. That is why timed calls are checked at random, never trusted.)
         batch_index = 0
         while True:
             enough = len(samples) >= target or (

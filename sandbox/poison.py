@@ -7,16 +7,23 @@ one of two pools: blocks of up to 1 MiB come from 2 MiB segments of their own. A
 block, filled and freed, is what a large request next gets, but never a small one, nor a block
 that a candidate keeps from being merged with its neighbours. So every free block of the
 allocator is filled, each by taking it whole (a request of its exact size, largest first: each
-then takes that block) and giving it back; a large block reserved first (and freed) leaves
-room of its own for the calls, poisoned with the rest. On a CPU (interpreted Triton) one block
-filled and freed.
+then takes that block; a small segment's free space in pieces of at most 1 MiB, pass after
+pass until nothing is left free) and giving it back; a large block reserved first (and freed)
+leaves room of its own for the calls, poisoned with the rest. On a CPU (interpreted Triton) one
+block filled and freed.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
+# The CUDA allocator's small pool serves requests of at most this many bytes, from 2 MiB segments:
+# a free block of a small segment larger than this is taken in pieces.
+SMALL_BYTES = 1 << 20
+MAX_PASSES = 8
 
 
 def poison(device: torch.device | str, nbytes: int) -> int:
@@ -31,25 +38,33 @@ def poison(device: torch.device | str, nbytes: int) -> int:
         block = torch.empty(nbytes, dtype=torch.uint8, device=device)
         block.fill_(POISON_BYTE)
         return nbytes
-    if nbytes > 0 and max(_free_blocks(device), default=0) < nbytes and _room(device) >= nbytes:
+    largest = max((size for size, small in _free_blocks(device) if not small), default=0)
+    if nbytes > 0 and largest < nbytes <= _room(device):
         reserve = torch.empty(nbytes, dtype=torch.uint8, device=device)
         del reserve
     held = []
-    filled = 0
-    for size in sorted(_free_blocks(device), reverse=True):
-        block = torch.empty(size, dtype=torch.uint8, device=device)  # that cached block, whole
+    with contextlib.suppress(torch.cuda.OutOfMemoryError):  # not expected: every request is cached
+        for _ in range(MAX_PASSES):
+            free = _free_blocks(device)
+            if not free:
+                break
+            # Largest first, each whole, a small segment's in pieces of at most SMALL_BYTES (a
+            # larger request goes to the large pool): a piece's remainder is the next pass's.
+            sizes = sorted((min(size, SMALL_BYTES) if small else size for size, small in free), reverse=True)
+            held.extend(torch.empty(size, dtype=torch.uint8, device=device) for size in sizes)
+    for block in held:
         block.fill_(POISON_BYTE)
-        held.append(block)
-        filled += size
+    filled = sum(block.numel() for block in held)
     del held
     return filled
 
 
-def _free_blocks(device: torch.device) -> list[int]:
-    """Sizes of the blocks the allocator holds free for this stream's requests on `device`."""
+def _free_blocks(device: torch.device) -> list[tuple[int, bool]]:
+    """(size, in the small pool) of each block the allocator holds free for this stream's requests
+    on `device`."""
     stream = torch.cuda.current_stream(device).cuda_stream
     return [
-        block["size"]
+        (block["size"], segment["segment_type"] == "small")
         for segment in torch.cuda.memory_snapshot()
         if segment["device"] == (device.index or 0) and segment["stream"] == stream
         for block in segment["blocks"]

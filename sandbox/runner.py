@@ -238,7 +238,8 @@ class Runner:
             if timed:
                 # Arguments and events are ready: the judge's clock runs from its "go" to this
                 # batch's answer, around the calls and the final synchronize alone.
-                self._poison(poison_bytes * len(calls))  # as before untimed calls: no tell-tale
+                self._poison(poison_bytes * len(calls))  # as before untimed calls
+                self._sync()  # the fill done before the judge's clock, and before it times others
                 starts, ends = self._prepare_timing(len(calls))
                 wire.send(self.sock, {"ok": True, "ready": True, "re": message.get("nonce")})
                 go, extra = wire.receive(self.sock)

@@ -34,6 +34,19 @@ def test_every_block_the_allocator_holds_free_reads_as_poison() -> None:
 
 
 @pytest.mark.gpu
+def test_a_small_block_alone_in_its_segment_reads_as_poison() -> None:
+    """A small block freed alone leaves its 2 MiB segment one free block, larger than any request
+    the small pool serves: filled in pieces, the next small request still gets NaN bytes."""
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()  # (the test's own: no candidate can call it)
+    block = torch.full((4096,), 0x11, dtype=torch.uint8, device=device)
+    del block
+    torch.cuda.synchronize()
+    poison(device, 0)
+    assert bool((torch.empty(4096, dtype=torch.uint8, device=device) == POISON_BYTE).all())
+
+
+@pytest.mark.gpu
 def test_a_reserve_the_device_cannot_hold_is_skipped() -> None:
     """The poison never runs a call out of memory: a reserve larger than the device is skipped,
     and the free blocks are filled all the same."""
