@@ -11,8 +11,9 @@ launched 60% of its programs past their feature's dim at the timing shapes; on a
 forward took 0.83x to 0.94x of its time). Inside, it is the single-table kernel
 (kernels/embedding_bag.py): BLOCK_B bags advance together and gather a [BLOCK_B, BLOCK_L,
 BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
-rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent launch): each
-program then loops over blocks, reading the features' dims once.
+rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
+launch): each program then loops over blocks, reading the features' dims once, and with
+PREFETCH loads the next block's offsets before gathering this block's rows.
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
