@@ -23,6 +23,7 @@ from agent.incumbents import (
 )
 from agent.model_plan import measure_change, measure_model
 from agent.population import (
+    beaten_on_recheck,
     beats,
     bucket_us,
     buckets,
@@ -33,7 +34,6 @@ from agent.population import (
     pick_bucket_bests,
     primary_baseline,
     serving_us,
-    slower_on_recheck,
 )
 from agent.proposers import ProposalRequest, propose_batch
 from agent.report import lineage_of, write_report
@@ -421,16 +421,39 @@ def _training_buckets(
     return train
 
 
+def _incumbents_again(
+    ctx: CampaignContext, held: list[EvaluationRow], recheck: EvalResult, cache: dict[str, EvalResult]
+) -> list[tuple[str, EvalResult]]:
+    """What dispatch ran at the campaign's start (its incumbents among `held`), evaluated again
+    now, beside a winner's re-verification on the same kind of device (each once a problem, in
+    `cache`): the winner's timing is compared with theirs, never with its own from another run."""
+    out, seen = [], set()
+    for row in held:
+        if row.candidate.origin != INCUMBENT or row.candidate.id in seen:
+            continue
+        seen.add(row.candidate.id)
+        if row.candidate.id not in cache:
+            cache[row.candidate.id] = ctx.backend.evaluate(
+                row.candidate, timing=True, trials=ctx.config.sandbox.trials
+            )
+        again = cache[row.candidate.id]
+        if again.status == Status.OK and again.kind == recheck.kind:
+            out.append((f"incumbent {row.candidate.id}", again))
+    return out
+
+
 def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
     rows = ctx.store.evaluations(ctx.campaign_id, problem)
     measured = measurements(ctx.store, ctx.campaign_id, problem, rows)
     kernel_ids = []
+    beside_cache: dict[str, EvalResult] = {}
     for candidate_id, served in _winners(ctx, problem, rows, measured).items():
         row = next(r for r in rows if r.candidate.id == candidate_id)
         candidate, evidence = row.candidate, row.result
         held = [r for r in on_kind(measured, evidence.kind) if r.score_us is not None]
-        # A fresh judge and runner check it again and time it again: the timing that won must
-        # hold up, or nothing is registered.
+        # A fresh judge and runner check it again and time it again, and the incumbents are
+        # evaluated again beside it (_incumbents_again): where one of them is now faster on a
+        # bucket it serves, nothing is registered.
         recheck = ctx.backend.evaluate(candidate, timing=True, trials=ctx.config.sandbox.trials)
         # A backend picks the GPU, not its kind (a Ray cluster of several models, a host whose
         # GPUs differ): times from another GPU kind say nothing of the ones that won, so it tries
@@ -455,7 +478,8 @@ def _register_problem(ctx: CampaignContext, problem: str) -> list[str]:
                 "out; not registered"
             )
             continue
-        slower = slower_on_recheck(evidence, recheck, served)
+        beside = [] if recheck.interpreted else _incumbents_again(ctx, held, recheck, beside_cache)
+        slower = beaten_on_recheck(recheck, beside, served)
         if slower is not None:
             ctx.events.message(f"{problem}: candidate {candidate.id}: {slower}; not registered")
             continue
