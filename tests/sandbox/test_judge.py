@@ -591,7 +591,6 @@ def test_timed_batches_hold_the_lock_alone_and_the_rest_shares_it(tmp_path: Path
 
 
 def test_a_wait_for_the_lock_is_a_phase_of_its_own(monkeypatch) -> None:
-
     now = [100.0]
     monkeypatch.setattr(judge.time, "perf_counter", lambda: now[0])
     clock = judge.PhaseClock()
