@@ -162,34 +162,29 @@ def _embedding_bags_fwd_kernel(
     blocks_F = (dim_F + BLOCK_D - 1) // BLOCK_D
     ends_F = tl.cumsum(blocks_F, axis=0)
     grid = tl.num_programs(0)
-    if PREFETCH:
+    if PREFETCH:  # the first block's offsets, before the loop
         first_col, dim, col_block, table, bags_B, limit, start_B, len_B = _block_of(
             tl.program_id(0), num_blocks, num_bag_blocks, num_bags, num_features,
             f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
         )  # fmt: skip
-        for p in tl.range(tl.program_id(0), num_blocks, grid):
-            n_first_col, n_dim, n_col_block, n_table, n_bags_B, n_limit, n_start_B, n_len_B = _block_of(
-                p + grid, num_blocks, num_bag_blocks, num_bags, num_features,
-                f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
-            )  # fmt: skip
-            _pool_block(
-                weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
-                first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
-                HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
-            )  # fmt: skip
+    for p in tl.range(tl.program_id(0), num_blocks, grid):
+        # With PREFETCH the next block's offsets are loaded before this block's rows; without,
+        # this block's own, now.
+        n_first_col, n_dim, n_col_block, n_table, n_bags_B, n_limit, n_start_B, n_len_B = _block_of(
+            p + grid if PREFETCH else p, num_blocks, num_bag_blocks, num_bags, num_features,
+            f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
+        )  # fmt: skip
+        if not PREFETCH:
             first_col, dim, col_block, table = n_first_col, n_dim, n_col_block, n_table
             bags_B, limit, start_B, len_B = n_bags_B, n_limit, n_start_B, n_len_B
-    else:
-        for p in tl.range(tl.program_id(0), num_blocks, grid):
-            first_col, dim, col_block, table, bags_B, limit, start_B, len_B = _block_of(
-                p, num_blocks, num_bag_blocks, num_bags, num_features,
-                f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
-            )  # fmt: skip
-            _pool_block(
-                weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
-                first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
-                HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
-            )  # fmt: skip
+        _pool_block(
+            weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+            first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+        if PREFETCH:
+            first_col, dim, col_block, table = n_first_col, n_dim, n_col_block, n_table
+            bags_B, limit, start_B, len_B = n_bags_B, n_limit, n_start_B, n_len_B
 
 
 @triton.jit
