@@ -38,20 +38,22 @@ def poison(device: torch.device | str, nbytes: int) -> int:
         block = torch.empty(nbytes, dtype=torch.uint8, device=device)
         block.fill_(POISON_BYTE)
         return nbytes
-    largest = max((size for size, small in _free_blocks(device) if not small), default=0)
+    free = _free_blocks(device)
+    largest = max((size for size, small in free if not small), default=0)
     if nbytes > 0 and largest < nbytes <= _room(device):
         reserve = torch.empty(nbytes, dtype=torch.uint8, device=device)
         del reserve
+        free = _free_blocks(device)
     held = []
     with contextlib.suppress(torch.cuda.OutOfMemoryError):  # not expected: every request is cached
         for _ in range(MAX_PASSES):
-            free = _free_blocks(device)
             if not free:
                 break
             # Largest first, each whole, a small segment's in pieces of at most SMALL_BYTES (a
             # larger request goes to the large pool): a piece's remainder is the next pass's.
             sizes = sorted((min(size, SMALL_BYTES) if small else size for size, small in free), reverse=True)
             held.extend(torch.empty(size, dtype=torch.uint8, device=device) for size in sizes)
+            free = _free_blocks(device)
     for block in held:
         block.fill_(POISON_BYTE)
     filled = sum(block.numel() for block in held)

@@ -238,7 +238,7 @@ class Runner:
             if timed:
                 # Arguments and events are ready: the judge's clock runs from its "go" to this
                 # batch's answer, around the calls and the final synchronize alone.
-                self._poison(poison_bytes * len(calls))  # as before untimed calls
+                poison(self.device, poison_bytes * len(calls))  # as before untimed calls
                 self._sync()  # the fill done before the judge's clock, and before it times others
                 starts, ends = self._prepare_timing(len(calls))
                 wire.send(self.sock, {"ok": True, "ready": True, "re": message.get("nonce")})
@@ -252,7 +252,7 @@ class Runner:
             else:
                 times = [None] * len(calls)
                 for cid, (args, kwargs) in calls:
-                    self._poison(poison_bytes)
+                    poison(self.device, poison_bytes)
                     if noop:
                         with kernels_disabled():
                             try:
@@ -405,11 +405,6 @@ class Runner:
                 return "the output shares memory with an earlier output"
             mine.add(ptr)
         return None
-
-    def _poison(self, nbytes: int) -> None:
-        """NaN bytes in every block the next allocations can get (sandbox.poison), at least
-        `nbytes` of them where the device has room."""
-        poison(self.device, nbytes)
 
     def _sync(self) -> None:
         if self.device == "cuda":
