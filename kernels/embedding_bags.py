@@ -12,8 +12,10 @@ forward took 0.83x to 0.94x of its time). Inside, it is the single-table kernel
 (kernels/embedding_bag.py): BLOCK_B bags advance together and gather a [BLOCK_B, BLOCK_L,
 BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
 rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
-launch): each program then loops over blocks, reading the features' dims once, and with
-PREFETCH loads the next block's offsets before gathering this block's rows.
+launch): each program then loops over blocks, reading the features' dims once. Rows move in
+16-byte vectors wherever a block's table, dim and first output column allow it (_pool_block):
+on an H100 that alone made the forward 1.2x to 1.3x as fast in bf16 and fp32 (BENCHMARKS.md,
+2026-12-06, twenty-fourth session).
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
@@ -42,11 +44,15 @@ KNOBS = {
     "num_warps": None,
     "num_stages": 1,
     "PROGRAMS": None,
-    "PREFETCH": False,
     "GRAD_BLOCK_L": None,
     "GRAD_BLOCK_D": None,
     "GRAD_num_warps": None,
 }
+
+# Rows move in 16-byte vectors wherever a block's alignment allows (_pool_block); False moves them
+# an element at a time, as before (for studies: evals/studies/bags_tiles.py). Not a knob: a
+# search would only find it slower.
+VECTORS = True
 
 # A call whose bags hold at most this many ids on average holds short features only (one to three
 # ids): the bucket's regime (search_space.embedding_bags.SHORT_MEAN_IDS).
@@ -84,8 +90,43 @@ def _pool_block(
     first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
     HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, ACC_3D: tl.constexpr, EVICT_ROWS: tl.constexpr,
     NUM_STAGES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
 ):  # fmt: skip
-    """One block's pooled bags (_block_of's description of it) into the output."""
+    """One block's pooled bags (_block_of's description of it) into the output. The dims and
+    offsets are read from memory, so the compiler cannot know that a row starts on a 16-byte
+    boundary and would load and store it an element at a time: where this block's table, dim,
+    first column and the output's row stride are all multiples of VEC elements (16 bytes), the
+    same code runs with that said (tl.multiple_of), and its rows move in 16-byte vectors."""
+    aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
+    if VEC == 1:
+        _pool_rows(
+            weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+            first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+    elif aligned:
+        _pool_rows(
+            weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row // VEC * VEC,
+            first_col // VEC * VEC, dim // VEC * VEC, col_block, table // VEC * VEC,
+            bags_B, limit, start_B, len_B,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+    else:
+        _pool_rows(
+            weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+            first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+
+
+@triton.jit
+def _pool_rows(
+    weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+    first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
+    HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, ACC_3D: tl.constexpr, EVICT_ROWS: tl.constexpr,
+    NUM_STAGES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """_pool_block's work."""
     cols_D = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask_D = cols_D < dim
     table_ptr = weights_ptr + table
@@ -141,7 +182,7 @@ def _embedding_bags_fwd_kernel(
     ACC_3D: tl.constexpr,
     EVICT_ROWS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -152,39 +193,23 @@ def _embedding_bags_fwd_kernel(
     # `num_blocks` is a bound taken on the host; blocks past the last feature's store nothing.
     # (One axis: the blocks grow with the features, and a second axis would stop at 65535.) A
     # program takes blocks p, p + grid, ...: one each when the grid covers them all, several in
-    # a persistent launch, where PREFETCH loads the next block's offsets before this block's
-    # rows are gathered (their latency then overlaps the gather's, and a block waits on its ids
-    # and rows alone).
+    # a persistent launch.
     f_F = tl.arange(0, FEATURES)
     in_F = f_F < num_features
     lo_F = tl.load(dim_offsets_ptr + f_F, mask=in_F, other=0)
     dim_F = tl.load(dim_offsets_ptr + f_F + 1, mask=in_F, other=0) - lo_F
     blocks_F = (dim_F + BLOCK_D - 1) // BLOCK_D
     ends_F = tl.cumsum(blocks_F, axis=0)
-    grid = tl.num_programs(0)
-    if PREFETCH:  # the first block's offsets, before the loop
+    for p in tl.range(tl.program_id(0), num_blocks, tl.num_programs(0)):
         first_col, dim, col_block, table, bags_B, limit, start_B, len_B = _block_of(
-            tl.program_id(0), num_blocks, num_bag_blocks, num_bags, num_features,
+            p, num_blocks, num_bag_blocks, num_bags, num_features,
             f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
         )  # fmt: skip
-    for p in tl.range(tl.program_id(0), num_blocks, grid):
-        # With PREFETCH the next block's offsets are loaded before this block's rows; without,
-        # this block's own, now.
-        n_first_col, n_dim, n_col_block, n_table, n_bags_B, n_limit, n_start_B, n_len_B = _block_of(
-            p + grid if PREFETCH else p, num_blocks, num_bag_blocks, num_bags, num_features,
-            f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
-        )  # fmt: skip
-        if not PREFETCH:
-            first_col, dim, col_block, table = n_first_col, n_dim, n_col_block, n_table
-            bags_B, limit, start_B, len_B = n_bags_B, n_limit, n_start_B, n_len_B
         _pool_block(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
             first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
-            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, VEC,
         )  # fmt: skip
-        if PREFETCH:
-            first_col, dim, col_block, table = n_first_col, n_dim, n_col_block, n_table
-            bags_B, limit, start_B, len_B = n_bags_B, n_limit, n_start_B, n_len_B
 
 
 @triton.jit
@@ -239,15 +264,16 @@ def _whole_row(max_dim: int) -> int:
 
 
 def _forward_config(max_dim: int, element_size: int, mean_ids: float, interpreted: bool = False) -> dict:
-    """Launch parameters of the forward, from the H200 sweep of its timing shapes
-    (evals/studies/bags_tiles.py, BENCHMARKS.md 2026-12-05, seventeenth session).
+    """Launch parameters of the forward, from sweeps of its timing shapes (evals/studies/bags_tiles.py).
 
-    Narrow column slices and many bags: every feature's row is one to eight slices of 64 or
-    128 bytes, each program keeps many row gathers in flight, and a narrow feature wastes few
-    lanes. 32 bags x 2 ids x 32 columns a step on two warps led on two of the four bf16 shapes
-    and was within 8% of the best tile on the others. fp32 short bags: 64 bags x 1 id x 32
-    columns, the sweep's best there. fp32 pooled batches (bags of up to 120 ids): 16 bags x 2
-    ids x 32 columns on one warp, with the 3D accumulator, the best there.
+    Column slices of 128 bytes and many bags: every feature's row is one to four slices, each
+    program keeps many row gathers in flight, and a narrow feature wastes few lanes. bf16: 32
+    bags x 2 ids x 64 columns a step on two warps, the best of an H100 sweep on both short
+    shapes once rows moved in 16-byte vectors (1.3x and 1.5x the 32-column slices before them;
+    BENCHMARKS.md 2026-12-06, twenty-fourth session). fp32 short bags: 64 bags x 1 id x 32
+    columns, the H200 sweep's best there (2026-12-05, seventeenth session), still within 4% of
+    the best with vectors. fp32 pooled batches (bags of up to 120 ids): 16 bags x 2 ids x 32
+    columns on one warp, with the 3D accumulator, the best there.
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
@@ -257,7 +283,7 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
         return {"BLOCK_B": 16, "BLOCK_L": 2, "BLOCK_D": 32, "ACC_3D": True, "num_warps": 1}
     if element_size == 4:
         return {"BLOCK_B": 64, "BLOCK_L": 1, "BLOCK_D": 32, "ACC_3D": False, "num_warps": 2}
-    return {"BLOCK_B": 32, "BLOCK_L": 2, "BLOCK_D": 32, "ACC_3D": False, "num_warps": 2}
+    return {"BLOCK_B": 32, "BLOCK_L": 2, "BLOCK_D": 64, "ACC_3D": False, "num_warps": 2}
 
 
 def _backward_config(max_dim: int, interpreted: bool = False) -> dict:
@@ -316,7 +342,7 @@ def embedding_bags_forward(
         FEATURES=triton.next_power_of_2(num_features),
         EVICT_ROWS=KNOBS["EVICT_ROWS"],
         NUM_STAGES=KNOBS["num_stages"],
-        PREFETCH=bool(KNOBS["PREFETCH"]),
+        VEC=16 // weights.element_size() if VECTORS else 1,
         num_stages=1,
         **cfg,
     )

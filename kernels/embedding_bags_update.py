@@ -40,6 +40,9 @@ KNOBS = {
     "num_warps": None,
     "num_stages": None,
 }
+# Rows move in 16-byte vectors where every row of the call allows it (_rows_kernel); False moves
+# them an element at a time, as before (for studies: evals/studies/update_phases.py).
+VECTORS = True
 
 
 @triton.jit
@@ -56,17 +59,20 @@ def _sorted_kernel(
     scale_ptr,
     row_at_ptr,
     dim_ptr,
+    misaligned_ptr,
     nnz,
     batch,
     stride_grad,
     POOL_MEAN: tl.constexpr,
     HAS_PSW: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """What the rows kernel needs of each sorted position p, resolved once here, where the loads
     of a thousand positions overlap: where its gradient row starts in grad_out, its factor (the
     per-sample weight, the mean's 1 / length), where its table row starts in weights, and the
-    row's dim."""
+    row's dim. Sets *misaligned where any of those starts or dims is not a multiple of VEC
+    elements (16 bytes): the rows kernel moves rows in 16-byte vectors only where none is."""
     pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = pos < nnz
     i = tl.load(order_ptr + pos, mask=valid, other=0)
@@ -74,7 +80,8 @@ def _sorted_kernel(
     f = b // batch
     col0 = tl.load(d_off_ptr + f, mask=valid, other=0)
     dim = tl.load(d_off_ptr + f + 1, mask=valid, other=0) - col0
-    tl.store(grad_at_ptr + pos, (b - f * batch) * stride_grad + col0, mask=valid)
+    grad_at = (b - f * batch) * stride_grad + col0
+    tl.store(grad_at_ptr + pos, grad_at, mask=valid)
     if HAS_PSW or POOL_MEAN:
         scale = tl.full([BLOCK], 1.0, dtype=tl.float32)
         if HAS_PSW:
@@ -86,8 +93,11 @@ def _sorted_kernel(
         tl.store(scale_ptr + pos, scale, mask=valid)
     key = tl.load(keys_ptr + pos, mask=valid, other=0)
     row = key - tl.load(r_off_ptr + f, mask=valid, other=0)
-    tl.store(row_at_ptr + pos, tl.load(w_off_ptr + f, mask=valid, other=0) + row * dim, mask=valid)
+    row_at = tl.load(w_off_ptr + f, mask=valid, other=0) + row * dim
+    tl.store(row_at_ptr + pos, row_at, mask=valid)
     tl.store(dim_ptr + pos, dim.to(tl.int32), mask=valid)
+    if tl.max(tl.where(valid, (grad_at % VEC) + (row_at % VEC) + (dim % VEC), 0), axis=0) > 0:
+        tl.atomic_max(misaligned_ptr, 1)
 
 
 @triton.jit
@@ -151,14 +161,16 @@ def _gather_sum(
     col_mask_ID,
     SCALED: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """The summed gradient of each chunk's ids on a block of columns: [BLOCK_I, BLOCK_D] fp32,
-    BLOCK_L ids of every chunk gathered per step."""
+    BLOCK_L ids of every chunk gathered per step. ALIGN: a multiple of every gradient row's
+    start (see _rows)."""
     grad_ID = tl.zeros([begin_I.shape[0], cols_D.shape[0]], dtype=tl.float32)
     for step in tl.range(0, longest, BLOCK_L):
         at_IL = begin_I[:, None] + step + tl.arange(0, BLOCK_L)[None, :]
         mask_IL = valid_I[:, None] & (at_IL < end_I[:, None])
-        g_at_IL = tl.load(grad_at_ptr + at_IL, mask=mask_IL, other=0)
+        g_at_IL = tl.load(grad_at_ptr + at_IL, mask=mask_IL, other=0) // ALIGN * ALIGN
         g_ILD = tl.load(
             grad_out_ptr + g_at_IL[:, :, None] + cols_D[None, None, :],
             mask=mask_IL[:, :, None] & col_mask_ID[:, None, :],
@@ -188,6 +200,52 @@ def _rows_kernel(
     lr,
     eps,
     seed,
+    misaligned_ptr,
+    ADAGRAD: tl.constexpr,
+    SCALED: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """_rows, told where every row start and dim of the call is a multiple of VEC elements (16
+    bytes; _sorted_kernel found none that is not), so that its rows move in 16-byte vectors:
+    their starts are loaded from memory, and the compiler would otherwise move them an element
+    at a time."""
+    if tl.load(misaligned_ptr) == 0:
+        _rows(
+            weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+            starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+            ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, VEC,
+        )  # fmt: skip
+    else:
+        _rows(
+            weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+            starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+            ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, 1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rows(
+    weights_ptr,
+    state_ptr,
+    grad_out_ptr,
+    keys_ptr,
+    grad_at_ptr,
+    scale_ptr,
+    row_at_ptr,
+    dim_ptr,
+    starts_ptr,
+    count_ptr,
+    partial_ptr,
+    partial_stride,
+    nnz,
+    lr,
+    eps,
+    seed,
     ADAGRAD: tl.constexpr,
     SCALED: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -195,18 +253,20 @@ def _rows_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """BLOCK_I chunks, BLOCK_D columns at a time: when no row of the program is wider than
     BLOCK_D, in one pass; otherwise in two under adagrad (the rows' norms first, then the step:
-    the gradients are gathered twice, the second time mostly from L2) and one under SGD."""
+    the gradients are gathered twice, the second time mostly from L2) and one under SGD. ALIGN
+    divides every row's start and dim (x // ALIGN * ALIGN says so to the compiler)."""
     count = tl.load(count_ptr)
     chunks_I = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     valid_I = chunks_I < count
     begin_I = tl.load(starts_ptr + chunks_I, mask=valid_I, other=0)
     end_I = tl.load(starts_ptr + chunks_I + 1, mask=valid_I, other=0)
     key_I = tl.load(keys_ptr + begin_I, mask=valid_I, other=0)
-    row_at_I = tl.load(row_at_ptr + begin_I, mask=valid_I, other=0)
-    dim_I = tl.load(dim_ptr + begin_I, mask=valid_I, other=0)
+    row_at_I = tl.load(row_at_ptr + begin_I, mask=valid_I, other=0) // ALIGN * ALIGN
+    dim_I = tl.load(dim_ptr + begin_I, mask=valid_I, other=0) // ALIGN * ALIGN
     # Whether the chunk holds its row's first id, and its last.
     before_I = tl.load(keys_ptr + begin_I - 1, mask=valid_I & (begin_I > 0), other=-1)
     after_I = tl.load(keys_ptr + end_I, mask=valid_I & (end_I < nnz), other=-1)
@@ -222,7 +282,7 @@ def _rows_kernel(
         col_mask_ID = cols_D[None, :] < dim_I[:, None]
         grad_ID = _gather_sum(
             grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
-            SCALED, BLOCK_L,
+            SCALED, BLOCK_L, ALIGN,
         )  # fmt: skip
         step_I = _scale(state_ptr, tl.sum(grad_ID * grad_ID, axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)
         _apply(
@@ -237,7 +297,7 @@ def _rows_kernel(
                 col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
                 grad_ID = _gather_sum(  # only rows updated here need their norm
                     grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, whole_I, longest, c0 + cols_D,
-                    col_mask_ID, SCALED, BLOCK_L,
+                    col_mask_ID, SCALED, BLOCK_L, ALIGN,
                 )  # fmt: skip
                 grad_sq_I += tl.sum(grad_ID * grad_ID, axis=1)
         step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)
@@ -245,7 +305,7 @@ def _rows_kernel(
             col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
             grad_ID = _gather_sum(
                 grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, c0 + cols_D,
-                col_mask_ID, SCALED, BLOCK_L,
+                col_mask_ID, SCALED, BLOCK_L, ALIGN,
             )  # fmt: skip
             mask_ID = whole_I[:, None] & col_mask_ID
             _apply(weights_ptr, grad_ID, step_I, row_at_I, c0 + cols_D, mask_ID, seed, STOCHASTIC)
@@ -489,6 +549,8 @@ def embedding_bags_update(
     has_psw = per_sample_weights is not None
     scaled = has_psw or pooling == "mean"
     scale = torch.empty(nnz if scaled else 1, dtype=torch.float32, device=device)
+    misaligned = torch.zeros(1, dtype=torch.int32, device=device)
+    vec = 16 // weights.element_size() if VECTORS else 1  # grad_out's dtype is the weights'
     grid = (triton.cdiv(nnz, 1024),)
     _sorted_kernel[grid](
         order,
@@ -503,11 +565,13 @@ def embedding_bags_update(
         scale,
         row_at,
         dims,
+        misaligned,
         nnz,
         batch,
         grad_out.stride(0),
         POOL_MEAN=pooling == "mean",
         HAS_PSW=has_psw,
+        VEC=vec,
         BLOCK=1024,
     )
     starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)
@@ -532,10 +596,12 @@ def embedding_bags_update(
         lr,
         eps,
         seed,
+        misaligned,
         ADAGRAD=adagrad,
         SCALED=scaled,
         STOCHASTIC=stochastic,
         CHUNK=chunk,
+        VEC=vec,
         BLOCK_I=cfg["BLOCK_I"],
         BLOCK_L=cfg["BLOCK_L"],
         BLOCK_D=block_d,

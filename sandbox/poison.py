@@ -38,6 +38,8 @@ def poison(device: torch.device | str, nbytes: int) -> int:
         block = torch.empty(nbytes, dtype=torch.uint8, device=device)
         block.fill_(POISON_BYTE)
         return nbytes
+    if device.index is None:  # the allocator's and the driver's queries want an index
+        device = torch.device("cuda", torch.cuda.current_device())
     free = _free_blocks(device)
     largest = max((size for size, small in free if not small), default=0)
     if nbytes > 0 and largest < nbytes <= _room(device):
@@ -68,7 +70,7 @@ def _free_blocks(device: torch.device) -> list[tuple[int, bool]]:
     return [
         (block["size"], segment["segment_type"] == "small")
         for segment in torch.cuda.memory_snapshot()
-        if segment["device"] == (device.index or 0) and segment["stream"] == stream
+        if segment["device"] == device.index and segment["stream"] == stream
         for block in segment["blocks"]
         if block["state"] == "inactive"
     ]

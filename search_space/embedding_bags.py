@@ -303,8 +303,7 @@ TOLERANCES = {
 
 # Each program runs the single-table kernel's loop on one feature's bags: the same knobs, with
 # the same tile bounds (kernels/embedding_bags.py, whose KNOBS dict they are), and the launch's
-# own: a persistent grid (132 SMs on an H100 or H200 times 8, 16 or 32 programs), and the next
-# block's offsets loaded before this block's rows are gathered.
+# own: a persistent grid (132 SMs on an H100 or H200 times 8, 16 or 32 programs).
 TEMPLATE = KnobTemplate(
     problem=NAME,
     source_module="kernels.embedding_bags",
@@ -316,12 +315,6 @@ TEMPLATE = KnobTemplate(
             (None, 132 * 8, 132 * 16, 132 * 32),
             default=None,
             help="programs in a persistent grid, each looping over blocks (None: one program a block)",
-        ),
-        Knob(
-            "PREFETCH",
-            (False, True),
-            default=False,
-            help="load the next block's offsets before gathering this block's rows (persistent grids)",
         ),
     ),
     constraint=single.TEMPLATE.constraint,

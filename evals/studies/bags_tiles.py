@@ -17,37 +17,36 @@ from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
 
-# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, PREFETCH]]); None keeps the launch
+# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, VECTORS]]); None keeps the launch
 # heuristic's. PROGRAMS: a persistent grid of that many programs, each looping over blocks (132
-# SMs on an H100 or H200); PREFETCH: each loads the next block's offsets before gathering this
-# one's rows. BLOCK_D 256: whole rows of every feature of the timing shapes (dims up to 256).
-# The first rows are the twenty-third session's questions; the rest, the earlier sweeps' tiles.
+# SMs on an H100 or H200); VECTORS False: rows move an element at a time, as before 16-byte
+# vectors (the kernel's VECTORS switch). The first rows are the twenty-fourth session's questions
+# (slices of 128 and 256 bytes, now that rows move in vectors); the rest, earlier sweeps' tiles.
 TILES = (
     (None, None, None, None, None),
+    (None, None, None, None, None, None, False),
+    (32, 2, 32, None, 2),
+    (32, 1, 64, None, 2),
+    (64, 1, 64, None, 2),
+    (64, 1, 64, None, 4),
+    (16, 2, 64, None, 2),
+    (32, 2, 64, None, 4),
+    (32, 4, 64, None, 4),
+    (32, 1, 128, None, 4),
+    (16, 2, 128, None, 4),
+    (64, 1, 32, None, 2),
     (16, 2, 32, None, 1),
     (None, None, None, None, None, 132 * 16),
-    (None, None, None, None, None, 132 * 8, True),
-    (None, None, None, None, None, 132 * 16, True),
-    (None, None, None, None, None, 132 * 32, True),
-    (16, 2, 32, None, 1, 132 * 32, True),
-    (16, 1, 256, None, 4),
-    (16, 2, 256, None, 4),
-    (8, 2, 256, None, 2),
-    (32, 1, 256, None, 4),
-    (16, 2, 256, None, 4, 132 * 8, True),
-    (8, 2, 256, None, 2, 132 * 16, True),
-    (16, 1, 128, None, 2),
+    (16, 2, 32, True, 1),
+    (16, 4, 64, None, 2),
     (32, 2, 64, None, 2, 132 * 16),
-    (32, 2, 32, None, 2),
+    (16, 1, 256, None, 4),
     (32, 2, 64, None, 2),
-    (16, 2, 64, None, 2),
-    (32, 1, 64, None, 2),
-    (64, 1, 32, None, 2),
     (8, 2, 64, None, 1),
     (4, 8, 64, False, 2),
     (8, 4, 128, False, 4),
 )
-NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "PREFETCH")
+NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "VECTORS")
 
 
 def main(pattern: str = "", first: str = "") -> None:
@@ -72,7 +71,9 @@ def main(pattern: str = "", first: str = "") -> None:
 
         show("torch.embedding_bag_per_feature", torch_us)
         for tile in TILES[: int(first)] if first else TILES:
-            kernel.KNOBS.update(base, **dict(zip(NAMES, tile, strict=False)))
+            settings = dict(zip(NAMES, tile, strict=False))
+            kernel.VECTORS = settings.pop("VECTORS", True)
+            kernel.KNOBS.update(base, **settings)
             ok, details = compare(
                 kernel.embedding_bags_forward(*call[0], **call[1]), want, problem.tolerance(shape.dtype)
             )
@@ -82,6 +83,7 @@ def main(pattern: str = "", first: str = "") -> None:
                 continue
             show(label, benchmark(kernel.embedding_bags_forward, [call], device=device).median_us)
         kernel.KNOBS.update(base)
+        kernel.VECTORS = True
 
 
 if __name__ == "__main__":

@@ -54,17 +54,21 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
     versions = [("", kernel)]
     if earlier:  # an earlier version's module beside this one, for a side-by-side run
         versions.append((earlier + " ", importlib.import_module(earlier)))
-    # (BLOCK_I, BLOCK_L, BLOCK_D, num_warps); None keeps the launch heuristic's.
-    configs = [(None,) * 4, (1, 1, 64, 1), (2, 1, 64, 1), (4, 1, 64, 2), (2, 1, 32, 1), (4, 1, 32, 1)]
-    configs += [(8, 1, 32, 2), (2, 2, 64, 1), (1, 1, 128, 1), (2, 1, 256, 1), (4, 2, 32, 2)]
+    # (BLOCK_I, BLOCK_L, BLOCK_D, num_warps[, VECTORS]); None keeps the launch heuristic's, and
+    # VECTORS False moves rows an element at a time (as before 16-byte vectors).
+    configs = [(None,) * 4, (None, None, None, None, False), (2, 1, 128, 1), (1, 1, 256, 1), (2, 1, 256, 2)]
+    configs += [(4, 1, 128, 2), (1, 1, 128, 1), (2, 1, 64, 1), (4, 1, 64, 2), (2, 1, 32, 1), (8, 1, 32, 2)]
     for label, module in versions:
         base = dict(module.KNOBS)
         for config in configs if not label else configs[:2]:
-            knobs = dict(zip(("BLOCK_I", "BLOCK_L", "BLOCK_D", "num_warps"), config, strict=True))
+            names = ("BLOCK_I", "BLOCK_L", "BLOCK_D", "num_warps", "VECTORS")
+            knobs = dict(zip(names, config, strict=False))
+            module.VECTORS = knobs.get("VECTORS", True)
             module.KNOBS.update(base, **{k: v for k, v in knobs.items() if k in base})
             us = stats(module.embedding_bags_update, (inputs.args, inputs.kwargs))
             rows.append((f"{label}whole op, {' '.join(f'{k}={v}' for k, v in knobs.items())}", us))
         module.KNOBS.update(base)
+        module.VECTORS = True
         rows.extend((f"{label}{what}", 0.0) for what in _compiled(module._rows_kernel))
     torch_us = stats(problem.baselines["torch.embedding_bag_sparse+step"], (inputs.args, inputs.kwargs))
     rows.append(("torch.embedding_bag_sparse+step", torch_us))

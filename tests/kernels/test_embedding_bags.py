@@ -62,8 +62,8 @@ THREE_TABLES = [[50, 64], [30, 200], [9, 4]]
 GPU_BRANCHES = [
     (_explicit("pooled", "fp32", THREE_TABLES, [9, 0, 3, 1, 2, 1, 1, 7, 0, 2, 1, 3]), (16, 2, 32, True)),
     (_explicit("short", "fp32", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (64, 1, 32, False)),
-    (_explicit("short", "bf16", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (32, 2, 32, False)),
-    (_explicit("pooled-wide", "fp16", [[80, 128], [9, 4]], [12, 0, 5, 2, 3, 1]), (32, 2, 32, False)),
+    (_explicit("short", "bf16", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (32, 2, 64, False)),
+    (_explicit("pooled-wide", "fp16", [[80, 128], [9, 4]], [12, 0, 5, 2, 3, 1]), (32, 2, 64, False)),
 ]  # fmt: skip
 
 
@@ -91,15 +91,15 @@ def test_the_gpu_launch_configuration_passes_too(
     assert [(c["BLOCK_B"], c["BLOCK_L"], c["BLOCK_D"], c["ACC_3D"]) for c in picked] == [tile]
 
 
-@pytest.mark.parametrize(("programs", "prefetch"), [(5, False), (None, True), (1, True)])
+@pytest.mark.parametrize("programs", [5, 1])
+@pytest.mark.parametrize("vectors", [True, False])
 def test_a_persistent_launch_covers_every_block(
-    programs: int | None, prefetch: bool, monkeypatch, empty_library
+    programs: int, vectors: bool, monkeypatch, empty_library
 ) -> None:
     """With the grid capped (the PROGRAMS knob), each program loops over blocks p, p + grid, ...:
     every bag and column still comes out right at the GPU's tiles (many blocks a feature), and
-    the blocks of the host's bound past the last feature store nothing; so with PREFETCH, each
-    block's offsets loaded in the iteration before (the first block's before the loop, a block
-    past the last one's masked off)."""
+    the blocks of the host's bound past the last feature store nothing; rows moved in vectors or
+    an element at a time alike."""
     forward = module._forward_config
 
     def gpu_forward_config(dim, size, ids, interpreted):
@@ -107,7 +107,7 @@ def test_a_persistent_launch_covers_every_block(
 
     monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
     monkeypatch.setitem(module.KNOBS, "PROGRAMS", programs)
-    monkeypatch.setitem(module.KNOBS, "PREFETCH", prefetch)
+    monkeypatch.setattr(module, "VECTORS", vectors)
     for shape, _ in GPU_BRANCHES:
         result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
         assert result.ok, (shape.name, result.message)
@@ -421,9 +421,9 @@ module._backward_config = lambda dim, interpreted=False: backward(dim)
 print(json.dumps(cuda_compile.main(["embedding_bags", "embedding_bags_backward"])))
 """
 
-# The same with a persistent, prefetching forward (the PROGRAMS and PREFETCH knobs).
+# The same with a persistent forward (the PROGRAMS knob).
 COMPILE_PERSISTENT_LAUNCHES = COMPILE_GPU_LAUNCHES.replace(
-    "print(", "module.KNOBS.update(PROGRAMS=2112, PREFETCH=True)\nprint(", 1
+    "print(", "module.KNOBS.update(PROGRAMS=2112)\nprint(", 1
 )
 
 

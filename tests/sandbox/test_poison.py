@@ -26,9 +26,11 @@ def test_every_block_the_allocator_holds_free_reads_as_poison() -> None:
     del freed
     torch.cuda.synchronize()
     assert poison(device, 0) > 0
-    for size in SIZES:
-        again = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(3)]
-        for block in again:
+    # Every block taken before any is read: a comparison's own result would be freed into the
+    # small pool and handed to the next request.
+    again = {size: [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(3)] for size in SIZES}
+    for size, blocks in again.items():
+        for block in blocks:
             assert bool((block == POISON_BYTE).all()), f"a block of {size} bytes kept earlier data"
     assert all(bool((k == 0x22).all()) for k in kept)  # what is held is never touched
 
