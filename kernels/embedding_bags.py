@@ -14,8 +14,8 @@ BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latenc
 rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
 launch): each program then loops over blocks, reading the features' dims once. Rows move in
 16-byte vectors wherever a block's table, dim and first output column allow it (_pool_block):
-on an H100 that alone made the forward 1.2x to 1.3x as fast in bf16 and fp32 (BENCHMARKS.md,
-2026-12-06, twenty-fourth session).
+on an H100 that alone made the forward 1.2x to 2.0x as fast at one tile, and let wider slices
+lead (BENCHMARKS.md, 2026-12-06, twenty-fourth session).
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
@@ -266,23 +266,23 @@ def _whole_row(max_dim: int) -> int:
 def _forward_config(max_dim: int, element_size: int, mean_ids: float, interpreted: bool = False) -> dict:
     """Launch parameters of the forward, from sweeps of its timing shapes (evals/studies/bags_tiles.py).
 
-    Column slices of 128 bytes and many bags: every feature's row is one to four slices, each
-    program keeps many row gathers in flight, and a narrow feature wastes few lanes. bf16: 32
-    bags x 2 ids x 64 columns a step on two warps, the best of an H100 sweep on both short
-    shapes once rows moved in 16-byte vectors (1.3x and 1.5x the 32-column slices before them;
-    BENCHMARKS.md 2026-12-06, twenty-fourth session). fp32 short bags: 64 bags x 1 id x 32
-    columns, the H200 sweep's best there (2026-12-05, seventeenth session), still within 4% of
-    the best with vectors. fp32 pooled batches (bags of up to 120 ids): 16 bags x 2 ids x 32
-    columns on one warp, with the 3D accumulator, the best there.
+    Column slices of 128 or 256 bytes and many bags: every feature's row is one to four slices,
+    each program keeps many row gathers in flight, and a narrow feature wastes few lanes. Once
+    rows moved in 16-byte vectors, an H100 sweep of every timing shape (BENCHMARKS.md
+    2026-12-06, twenty-fourth session) found 64 columns a slice best in both dtypes: short bags,
+    64 bags x 1 id a step on two warps (bf16 1.02x and 1.18x the 32 x 2 x 64 tile, fp32 1.05x
+    the 64 x 1 x 32 tile before it); bf16 pooled batches (bags of up to 120 ids), 32 bags x 2
+    ids; fp32 pooled batches, 16 bags x 2 ids with the 3D accumulator (1.13x the 32-column
+    slice on one warp before it).
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
     if interpreted:
         return {"BLOCK_B": 16, "BLOCK_L": 16, "BLOCK_D": _whole_row(max_dim), "ACC_3D": False, "num_warps": 2}
-    if element_size == 4 and mean_ids > SHORT_MEAN_IDS:
-        return {"BLOCK_B": 16, "BLOCK_L": 2, "BLOCK_D": 32, "ACC_3D": True, "num_warps": 1}
+    if mean_ids <= SHORT_MEAN_IDS:
+        return {"BLOCK_B": 64, "BLOCK_L": 1, "BLOCK_D": 64, "ACC_3D": False, "num_warps": 2}
     if element_size == 4:
-        return {"BLOCK_B": 64, "BLOCK_L": 1, "BLOCK_D": 32, "ACC_3D": False, "num_warps": 2}
+        return {"BLOCK_B": 16, "BLOCK_L": 2, "BLOCK_D": 64, "ACC_3D": True, "num_warps": 2}
     return {"BLOCK_B": 32, "BLOCK_L": 2, "BLOCK_D": 64, "ACC_3D": False, "num_warps": 2}
 
 

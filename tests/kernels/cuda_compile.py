@@ -47,6 +47,7 @@ def type_of(value) -> str:
 def main(ops: list[str]) -> dict:
     compiled: set[str] = set()
     failed: list[list[str]] = []
+    seen: set[tuple[str, str]] = set()
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
@@ -60,6 +61,13 @@ def main(ops: list[str]) -> dict:
             else:
                 signature[p.name] = type_of(value)
         name = f"{self.fn.__module__}.{self.fn.__name__}"
+        key = (
+            name,
+            json.dumps([signature, {k: str(v) for k, v in constexprs.items()}, options], sort_keys=True),
+        )
+        if key in seen:  # the same specialization, from another shape: compiled once
+            return
+        seen.add(key)
         try:
             source = ASTSource(fn=self, signature=signature, constexprs=constexprs)
             triton.compile(source, target=TARGET, options=options)

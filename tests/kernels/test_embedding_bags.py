@@ -56,13 +56,13 @@ def _explicit(name: str, dtype: str, tables: list, lengths: list[int]) -> Shape:
 
 
 # Every branch of the GPU's launch heuristics, by the tile it picks (BLOCK_B, BLOCK_L, BLOCK_D,
-# ACC_3D): fp32 pooled, fp32 short, and 2-byte rows (short or pooled). Dims 4 and 200 beside:
+# ACC_3D): fp32 pooled, short bags (either dtype), and 2-byte rows pooled. Dims 4 and 200 beside:
 # several column blocks a feature, and feature dims that are not multiples of the block.
 THREE_TABLES = [[50, 64], [30, 200], [9, 4]]
 GPU_BRANCHES = [
-    (_explicit("pooled", "fp32", THREE_TABLES, [9, 0, 3, 1, 2, 1, 1, 7, 0, 2, 1, 3]), (16, 2, 32, True)),
-    (_explicit("short", "fp32", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (64, 1, 32, False)),
-    (_explicit("short", "bf16", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (32, 2, 64, False)),
+    (_explicit("pooled", "fp32", THREE_TABLES, [9, 0, 3, 1, 2, 1, 1, 7, 0, 2, 1, 3]), (16, 2, 64, True)),
+    (_explicit("short", "fp32", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (64, 1, 64, False)),
+    (_explicit("short", "bf16", THREE_TABLES, [1, 0, 3, 1, 2, 1, 1, 1, 0, 2, 1, 3]), (64, 1, 64, False)),
     (_explicit("pooled-wide", "fp16", [[80, 128], [9, 4]], [12, 0, 5, 2, 3, 1]), (32, 2, 64, False)),
 ]  # fmt: skip
 
@@ -134,6 +134,9 @@ def test_the_kernels_pass_on_production_sizes(problem, shape: Shape, empty_libra
 def test_element_offsets_past_2_to_the_31(problem, empty_library) -> None:
     """A table of 2^31 + 64 elements (4.3 GB in bf16): ids among its last rows and the table
     after it, whose elements an int32 offset cannot reach."""
+    if problem is BACKWARD and torch.cuda.get_device_properties(0).total_memory < 100 * 2**30:
+        # (An H100 ran out of memory at 88 GiB; an H200 holds it.)
+        pytest.skip("the backward's check holds its 2^31-element gradient in fp64 several times: ~90 GiB")
     params = dict(tables=[[2**25 + 1, 64], [10, 128]], batch=64, max_lens=[3, 2], hot_rows=2)
     shape = Shape(name="past-2^31", dtype="bf16", params=params)
     result = check_shape(problem, ops.op(problem.name), shape, 0, torch.device("cuda"))
