@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -488,17 +488,25 @@ class Session:
     ) -> None:
         self.runner, self.problem, self.device, self.locks = runner, problem, device, locks
         self.on_wait = on_wait
+        self.held_s: collections.Counter[str] = collections.Counter()  # EvalResult.gpu_held_s
         self.kind = "cuda" if device.type == "cuda" else "cpu"
         self.next_call = 1
         self.input_region: tuple[shared.Region, int] | None = None
         # The arguments an op updates in place (Problem.updates): writable by the runner.
         self.updated_region: tuple[shared.Region, int] | None = None
 
-    def gpu(self, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def gpu(self, *, exclusive: bool) -> Iterator[None]:
         """The GPUs' locks, taken on the runner's behalf (sandbox.locks): exclusive for timing,
         shared for everything else; the wait for them does not count against the deadline, and
-        is told to `on_wait` (the evaluation's phase clock)."""
-        return gpu_use(self.locks, exclusive=exclusive, waited=self._waited)
+        is told to `on_wait` (the evaluation's phase clock). The time held is counted in held_s."""
+        with gpu_use(self.locks, exclusive=exclusive, waited=self._waited):
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self.locks:
+                    self.held_s["exclusive" if exclusive else "shared"] += time.perf_counter() - t0
 
     def _waited(self, seconds: float) -> None:
         self.runner.deadline.extend(seconds)
@@ -1259,6 +1267,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
         timing_window=window if status == Status.OK else None,
         wall_s=time.perf_counter() - t0,
         phase_s=ev.clock.stop(),
+        gpu_held_s=dict(ev.session.held_s) if ev.session is not None else {},
         log_tail=tail[-LOG_TAIL_CHARS:],
         **base,
     )

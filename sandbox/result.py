@@ -107,6 +107,10 @@ class EvalResult(BaseModel):
     # evaluations time or check, taken out of the phase they interrupted); `wall_s` minus their
     # sum is the judge process's start and exit and the backend's overhead.
     phase_s: dict[str, float] = Field(default_factory=dict)
+    # Seconds the judge held the GPU's lock, "exclusive" (timed batches, calibration, baselines)
+    # and "shared" (everything else on the device): what this evaluation took of a GPU that other
+    # evaluations share (empty on a CPU, where nothing is locked).
+    gpu_held_s: dict[str, float] = Field(default_factory=dict)
     artifacts_reused: bool = False  # the worker started with this source's compiled kernels
     # Other kernels the backend evaluated on the same device right after this one, because that
     # kind of device had not measured them for the caller yet (sandbox.backend.Alongside).
