@@ -49,9 +49,9 @@ KNOBS = {
     "GRAD_num_warps": None,
 }
 
-# Rows move in 16-byte vectors wherever a block's alignment allows (_pool_block); False moves them
-# an element at a time, as before (for studies: evals/studies/bags_tiles.py). Not a knob: a
-# search would only find it slower.
+# Rows move in 16-byte vectors wherever a block's alignment allows (_pool_block; the backward's
+# bags likewise, its atomic adds four fp32 at a time); False moves them an element at a time, as
+# before (for studies: evals/studies/bags_tiles.py). Not a knob: a search would only find it slower.
 VECTORS = True
 
 # A call whose bags hold at most this many ids on average holds short features only (one to three
@@ -225,6 +225,7 @@ def _embedding_bags_bwd_kernel(
     num_bags,
     HAS_PSW: tl.constexpr,
     MODE_MEAN: tl.constexpr,
+    VEC: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -232,11 +233,43 @@ def _embedding_bags_bwd_kernel(
     feature = keyed // num_bags
     first_col = tl.load(dim_offsets_ptr + feature)
     dim = tl.load(dim_offsets_ptr + feature + 1) - first_col
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     if tl.program_id(1) * BLOCK_D >= dim:
         return
+    table = tl.load(weight_offsets_ptr + feature)
+    # As the forward's blocks (_pool_block): where the gradient row and the table's rows start on
+    # 16-byte boundaries of grad_out's dtype (VEC elements, a multiple of the fp32 gradient's 4),
+    # the same code runs told so, and moves them in vectors.
+    aligned = (dim % VEC == 0) & (first_col % VEC == 0) & (table % VEC == 0)
+    aligned = aligned & (stride_grad_out_row % VEC == 0)
+    if VEC == 1:
+        _scatter_bag(
+            grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row, num_bags,
+            keyed, first_col, dim, table, HAS_PSW, MODE_MEAN, BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+    elif aligned:
+        _scatter_bag(
+            grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row // VEC * VEC,
+            num_bags, keyed, first_col // VEC * VEC, dim // VEC * VEC, table // VEC * VEC,
+            HAS_PSW, MODE_MEAN, BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+    else:
+        _scatter_bag(
+            grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row, num_bags,
+            keyed, first_col, dim, table, HAS_PSW, MODE_MEAN, BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+
+
+@triton.jit
+def _scatter_bag(
+    grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row, num_bags,
+    keyed, first_col, dim, table,
+    HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Bag `keyed`'s gradient row, one column block (the grid's second axis), added into the
+    rows of its ids."""
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask = cols < dim
-    table_ptr = grad_ptr + tl.load(weight_offsets_ptr + feature)
+    table_ptr = grad_ptr + table
     start = tl.load(offsets_ptr + keyed).to(tl.int64)
     end = tl.load(offsets_ptr + keyed + 1).to(tl.int64)
     grad_row = grad_out_ptr + (keyed % num_bags) * stride_grad_out_row + first_col
@@ -386,6 +419,7 @@ def embedding_bags_backward(
             num_keyed // weight_offsets.numel(),
             HAS_PSW=has_psw,
             MODE_MEAN=mode == "mean",
+            VEC=16 // grad_out.element_size() if VECTORS else 1,
             **cfg,
         )
     return grad.to(grad_out.dtype)
