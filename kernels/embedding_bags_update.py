@@ -40,9 +40,7 @@ KNOBS = {
     "num_warps": None,
     "num_stages": None,
 }
-# Rows move in 16-byte vectors where every row of the call allows it (_rows_kernel); False moves
-# them an element at a time, as before (for studies: evals/studies/update_phases.py).
-VECTORS = True
+VECTORS = True  # False: rows move an element at a time, never in 16-byte vectors (for studies)
 
 
 @triton.jit
@@ -71,8 +69,7 @@ def _sorted_kernel(
     """What the rows kernel needs of each sorted position p, resolved once here, where the loads
     of a thousand positions overlap: where its gradient row starts in grad_out, its factor (the
     per-sample weight, the mean's 1 / length), where its table row starts in weights, and the
-    row's dim. Sets *misaligned where any of those starts or dims is not a multiple of VEC
-    elements (16 bytes): the rows kernel moves rows in 16-byte vectors only where none is."""
+    row's dim; and *misaligned where a start or dim is not a multiple of VEC (see _rows_kernel)."""
     pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = pos < nnz
     i = tl.load(order_ptr + pos, mask=valid, other=0)
@@ -184,81 +181,34 @@ def _gather_sum(
 
 @triton.jit
 def _rows_kernel(
-    weights_ptr,
-    state_ptr,
-    grad_out_ptr,
-    keys_ptr,
-    grad_at_ptr,
-    scale_ptr,
-    row_at_ptr,
-    dim_ptr,
-    starts_ptr,
-    count_ptr,
-    partial_ptr,
-    partial_stride,
-    nnz,
-    lr,
-    eps,
-    seed,
-    misaligned_ptr,
-    ADAGRAD: tl.constexpr,
-    SCALED: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    CHUNK: tl.constexpr,
-    VEC: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """_rows, told where every row start and dim of the call is a multiple of VEC elements (16
-    bytes; _sorted_kernel found none that is not), so that its rows move in 16-byte vectors:
-    their starts are loaded from memory, and the compiler would otherwise move them an element
-    at a time."""
+    weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+    starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed, misaligned_ptr,
+    ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
+    VEC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """_rows, told where every row start and dim is a multiple of VEC elements (16 bytes): the
+    starts are loaded from memory, and untold the compiler moves rows an element at a time."""
     if tl.load(misaligned_ptr) == 0:
-        _rows(
-            weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
-            starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-            ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, VEC,
-        )  # fmt: skip
+        _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+              starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, VEC)  # fmt: skip
     else:
-        _rows(
-            weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
-            starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-            ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, 1,
-        )  # fmt: skip
+        _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+              starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, 1)  # fmt: skip
 
 
 @triton.jit
 def _rows(
-    weights_ptr,
-    state_ptr,
-    grad_out_ptr,
-    keys_ptr,
-    grad_at_ptr,
-    scale_ptr,
-    row_at_ptr,
-    dim_ptr,
-    starts_ptr,
-    count_ptr,
-    partial_ptr,
-    partial_stride,
-    nnz,
-    lr,
-    eps,
-    seed,
-    ADAGRAD: tl.constexpr,
-    SCALED: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
+    weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+    starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+    ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
     """BLOCK_I chunks, BLOCK_D columns at a time: when no row of the program is wider than
     BLOCK_D, in one pass; otherwise in two under adagrad (the rows' norms first, then the step:
     the gradients are gathered twice, the second time mostly from L2) and one under SGD. ALIGN
-    divides every row's start and dim (x // ALIGN * ALIGN says so to the compiler)."""
+    divides every row's start and dim (x // ALIGN * ALIGN tells the compiler)."""
     count = tl.load(count_ptr)
     chunks_I = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     valid_I = chunks_I < count
@@ -427,18 +377,12 @@ def check_arguments(
             f"weight_offsets and row_offsets must be [F] (F >= 1) and dim_offsets [F + 1], got "
             f"{tuple(weight_offsets.shape)}, {tuple(row_offsets.shape)}, {tuple(dim_offsets.shape)}"
         )
-    for name, t in (
-        ("weight_offsets", weight_offsets),
-        ("row_offsets", row_offsets),
-        ("dim_offsets", dim_offsets),
-    ):
+    layout = {"weight_offsets": weight_offsets, "row_offsets": row_offsets, "dim_offsets": dim_offsets}
+    for name, t in layout.items():
         if t.dtype != torch.int64:
             raise ValueError(f"{name} must be int64, got {t.dtype}")
-    if (
-        indices.dim() != 1
-        or indices.dtype not in (torch.int32, torch.int64)
-        or offsets.dtype != indices.dtype
-    ):
+    ids = (torch.int32, torch.int64)
+    if indices.dim() != 1 or indices.dtype not in ids or offsets.dtype != indices.dtype:
         raise ValueError(
             f"indices must be [nnz] int32 or int64 and offsets of the same dtype, got "
             f"{indices.dtype} {tuple(indices.shape)} and {offsets.dtype}"
@@ -553,76 +497,24 @@ def embedding_bags_update(
     vec = 16 // weights.element_size() if VECTORS else 1  # grad_out's dtype is the weights'
     grid = (triton.cdiv(nnz, 1024),)
     _sorted_kernel[grid](
-        order,
-        bag,
-        sorted_keys,
-        offsets,
-        per_sample_weights if has_psw else scale,
-        weight_offsets,
-        row_offsets,
-        dim_offsets,
-        grad_at,
-        scale,
-        row_at,
-        dims,
-        misaligned,
-        nnz,
-        batch,
-        grad_out.stride(0),
-        POOL_MEAN=pooling == "mean",
-        HAS_PSW=has_psw,
-        VEC=vec,
-        BLOCK=1024,
-    )
+        order, bag, sorted_keys, offsets, per_sample_weights if has_psw else scale, weight_offsets,
+        row_offsets, dim_offsets, grad_at, scale, row_at, dims, misaligned, nnz, batch, grad_out.stride(0),
+        POOL_MEAN=pooling == "mean", HAS_PSW=has_psw, VEC=vec, BLOCK=1024,
+    )  # fmt: skip
     starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)
     _chunk_starts_kernel[grid](chunk_end, starts, nnz, BLOCK=1024)
     partial = torch.empty((2 * triton.cdiv(nnz, chunk), max_dim), dtype=torch.float32, device=weights.device)
     adagrad = optimizer == "adagrad"
     stochastic = bool(stochastic_rounding)
     _rows_kernel[(triton.cdiv(nnz, cfg["BLOCK_I"]),)](
-        weights,
-        state,
-        grad_out,
-        sorted_keys,
-        grad_at,
-        scale,
-        row_at,
-        dims,
-        starts,
-        chunk_end[nnz - 1 :],
-        partial,
-        max_dim,
-        nnz,
-        lr,
-        eps,
-        seed,
-        misaligned,
-        ADAGRAD=adagrad,
-        SCALED=scaled,
-        STOCHASTIC=stochastic,
-        CHUNK=chunk,
-        VEC=vec,
-        BLOCK_I=cfg["BLOCK_I"],
-        BLOCK_L=cfg["BLOCK_L"],
-        BLOCK_D=block_d,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+        weights, state, grad_out, sorted_keys, grad_at, scale, row_at, dims, starts, chunk_end[nnz - 1 :],
+        partial, max_dim, nnz, lr, eps, seed, misaligned,
+        ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
+        BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
     _long_rows_kernel[(triton.cdiv(nnz, chunk),)](
-        weights,
-        state,
-        sorted_keys,
-        row_at,
-        dims,
-        partial,
-        max_dim,
-        nnz,
-        lr,
-        eps,
-        seed,
-        ADAGRAD=adagrad,
-        STOCHASTIC=stochastic,
-        CHUNK=chunk,
-        BLOCK_D=triton.next_power_of_2(max_dim),
+        weights, state, sorted_keys, row_at, dims, partial, max_dim, nnz, lr, eps, seed,
+        ADAGRAD=adagrad, STOCHASTIC=stochastic, CHUNK=chunk, BLOCK_D=triton.next_power_of_2(max_dim),
         num_warps=4,
-    )
+    )  # fmt: skip

@@ -1209,9 +1209,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     t0 = time.perf_counter()
     deadline = Deadline(request.timeout_s, deadline_mark)
     ev = Evaluation(request)
-    ev.clock.start("init")  # the judge's own device (its CUDA context, on a GPU)
-    info = device_info(ev.device)
-    base = {"problem": request.problem, "candidate_id": request.candidate_id, "device": info}
+    info: DeviceInfo | None = None
     timings: list[ShapeTiming] = []
     window = None
     runner = None
@@ -1219,6 +1217,10 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     try:
         ev.clock.start("start")
         runner = RunnerProcess(request, gpu=ev.device.type == "cuda", deadline=deadline)
+        # The judge's own device (its CUDA context, on a GPU) while the runner starts up.
+        ev.clock.start("init")
+        info = device_info(ev.device)
+        ev.clock.start("start")
         ev.session = Session(runner, ev.problem, ev.device, request.timing_locks, on_wait=ev.clock.waited)
         runner.ask({"op": "ping"}, where="start")
         ev.clock.start("load")
@@ -1256,6 +1258,9 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
         ev.clock.start("finish")  # the runner's end (its CUDA context torn down, on a GPU)
         if runner is not None:
             runner.kill()
+    if info is None:  # the runner did not start
+        info = device_info(ev.device)
+    base = {"problem": request.problem, "candidate_id": request.candidate_id, "device": info}
     tail = log if log else (runner.log_tail() if runner is not None else "")
     if message.startswith("import failed") and status == Status.RUNTIME_ERROR:
         status = Status.COMPILE_ERROR
