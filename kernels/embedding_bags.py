@@ -96,7 +96,8 @@ def _pool_block(
     offsets are read from memory, so the compiler cannot know that a row starts on a 16-byte
     boundary and would load and store it an element at a time: where this block's table, dim,
     first column and the output's row stride are all multiples of VEC elements (16 bytes), the
-    same code runs with that said (tl.multiple_of), and its rows move in 16-byte vectors."""
+    same code runs on x // VEC * VEC of each (the same values, which the compiler then knows to
+    be multiples of VEC), and its rows move in 16-byte vectors."""
     aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
     if VEC == 1:
         _pool_rows(
