@@ -143,7 +143,9 @@ def run_sandbox_benchmark(backend, n: int, *, baselines: list[str], console: Con
     held: Counter = Counter()
     for r in results:
         held.update(r.gpu_held_s)
-    if held:  # how much of the run the GPU was held for timing alone: the bound on throughput
+    # The exclusive holds (timed batches, one evaluation at a time on a GPU) against the wall: near
+    # 100%, timing itself bounds the throughput. Shared holds overlap, so theirs can pass 100%.
+    if held:
         console.print(
             "GPU's lock held, all evaluations: "
             + ", ".join(

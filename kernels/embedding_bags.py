@@ -13,9 +13,10 @@ forward took 0.83x to 0.94x of its time). Inside, it is the single-table kernel
 BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
 rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
 launch): each program then loops over blocks, reading the features' dims once. Rows move in
-16-byte vectors wherever a block's table, dim and first output column allow it (_pool_block):
-on an H100 that alone made the forward 1.2x to 2.0x as fast at one tile, and let wider slices
-lead (BENCHMARKS.md, 2026-12-06, twenty-fourth session).
+16-byte vectors wherever a block's table, dim, first output column and the output's row
+stride allow it (_pool_block; the backward's bags likewise): on an H100 that alone made the
+forward 1.2x to 2.0x as fast at one tile, and let wider slices lead (BENCHMARKS.md,
+2026-12-06, twenty-fourth session).
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over

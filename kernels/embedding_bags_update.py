@@ -93,7 +93,8 @@ def _sorted_kernel(
     row_at = tl.load(w_off_ptr + f, mask=valid, other=0) + row * dim
     tl.store(row_at_ptr + pos, row_at, mask=valid)
     tl.store(dim_ptr + pos, dim.to(tl.int32), mask=valid)
-    if tl.max(tl.where(valid, (grad_at % VEC) + (row_at % VEC) + (dim % VEC), 0), axis=0) > 0:
+    odd = (grad_at % VEC != 0) | (row_at % VEC != 0) | (dim % VEC != 0)
+    if tl.max((valid & odd).to(tl.int32), axis=0) > 0:
         tl.atomic_max(misaligned_ptr, 1)
 
 
@@ -161,8 +162,8 @@ def _gather_sum(
     ALIGN: tl.constexpr,
 ):
     """The summed gradient of each chunk's ids on a block of columns: [BLOCK_I, BLOCK_D] fp32,
-    BLOCK_L ids of every chunk gathered per step. ALIGN: a multiple of every gradient row's
-    start (see _rows)."""
+    BLOCK_L ids of every chunk gathered per step. ALIGN divides every gradient row's start
+    (see _rows)."""
     grad_ID = tl.zeros([begin_I.shape[0], cols_D.shape[0]], dtype=tl.float32)
     for step in tl.range(0, longest, BLOCK_L):
         at_IL = begin_I[:, None] + step + tl.arange(0, BLOCK_L)[None, :]

@@ -1217,9 +1217,13 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     try:
         ev.clock.start("start")
         runner = RunnerProcess(request, gpu=ev.device.type == "cuda", deadline=deadline)
-        # The judge's own device (its CUDA context, on a GPU) while the runner starts up.
+        # The judge's own device (its CUDA context, on a GPU) while the runner starts up. Its
+        # failure is the judge's, never the candidate's: not one of the errors caught below.
         ev.clock.start("init")
-        info = device_info(ev.device)
+        try:
+            info = device_info(ev.device)
+        except Exception as exc:  # noqa: BLE001 - re-raised as the judge's own failure
+            raise RuntimeError(f"the judge's device: {type(exc).__name__}: {exc}") from exc
         ev.clock.start("start")
         ev.session = Session(runner, ev.problem, ev.device, request.timing_locks, on_wait=ev.clock.waited)
         runner.ask({"op": "ping"}, where="start")
@@ -1259,6 +1263,7 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
         if runner is not None:
             runner.kill()
     if info is None:  # the runner did not start
+        ev.clock.start("init")
         info = device_info(ev.device)
     base = {"problem": request.problem, "candidate_id": request.candidate_id, "device": info}
     tail = log if log else (runner.log_tail() if runner is not None else "")

@@ -125,3 +125,29 @@ def test_a_wait_for_the_lock_moves_the_evaluations_deadline_back(
         local._wait_within(still_running, 0.1, tmp_path)
     waited = time.monotonic() - t0
     assert waited >= 0.5 and len(waits) > 1, (waited, waits)  # it waited on past its own limit
+
+
+def test_an_evaluation_counts_how_long_it_held_the_lock(tmp_path: Path) -> None:
+    """The judge's session adds each hold of the lock to its kind (EvalResult.gpu_held_s), the
+    wait for it to the phase clock's lock_wait instead; with no lock to take, nothing is counted."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sandbox.judge import Deadline, PhaseClock, Session
+    from search_space import get_problem
+
+    clock = PhaseClock()
+    runner = SimpleNamespace(deadline=Deadline(60))
+    problem, cpu = get_problem("embedding_bag"), torch.device("cpu")
+    session = Session(runner, problem, cpu, [str(tmp_path / "gpu.lock")], on_wait=clock.waited)
+    for exclusive, seconds in ((True, 0.2), (False, 0.1), (True, 0.1)):
+        with session.gpu(exclusive=exclusive):
+            time.sleep(seconds)
+    assert 0.3 <= session.held_s["exclusive"] < 0.6
+    assert 0.1 <= session.held_s["shared"] < 0.4
+    assert "lock_wait" in clock.stop()
+    unlocked = Session(runner, problem, cpu, [])
+    with unlocked.gpu(exclusive=True):
+        time.sleep(0.05)
+    assert unlocked.held_s == {}
