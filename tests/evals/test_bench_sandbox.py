@@ -54,5 +54,6 @@ def test_each_result_is_printed_as_it_comes_and_kept_in_order() -> None:
     assert [r.candidate_id for r in results] == [c.id for c in mix]
     assert most[0] == 3
     lines = console.export_text().splitlines()
-    assert len(lines) == len(mix) and all("held exclusive 0.2" in line for line in lines)
+    assert len(lines) == len(mix)
+    assert all("judge   1.0 s" in line and "held exclusive 0.2" in line for line in lines)
     assert lines[-1].split()[2] == "#2"  # the first candidate of the list (the second of the run) ended last

@@ -13,8 +13,8 @@ EDITS = [
         "    weights = weights.clone()\n",
     ),
     (
-        "        BLOCK_D=triton.next_power_of_2(max_dim),\n        num_warps=4,\n    )\n",
-        "        BLOCK_D=triton.next_power_of_2(max_dim),\n        num_warps=4,\n    )\n"
+        "        num_warps=4,\n    )  # fmt: skip\n",
+        "        num_warps=4,\n    )  # fmt: skip\n"
         "    target.copy_(weights)\n",
     ),
 ]
