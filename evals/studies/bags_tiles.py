@@ -45,6 +45,12 @@ TILES = (
     (8, 2, 64, None, 1),
     (4, 8, 64, False, 2),
     (8, 4, 128, False, 4),
+    # Pooled batches (bags of up to 120 ids, most short): more ids of fewer bags a step, so a
+    # block's long bag takes fewer steps while its short ones wait.
+    (8, 4, 64, None, 2),
+    (8, 8, 64, None, 2),
+    (4, 16, 64, None, 2),
+    (16, 4, 64, None, 4),
 )
 NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "VECTORS")
 
