@@ -72,6 +72,14 @@ NO_OP_PROOFS = 2  # at least this many among the checks, and one more per timing
 MIN_TIMED_CALLS, MAX_TIMED_CALLS = 8, 48  # per timing shape on a GPU (each on fresh inputs)
 TIMED_TARGET_S = 0.3  # of timed calls per shape, within those bounds
 INTERPRETED_TIMED_CALLS = 3
+# How timed batches take the GPU's lock: "batch" (each batch alone, exclusive; the checks of its
+# calls, shared, between them) or "shape" (exclusive once for a timing shape's batches and the
+# checks between them). An experiment's switch, for measuring which lets more evaluations an
+# hour through (evals/bench_sandbox.py; the local backend passes it to its judges); both time
+# every batch with nothing beside it.
+TIMING_LOCK = os.environ.get("RECFORGE_TIMING_LOCK", "batch")
+if TIMING_LOCK not in ("batch", "shape"):
+    raise ValueError(f"RECFORGE_TIMING_LOCK must be 'batch' or 'shape', got {TIMING_LOCK!r}")
 # The judge's clock less the runner's event times, per batch, that honest timing leaves over:
 # the L2 flush before each call (measured by the judge itself), the host's launch of the flush
 # and events per call, the channel's round trip and the batch's final synchronize.
@@ -489,6 +497,7 @@ class Session:
         self.runner, self.problem, self.device, self.locks = runner, problem, device, locks
         self.on_wait = on_wait
         self.held_s: collections.Counter[str] = collections.Counter()  # EvalResult.gpu_held_s
+        self._exclusive = False  # inside an exclusive hold: gpu() takes nothing more
         self.kind = "cuda" if device.type == "cuda" else "cpu"
         self.next_call = 1
         self.input_region: tuple[shared.Region, int] | None = None
@@ -499,12 +508,19 @@ class Session:
     def gpu(self, *, exclusive: bool) -> Iterator[None]:
         """The GPUs' locks, taken on the runner's behalf (sandbox.locks): exclusive for timing,
         shared for everything else; the wait for them does not count against the deadline, and
-        is told to `on_wait` (the evaluation's phase clock). The time held is counted in held_s."""
+        is told to `on_wait` (the evaluation's phase clock). The time held is counted in held_s.
+        Inside an exclusive hold (TIMING_LOCK "shape") it takes nothing: the GPU is this
+        evaluation's already."""
+        if self._exclusive:
+            yield
+            return
         with gpu_use(self.locks, exclusive=exclusive, waited=self._waited):
             t0 = time.perf_counter()
+            self._exclusive = exclusive
             try:
                 yield
             finally:
+                self._exclusive = False
                 if self.locks:
                     self.held_s["exclusive" if exclusive else "shared"] += time.perf_counter() - t0
 
@@ -1031,38 +1047,42 @@ class Evaluation:
         # tell: a timed batch holds up to 8 outputs at once, a check one or two, so their
         # addresses differ. That is why timed calls are checked at random, never trusted.)
         batch_index = 0
-        while True:
-            enough = len(samples) >= target or (
-                gpu and len(samples) >= MIN_TIMED_CALLS and sum(samples) * 1e-6 >= TIMED_TARGET_S
-            )
-            if enough:
-                break
-            n = min(per_batch, target - len(samples))
-            calls, wall_us, reported, times, described = self.timed_batch(shape, n, calibration)
-            if gpu:
-                outside_us += wall_us - calibration.rtt_us
-                accounted_us += sum(reported) + n * calibration.flush_us
-                per_call = (wall_us - calibration.rtt_us) / n - calibration.flush_us
-            else:
-                per_call = wall_us / n  # the interpreter: the judge's clock alone
-            # Rule timing from outside: each call counts at its batch's mean by the judge's clock,
-            # never at the runner's own per-call split (which a candidate that defers one call's
-            # work into the next could skew while the batch's sum stays honest); the events only
-            # raise it where they account for more.
-            samples.extend([max(per_call, sum(times) / n)] * n)
-            # Rule checks on the timed calls: drawn after the batch ran, at least one per batch;
-            # in the interpreter, whose batches are few and short, every one.
-            chosen = [i for i in range(n) if not gpu or self.rng.random() < 0.25] or [self.rng.randrange(n)]
-            with self.session.gpu(exclusive=False):
-                for i in chosen:
-                    where = f"timed call on {shape.describe()}"
-                    self.check([calls[i]], [described[i]], trial=-2, where=where)
-                    checked += 1
-                self.session.drop(calls=calls)
-                if batch_index == proof_at:
-                    with contextlib.suppress(_EmptyOutput):
-                        self.no_op_proof(shape)
-            batch_index += 1
+        # TIMING_LOCK "shape": the shape's batches and the checks between them under one exclusive
+        # hold (every gpu() inside it then takes nothing); "batch": each takes its own.
+        with self.session.gpu(exclusive=True) if TIMING_LOCK == "shape" else contextlib.nullcontext():
+            while True:
+                enough = len(samples) >= target or (
+                    gpu and len(samples) >= MIN_TIMED_CALLS and sum(samples) * 1e-6 >= TIMED_TARGET_S
+                )
+                if enough:
+                    break
+                n = min(per_batch, target - len(samples))
+                calls, wall_us, reported, times, described = self.timed_batch(shape, n, calibration)
+                if gpu:
+                    outside_us += wall_us - calibration.rtt_us
+                    accounted_us += sum(reported) + n * calibration.flush_us
+                    per_call = (wall_us - calibration.rtt_us) / n - calibration.flush_us
+                else:
+                    per_call = wall_us / n  # the interpreter: the judge's clock alone
+                # Rule timing from outside: each call counts at its batch's mean by the judge's clock,
+                # never at the runner's own per-call split (which a candidate that defers one call's
+                # work into the next could skew while the batch's sum stays honest); the events only
+                # raise it where they account for more.
+                samples.extend([max(per_call, sum(times) / n)] * n)
+                # Rule checks on the timed calls: drawn after the batch ran, at least one per batch;
+                # in the interpreter, whose batches are few and short, every one.
+                chosen = [i for i in range(n) if not gpu or self.rng.random() < 0.25]
+                chosen = chosen or [self.rng.randrange(n)]
+                with self.session.gpu(exclusive=False):
+                    for i in chosen:
+                        where = f"timed call on {shape.describe()}"
+                        self.check([calls[i]], [described[i]], trial=-2, where=where)
+                        checked += 1
+                    self.session.drop(calls=calls)
+                    if batch_index == proof_at:
+                        with contextlib.suppress(_EmptyOutput):
+                            self.no_op_proof(shape)
+                batch_index += 1
         if batch_index <= proof_at:  # the timing ended (its time target met) before the proof's turn
             with self.session.gpu(exclusive=False), contextlib.suppress(_EmptyOutput):
                 self.no_op_proof(shape)

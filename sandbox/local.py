@@ -60,6 +60,7 @@ PASSED_ENV = (
     "TRITON_INTERPRET",
     "CUDA_HOME",
     "TRITON_PTXAS_PATH",
+    "RECFORGE_TIMING_LOCK",  # how timed batches take the GPU's lock (sandbox.judge.TIMING_LOCK)
 )
 
 

@@ -151,3 +151,28 @@ def test_an_evaluation_counts_how_long_it_held_the_lock(tmp_path: Path) -> None:
     with unlocked.gpu(exclusive=True):
         time.sleep(0.05)
     assert unlocked.held_s == {}
+
+
+@pytest.mark.timeout(60)  # a nested flock of the same file would wait forever
+def test_inside_an_exclusive_hold_the_session_takes_nothing_more(tmp_path: Path) -> None:
+    """Under TIMING_LOCK "shape" a timing shape's batches and checks run inside one exclusive
+    hold: each gpu() within it takes nothing (a second flock of the lock file from the same
+    process would wait on the first), and only the outer hold is counted."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sandbox.judge import Deadline, Session
+    from search_space import get_problem
+
+    runner = SimpleNamespace(deadline=Deadline(60))
+    session = Session(runner, get_problem("embedding_bag"), torch.device("cpu"), [str(tmp_path / "gpu.lock")])
+    with session.gpu(exclusive=True):
+        with session.gpu(exclusive=False):
+            time.sleep(0.05)
+        with session.gpu(exclusive=True):
+            time.sleep(0.05)
+    assert set(session.held_s) == {"exclusive"} and session.held_s["exclusive"] >= 0.1
+    with session.gpu(exclusive=False):  # after it, each takes its own again
+        pass
+    assert set(session.held_s) == {"exclusive", "shared"}

@@ -247,3 +247,21 @@ def test_only_the_judges_own_out_of_memory_runs_alone(tmp_path: Path, message: s
     # Both runs' time counts: their wall time and their phases (the device seconds a budget counts).
     if retried:
         assert result.wall_s == 8.0 and result.phase_s == {"check": 3.0, "timing": 3.0}
+
+
+@pytest.mark.slow
+def test_the_timing_lock_switch_reaches_the_judge(monkeypatch, tmp_path: Path) -> None:
+    """RECFORGE_TIMING_LOCK (sandbox.judge.TIMING_LOCK) is passed to the judges: "shape" times
+    a correct candidate as "batch" does (its batches and their checks under one hold), and a
+    value the judge does not know stops it with a message naming the switch."""
+    monkeypatch.setenv("RECFORGE_TIMING_LOCK", "shape")
+    backend = LocalBackend(timeout_s=120, scratch_root=tmp_path / "shape")
+    result = backend.evaluate(_candidate(DEFAULT_SOURCE), trials=1)
+    assert result.status == Status.OK, result.message
+    assert result.timings and all(t.checked_calls >= 1 for t in result.timings)
+    monkeypatch.setenv("RECFORGE_TIMING_LOCK", "sometimes")
+    backend = LocalBackend(timeout_s=120, scratch_root=tmp_path / "unknown")
+    with pytest.warns(UserWarning, match="the judge server did not start"):  # its import fails too
+        result = backend.evaluate(_candidate(DEFAULT_SOURCE), trials=1)
+    assert result.status == Status.RUNTIME_ERROR
+    assert "RECFORGE_TIMING_LOCK must be 'batch' or 'shape'" in result.log_tail, result.log_tail
