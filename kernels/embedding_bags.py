@@ -100,13 +100,7 @@ def _pool_block(
     same code runs on x // VEC * VEC of each (the same values, which the compiler then knows to
     be multiples of VEC), and its rows move in 16-byte vectors."""
     aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
-    if VEC == 1:
-        _pool_rows(
-            weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
-            first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
-            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
-        )  # fmt: skip
-    elif aligned:
+    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)
         _pool_rows(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row // VEC * VEC,
             first_col // VEC * VEC, dim // VEC * VEC, col_block, table // VEC * VEC,
@@ -243,12 +237,7 @@ def _embedding_bags_bwd_kernel(
     # the same code runs told so, and moves them in vectors.
     aligned = (dim % VEC == 0) & (first_col % VEC == 0) & (table % VEC == 0)
     aligned = aligned & (stride_grad_out_row % VEC == 0)
-    if VEC == 1:
-        _scatter_bag(
-            grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row, num_bags,
-            keyed, first_col, dim, table, HAS_PSW, MODE_MEAN, BLOCK_L, BLOCK_D,
-        )  # fmt: skip
-    elif aligned:
+    if aligned:  # always, where VEC is 1
         _scatter_bag(
             grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row // VEC * VEC,
             num_bags, keyed, first_col // VEC * VEC, dim // VEC * VEC, table // VEC * VEC,
