@@ -68,6 +68,7 @@ def mean_phases(results) -> dict[str, float]:
 def _phases(result) -> str:
     """One evaluation's phases and lock holds, in seconds, for its progress line."""
     parts = [f"{name} {seconds:.1f}" for name, seconds in result.phase_s.items() if seconds >= 0.05]
+    parts.append(f"judge start-up {max(0.0, result.wall_s - sum(result.phase_s.values())):.1f}")
     parts += [f"held {kind} {seconds:.1f}" for kind, seconds in sorted(result.gpu_held_s.items())]
     return ", ".join(parts)
 

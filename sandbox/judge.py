@@ -9,8 +9,10 @@ EvalResult. Rules, each enforced where it is written below:
 - fresh inputs: every call, checked or timed, gets inputs drawn from a fresh seed; no input of a
   timing shape is ever seen twice, so a memo of earlier answers never pays;
 - checks on the timed calls: a random subset of the timed calls, drawn after each batch ran (so
-  the candidate cannot tell them from the others), is compared with the reference, at least one
-  per batch: every timing shape is thus also a check shape at its full size;
+  the candidate cannot tell them from the others), is compared with the reference: each call
+  with probability CHECKED_SHARE, and always one call of a batch drawn before the timing among
+  those every shape runs. Every timing shape is thus also a check shape at its full size, and a
+  candidate idle on all its timed calls is always caught;
 - the no-op proof, with every Triton launch disabled, runs more than once at random points among
   the checks and the timed batches; each time the output must come out wrong;
 - plain outputs: an output is accepted only as the bytes of a tensor of exactly the reference's
@@ -71,6 +73,10 @@ LOG_TAIL_CHARS = 4000
 NO_OP_PROOFS = 2  # at least this many among the checks, and one more per timing shape
 MIN_TIMED_CALLS, MAX_TIMED_CALLS = 8, 48  # per timing shape on a GPU (each on fresh inputs)
 TIMED_TARGET_S = 0.3  # of timed calls per shape, within those bounds
+# Of the timed calls, the share compared with the reference (besides one call always; see the
+# rule above). Not every one: a gradient's reference at a timing shape takes seconds (gdpa's at
+# b1024-n2048 7.5 s on an H100), and a shape timed a call a batch made it one per call.
+CHECKED_SHARE = 0.25
 INTERPRETED_TIMED_CALLS = 3
 # How timed batches take the GPU's lock: "batch" (each batch alone, exclusive; the checks of its
 # calls, shared, between them) or "shape" (exclusive once for a timing shape's batches and the
@@ -1038,6 +1044,9 @@ class Evaluation:
                 per_batch = self.batch_calls(shape)
             at += len(forms)
         proof_at = self.rng.randrange(max(1, target // per_batch))  # rule no-op proof, in timing too
+        # Rule checks on the timed calls: the batch with a call always checked, among the batches
+        # every shape runs (those of its MIN_TIMED_CALLS).
+        checked_at = self.rng.randrange(-(-MIN_TIMED_CALLS // per_batch)) if gpu else 0
         training = self.problem.optimizes != "forward" or self.problem.wants_statistics(warm[0].inputs)
         # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
         # untimed one does, and before each batch the runner fills freed memory as it does
@@ -1069,10 +1078,11 @@ class Evaluation:
                 # work into the next could skew while the batch's sum stays honest); the events only
                 # raise it where they account for more.
                 samples.extend([max(per_call, sum(times) / n)] * n)
-                # Rule checks on the timed calls: drawn after the batch ran, at least one per batch;
-                # in the interpreter, whose batches are few and short, every one.
-                chosen = [i for i in range(n) if not gpu or self.rng.random() < 0.25]
-                chosen = chosen or [self.rng.randrange(n)]
+                # Rule checks on the timed calls: drawn after the batch ran; in the interpreter,
+                # whose batches are few and short, every one.
+                chosen = [i for i in range(n) if not gpu or self.rng.random() < CHECKED_SHARE]
+                if not chosen and batch_index == checked_at:
+                    chosen = [self.rng.randrange(n)]
                 with self.session.gpu(exclusive=False):
                     for i in chosen:
                         where = f"timed call on {shape.describe()}"
@@ -1235,6 +1245,8 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     runner = None
     status, message, log = Status.OK, "", None
     try:
+        ev.clock.start("init")
+        _check_own_gpu(request)  # its failure, too, is the judge's own
         ev.clock.start("start")
         runner = RunnerProcess(request, gpu=ev.device.type == "cuda", deadline=deadline)
         # The judge's own device (its CUDA context, on a GPU) while the runner starts up. Its
@@ -1322,7 +1334,6 @@ def main(argv: list[str]) -> int:
         assert not torch.cuda.is_initialized()
         os.environ["CUDA_VISIBLE_DEVICES"] = request.gpu
     try:
-        _check_own_gpu(request)
         result = evaluate(request, deadline_mark=result_path.with_name(DEADLINE_MARK))
     except Exception as exc:  # the judge's own failure: still a result, with its traceback
         import traceback

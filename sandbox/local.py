@@ -434,7 +434,7 @@ class LocalBackend(WorkerBackend):
                str(os.getpid())]  # fmt: skip
         t0 = time.perf_counter()
         timed_out, returncode = self._judge(cmd, judge_dir)
-        wall = time.perf_counter() - t0
+        wall, reaped = time.perf_counter() - t0, time.time()
         log_tail = (judge_dir / "judge.log").read_text(errors="replace")[-4000:]
         base = {
             "problem": candidate.problem,
@@ -460,4 +460,7 @@ class LocalBackend(WorkerBackend):
             return EvalResult(
                 status=Status.RUNTIME_ERROR, message=f"unreadable judge result: {exc}"[:2000], **base
             )
-        return result.model_copy(update={"wall_s": wall})
+        phases = dict(result.phase_s)
+        with contextlib.suppress(OSError):  # from the result's writing to the judge's reaping
+            phases["exit"] = max(0.0, reaped - result_path.stat().st_mtime)
+        return result.model_copy(update={"wall_s": wall, "phase_s": phases})

@@ -111,11 +111,12 @@ def test_default_template_is_ok(outcomes) -> None:
     assert result.timings and all(t.candidate.median_us > 0 for t in result.timings)
     assert all(t.checked_calls >= 1 for t in result.timings)
     assert result.geomean_us() is not None
-    # The judge accounts for its phases (its runner's start included); the judge's own start-up
-    # is what the backend's wall time adds. A GPU's lock is taken, and its wait reported, only
-    # where the backend has a GPU.
-    phases = {"init", "start", "load", "check", "timing", "finish"}
+    # The judge accounts for its phases (its runner's start included), the backend for the
+    # judge's exit; the judge's own start-up is what the backend's wall time adds. A GPU's lock
+    # is taken, and its wait reported, only where the backend has a GPU.
+    phases = {"init", "start", "load", "check", "timing", "finish", "exit"}
     assert phases <= set(result.phase_s) <= phases | {"lock_wait"}
+    assert 0 <= result.phase_s["exit"] < result.wall_s
     assert 0 < sum(result.phase_s.values()) < result.wall_s
     # The time the lock was held, by kind: none where there is no GPU to lock.
     if torch.cuda.is_available():
