@@ -781,13 +781,13 @@ def _nonzero_output(shape: Shape) -> bool:
 
 
 class Evaluation:
-    def __init__(self, request: EvalRequest) -> None:
+    def __init__(self, request: EvalRequest, clock: PhaseClock | None = None) -> None:
         self.request = request
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.problem = get_problem(request.problem)
         self.rng = random.SystemRandom()  # the schedule, like the seeds, is not the runner's to know
         self.checks: list[ShapeCheck] = []
-        self.clock = PhaseClock()
+        self.clock = clock if clock is not None else PhaseClock()
         self.session: Session | None = None
         self._set_bytes: dict[tuple[str, str], int] = {}  # by (shape name, dtype)
         self._out_bytes: dict[tuple[str, str], int] = {}
@@ -1238,7 +1238,9 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     (Deadline)."""
     t0 = time.perf_counter()
     deadline = Deadline(request.timeout_s, deadline_mark)
-    ev = Evaluation(request)
+    clock = PhaseClock()
+    clock.start("setup")  # the problem's module imported
+    ev = Evaluation(request, clock)
     info: DeviceInfo | None = None
     timings: list[ShapeTiming] = []
     window = None

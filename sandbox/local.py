@@ -242,10 +242,16 @@ class WorkerBackend:
         shutil.rmtree(scratch / "judge", ignore_errors=True)
         with gpu_use(memory_locks, exclusive=True):
             again = self._run(candidate, scratch, request)
+        # Both runs' time counts (a budget's device seconds are phases). A judge that failed has
+        # no phases of its own; the part of the first run they leave out is named for its cause.
         phases = dict(result.phase_s)
+        phases["beside_out_of_memory"] = max(0.0, result.wall_s - sum(result.phase_s.values()))
         for name, seconds in again.phase_s.items():
             phases[name] = phases.get(name, 0.0) + seconds
-        return again.model_copy(update={"wall_s": again.wall_s + result.wall_s, "phase_s": phases})
+        first = f"the first run, beside other evaluations: {result.message}\n"
+        return again.model_copy(
+            update={"wall_s": again.wall_s + result.wall_s, "phase_s": phases, "log_tail": first + again.log_tail}
+        )
 
     def _gpu_node(self, place: Place) -> int | None:
         """The device node of the place's GPU, where a runner sandboxed with it alone sees that
@@ -362,21 +368,23 @@ class LocalBackend(WorkerBackend):
             env["RECFORGE_BWRAP"] = os.environ["RECFORGE_BWRAP"]
         return env
 
-    def _judge(self, cmd: list[str], judge_dir: Path) -> tuple[bool, int]:
+    def _judge(self, cmd: list[str], judge_dir: Path) -> tuple[bool, int, float]:
         """Run the judge `cmd` (python -P -m sandbox.judge ...) in `judge_dir` until it ends or
         its hard limit passes, then kill its process group (the judge and, through bubblewrap,
-        its runner's namespace): (timed out, exit code). Forked from the judge server where it
+        its runner's namespace): (timed out, exit code, seconds until it was started). Forked from the judge server where it
         runs (sandbox.judge_server; the judge then dies with the server, which ends with this
         process), else a process of its own."""
         limit = self.timeout_s + JUDGE_GRACE_S
         log = judge_dir / "judge.log"
         log.touch()  # read afterwards, whether or not the judge got as far as writing to it
+        t0 = time.perf_counter()
         if judge_server.enabled():
             try:
                 judge = judge_server.start_judge(self._env(), cmd[4:6], judge_dir, log)
             except judge_server.ServerUnavailable as exc:
                 warnings.warn(f"{exc}; this judge starts on its own", stacklevel=2)
             else:
+                spawn = time.perf_counter() - t0
                 timed_out = False
                 try:
                     _wait_within(judge.wait, limit, judge_dir)
@@ -388,13 +396,14 @@ class LocalBackend(WorkerBackend):
                         with contextlib.suppress(TimeoutError):
                             judge.wait(timeout=30)
                     cgroups.remove_groups_of(judge.pid)
-                return timed_out, judge.returncode if judge.returncode is not None else -int(signal.SIGKILL)
+                code = judge.returncode if judge.returncode is not None else -int(signal.SIGKILL)
+                return timed_out, code, spawn
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 cmd, cwd=judge_dir, env=self._env(), stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-            timed_out = False
+            spawn, timed_out = time.perf_counter() - t0, False
             try:
                 _wait_within(proc.wait, limit, judge_dir)
             except TimeoutError:
@@ -405,7 +414,7 @@ class LocalBackend(WorkerBackend):
                         os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 cgroups.remove_groups_of(proc.pid)
-        return timed_out, proc.returncode
+        return timed_out, proc.returncode, spawn
 
     def _run(self, candidate: Candidate, scratch: Path, request: EvalRequest) -> EvalResult:
         # CPU time backs up the wall-clock timeout; the address-space cap only where there is no
@@ -433,7 +442,7 @@ class LocalBackend(WorkerBackend):
         cmd = [sys.executable, "-P", "-m", "sandbox.judge", str(judge_dir / "request.json"), str(result_path),
                str(os.getpid())]  # fmt: skip
         t0 = time.perf_counter()
-        timed_out, returncode = self._judge(cmd, judge_dir)
+        timed_out, returncode, spawn = self._judge(cmd, judge_dir)
         wall, reaped = time.perf_counter() - t0, time.time()
         log_tail = (judge_dir / "judge.log").read_text(errors="replace")[-4000:]
         base = {
@@ -460,7 +469,9 @@ class LocalBackend(WorkerBackend):
             return EvalResult(
                 status=Status.RUNTIME_ERROR, message=f"unreadable judge result: {exc}"[:2000], **base
             )
-        phases = dict(result.phase_s)
-        with contextlib.suppress(OSError):  # from the result's writing to the judge's reaping
+        # The backend's share of the judge's life: its start (spawn: forked, or a process of its
+        # own started) and its exit (from its result's writing to its reaping).
+        phases = {"spawn": spawn, **result.phase_s}
+        with contextlib.suppress(OSError):
             phases["exit"] = max(0.0, reaped - result_path.stat().st_mtime)
         return result.model_copy(update={"wall_s": wall, "phase_s": phases})

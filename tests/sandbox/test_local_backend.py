@@ -112,11 +112,11 @@ def test_default_template_is_ok(outcomes) -> None:
     assert all(t.checked_calls >= 1 for t in result.timings)
     assert result.geomean_us() is not None
     # The judge accounts for its phases (its runner's start included), the backend for the
-    # judge's exit; the judge's own start-up is what the backend's wall time adds. A GPU's lock
-    # is taken, and its wait reported, only where the backend has a GPU.
-    phases = {"init", "start", "load", "check", "timing", "finish", "exit"}
+    # judge's spawn and exit; the rest of the judge's start-up is what the backend's wall time
+    # adds. A GPU's lock is taken, and its wait reported, only where the backend has a GPU.
+    phases = {"spawn", "setup", "init", "start", "load", "check", "timing", "finish", "exit"}
     assert phases <= set(result.phase_s) <= phases | {"lock_wait"}
-    assert 0 <= result.phase_s["exit"] < result.wall_s
+    assert 0 <= result.phase_s["exit"] < result.wall_s and 0 < result.phase_s["spawn"] < result.wall_s
     assert 0 < sum(result.phase_s.values()) < result.wall_s
     # The time the lock was held, by kind: none where there is no GPU to lock.
     if torch.cuda.is_available():
@@ -245,9 +245,12 @@ def test_only_the_judges_own_out_of_memory_runs_alone(tmp_path: Path, message: s
     assert judge_out_of_memory(_oom(message)) is retried
     assert runs == ([True, False] if retried else [True])
     assert result.status == (Status.OK if retried else Status.RUNTIME_ERROR)
-    # Both runs' time counts: their wall time and their phases (the device seconds a budget counts).
+    # Both runs' time counts: their wall time and their phases (the device seconds a budget
+    # counts), the first run's time outside its phases named for its cause; its message is kept.
     if retried:
-        assert result.wall_s == 8.0 and result.phase_s == {"check": 3.0, "timing": 3.0}
+        assert result.wall_s == 8.0
+        assert result.phase_s == {"check": 3.0, "timing": 3.0, "beside_out_of_memory": 1.0}
+        assert result.log_tail.startswith(f"the first run, beside other evaluations: {message}")
 
 
 @pytest.mark.slow
