@@ -24,6 +24,13 @@ POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
 # a free block of a small segment larger than this is taken in pieces.
 SMALL_BYTES = 1 << 20
 MAX_PASSES = 8
+# The functions the poison calls, taken when the runner imports this module, before any candidate
+# is loaded: a candidate that rebinds torch's own afterwards does not reach them here.
+_empty, _device = torch.empty, torch.device
+_current_device, _current_stream = torch.cuda.current_device, torch.cuda.current_stream
+_memory_snapshot, _mem_get_info = torch.cuda.memory_snapshot, torch.cuda.mem_get_info
+_memory_reserved, _OutOfMemory = torch.cuda.memory_reserved, torch.cuda.OutOfMemoryError
+_memory_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)
 
 
 def poison(device: torch.device | str, nbytes: int) -> int:
@@ -31,30 +38,30 @@ def poison(device: torch.device | str, nbytes: int) -> int:
     room of `nbytes` where there is none cached and the device and the process's cap hold it
     (a reserve that ran out of memory would have the allocator release its cached blocks, whose
     pages the next allocations then get unfilled). Returns the bytes filled."""
-    device = torch.device(device)
+    device = _device(device)
     if device.type != "cuda":
         if nbytes <= 0:
             return 0
-        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        block = _empty(nbytes, dtype=torch.uint8, device=device)
         block.fill_(POISON_BYTE)
         return nbytes
     if device.index is None:  # the allocator's and the driver's queries want an index
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = _device("cuda", _current_device())
     free = _free_blocks(device)
     largest = max((size for size, small in free if not small), default=0)
     if nbytes > 0 and largest < nbytes <= _room(device):
-        reserve = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        reserve = _empty(nbytes, dtype=torch.uint8, device=device)
         del reserve
         free = _free_blocks(device)
     held = []
-    with contextlib.suppress(torch.cuda.OutOfMemoryError):  # not expected: every request is cached
+    with contextlib.suppress(_OutOfMemory):  # not expected: every request is cached
         for _ in range(MAX_PASSES):
             if not free:
                 break
             # Largest first, each whole, a small segment's in pieces of at most SMALL_BYTES (a
             # larger request goes to the large pool): a piece's remainder is the next pass's.
             sizes = sorted((min(size, SMALL_BYTES) if small else size for size, small in free), reverse=True)
-            held.extend(torch.empty(size, dtype=torch.uint8, device=device) for size in sizes)
+            held.extend(_empty(size, dtype=torch.uint8, device=device) for size in sizes)
             free = _free_blocks(device)
     for block in held:
         block.fill_(POISON_BYTE)
@@ -66,10 +73,10 @@ def poison(device: torch.device | str, nbytes: int) -> int:
 def _free_blocks(device: torch.device) -> list[tuple[int, bool]]:
     """(size, in the small pool) of each block the allocator holds free for this stream's requests
     on `device`."""
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = _current_stream(device).cuda_stream
     return [
         (block["size"], segment["segment_type"] == "small")
-        for segment in torch.cuda.memory_snapshot()
+        for segment in _memory_snapshot()
         if segment["device"] == device.index and segment["stream"] == stream
         for block in segment["blocks"]
         if block["state"] == "inactive"
@@ -79,7 +86,7 @@ def _free_blocks(device: torch.device) -> list[tuple[int, bool]]:
 def _room(device: torch.device) -> int:
     """Bytes a new segment may take: the device's free memory and the process's cap on what the
     allocator reserves, less a margin for the segment's rounding."""
-    free, total = torch.cuda.mem_get_info(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
-    capped = int(fraction * total) - torch.cuda.memory_reserved(device)
+    free, total = _mem_get_info(device)
+    fraction = _memory_fraction(device)
+    capped = int(fraction * total) - _memory_reserved(device)
     return min(free, capped) - (64 << 20)
