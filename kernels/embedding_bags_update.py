@@ -316,14 +316,13 @@ def _long_rows_kernel(
 
 
 def _config(max_dim: int, interpreted: bool) -> dict:
-    """Launch parameters of the rows kernel. On a GPU (the H200 sweep of 2026-12-05,
-    evals/studies/update_phases.py): its time follows its occupancy, so small tiles of few
-    registers: 2 chunks x 1 id x 64 columns a step on one warp. Interpreted, few wide programs:
-    16 chunks x 8 ids of whole rows."""
+    """Launch parameters of the rows kernel. On a GPU (evals/studies/update_phases.py, every
+    update shape, H100, 2026-12-06): small tiles of few registers, 8 chunks x 1 id x 32 columns
+    a step on two warps. Interpreted, few wide programs: 16 chunks x 8 ids of whole rows."""
     if interpreted:
         return {"BLOCK_I": 16, "BLOCK_L": 8, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
                 "num_stages": 1}  # fmt: skip
-    return {"BLOCK_I": 2, "BLOCK_L": 1, "BLOCK_D": 64, "num_warps": 1, "num_stages": 1}
+    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1}
 
 
 # Sort keys (each row's index in the state) are int32 when the rows are fewer than this: a radix

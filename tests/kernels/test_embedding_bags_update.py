@@ -35,12 +35,10 @@ def test_the_default_kernel_passes_every_check_shape(device: torch.device) -> No
 def test_column_blocks_narrower_than_the_rows_pass_every_check_shape(
     monkeypatch, device: torch.device
 ) -> None:
-    """Tiles narrower than the rows (as the GPU's, whose rows of up to 256 columns take 64 at a
-    time): rows of 48 to 256 columns take two passes under adagrad (norm, then step), one
-    under SGD."""
-    monkeypatch.setitem(kernel.KNOBS, "BLOCK_I", 4)
-    monkeypatch.setitem(kernel.KNOBS, "BLOCK_L", 2)
-    monkeypatch.setitem(kernel.KNOBS, "BLOCK_D", 32)
+    """The GPU's tile, whose columns are fewer than the rows' (of up to 256, 32 at a time):
+    rows wider than a block take two passes under adagrad (norm, then step), one under SGD."""
+    for name, value in kernel._config(256, interpreted=False).items():
+        monkeypatch.setitem(kernel.KNOBS, name, value)
     for trial, shape in enumerate(PROBLEM.check_shapes):
         result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
         assert result.ok, (shape.name, shape.dtype, result.message)
