@@ -248,10 +248,9 @@ class WorkerBackend:
         phases["beside_out_of_memory"] = max(0.0, result.wall_s - sum(result.phase_s.values()))
         for name, seconds in again.phase_s.items():
             phases[name] = phases.get(name, 0.0) + seconds
-        first = f"the first run, beside other evaluations: {result.message}\n"
-        return again.model_copy(
-            update={"wall_s": again.wall_s + result.wall_s, "phase_s": phases, "log_tail": first + again.log_tail}
-        )
+        tail = f"the first run, beside other evaluations: {result.message}\n{again.log_tail}"
+        wall = again.wall_s + result.wall_s
+        return again.model_copy(update={"wall_s": wall, "phase_s": phases, "log_tail": tail})
 
     def _gpu_node(self, place: Place) -> int | None:
         """The device node of the place's GPU, where a runner sandboxed with it alone sees that
@@ -371,9 +370,9 @@ class LocalBackend(WorkerBackend):
     def _judge(self, cmd: list[str], judge_dir: Path) -> tuple[bool, int, float]:
         """Run the judge `cmd` (python -P -m sandbox.judge ...) in `judge_dir` until it ends or
         its hard limit passes, then kill its process group (the judge and, through bubblewrap,
-        its runner's namespace): (timed out, exit code, seconds until it was started). Forked from the judge server where it
-        runs (sandbox.judge_server; the judge then dies with the server, which ends with this
-        process), else a process of its own."""
+        its runner's namespace): (timed out, exit code, seconds until it was started). Forked
+        from the judge server where it runs (sandbox.judge_server; the judge then dies with the
+        server, which ends with this process), else a process of its own."""
         limit = self.timeout_s + JUDGE_GRACE_S
         log = judge_dir / "judge.log"
         log.touch()  # read afterwards, whether or not the judge got as far as writing to it
