@@ -101,6 +101,8 @@ def _evaluate_all(backend, candidates: list[Candidate], t0: float, console: Cons
                 f"{seconds:5.1f} s, judge {result.wall_s:5.1f} s: {_phases(result)}",
                 style="dim",
             )
+            if "beside_out_of_memory" in result.phase_s:  # run again alone: why the first run failed
+                console.print(f"         {result.log_tail.partition(chr(10))[0][:300]}", style="dim")
     return results
 
 

@@ -24,6 +24,9 @@ def test_realistic_mix_composition() -> None:
     assert all(screen_candidate(c) is None for c in mix)
 
 
+FIRST_RUN = "the first run, beside other evaluations: the judge failed: OutOfMemoryError: CUDA out of memory"
+
+
 def test_each_result_is_printed_as_it_comes_and_kept_in_order() -> None:
     """The benchmark evaluates as many at once as the backend's places take and prints each
     result when it ends (a run cut short still shows what it measured); the results come back
@@ -39,13 +42,15 @@ def test_each_result_is_printed_as_it_comes_and_kept_in_order() -> None:
         time.sleep(0.5 if candidate is mix[0] else 0.05)  # the first ends last
         with lock:
             at_once[0] -= 1
+        rerun = candidate is mix[3]  # run again alone after its judge ran out of device memory
         return EvalResult(
             status=Status.OK,
             problem=candidate.problem,
             candidate_id=candidate.id,
             wall_s=1.0,
-            phase_s={"check": 0.5},
+            phase_s={"check": 0.5, **({"beside_out_of_memory": 0.3} if rerun else {})},
             gpu_held_s={"exclusive": 0.2},
+            log_tail=f"{FIRST_RUN}\nthe second run's log" if rerun else "",
         )
 
     backend = SimpleNamespace(places=SimpleNamespace(capacity=3), evaluate=evaluate)
@@ -54,6 +59,12 @@ def test_each_result_is_printed_as_it_comes_and_kept_in_order() -> None:
     assert [r.candidate_id for r in results] == [c.id for c in mix]
     assert most[0] == 3
     lines = console.export_text().splitlines()
-    assert len(lines) == len(mix)
-    assert all("judge   1.0 s" in line and "held exclusive 0.2" in line for line in lines)
+    # A line each, and under the rerun's the first run's failure.
+    assert len(lines) == len(mix) + 1
+    rerun = next(i for i, line in enumerate(lines) if "#5 " in line)
+    assert "beside_out_of_memory 0.3" in lines[rerun] and "judge start-up 0.2" in lines[rerun]
+    assert lines[rerun + 1].strip() == FIRST_RUN
+    evaluations = lines[: rerun + 1] + lines[rerun + 2 :]
+    assert all("judge   1.0 s" in line and "held exclusive 0.2" in line for line in evaluations)
+    assert all("judge start-up 0.5" in line for line in evaluations if line is not lines[rerun])
     assert lines[-1].split()[2] == "#2"  # the first candidate of the list (the second of the run) ended last
