@@ -16,7 +16,10 @@ launch): each program then loops over blocks, reading the features' dims once. R
 16-byte vectors wherever a block's table, dim, first output column and the output's row
 stride allow it (_pool_block; the backward's bags likewise): on an H100 that alone made the
 forward 1.2x to 2.0x as fast at one tile, and let wider slices lead (BENCHMARKS.md,
-2026-12-06, twenty-fourth session).
+2026-12-06, twenty-fourth session). A block advances until its longest bag ends, so on skewed
+bags most lanes idle (power-law bags of mean 19 ids in blocks of 32: the longest near 100); the
+FLAT knob (_flat_sums) takes a block's ids in order instead, every lane busy, and sums them into
+their bags on the tensor cores.
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
@@ -45,6 +48,7 @@ KNOBS = {
     "num_warps": None,
     "num_stages": 1,
     "PROGRAMS": None,
+    "FLAT": None,
     "GRAD_BLOCK_L": None,
     "GRAD_BLOCK_D": None,
     "GRAD_num_warps": None,
@@ -91,7 +95,7 @@ def _pool_block(
     first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
     HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, ACC_3D: tl.constexpr, EVICT_ROWS: tl.constexpr,
     NUM_STAGES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr,
+    VEC: tl.constexpr, FLAT: tl.constexpr,
 ):  # fmt: skip
     """One block's pooled bags (_block_of's description of it) into the output. The dims and
     offsets are read from memory, so the compiler cannot know that a row starts on a 16-byte
@@ -105,13 +109,13 @@ def _pool_block(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row // VEC * VEC,
             first_col // VEC * VEC, dim // VEC * VEC, col_block, table // VEC * VEC,
             bags_B, limit, start_B, len_B,
-            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
         )  # fmt: skip
     else:
         _pool_rows(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
             first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
-            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
         )  # fmt: skip
 
 
@@ -121,11 +125,75 @@ def _pool_rows(
     first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
     HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, ACC_3D: tl.constexpr, EVICT_ROWS: tl.constexpr,
     NUM_STAGES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    FLAT: tl.constexpr,
 ):  # fmt: skip
-    """_pool_block's work."""
+    """_pool_block's work: the bags' sums, by steps of BLOCK_L ids of each bag, or (FLAT) by
+    chunks of the block's ids in order."""
     cols_D = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     col_mask_D = cols_D < dim
     table_ptr = weights_ptr + table
+    if FLAT:
+        acc_BD = _flat_sums(
+            table_ptr, indices_ptr, psw_ptr, dim, cols_D, col_mask_D, bags_B < limit, start_B, len_B,
+            HAS_PSW, EVICT_ROWS, BLOCK_B, BLOCK_B * BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+    else:
+        acc_BD = _step_sums(
+            table_ptr, indices_ptr, psw_ptr, dim, cols_D, col_mask_D, start_B, len_B,
+            HAS_PSW, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D,
+        )  # fmt: skip
+    if MODE_MEAN:
+        acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
+    tl.store(
+        out_ptr + bags_B[:, None] * stride_out_row + first_col + cols_D[None, :],
+        acc_BD.to(out_ptr.dtype.element_ty),
+        mask=(bags_B < limit)[:, None] & col_mask_D[None, :],
+    )
+
+
+@triton.jit
+def _flat_sums(
+    table_ptr, indices_ptr, psw_ptr, dim, cols_D, col_mask_D, live_B, start_B, len_B,
+    HAS_PSW: tl.constexpr, EVICT_ROWS: tl.constexpr, BLOCK_B: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The bags' sums [BLOCK_B, BLOCK_D], taking the block's ids (contiguous: its bags are) in
+    order, CHUNK at a time whatever bag each is in: no lane waits while the block's longest bag
+    finishes (a block of 32 power-law bags of mean 19 ids runs to about 100). Each chunk's rows
+    go to their bags through a product with the chunk's membership matrix [BLOCK_B, CHUNK] on
+    the tensor cores, in TF32: exact for 0/1 factors and bf16 or fp16 rows; fp32 rows, or
+    weighted ones (the weights in the matrix), split into three TF32 products (about 22 bits)."""
+    lo = tl.min(tl.where(live_B, start_B, 1 << 62), axis=0)
+    end_B = start_B + len_B
+    hi = tl.max(tl.where(live_B, end_B, 0), axis=0)
+    acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    for q in tl.range(lo, hi, CHUNK):
+        q_C = q + tl.arange(0, CHUNK)
+        in_C = q_C < hi
+        rows_C = tl.load(indices_ptr + q_C, mask=in_C, other=0).to(tl.int64)
+        vals_CD = tl.load(
+            table_ptr + rows_C[:, None] * dim + cols_D[None, :],
+            mask=in_C[:, None] & col_mask_D[None, :],
+            other=0.0,
+            eviction_policy=EVICT_ROWS,
+        )
+        factor_BC = ((start_B[:, None] <= q_C[None, :]) & (q_C[None, :] < end_B[:, None])).to(tl.float32)
+        if HAS_PSW:
+            factor_BC *= tl.load(psw_ptr + q_C, mask=in_C, other=0.0).to(tl.float32)[None, :]
+        if HAS_PSW or vals_CD.dtype == tl.float32:
+            acc_BD = tl.dot(factor_BC, vals_CD.to(tl.float32), acc_BD, input_precision="tf32x3")
+        else:  # 0/1 times a bf16 or fp16 value: both exact in TF32
+            acc_BD = tl.dot(factor_BC, vals_CD.to(tl.float32), acc_BD, input_precision="tf32")
+    return acc_BD
+
+
+@triton.jit
+def _step_sums(
+    table_ptr, indices_ptr, psw_ptr, dim, cols_D, col_mask_D, start_B, len_B,
+    HAS_PSW: tl.constexpr, ACC_3D: tl.constexpr, EVICT_ROWS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The bags' sums [BLOCK_B, BLOCK_D], BLOCK_L ids of every bag a step."""
     acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     acc_BLD = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
     # Bags that are done mask their loads off (no traffic) until the block's longest finishes.
@@ -149,13 +217,7 @@ def _pool_rows(
             acc_BD += tl.sum(vals_BLD, axis=1)
     if ACC_3D:
         acc_BD = tl.sum(acc_BLD, axis=1)
-    if MODE_MEAN:
-        acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
-    tl.store(
-        out_ptr + bags_B[:, None] * stride_out_row + first_col + cols_D[None, :],
-        acc_BD.to(out_ptr.dtype.element_ty),
-        mask=(bags_B < limit)[:, None] & col_mask_D[None, :],
-    )
+    return acc_BD
 
 
 @triton.jit
@@ -179,6 +241,7 @@ def _embedding_bags_fwd_kernel(
     EVICT_ROWS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     VEC: tl.constexpr,
+    FLAT: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -204,7 +267,7 @@ def _embedding_bags_fwd_kernel(
         _pool_block(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
             first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
-            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, VEC,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, VEC, FLAT,
         )  # fmt: skip
 
 
@@ -302,12 +365,16 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
     if interpreted:
-        return {"BLOCK_B": 16, "BLOCK_L": 16, "BLOCK_D": _whole_row(max_dim), "ACC_3D": False, "num_warps": 2}
-    if mean_ids <= SHORT_MEAN_IDS:
-        return {"BLOCK_B": 64, "BLOCK_L": 1, "BLOCK_D": 64, "ACC_3D": False, "num_warps": 2}
-    if element_size == 4:
-        return {"BLOCK_B": 16, "BLOCK_L": 2, "BLOCK_D": 64, "ACC_3D": True, "num_warps": 2}
-    return {"BLOCK_B": 32, "BLOCK_L": 2, "BLOCK_D": 64, "ACC_3D": False, "num_warps": 2}
+        tile = (16, 16, _whole_row(max_dim), False)
+    elif mean_ids <= SHORT_MEAN_IDS:
+        tile = (64, 1, 64, False)
+    elif element_size == 4:
+        tile = (16, 2, 64, True)
+    else:
+        tile = (32, 2, 64, False)
+    # FLAT (the block's ids in chunks of BLOCK_B x BLOCK_L, _flat_sums): not yet timed on a GPU.
+    names = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")
+    return dict(zip(names, tile, strict=True)) | {"num_warps": 2, "FLAT": False}
 
 
 def _backward_config(max_dim: int, interpreted: bool = False) -> dict:

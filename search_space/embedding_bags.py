@@ -301,6 +301,15 @@ TOLERANCES = {
     "fp16": Tolerance(atol=2e-3, rtol=2e-3, norm_rtol=1e-3, row_rtol=2**-9, row_atol=2**-14),
 }
 
+
+def _knob_constraints(knobs: dict) -> str | None:
+    """The single-table kernel's tile bounds; with FLAT, the tensor-core product's too: 16 bags
+    or more (its other sizes, ids a chunk and columns, are 16 or more at every choice)."""
+    if knobs.get("FLAT") and (knobs["BLOCK_B"] or 16) < 16:
+        return f"FLAT takes BLOCK_B >= 16 (the tensor-core product's rows), not {knobs['BLOCK_B']}"
+    return single.TEMPLATE.constraint(knobs)
+
+
 # Each program runs the single-table kernel's loop on one feature's bags: the same knobs, with
 # the same tile bounds (kernels/embedding_bags.py, whose KNOBS dict they are), and the launch's
 # own: a persistent grid (132 SMs on an H100 or H200 times 8, 16 or 32 programs).
@@ -316,8 +325,15 @@ TEMPLATE = KnobTemplate(
             default=None,
             help="programs in a persistent grid, each looping over blocks (None: one program a block)",
         ),
+        Knob(
+            "FLAT",
+            (None, False, True),
+            default=None,
+            help="a block's ids in chunks of BLOCK_B x BLOCK_L whatever their bags (no lane waits on a "
+            "long bag), summed into bags by a tensor-core product",
+        ),
     ),
-    constraint=single.TEMPLATE.constraint,
+    constraint=_knob_constraints,
 )
 
 PROBLEM = Problem(

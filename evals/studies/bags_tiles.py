@@ -17,14 +17,28 @@ from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
 
-# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, VECTORS]]); None keeps the launch
-# heuristic's. PROGRAMS: a persistent grid of that many programs, each looping over blocks (132
-# SMs on an H100 or H200); VECTORS False: rows move an element at a time, as before 16-byte
-# vectors (the kernel's VECTORS switch). The first rows are the twenty-fourth session's questions
-# (slices of 128 and 256 bytes, now that rows move in vectors); the rest, earlier sweeps' tiles.
+# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, VECTORS[, FLAT]]]); None keeps the
+# launch heuristic's. PROGRAMS: a persistent grid of that many programs, each looping over blocks
+# (132 SMs on an H100 or H200); VECTORS False: rows move an element at a time, as before 16-byte
+# vectors (the kernel's VECTORS switch); FLAT: a block's ids in chunks of BLOCK_B x BLOCK_L,
+# whatever their bags, summed into bags on the tensor cores. After the default (and without
+# vectors), the twenty-fifth session's question: FLAT at several chunks and warps; then earlier
+# sweeps' tiles.
+F = (None, True, True)  # PROGRAMS None, VECTORS, FLAT
 TILES = (
     (None, None, None, None, None),
     (None, None, None, None, None, None, False),
+    (None, None, None, None, None, *F),
+    (None, None, None, None, 4, *F),
+    (16, 2, 64, None, 2, *F),
+    (16, 4, 64, None, 4, *F),
+    (32, 2, 64, None, 4, *F),
+    (64, 1, 64, None, 4, *F),
+    (16, 8, 64, None, 4, *F),
+    (32, 4, 64, None, 8, *F),
+    (16, 4, 128, None, 4, *F),
+    (32, 2, 128, None, 8, *F),
+    (16, 4, 32, None, 2, *F),
     (32, 2, 32, None, 2),
     (32, 1, 64, None, 2),
     (64, 1, 64, None, 2),
@@ -52,7 +66,7 @@ TILES = (
     (4, 16, 64, None, 2),
     (16, 4, 64, None, 4),
 )
-NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "VECTORS")
+NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "VECTORS", "FLAT")
 
 
 def main(pattern: str = "", first: str = "") -> None:

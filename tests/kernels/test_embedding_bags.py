@@ -91,6 +91,43 @@ def test_the_gpu_launch_configuration_passes_too(
     assert [(c["BLOCK_B"], c["BLOCK_L"], c["BLOCK_D"], c["ACC_3D"]) for c in picked] == [tile]
 
 
+@pytest.mark.parametrize("form", [{}, {"weighted": True}, {"mode": "mean"}], ids=["sum", "weighted", "mean"])
+@pytest.mark.parametrize(("shape", "tile"), GPU_BRANCHES, ids=GPU_BRANCH_IDS)
+def test_flat_chunks_pass_at_the_gpu_tiles(
+    shape: Shape, tile: tuple, form: dict, monkeypatch, empty_library
+) -> None:
+    """FLAT (a block's ids in chunks, summed into bags by a product), at each tile a GPU
+    launches: chunks hold several bags, bags span chunks, some are empty; plain sums, weighted
+    ones (the weights in the product) and means."""
+    forward = module._forward_config
+
+    def gpu_forward_config(dim, size, ids, interpreted):
+        return forward(dim, size, ids)
+
+    monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
+    monkeypatch.setitem(module.KNOBS, "FLAT", True)
+    shape = Shape(name=shape.name, dtype=shape.dtype, params={**shape.params, **form})
+    result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
+    assert result.ok, result.message
+
+
+def test_flat_chunks_pass_every_check_shape(monkeypatch, empty_library) -> None:
+    monkeypatch.setitem(module.KNOBS, "FLAT", True)
+    for trial, shape in enumerate(CHECK_SHAPES):
+        result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, trial, DEVICE)
+        assert result.ok, (shape.name, shape.dtype, result.message)
+
+
+def test_flat_takes_the_products_bounds() -> None:
+    """The template refuses FLAT with fewer than 16 bags a block (the tensor-core product's
+    rows), and takes it with the heuristic's tile or 16 bags."""
+    flat = {**TEMPLATE.defaults(), "FLAT": True}
+    assert TEMPLATE.constraint(flat) is None
+    assert TEMPLATE.constraint({**flat, "BLOCK_B": 16, "BLOCK_L": 4, "BLOCK_D": 64}) is None
+    assert "BLOCK_B >= 16" in TEMPLATE.constraint({**flat, "BLOCK_B": 8})
+    assert TEMPLATE.constraint({**flat, "FLAT": False, "BLOCK_B": 8}) is None
+
+
 @pytest.mark.parametrize("programs", [5, 1])
 @pytest.mark.parametrize("vectors", [True, False])
 def test_a_persistent_launch_covers_every_block(
@@ -470,23 +507,26 @@ def memory_ops(fn, types, constexprs, warps):
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": warps, "num_stages": 1}
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    return sorted(set(re.findall(r"\\b(?:ld|st|red|atom)\\.global[\\w.]*", kernel.asm["ptx"])))
+    return sorted(set(re.findall(r"\\b(?:(?:ld|st|red|atom)\\.global|mma)[\\w.]*", kernel.asm["ptx"])))
 
 fwd_types = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indices_ptr", "offsets_ptr")}
 fwd_types |= {"weights_ptr": "*bf16", "psw_ptr": "*bf16", "out_ptr": "*bf16"}
 tile = dict(BLOCK_B=64, BLOCK_L=1, BLOCK_D=64, ACC_3D=False)
-fwd = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, **tile)
+fwd = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False, **tile)
 bwd_types = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indices_ptr", "offsets_ptr")}
 bwd_types |= {"grad_out_ptr": "*bf16", "psw_ptr": "*bf16", "grad_ptr": "*fp32"}
 bwd = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=16, BLOCK_D=128)
-print(json.dumps({
+report = {
     f"{name} VEC={vec}": memory_ops(fn, types, {**consts, "VEC": vec}, warps)
     for name, fn, types, consts, warps in (
         ("forward", module._embedding_bags_fwd_kernel, fwd_types, fwd, 2),
         ("backward", module._embedding_bags_bwd_kernel, bwd_types, bwd, 4),
     )
     for vec in (1, 8)
-}))
+}
+flat = {**fwd, "FLAT": True, "BLOCK_B": 32, "BLOCK_L": 2, "HAS_PSW": True, "VEC": 8}
+report["flat forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, flat, 2)
+print(json.dumps(report))
 """
 
 
@@ -494,10 +534,14 @@ print(json.dumps({
 def test_aligned_rows_compile_to_16_byte_vectors() -> None:
     """The dims and offsets come from memory, so only the kernels' alignment test lets the
     compiler move rows in 16-byte vectors (v4 of 32 bits; the backward's fp32 atomic adds four
-    at a time): with it (VEC 8 for bf16) the PTX holds them, without it (VEC 1) it does not."""
+    at a time): with it (VEC 8 for bf16) the PTX holds them, without it (VEC 1) it does not.
+    The FLAT forward compiles for sm_90 too, its sums on the tensor cores."""
     report = in_subprocess(VECTOR_PTX)
     for name in ("forward", "backward"):
         assert not any(".v4." in op for op in report[f"{name} VEC=1"]), report
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(report["forward VEC=8"]), report
     backward = report["backward VEC=8"]
     assert any(op.startswith("red.global") and op.endswith(".v4.f32") for op in backward), report
+    # FLAT, weighted: rows in vectors too, summed into bags by TF32 tensor-core products.
+    flat = report["flat forward VEC=8"]
+    assert "ld.global.v4.b32" in flat and any(op.startswith("mma") and ".tf32" in op for op in flat), report
