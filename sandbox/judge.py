@@ -13,8 +13,8 @@ EvalResult. Rules, each enforced where it is written below:
   with probability CHECKED_SHARE, and always one call of a batch drawn before the timing among
   those every shape runs. Every timing shape is thus also a check shape at its full size, a
   candidate idle on all its timed calls is always caught, and one idle on k of them escapes with
-  probability at most 0.75^k (a shape's time is the median of its calls' times, so moving it
-  takes idling on half its calls or more: 8 or more on most shapes);
+  probability at most 0.75^k (halving a shape's time takes idling on about half its 8 to 48
+  calls: at most 32% to 0.1%, on each shape it fakes);
 - the no-op proof, with every Triton launch disabled, runs more than once at random points among
   the checks and the timed batches; each time the output must come out wrong;
 - plain outputs: an output is accepted only as the bytes of a tensor of exactly the reference's
