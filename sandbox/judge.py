@@ -10,11 +10,13 @@ EvalResult. Rules, each enforced where it is written below:
   timing shape is ever seen twice, so a memo of earlier answers never pays;
 - checks on the timed calls: a random subset of the timed calls, drawn after each batch ran (so
   the candidate cannot tell them from the others), is compared with the reference: each call
-  with probability CHECKED_SHARE, and always one call of a batch drawn before the timing among
-  those every shape runs. Every timing shape is thus also a check shape at its full size, a
-  candidate idle on all its timed calls is always caught, and one idle on k of them escapes with
-  probability at most 0.75^k (halving a shape's time takes idling on about half its 8 to 48
-  calls: at most 32% to 0.1%, on each shape it fakes);
+  with probability CHECKED_SHARE, and at least one a batch. Where the shape's reference takes
+  COSTLY_REFERENCE_S or more (a gradient's, seconds a call), after the first batch only one
+  batch drawn before the timing must have one. Every timing shape is thus also a check shape at
+  its full size, and a candidate idle on all its timed calls is always caught. One idle on k
+  calls of a costly shape escapes with probability at most 0.75^k, and it can halve such a
+  shape's time (each call counts at its batch's mean) idling on fewer than half of them: at 8
+  calls in batches of 2, k = 3, at most 42%;
 - the no-op proof, with every Triton launch disabled, runs more than once at random points among
   the checks and the timed batches; each time the output must come out wrong;
 - plain outputs: an output is accepted only as the bytes of a tensor of exactly the reference's
@@ -75,10 +77,12 @@ LOG_TAIL_CHARS = 4000
 NO_OP_PROOFS = 2  # at least this many among the checks, and one more per timing shape
 MIN_TIMED_CALLS, MAX_TIMED_CALLS = 8, 48  # per timing shape on a GPU (each on fresh inputs)
 TIMED_TARGET_S = 0.3  # of timed calls per shape, within those bounds
-# Of the timed calls, the share compared with the reference (besides one call always; see the
-# rule above). Not every one: a gradient's reference at a timing shape takes seconds (gdpa's at
-# b1024-n2048 7.5 s on an H100), and a shape timed a call a batch made it one per call.
+# Of the timed calls, the share compared with the reference (and one a batch at least, or where
+# the shape's reference costs this many seconds or more, one in the batch drawn for it; see the
+# rule above). A gradient's reference at a timing shape takes seconds (gdpa's at b1024-n2048
+# 7.5 s on an H100): a shape timed a call a batch would run it after every call.
 CHECKED_SHARE = 0.25
+COSTLY_REFERENCE_S = 1.0
 INTERPRETED_TIMED_CALLS = 3
 # How timed batches take the GPU's lock: "batch" (each batch alone, exclusive; the checks of its
 # calls, shared, between them) or "shape" (exclusive once for a timing shape's batches and the
@@ -782,6 +786,13 @@ def _nonzero_output(shape: Shape) -> bool:
     return lengths is None or sum(lengths) > 0
 
 
+def checked_calls(rng: random.Random, n: int, *, must: bool) -> list[int]:
+    """Which of a timed batch's `n` calls are compared with the reference: each with probability
+    CHECKED_SHARE, and one at random where none was drawn and the batch `must` have one."""
+    chosen = [i for i in range(n) if rng.random() < CHECKED_SHARE]
+    return chosen or ([rng.randrange(n)] if must else [])
+
+
 class Evaluation:
     def __init__(self, request: EvalRequest, clock: PhaseClock | None = None) -> None:
         self.request = request
@@ -790,6 +801,7 @@ class Evaluation:
         self.rng = random.SystemRandom()  # the schedule, like the seeds, is not the runner's to know
         self.checks: list[ShapeCheck] = []
         self.clock = clock if clock is not None else PhaseClock()
+        self.reference_s = 0.0  # the last check's reference, in seconds (its cost on this device)
         self.session: Session | None = None
         self._set_bytes: dict[tuple[str, str], int] = {}  # by (shape name, dtype)
         self._out_bytes: dict[tuple[str, str], int] = {}
@@ -809,9 +821,13 @@ class Evaluation:
         for call, described in zip(calls, outputs, strict=True):
             pristine = call.inputs
             ref_inputs = pristine.clone()
+            t0 = time.perf_counter()
             ref = self.problem.result(
                 ref_inputs, self.problem.reference(*ref_inputs.args, **ref_inputs.kwargs)
             )
+            if self.device.type == "cuda":  # the runner synchronized before it answered
+                torch.cuda.synchronize(self.device)
+            self.reference_s = time.perf_counter() - t0  # the judge's own work alone
             key = (call.shape.name, call.shape.dtype)
             # An update's outputs are its inputs, placed fresh for every call: nothing to poison.
             made = 0 if self.problem.updates else _nbytes(ref)
@@ -1046,9 +1062,10 @@ class Evaluation:
                 per_batch = self.batch_calls(shape)
             at += len(forms)
         proof_at = self.rng.randrange(max(1, target // per_batch))  # rule no-op proof, in timing too
-        # Rule checks on the timed calls: the batch with a call always checked, among the batches
-        # every shape runs (those of its MIN_TIMED_CALLS).
+        # Rule checks on the timed calls: on a costly shape, the batch with a call always checked,
+        # among the batches every shape runs (those of its MIN_TIMED_CALLS).
         checked_at = self.rng.randrange(-(-MIN_TIMED_CALLS // per_batch)) if gpu else 0
+        costly = False  # known once a timed call of this shape has been checked
         training = self.problem.optimizes != "forward" or self.problem.wants_statistics(warm[0].inputs)
         # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
         # untimed one does, and before each batch the runner fills freed memory as it does
@@ -1082,13 +1099,16 @@ class Evaluation:
                 samples.extend([max(per_call, sum(times) / n)] * n)
                 # Rule checks on the timed calls: drawn after the batch ran; in the interpreter,
                 # whose batches are few and short, every one.
-                chosen = [i for i in range(n) if not gpu or self.rng.random() < CHECKED_SHARE]
-                if not chosen and batch_index == checked_at:
-                    chosen = [self.rng.randrange(n)]
+                chosen = (
+                    checked_calls(self.rng, n, must=not costly or batch_index == checked_at)
+                    if gpu
+                    else list(range(n))
+                )
                 with self.session.gpu(exclusive=False):
                     for i in chosen:
                         where = f"timed call on {shape.describe()}"
                         self.check([calls[i]], [described[i]], trial=-2, where=where)
+                        costly = costly or self.reference_s >= COSTLY_REFERENCE_S
                         checked += 1
                     self.session.drop(calls=calls)
                     if batch_index == proof_at:

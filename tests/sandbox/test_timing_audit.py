@@ -81,3 +81,53 @@ def test_a_partly_unexplained_batch_is_raised_to_the_judges_clock() -> None:
     wall, times = 8 * (200.0 + 40.0) + 50.0 + 1_200.0, [200.0] * 8  # 1.2 ms beyond the events
     raised = CALIBRATION.audit(SHAPE, wall, times)
     assert sum(raised) == pytest.approx(wall - CALIBRATION.rtt_us - 8 * CALIBRATION.flush_us)
+
+
+class _Rng:
+    """Draws nothing at random: no call picked by CHECKED_SHARE, the last of every range."""
+
+    def random(self) -> float:
+        return 0.9
+
+    def randrange(self, n: int) -> int:
+        return n - 1
+
+
+@pytest.mark.parametrize(("reference_s", "batches_checked"), [(0.01, [0, 1, 2, 3]), (2.0, [0, 3])])
+def test_timed_calls_are_checked_each_batch_until_the_reference_proves_costly(
+    reference_s: float, batches_checked: list[int]
+) -> None:
+    """Four batches of two 100 ms calls (the shape's eight calls at the least): with no call drawn
+    by CHECKED_SHARE, a cheap reference still checks one call of every batch; a costly one (a
+    gradient's, seconds) one of the first batch, which shows its cost, and of the batch drawn
+    before the timing (here the last of the four every shape runs)."""
+    checked: list[int] = []
+    batches = iter(range(100))
+
+    def timed_batch(shape, n, calibration):
+        batch = next(batches)
+        calls = [SimpleNamespace(id=batch * 10 + i) for i in range(n)]
+        wall = n * (100_000.0 + calibration.flush_us) + calibration.rtt_us
+        return calls, wall, [100_000.0] * n, [100_000.0] * n, [{} for _ in calls]
+
+    def check(calls, described, trial, *, where):
+        checked.append(calls[0].id // 10)
+        judge.reference_s = reference_s
+
+    session = SimpleNamespace(
+        gpu=lambda exclusive: contextlib.nullcontext(),
+        place=lambda shape, n, residues=(): [SimpleNamespace(inputs=None) for _ in range(n)],
+        run=lambda calls, where: [{} for _ in calls],
+        drop=lambda calls: None,
+    )
+    problem = SimpleNamespace(
+        optimizes="forward", wants_statistics=lambda inputs: False, flops=lambda s: 1.0,
+        bytes=lambda s: 1.0, bucket=lambda s: "b",
+    )  # fmt: skip
+    judge = SimpleNamespace(
+        session=session, problem=problem, rng=_Rng(), reference_s=0.0, timed_batch=timed_batch, check=check,
+        note_output_bytes=lambda shape, described: None, batch_calls=lambda shape: 2,
+        no_op_proof=lambda shape: None,
+    )  # fmt: skip
+    timing = Evaluation.time_shape(judge, SHAPE, "sm_90", CALIBRATION, {})
+    assert checked == batches_checked and timing.checked_calls == len(batches_checked)
