@@ -166,12 +166,14 @@ class LLMProposalRow:
 
 # The phases of an evaluation that run kernels on its device, and so count against the GPU-seconds
 # budget: the worker's checks and timing, and a suspicious result's re-measurement in a fresh
-# worker (`remeasure`, added by the campaign). Not counted: the worker's start-up, the candidate's
-# import, `lock_wait` (the judge waiting for the GPU's lock while other evaluations time or
-# check: judge-side time, though the runner may still have work of its own on the device), and
-# the re-verification of winners at registration, which runs after the budgets have stopped the
-# loop.
-DEVICE_PHASES = ("check", "timing", "remeasure")
+# worker (`remeasure`, added by the campaign), and a first run whose judge ran out of device
+# memory beside other evaluations before the backend ran it again alone
+# (`beside_out_of_memory`: it failed without phases, and its checks and timing ran). Not counted:
+# the worker's start-up, the candidate's import, `lock_wait` (the judge waiting for the GPU's
+# lock while other evaluations time or check: judge-side time, though the runner may still have
+# work of its own on the device), and the re-verification of winners at registration, which runs
+# after the budgets have stopped the loop.
+DEVICE_PHASES = ("check", "timing", "remeasure", "beside_out_of_memory")
 
 
 def device_seconds(result: EvalResult) -> float:

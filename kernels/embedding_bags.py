@@ -161,8 +161,12 @@ def _flat_sums(
     order, CHUNK at a time whatever bag each is in: no lane waits while the block's longest bag
     finishes (a block of 32 power-law bags of mean 19 ids runs to about 100). Each chunk's rows
     go to their bags through a product with the chunk's membership matrix [BLOCK_B, CHUNK] on
-    the tensor cores, in TF32: exact for 0/1 factors and bf16 or fp16 rows; fp32 rows, or
-    weighted ones (the weights in the matrix), split into three TF32 products (about 22 bits)."""
+    the tensor cores, in TF32, whose products are exact for 0/1 factors (or bf16 and fp16
+    weights) times bf16 or fp16 rows; fp32 rows or weights take three TF32 products (about 22
+    bits). The sums are the tensor cores' fp32 accumulation, not the step loop's order. Every
+    row of a chunk meets every bag's factor, so an inf or NaN in a table row makes NaN of the
+    other bags of its chunk too (the step loop keeps it to its own bag). The ids between the
+    block's first and last are read (ids of other features, where offsets do not increase)."""
     lo = tl.min(tl.where(live_B, start_B, 1 << 62), axis=0)
     end_B = start_B + len_B
     hi = tl.max(tl.where(live_B, end_B, 0), axis=0)
@@ -180,9 +184,9 @@ def _flat_sums(
         factor_BC = ((start_B[:, None] <= q_C[None, :]) & (q_C[None, :] < end_B[:, None])).to(tl.float32)
         if HAS_PSW:
             factor_BC *= tl.load(psw_ptr + q_C, mask=in_C, other=0.0).to(tl.float32)[None, :]
-        if HAS_PSW or vals_CD.dtype == tl.float32:
+        if vals_CD.dtype == tl.float32 or (HAS_PSW and psw_ptr.dtype.element_ty == tl.float32):
             acc_BD = tl.dot(factor_BC, vals_CD.to(tl.float32), acc_BD, input_precision="tf32x3")
-        else:  # 0/1 times a bf16 or fp16 value: both exact in TF32
+        else:  # 0/1 or a bf16 or fp16 weight, times a bf16 or fp16 value: exact in TF32
             acc_BD = tl.dot(factor_BC, vals_CD.to(tl.float32), acc_BD, input_precision="tf32")
     return acc_BD
 

@@ -31,7 +31,6 @@ from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult
 
 SCRATCH_DIR = "/scratch"
-LOG_TAIL_CHARS = 4000
 LABEL = "recforge.sandbox"
 SOCKET_NAME = "judge.sock"
 

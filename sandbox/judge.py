@@ -69,11 +69,10 @@ from sandbox.protocol import (
     fresh_seed,
     output_tensors,
 )
-from sandbox.result import DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
+from sandbox.result import LOG_TAIL_CHARS, DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
 from sandbox.timing import L2_FLUSH_BYTES, benchmark, sample_stats
 from search_space.problem import DRAWN, Inputs, Problem, Shape, get_problem
 
-LOG_TAIL_CHARS = 4000
 NO_OP_PROOFS = 2  # at least this many among the checks, and one more per timing shape
 MIN_TIMED_CALLS, MAX_TIMED_CALLS = 8, 48  # per timing shape on a GPU (each on fresh inputs)
 TIMED_TARGET_S = 0.3  # of timed calls per shape, within those bounds

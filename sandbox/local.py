@@ -44,7 +44,7 @@ from sandbox.hardware import cuda_present
 from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
 from sandbox.locks import gpu_use
 from sandbox.protocol import DEADLINE_MARK, EvalRequest
-from sandbox.result import EvalResult, Status
+from sandbox.result import LOG_TAIL_CHARS, EvalResult, Status
 from sandbox.screen import screen_candidate
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -243,12 +243,15 @@ class WorkerBackend:
         with gpu_use(memory_locks, exclusive=True):
             again = self._run(candidate, scratch, request)
         # Both runs' time counts (a budget's device seconds are phases). A judge that failed has
-        # no phases of its own; the part of the first run they leave out is named for its cause.
+        # no phases of its own; the part of the first run they leave out is named for its cause
+        # (agent.store.DEVICE_PHASES counts it). The first run's message heads the log tail, on
+        # one line.
         phases = dict(result.phase_s)
         phases["beside_out_of_memory"] = max(0.0, result.wall_s - sum(result.phase_s.values()))
         for name, seconds in again.phase_s.items():
             phases[name] = phases.get(name, 0.0) + seconds
-        tail = f"the first run, beside other evaluations: {result.message}\n{again.log_tail}"
+        first = " ".join(f"the first run, beside other evaluations: {result.message}".split())[:500]
+        tail = f"{first}\n{again.log_tail[-(LOG_TAIL_CHARS - len(first) - 1) :]}"
         wall = again.wall_s + result.wall_s
         return again.model_copy(update={"wall_s": wall, "phase_s": phases, "log_tail": tail})
 
@@ -443,7 +446,7 @@ class LocalBackend(WorkerBackend):
         t0 = time.perf_counter()
         timed_out, returncode, spawn = self._judge(cmd, judge_dir)
         wall, reaped = time.perf_counter() - t0, time.time()
-        log_tail = (judge_dir / "judge.log").read_text(errors="replace")[-4000:]
+        log_tail = (judge_dir / "judge.log").read_text(errors="replace")[-LOG_TAIL_CHARS:]
         base = {
             "problem": candidate.problem,
             "candidate_id": candidate.id,

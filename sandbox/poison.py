@@ -25,7 +25,9 @@ POISON_BYTE = 0xFF  # all-ones is NaN in fp16, bf16, fp32 and fp64
 SMALL_BYTES = 1 << 20
 MAX_PASSES = 8
 # The functions the poison calls, taken when the runner imports this module, before any candidate
-# is loaded: a candidate that rebinds torch's own afterwards does not reach them here.
+# is loaded: rebinding these names of torch afterwards does not reach the poison. (What they call
+# in turn, and tensor methods such as fill_, are still looked up when called: the screen's rule
+# against assigning attributes is what guards those.)
 _empty, _device = torch.empty, torch.device
 _current_device, _current_stream = torch.cuda.current_device, torch.cuda.current_stream
 _memory_snapshot, _mem_get_info = torch.cuda.memory_snapshot, torch.cuda.mem_get_info

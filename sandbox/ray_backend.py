@@ -39,13 +39,11 @@ from typing import TYPE_CHECKING, Any
 from sandbox.backend import Alongside
 from sandbox.candidate import Candidate
 from sandbox.local import REPO_ROOT, LocalBackend
-from sandbox.result import EvalResult, Status
+from sandbox.result import LOG_TAIL_CHARS, EvalResult, Status
 from sandbox.screen import screen_candidate
 
 if TYPE_CHECKING:
     import ray
-
-LOG_TAIL_CHARS = 4000
 
 
 def _evaluate_on_host(

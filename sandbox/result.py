@@ -91,6 +91,10 @@ class DeviceInfo(BaseModel):
         return f"{self.name} ({self.arch})"
 
 
+# The end of the worker's output that a result keeps (EvalResult.log_tail).
+LOG_TAIL_CHARS = 4000
+
+
 class EvalResult(BaseModel):
     status: Status
     problem: str
@@ -102,13 +106,15 @@ class EvalResult(BaseModel):
     log_tail: str = ""
     wall_s: float = 0.0
     timing_window: tuple[float, float] | None = None  # wall-clock start and end of the timing phase
-    # Seconds per phase of the judge (setup: its problem's module; init: its own device; start:
-    # the runner's; load, check, timing; finish: the runner's end; and lock_wait: its waits for
-    # the GPU's lock while other evaluations time or check, taken out of the phase they
-    # interrupted), and on the local backend spawn (until the judge process runs: forked, or
-    # started) and exit (from its writing its result to the backend's reaping it: its CUDA
-    # context torn down, its runner's groups removed); `wall_s` minus their sum is the rest of
-    # the judge process's start, before its first phase.
+    # Seconds per phase of the judge (setup: its problem's module, and whether it has a GPU;
+    # init: its own device; start: the runner's; load, check, timing; finish: the runner's end;
+    # and lock_wait: its waits for the GPU's lock while other evaluations time or check, taken
+    # out of the phase they interrupted), and on the local backend spawn (until the judge
+    # process runs: forked, or started), exit (from its writing its result to the backend's
+    # reaping it: its CUDA context torn down, its runner's groups removed) and, where the judge
+    # ran out of device memory beside other evaluations and ran again alone,
+    # beside_out_of_memory (the first run's time outside its phases); `wall_s` minus their sum
+    # is the rest of the judge process's start, before its first phase.
     phase_s: dict[str, float] = Field(default_factory=dict)
     # Seconds the judge held the GPU's lock, "exclusive" (timed batches, calibration, baselines)
     # and "shared" (everything else on the device): what this evaluation took of a GPU that other

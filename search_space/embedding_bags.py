@@ -302,11 +302,27 @@ TOLERANCES = {
 }
 
 
+# FLAT's product holds a [BLOCK_B, CHUNK] and a [CHUNK, BLOCK_D] operand in fp32 (CHUNK =
+# BLOCK_B x BLOCK_L ids), at most this many elements each (32 KB of shared memory); a size left
+# to the heuristic counts at the largest it launches (64 bags, 2 ids, 64 columns).
+FLAT_OPERAND_LIMIT = 8192
+
+
 def _knob_constraints(knobs: dict) -> str | None:
-    """The single-table kernel's tile bounds; with FLAT, the tensor-core product's too: 16 bags
-    or more (its other sizes, ids a chunk and columns, are 16 or more at every choice)."""
-    if knobs.get("FLAT") and (knobs["BLOCK_B"] or 16) < 16:
-        return f"FLAT takes BLOCK_B >= 16 (the tensor-core product's rows), not {knobs['BLOCK_B']}"
+    """The single-table kernel's tile bounds; with FLAT, the tensor-core product's: 16 bags or
+    more, operands within FLAT_OPERAND_LIMIT, and neither ACC_3D nor pipelining (the step loop's
+    alone: with FLAT they would only repeat a point of the search)."""
+    if knobs.get("FLAT"):
+        bags, ids, cols = knobs["BLOCK_B"] or 64, knobs["BLOCK_L"] or 2, knobs["BLOCK_D"] or 64
+        if bags < 16:
+            return f"FLAT takes BLOCK_B >= 16 (the tensor-core product's rows), not {bags}"
+        if max(bags * bags * ids, bags * ids * cols) > FLAT_OPERAND_LIMIT:
+            return (
+                f"FLAT's operands [{bags}, {bags * ids}] and [{bags * ids}, {cols}] exceed "
+                f"{FLAT_OPERAND_LIMIT} elements"
+            )
+        if knobs["ACC_3D"] or knobs["num_stages"] != 1:
+            return "FLAT takes neither ACC_3D nor num_stages > 1 (the step loop's)"
     return single.TEMPLATE.constraint(knobs)
 
 

@@ -91,14 +91,24 @@ def test_the_gpu_launch_configuration_passes_too(
     assert [(c["BLOCK_B"], c["BLOCK_L"], c["BLOCK_D"], c["ACC_3D"]) for c in picked] == [tile]
 
 
+# Bags of up to 90 ids: a block (the four bags of a feature) holds more ids than a chunk of
+# the GPU's pooled tiles (32 or 64), so bags span chunks.
+SPANNING = [
+    (_explicit("spanning", dtype, THREE_TABLES, [70, 0, 3, 90, 1, 2, 33, 1, 0, 65, 2, 1]), None)
+    for dtype in ("fp32", "bf16")
+]
+
+
 @pytest.mark.parametrize("form", [{}, {"weighted": True}, {"mode": "mean"}], ids=["sum", "weighted", "mean"])
-@pytest.mark.parametrize(("shape", "tile"), GPU_BRANCHES, ids=GPU_BRANCH_IDS)
+@pytest.mark.parametrize(
+    ("shape", "tile"), GPU_BRANCHES + SPANNING, ids=GPU_BRANCH_IDS + ["spanning-fp32", "spanning-bf16"]
+)
 def test_flat_chunks_pass_at_the_gpu_tiles(
     shape: Shape, tile: tuple, form: dict, monkeypatch, empty_library
 ) -> None:
     """FLAT (a block's ids in chunks, summed into bags by a product), at each tile a GPU
-    launches: chunks hold several bags, bags span chunks, some are empty; plain sums, weighted
-    ones (the weights in the product) and means."""
+    launches: chunks hold several bags, bags span chunks (SPANNING), some are empty; plain
+    sums, weighted ones (the weights in the product) and means."""
     forward = module._forward_config
 
     def gpu_forward_config(dim, size, ids, interpreted):
@@ -120,12 +130,18 @@ def test_flat_chunks_pass_every_check_shape(monkeypatch, empty_library) -> None:
 
 def test_flat_takes_the_products_bounds() -> None:
     """The template refuses FLAT with fewer than 16 bags a block (the tensor-core product's
-    rows), and takes it with the heuristic's tile or 16 bags."""
+    rows), operands past its limit (a size left to the heuristic counts at its largest), and
+    the step loop's own knobs; it takes the heuristic's tile or one within the bounds."""
     flat = {**TEMPLATE.defaults(), "FLAT": True}
     assert TEMPLATE.constraint(flat) is None
     assert TEMPLATE.constraint({**flat, "BLOCK_B": 16, "BLOCK_L": 4, "BLOCK_D": 64}) is None
     assert "BLOCK_B >= 16" in TEMPLATE.constraint({**flat, "BLOCK_B": 8})
-    assert TEMPLATE.constraint({**flat, "FLAT": False, "BLOCK_B": 8}) is None
+    assert "exceed 8192 elements" in TEMPLATE.constraint({**flat, "BLOCK_L": 32})
+    wide = {**flat, "BLOCK_B": 16, "BLOCK_L": 8, "BLOCK_D": 128}
+    assert "exceed 8192 elements" in TEMPLATE.constraint(wide)
+    assert "ACC_3D" in TEMPLATE.constraint({**flat, "ACC_3D": True})
+    assert "num_stages" in TEMPLATE.constraint({**flat, "num_stages": 2})
+    assert TEMPLATE.constraint({**flat, "FLAT": False, "BLOCK_B": 8, "ACC_3D": True}) is None
 
 
 @pytest.mark.parametrize("programs", [5, 1])
