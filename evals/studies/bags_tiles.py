@@ -94,10 +94,13 @@ def main(pattern: str = "", first: str = "") -> None:
             settings = dict(zip(NAMES, tile, strict=False))
             kernel.VECTORS = settings.pop("VECTORS", True)
             kernel.KNOBS.update(base, **settings)
-            ok, details = compare(
-                kernel.embedding_bags_forward(*call[0], **call[1]), want, problem.tolerance(shape.dtype)
-            )
             label = " ".join(f"{k}={v}" for k, v in zip(NAMES, tile, strict=False))
+            try:  # a tile this device or Triton cannot launch is a row of the table, not the end
+                got = kernel.embedding_bags_forward(*call[0], **call[1])
+            except Exception as exc:  # noqa: BLE001 - reported, and the sweep goes on
+                print(f"  {label} FAILED: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            ok, details = compare(got, want, problem.tolerance(shape.dtype))
             if not ok:
                 print(f"  {label} WRONG: {details['message'][:80]}", flush=True)
                 continue
