@@ -61,14 +61,14 @@ def mean_phases(results) -> dict[str, float]:
     totals: Counter = Counter()
     for r in results:
         totals.update(r.phase_s)
-        totals["startup"] += max(0.0, r.wall_s - sum(r.phase_s.values()))
+        totals["startup"] += r.unphased_s()
     return {name: total / len(results) for name, total in totals.items()}
 
 
 def _phases(result) -> str:
     """One evaluation's phases and lock holds, in seconds, for its progress line."""
     parts = [f"{name} {seconds:.1f}" for name, seconds in result.phase_s.items() if seconds >= 0.05]
-    parts.append(f"judge start-up {max(0.0, result.wall_s - sum(result.phase_s.values())):.1f}")
+    parts.append(f"judge start-up {result.unphased_s():.1f}")
     parts += [f"held {kind} {seconds:.1f}" for kind, seconds in sorted(result.gpu_held_s.items())]
     return ", ".join(parts)
 

@@ -247,7 +247,7 @@ class WorkerBackend:
         # (agent.store.DEVICE_PHASES counts it). The first run's message heads the log tail, on
         # one line.
         phases = dict(result.phase_s)
-        phases["beside_out_of_memory"] = max(0.0, result.wall_s - sum(result.phase_s.values()))
+        phases["beside_out_of_memory"] = result.unphased_s()
         for name, seconds in again.phase_s.items():
             phases[name] = phases.get(name, 0.0) + seconds
         first = " ".join(f"the first run, beside other evaluations: {result.message}".split())[:500]

@@ -134,6 +134,11 @@ class EvalResult(BaseModel):
         """DeviceInfo.kind of the device it ran on (None: it ran on none, e.g. screened out)."""
         return None if self.device is None else self.device.kind
 
+    def unphased_s(self) -> float:
+        """`wall_s` outside every phase: the judge process's start before its first phase (and of
+        a failed judge, which reports no phases, its whole life)."""
+        return max(0.0, self.wall_s - sum(self.phase_s.values()))
+
     def geomean_us(self, dtype: str | None = None) -> float | None:
         """Geometric mean of the candidate's median time over the timing shapes (of `dtype`)."""
         times = [t.candidate.median_us for t in self.timings if dtype in (None, t.dtype)]
