@@ -11,8 +11,9 @@ EvalResult. Rules, each enforced where it is written below:
 - checks on the timed calls: a random subset of the timed calls, drawn after each batch ran (so
   the candidate cannot tell them from the others), is compared with the reference: each call
   with probability CHECKED_SHARE, and at least one a batch. Where the shape's reference takes
-  COSTLY_REFERENCE_S or more (a gradient's, seconds a call), after the first batch only one
-  batch drawn before the timing must have one. Every timing shape is thus also a check shape at
+  COSTLY_REFERENCE_S or more (a gradient's, seconds a call; timed on the first batch's check,
+  with the GPU to itself), after the first batch only one batch drawn before the timing must
+  have one. Every timing shape is thus also a check shape at
   its full size, and a candidate idle on all its timed calls is always caught. One idle on k
   calls of a costly shape escapes with probability at most 0.75^k, and it can halve such a
   shape's time (each call counts at its batch's mean) idling on fewer than half of them: at 8
@@ -1064,7 +1065,7 @@ class Evaluation:
         # Rule checks on the timed calls: on a costly shape, the batch with a call always checked,
         # among the batches every shape runs (those of its MIN_TIMED_CALLS).
         checked_at = self.rng.randrange(-(-MIN_TIMED_CALLS // per_batch)) if gpu else 0
-        costly = False  # known once a timed call of this shape has been checked
+        costly = False  # known once the first batch's calls have been checked
         training = self.problem.optimizes != "forward" or self.problem.wants_statistics(warm[0].inputs)
         # Rule host compute: every timed call runs under the watch (sandbox.host_ops), as every
         # untimed one does, and before each batch the runner fills freed memory as it does
@@ -1103,11 +1104,14 @@ class Evaluation:
                     if gpu
                     else list(range(n))
                 )
-                with self.session.gpu(exclusive=False):
+                # The shape's first batch is checked with the GPU to itself: its reference's time
+                # decides `costly`, and nothing another evaluation runs beside it can stretch it.
+                first = gpu and batch_index == 0
+                with self.session.gpu(exclusive=first):
                     for i in chosen:
                         where = f"timed call on {shape.describe()}"
                         self.check([calls[i]], [described[i]], trial=-2, where=where)
-                        costly = costly or self.reference_s >= COSTLY_REFERENCE_S
+                        costly = costly or (first and self.reference_s >= COSTLY_REFERENCE_S)
                         checked += 1
                     self.session.drop(calls=calls)
                     if batch_index == proof_at:
