@@ -1271,9 +1271,9 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
     window = None
     runner = None
     status, message, log = Status.OK, "", None
+    ev.clock.start("init")
+    _check_own_gpu(request)  # outside the try below: its failure, whatever it is, is the judge's own
     try:
-        ev.clock.start("init")
-        _check_own_gpu(request)  # its failure, too, is the judge's own
         ev.clock.start("start")
         runner = RunnerProcess(request, gpu=ev.device.type == "cuda", deadline=deadline)
         # The judge's own device (its CUDA context, on a GPU) while the runner starts up. Its
