@@ -75,13 +75,13 @@ def offsets_of(counts: list[int], seed: int, device: torch.device) -> torch.Tens
 def _randn(
     shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, device: torch.device, scale: float
 ):
-    return (torch.randn(shape, generator=gen) * scale).to(device=device, dtype=dtype)
+    return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
 
 
 def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     p, dtype = shape.params, shape.torch_dtype
     counts = group_counts(shape, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)  # on the device: a set a timed call
     k, m = p["k"], p["m"]
     x = _randn((sum(counts), k), dtype, gen, device, 1.0)
     weight = _randn((len(counts), k, m), dtype, gen, device, k**-0.5)

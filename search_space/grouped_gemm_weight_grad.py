@@ -42,8 +42,8 @@ def per_group_loop(x, grad_out, group_offsets):
 def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     """grouped_gemm's x and offsets, and a grad_out of its output's shape."""
     x, offsets, _, _ = forward.make_inputs(shape, seed, device).args
-    gen = torch.Generator().manual_seed(seed + 2)
-    grad_out = torch.randn((x.shape[0], shape.params["m"]), generator=gen).to(device=device, dtype=x.dtype)
+    gen = torch.Generator(device=device).manual_seed(seed + 2)
+    grad_out = torch.randn((x.shape[0], shape.params["m"]), generator=gen, device=device).to(x.dtype)
     return Inputs(args=(x, grad_out, offsets))
 
 

@@ -71,8 +71,8 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     """The forward's inputs and an upstream gradient of its output's shape and dtype."""
     fwd = forward.make_inputs(shape, seed, device)
     x = fwd.args[0]
-    gen = torch.Generator().manual_seed(seed ^ 0x6A7D)
-    grad_out = torch.randn(x.shape, generator=gen).to(device, x.dtype)
+    gen = torch.Generator(device=device).manual_seed(seed ^ 0x6A7D)
+    grad_out = torch.randn(x.shape, generator=gen, device=device).to(x.dtype)
     return Inputs(args=(grad_out, *fwd.args))
 
 

@@ -52,18 +52,18 @@ def replicated(x, proj, x_user=None, cand_to_request=None):
 
 def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     p, dtype = shape.params, shape.torch_dtype
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)  # on the device: one set a timed call
     batch, n_user, n_cand, dim, k = p["batch"], p.get("n_user", 0), p["n_cand"], p["dim"], p["k"]
-    x = torch.randn(batch, n_cand, dim, generator=gen)
-    proj = torch.randn(n_user + n_cand, k, generator=gen) / (n_user + n_cand) ** 0.5
+    x = torch.randn(batch, n_cand, dim, generator=gen, device=device)
+    proj = torch.randn(n_user + n_cand, k, generator=gen, device=device) / (n_user + n_cand) ** 0.5
     if not n_user:
-        return Inputs(args=(x.to(device, dtype), proj.to(device, dtype)))
+        return Inputs(args=(x.to(dtype), proj.to(dtype)))
     requests = p.get("requests", max(1, batch // 32))
     # Candidates in request order, every request at least one (a serving batch's layout).
-    extra = torch.randint(0, requests, (batch - requests,), generator=gen)
-    cand_to_request = torch.sort(torch.cat([torch.arange(requests), extra])).values
+    extra = torch.randint(0, requests, (batch - requests,), generator=gen, device=device)
+    cand_to_request = torch.sort(torch.cat([torch.arange(requests, device=device), extra])).values
     index = torch.int32 if seed % 2 else torch.int64
-    x_user = torch.randn(requests, n_user, dim, generator=gen)
+    x_user = torch.randn(requests, n_user, dim, generator=gen, device=device)
     return Inputs(
         args=(
             x.to(device, dtype),
