@@ -353,3 +353,59 @@ def test_bf16_truncated_instead_of_rounded_passes_the_row_bound() -> None:
     bits = exact.float().view(torch.int32) & ~0xFFFF
     ok, details = compare(bits.view(torch.float32).to(torch.bfloat16), ref, PROBLEM.tolerance("bf16"))
     assert ok, details
+
+
+# --- a step at a time -------------------------------------------------------------------------
+
+
+def _cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, output, reference): one of each verdict, in several ranks."""
+    gen = torch.Generator().manual_seed(7)
+    ref = torch.randn(40, 3, 8, generator=gen)
+    noise = ref + 1e-7 * torch.randn(ref.shape, generator=gen)
+    cases = [("exact", ref.clone(), ref), ("noise", noise, ref)]
+    far = noise.clone()
+    far[31, 2, 5] += 1.0
+    cases.append(("one element far", far, ref))
+    nan = noise.clone()
+    nan[9, 0, 0] = float("nan")
+    cases.append(("nan", nan, ref))
+    small = ref.clone()
+    small[[4, 33]] *= 5e-6  # inside every element bound once zeroed, not inside their rows'
+    zeroed = small.clone()
+    zeroed[[4, 33]] = 0
+    cases.append(("zeroed rows", zeroed, small))
+    inf_ref = ref.clone()
+    inf_ref[[2, 25], 1, 3] = float("inf")
+    cases.append(("inf matched", inf_ref.clone(), inf_ref))
+    unmatched = inf_ref.clone()
+    unmatched[25, 1, 3] = 0.0
+    cases.append(("inf unmatched", unmatched, inf_ref))
+    scaled = ref * 1.001
+    cases.append(("norm", scaled, ref))
+    cases.append(("0-dim", torch.tensor(1.5), torch.tensor(1.5)))
+    cases.append(("0-dim wrong", torch.tensor(2.5), torch.tensor(1.5)))
+    cases.append(("1-d", noise.flatten(), ref.flatten()))
+    return cases
+
+
+@pytest.mark.parametrize("name, out, ref", _cases(), ids=[c[0] for c in _cases()])
+def test_a_comparison_in_steps_of_rows_says_what_the_whole_one_says(monkeypatch, name, out, ref) -> None:
+    """The judge compares a few rows at a time (its temporaries bounded whatever the output's
+    size): in steps of one or a few rows it gives the whole comparison's verdict, message, worst
+    element and error norm."""
+    import sandbox.protocol as protocol
+
+    tol = Tolerance(atol=1e-5, rtol=1e-5, norm_rtol=1e-4, row_rtol=1e-4, row_atol=1e-6)
+    monkeypatch.setattr(protocol, "COMPARE_CHUNK_ELEMENTS", 1 << 40)
+    whole = compare(out, ref, tol)
+    for step in (1, 24, 100):
+        monkeypatch.setattr(protocol, "COMPARE_CHUNK_ELEMENTS", step)
+        ok, details = compare(out, ref, tol)
+        assert ok == whole[0], (step, details, whole)
+        assert details.get("message") == whole[1].get("message"), step
+        assert details.get("worst_index") == whole[1].get("worst_index"), step
+        if "norm_rel_err" in whole[1]:
+            assert details["norm_rel_err"] == pytest.approx(whole[1]["norm_rel_err"], rel=1e-9, nan_ok=True)
+    expected_ok = name in ("exact", "noise", "inf matched", "0-dim", "1-d")
+    assert whole[0] == expected_ok, whole
