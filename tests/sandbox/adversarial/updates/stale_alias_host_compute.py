@@ -15,6 +15,7 @@ Refused: host writes are refused by address too, whatever tensor they go through
 # from: template
 # expect: suspicious | writing into the call's input
 # timing: yes
+# cpu-only: yes (it gates itself to a CPU, where timing shapes are small: on a GPU it is honest)
 
 EDITS = [
     (
