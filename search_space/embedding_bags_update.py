@@ -371,9 +371,18 @@ INTERPRETED_TIMING_SHAPES = (
 # untouched rows are exact. Each "row" of a flat buffer is one element: its row bound is its
 # element bound. (A row of hundreds of ids, a hot id, sums hundreds of fp32 terms: the sum's
 # rounding, times lr, can exceed a bound relative to the element alone where the step cancels
-# the weight; against the buffer's RMS it stays below 1e-5.)
+# the weight; against the buffer's RMS it stays below 1e-5.) The state adds a row's mean square
+# of that summed gradient: twice the sum's relative rounding. On a hot row its relative error
+# reaches that of the whole buffer (one-bag: 700 ids on 3 rows, where the state's norm is the
+# hot row's, came out 1.0006e-5 from the reference once), so the fp32 norm bound is twice the
+# elements' rtol.
 TOLERANCES = {
-    dtype: dataclasses.replace(tol, row_rtol=tol.rtol, row_atol=tol.atol)
+    dtype: dataclasses.replace(
+        tol,
+        row_rtol=tol.rtol,
+        row_atol=tol.atol,
+        norm_rtol=2 * tol.rtol if dtype == "fp32" else tol.norm_rtol,
+    )
     for dtype, tol in embedding_bag.TOLERANCES.items()
 }
 
