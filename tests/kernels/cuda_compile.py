@@ -8,6 +8,11 @@ Each op's default runs on its problem's check-shape inputs (CPU tensors); every 
 compiled instead of run, with the argument types and constexprs the launcher passed (the kit's
 tile multiply-accumulate as a GPU's launcher picks it). Prints {"compiled": [...], "failed":
 [[kernel, constexprs, error]]} as JSON.
+
+For a kernel before its first run on a GPU: every op's default has now run on an H100 (their
+GPU tests, and the sandbox's incumbents: BENCHMARKS.md), so the suite compiles only the GPU
+launch configurations of embedding_bags and its update, which their own tests pick
+(tests/kernels/test_embedding_bags.py, tests/kernels/test_embedding_bags_update.py).
 """
 
 from __future__ import annotations
