@@ -194,6 +194,20 @@ def _compare_tensor(
     if ref.numel() == 0:
         return True, {}
     shape = tuple(ref.shape)
+    if ref.is_complex():  # fp64 would drop the imaginary part
+        return False, {"message": f"a {ref.dtype} output: complex outputs are not compared"}
+    if not ref.is_floating_point():
+        # Integers (ids, counts) and booleans are exact, and int64 past 2^53 has no fp64 twin.
+        unequal = out != ref
+        if not bool(unequal.any()):
+            return True, {"max_abs_err": 0.0, "norm_rel_err": 0.0, "worst_index": _unravel(0, shape)}
+        where = _unravel(int(unequal.flatten().nonzero()[0]), shape)
+        return False, {
+            "message": f"{int(unequal.sum())} of {ref.numel()} elements differ from the exact "
+            f"{ref.dtype} reference; first at {where}: got {out[tuple(where)].item()}, expected "
+            f"{ref[tuple(where)].item()}",
+            "worst_index": where,
+        }
     out_rows, ref_rows = (out.reshape(1), ref.reshape(1)) if ref.dim() == 0 else (out, ref)
     width = max(ref.numel() // ref_rows.shape[0], 1)
     chunks = list(_row_chunks(ref_rows))
@@ -259,6 +273,7 @@ def _compare_tensor(
                 n_bad_rows += int(bad_rows.sum())
                 inf = torch.full_like(rows_err, float("inf"))
                 ratio = torch.where(row_bound > 0, rows_err / row_bound, inf).nan_to_num_(nan=float("inf"))
+                ratio = torch.where(bad_rows, ratio, -1.0)  # the worst of the rows out of bounds
                 i = int(ratio.argmax())
                 if float(ratio[i]) > worst_ratio:
                     worst_ratio, worst_row = float(ratio[i]), a + i

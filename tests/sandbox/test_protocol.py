@@ -409,3 +409,30 @@ def test_a_comparison_in_steps_of_rows_says_what_the_whole_one_says(monkeypatch,
             assert details["norm_rel_err"] == pytest.approx(whole[1]["norm_rel_err"], rel=1e-9, nan_ok=True)
     expected_ok = name in ("exact", "noise", "inf matched", "0-dim", "1-d")
     assert whole[0] == expected_ok, whole
+
+
+def test_integer_outputs_are_exact_even_past_fp64s_integers() -> None:
+    """Ids and counts are exact; an int64 past 2^53 has no fp64 twin, so it is compared as it is."""
+    ref = torch.full((3,), 2**60, dtype=torch.int64)
+    ok, details = compare(ref + 1, ref, TOL)
+    assert not ok and details["message"].startswith("3 of 3 elements differ from the exact"), details
+    assert compare(ref.clone(), ref, TOL)[0]
+    flags = torch.tensor([True, False])
+    assert not compare(~flags, flags, TOL)[0] and compare(flags.clone(), flags, TOL)[0]
+
+
+def test_a_complex_output_is_refused_not_compared_by_its_real_part() -> None:
+    ref = torch.ones(3, dtype=torch.complex64)
+    ok, details = compare(ref + 1j, ref, TOL)
+    assert not ok and "complex outputs are not compared" in details["message"]
+
+
+def test_the_worst_row_named_is_one_out_of_bounds() -> None:
+    """A zero reference row with a zero error has a bound of 0 too: it is within it, and the
+    message names the row that is not."""
+    tol = Tolerance(atol=0.0, rtol=1.0, norm_rtol=10.0, row_rtol=1e-3)
+    ref = torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    out = ref.clone()
+    out[2] *= 1.5
+    ok, details = compare(out, ref, tol)
+    assert not ok and "worst row 2:" in details["message"], details["message"]
