@@ -11,7 +11,8 @@ Rules of closeness (each enforced below, where it is written):
 - per row (a bag, a token, a candidate: the output's first dimension), the error norm is bounded
   relative to that row's own norm plus a floor from the dtype's rounding (Tolerance.row_rtol and
   row_atol), so a few zeroed rows, or outputs rounded to a grid as coarse as the element
-  tolerance, fail even where every element is inside its bound.
+  tolerance, fail even where every element is inside its bound;
+- integer and boolean outputs are exact; complex outputs are refused.
 """
 
 from __future__ import annotations
@@ -227,8 +228,8 @@ def _compare_tensor(
         return o, r, unequal if bool(unequal.any()) else infinite[:0]
 
     # First pass: the non-finite reference elements, and the reference's norm (its RMS sets the
-    # element bounds' floor, so it comes before any bound).
-    # An output of one step (most are) is converted once, for both passes.
+    # element bounds' floor, so it comes before any bound). An output of one step (most are) is
+    # converted once, for both passes.
     whole = pair(*chunks[0]) if len(chunks) == 1 else None
     ref_sq, n_infinite, n_unequal, first_unequal = 0.0, 0, 0, None
     for a, b in chunks:
