@@ -1084,6 +1084,10 @@ class Evaluation:
                 )
                 if enough:
                     break
+                # Sized again for every batch: a warm-up's outputs are the runner's word, and once
+                # a batch's check has seen the reference's, the poison and the batch follow that
+                # (a warm-up that describes a tiny output wins one batch at most).
+                per_batch = self.batch_calls(shape)
                 n = min(per_batch, target - len(samples))
                 calls, wall_us, reported, times, described = self.timed_batch(shape, n, calibration)
                 if gpu:

@@ -131,3 +131,39 @@ def test_timed_calls_are_checked_each_batch_until_the_reference_proves_costly(
     )  # fmt: skip
     timing = Evaluation.time_shape(judge, SHAPE, "sm_90", CALIBRATION, {})
     assert checked == batches_checked and timing.checked_calls == len(batches_checked)
+
+
+def test_batches_are_sized_again_once_a_check_has_seen_the_reference() -> None:
+    """A warm-up whose outputs the runner describes as tiny gets a large first batch (and a small
+    poison); the first batch's check sees the reference's size, and every batch after it is
+    sized by that."""
+    sizes: list[int] = []
+    seen = {"reference": False}
+
+    def timed_batch(shape, n, calibration):
+        sizes.append(n)
+        calls = [SimpleNamespace(id=i) for i in range(n)]
+        # Calls of 10 ms: the shape's time target takes batches past its first eight calls.
+        wall = n * (10_000.0 + calibration.flush_us) + calibration.rtt_us
+        return calls, wall, [10_000.0] * n, [10_000.0] * n, [{} for _ in calls]
+
+    def check(calls, described, trial, *, where):
+        seen["reference"] = True
+
+    session = SimpleNamespace(
+        gpu=lambda exclusive: contextlib.nullcontext(),
+        place=lambda shape, n, residues=(): [SimpleNamespace(inputs=None) for _ in range(n)],
+        run=lambda calls, where: [{} for _ in calls],
+        drop=lambda calls: None,
+    )
+    problem = SimpleNamespace(
+        optimizes="forward", wants_statistics=lambda inputs: False, flops=lambda s: 1.0,
+        bytes=lambda s: 1.0, bucket=lambda s: "b",
+    )  # fmt: skip
+    judge = SimpleNamespace(
+        session=session, problem=problem, rng=_Rng(), reference_s=0.0, timed_batch=timed_batch, check=check,
+        note_output_bytes=lambda shape, described: None,
+        batch_calls=lambda shape: 2 if seen["reference"] else 8, no_op_proof=lambda shape: None,
+    )  # fmt: skip
+    Evaluation.time_shape(judge, SHAPE, "sm_90", CALIBRATION, {})
+    assert sizes[0] == 8 and sizes[1:] and set(sizes[1:]) == {2}, sizes
