@@ -93,6 +93,33 @@ class _Rng:
         return n - 1
 
 
+def _fake_judge(timed_batch, check, batch_calls) -> SimpleNamespace:
+    """What Evaluation.time_shape reads of its judge, with the batches, checks and batch sizes
+    given and every other step a no-op."""
+    session = SimpleNamespace(
+        gpu=lambda exclusive: contextlib.nullcontext(),
+        place=lambda shape, n, residues=(): [SimpleNamespace(inputs=None) for _ in range(n)],
+        run=lambda calls, where: [{} for _ in calls],
+        drop=lambda calls: None,
+    )
+    problem = SimpleNamespace(
+        optimizes="forward", wants_statistics=lambda inputs: False, flops=lambda s: 1.0,
+        bytes=lambda s: 1.0, bucket=lambda s: "b",
+    )  # fmt: skip
+    return SimpleNamespace(
+        session=session, problem=problem, rng=_Rng(), reference_s=0.0, timed_batch=timed_batch, check=check,
+        note_output_bytes=lambda shape, described: None, batch_calls=batch_calls,
+        no_op_proof=lambda shape: None,
+    )  # fmt: skip
+
+
+def _batch_of(n: int, calibration, us: float, first_id: int = 0) -> tuple:
+    """What timed_batch returns for `n` honest calls of `us` each."""
+    calls = [SimpleNamespace(id=first_id + i) for i in range(n)]
+    wall = n * (us + calibration.flush_us) + calibration.rtt_us
+    return calls, wall, [us] * n, [us] * n, [{} for _ in calls]
+
+
 @pytest.mark.parametrize(("reference_s", "batches_checked"), [(0.01, [0, 1, 2, 3]), (2.0, [0, 3])])
 def test_timed_calls_are_checked_each_batch_until_the_reference_proves_costly(
     reference_s: float, batches_checked: list[int]
@@ -105,30 +132,13 @@ def test_timed_calls_are_checked_each_batch_until_the_reference_proves_costly(
     batches = iter(range(100))
 
     def timed_batch(shape, n, calibration):
-        batch = next(batches)
-        calls = [SimpleNamespace(id=batch * 10 + i) for i in range(n)]
-        wall = n * (100_000.0 + calibration.flush_us) + calibration.rtt_us
-        return calls, wall, [100_000.0] * n, [100_000.0] * n, [{} for _ in calls]
+        return _batch_of(n, calibration, 100_000.0, first_id=next(batches) * 10)
 
     def check(calls, described, trial, *, where):
         checked.append(calls[0].id // 10)
         judge.reference_s = reference_s
 
-    session = SimpleNamespace(
-        gpu=lambda exclusive: contextlib.nullcontext(),
-        place=lambda shape, n, residues=(): [SimpleNamespace(inputs=None) for _ in range(n)],
-        run=lambda calls, where: [{} for _ in calls],
-        drop=lambda calls: None,
-    )
-    problem = SimpleNamespace(
-        optimizes="forward", wants_statistics=lambda inputs: False, flops=lambda s: 1.0,
-        bytes=lambda s: 1.0, bucket=lambda s: "b",
-    )  # fmt: skip
-    judge = SimpleNamespace(
-        session=session, problem=problem, rng=_Rng(), reference_s=0.0, timed_batch=timed_batch, check=check,
-        note_output_bytes=lambda shape, described: None, batch_calls=lambda shape: 2,
-        no_op_proof=lambda shape: None,
-    )  # fmt: skip
+    judge = _fake_judge(timed_batch, check, batch_calls=lambda shape: 2)
     timing = Evaluation.time_shape(judge, SHAPE, "sm_90", CALIBRATION, {})
     assert checked == batches_checked and timing.checked_calls == len(batches_checked)
 
@@ -142,28 +152,12 @@ def test_batches_are_sized_again_once_a_check_has_seen_the_reference() -> None:
 
     def timed_batch(shape, n, calibration):
         sizes.append(n)
-        calls = [SimpleNamespace(id=i) for i in range(n)]
         # Calls of 10 ms: the shape's time target takes batches past its first eight calls.
-        wall = n * (10_000.0 + calibration.flush_us) + calibration.rtt_us
-        return calls, wall, [10_000.0] * n, [10_000.0] * n, [{} for _ in calls]
+        return _batch_of(n, calibration, 10_000.0)
 
     def check(calls, described, trial, *, where):
         seen["reference"] = True
 
-    session = SimpleNamespace(
-        gpu=lambda exclusive: contextlib.nullcontext(),
-        place=lambda shape, n, residues=(): [SimpleNamespace(inputs=None) for _ in range(n)],
-        run=lambda calls, where: [{} for _ in calls],
-        drop=lambda calls: None,
-    )
-    problem = SimpleNamespace(
-        optimizes="forward", wants_statistics=lambda inputs: False, flops=lambda s: 1.0,
-        bytes=lambda s: 1.0, bucket=lambda s: "b",
-    )  # fmt: skip
-    judge = SimpleNamespace(
-        session=session, problem=problem, rng=_Rng(), reference_s=0.0, timed_batch=timed_batch, check=check,
-        note_output_bytes=lambda shape, described: None,
-        batch_calls=lambda shape: 2 if seen["reference"] else 8, no_op_proof=lambda shape: None,
-    )  # fmt: skip
+    judge = _fake_judge(timed_batch, check, batch_calls=lambda shape: 2 if seen["reference"] else 8)
     Evaluation.time_shape(judge, SHAPE, "sm_90", CALIBRATION, {})
     assert sizes[0] == 8 and sizes[1:] and set(sizes[1:]) == {2}, sizes
