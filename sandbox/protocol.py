@@ -213,19 +213,24 @@ def _compare_tensor(
     width = max(ref.numel() // ref_rows.shape[0], 1)
     chunks = list(_row_chunks(ref_rows))
 
-    def pair(a: int, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Rows a:b of both in fp64, flat per row; a non-finite reference element must be equal
-        in the output, and then both count as 0 (exact). Returns the mask of those it found."""
-        o = out_rows[a:b].to(torch.float64, memory_format=torch.contiguous_format, copy=True)
-        r = ref_rows[a:b].to(torch.float64, memory_format=torch.contiguous_format, copy=True)
-        o, r = o.reshape(b - a, -1), r.reshape(b - a, -1)
+    def fp64(rows: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        copy = rows[a:b].to(torch.float64, memory_format=torch.contiguous_format, copy=True)
+        return copy.reshape(b - a, -1)
+
+    def pair(a: int, b: int, *, out_too: bool = True) -> tuple:
+        """Rows a:b of both in fp64, flat per row (the output's only where `out_too` or needed);
+        a non-finite reference element must be equal in the output, and then both count as 0
+        (exact). Also returns the masks of the non-finite reference elements and of those the
+        output differs at (None where the rows have none)."""
+        r = fp64(ref_rows, a, b)
         infinite = ~torch.isfinite(r)
         if not bool(infinite.any()):
-            return o, r, None
+            return fp64(out_rows, a, b) if out_too else None, r, None, None
+        o = fp64(out_rows, a, b)
         unequal = infinite & ~(o == r)
         o.masked_fill_(infinite, 0.0)
         r.masked_fill_(infinite, 0.0)
-        return o, r, unequal if bool(unequal.any()) else infinite[:0]
+        return o, r, infinite, unequal
 
     # First pass: the non-finite reference elements, and the reference's norm (its RMS sets the
     # element bounds' floor, so it comes before any bound). An output of one step (most are) is
@@ -233,15 +238,14 @@ def _compare_tensor(
     whole = pair(*chunks[0]) if len(chunks) == 1 else None
     ref_sq, n_infinite, n_unequal, first_unequal = 0.0, 0, 0, None
     for a, b in chunks:
-        o, r, unequal = whole or pair(a, b)
+        o, r, infinite, unequal = whole or pair(a, b, out_too=False)
         ref_sq += float(r.square().sum())
-        if unequal is not None:
-            n_infinite += int((~torch.isfinite(ref_rows[a:b].reshape(b - a, -1))).sum())
-            if unequal.numel():
-                n_unequal += int(unequal.sum())
-                if first_unequal is None:
-                    first_unequal = a * width + int(unequal.flatten().nonzero()[0])
-        del o, r, unequal
+        if infinite is not None:
+            n_infinite += int(infinite.sum())
+            n_unequal += int(unequal.sum())
+            if first_unequal is None and bool(unequal.any()):
+                first_unequal = a * width + int(unequal.flatten().nonzero()[0])
+        del o, r, infinite, unequal
     if first_unequal is not None:
         where = _unravel(first_unequal, shape)
         return False, {
@@ -258,7 +262,7 @@ def _compare_tensor(
     err_sq, n_bad, worst, worst_err = 0.0, 0, 0, -1.0
     n_bad_rows, worst_row, worst_ratio, worst_row_of = 0, 0, -1.0, (0.0, 0.0, 0.0)
     for a, b in chunks:
-        diff, r, _ = whole or pair(a, b)
+        diff, r, _, _ = whole or pair(a, b)
         diff.sub_(r)  # the signed error
         err_sq += float(diff.square().sum())
         diff.abs_()
