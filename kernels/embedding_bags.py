@@ -19,7 +19,8 @@ forward 1.2x to 2.0x as fast at one tile, and let wider slices lead (BENCHMARKS.
 2026-12-06, twenty-fourth session). A block advances until its longest bag ends, so on skewed
 bags most lanes idle (power-law bags of mean 19 ids in blocks of 32: the longest near 100); the
 FLAT knob (_flat_sums) takes a block's ids in order instead, every lane busy, and sums them into
-their bags on the tensor cores.
+their bags on the tensor cores; it measured slower at every timing shape, so it is a knob a
+campaign may try, off by default.
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
@@ -376,7 +377,8 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
         tile = (16, 2, 64, True)
     else:
         tile = (32, 2, 64, False)
-    # FLAT (the block's ids in chunks of BLOCK_B x BLOCK_L, _flat_sums): not yet timed on a GPU.
+    # FLAT (the block's ids in chunks of BLOCK_B x BLOCK_L, _flat_sums) stays off: on an H100 it
+    # was 0.45x to 0.79x these tiles at every timing shape (BENCHMARKS.md, twenty-sixth session).
     names = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")
     return dict(zip(names, tile, strict=True)) | {"num_warps": 2, "FLAT": False}
 

@@ -13,8 +13,8 @@ EvalResult. Rules, each enforced where it is written below:
   with probability CHECKED_SHARE, and at least one a batch. Where the shape's reference takes
   COSTLY_REFERENCE_S or more (a gradient's, seconds a call; timed on the first batch's check,
   with the GPU to itself), after the first batch only one batch drawn before the timing must
-  have one. Every timing shape is thus also a check shape at
-  its full size, and a candidate idle on all its timed calls is always caught. One idle on k
+  have one. Every timing shape is thus also a check shape at its full size, and a candidate
+  idle on all its timed calls is always caught. One idle on k
   calls of a costly shape escapes with probability at most 0.75^k, and it can halve such a
   shape's time (each call counts at its batch's mean) idling on fewer than half of them: at 8
   calls in batches of 2, k = 3, at most 42%;

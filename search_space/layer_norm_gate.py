@@ -63,10 +63,10 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     bias = 0.1 * torch.randn(dim, generator=gen, device=device)
     return Inputs(
         args=(
-            x.to(device, dtype),
-            u.to(device, dtype),
-            weight.to(device, PARAM_DTYPES[p.get("param_dtype", "fp32")]),
-            bias.to(device, PARAM_DTYPES[p.get("param_dtype", "fp32")]),
+            x.to(dtype),
+            u.to(dtype),
+            weight.to(PARAM_DTYPES[p.get("param_dtype", "fp32")]),
+            bias.to(PARAM_DTYPES[p.get("param_dtype", "fp32")]),
             float(p.get("eps", 1e-5)),
         )
     )

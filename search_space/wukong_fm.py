@@ -66,10 +66,10 @@ def make_inputs(shape: Shape, seed: int, device: torch.device) -> Inputs:
     x_user = torch.randn(requests, n_user, dim, generator=gen, device=device)
     return Inputs(
         args=(
-            x.to(device, dtype),
-            proj.to(device, dtype),
-            x_user.to(device, dtype),
-            cand_to_request.to(device, index),
+            x.to(dtype),
+            proj.to(dtype),
+            x_user.to(dtype),
+            cand_to_request.to(index),
         )
     )
 
