@@ -155,11 +155,13 @@ def _baselines(ctx: CampaignContext, problem: str) -> list[str]:
 
 def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     """Evaluate the pending candidates as one batch (a Ray backend spreads it over the cluster).
-    Baselines are timed once per problem and kind of device: the first evaluation of a problem
-    goes alone, to time them where it lands; past it, each evaluation carries the kinds the
-    campaign holds them for, and one that lands on another kind (a Ray cluster of several GPU
-    models, a host whose GPUs differ) times them there. Likewise the incumbents are measured
-    again beside the first proposal on each kind that has not measured them."""
+    Baselines are timed once per problem and kind of device: each evaluation carries the kinds
+    the campaign holds them for, and one that lands on another kind (a Ray cluster of several GPU
+    models, a host whose GPUs differ) times them there. A backend that times them once per kind
+    within a call (Backend.baselines_once: the local one) takes the problem's first batch whole;
+    another gets its first evaluation alone, to time them where it lands. Likewise the
+    incumbents are measured again beside the first proposal on each kind that has not measured
+    them."""
     ctx = runtime.context
     # After a resume, evaluations that finished before the kill are not run again.
     todo = [
@@ -170,7 +172,8 @@ def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
     while todo and _device_budget_left(ctx):
         problem = todo[0].problem
         held = ctx.store.baseline_kinds(ctx.campaign_id, problem)
-        batch, todo = (todo, []) if held else (todo[:1], todo[1:])
+        whole = held or getattr(ctx.backend, "baselines_once", False)
+        batch, todo = (todo, []) if whole else (todo[:1], todo[1:])
         alongside = _incumbents_alongside(ctx, problem, batch)
         results = ctx.backend.evaluate_many(
             batch,
@@ -179,14 +182,16 @@ def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
             trials=ctx.config.sandbox.trials,
             alongside=alongside,
         )
+        # The first timing of the baselines on a kind is kept: the comparisons use it from then
+        # on, those of this batch's results too, whichever of them timed it.
+        for candidate, result in zip(batch, results, strict=True):
+            timed = result.status == Status.OK and any(t.baselines for t in result.timings)
+            if timed and result.kind not in ctx.store.baseline_kinds(ctx.campaign_id, problem):
+                ctx.store.add_baselines(ctx.campaign_id, candidate.problem, result)
         for candidate, result in zip(batch, results, strict=True):
             if alongside is not None:
                 _keep_incumbents(ctx, alongside, result.alongside)
             result = result.model_copy(update={"alongside": []})
-            # The first timing of the baselines on a kind is kept: the comparisons use it from then on.
-            timed = result.status == Status.OK and any(t.baselines for t in result.timings)
-            if timed and result.kind not in ctx.store.baseline_kinds(ctx.campaign_id, problem):
-                ctx.store.add_baselines(ctx.campaign_id, candidate.problem, result)
             if result.status == Status.OK and not result.interpreted:
                 result = _check_plausible(ctx, candidate, result)
             ctx.store.add_evaluation(ctx.campaign_id, result)
@@ -234,7 +239,14 @@ def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> Eva
     record it as suspicious either way, so that it is never accepted without a person."""
     stored = ctx.store.baselines(ctx.campaign_id, candidate.problem, result.kind)
     speedup = best_baseline_speedup(result, stored)
-    if speedup is None or speedup <= SUSPICIOUS_SPEEDUP:
+    if speedup is None:
+        # Its kind's baselines were claimed by an evaluation of its batch that failed while
+        # timing (sandbox.locks.BaselineClaims): timed now, in a fresh worker, with this candidate.
+        result, stored = _baselines_timed_again(ctx, candidate, result)
+        speedup = best_baseline_speedup(result, stored)
+        if speedup is None:
+            return result
+    if speedup <= SUSPICIOUS_SPEEDUP:
         return result
     again = ctx.backend.evaluate(
         candidate, baselines=_baselines(ctx, candidate.problem), trials=ctx.config.sandbox.trials
@@ -243,12 +255,40 @@ def _check_plausible(ctx: CampaignContext, candidate, result: EvalResult) -> Eva
     note = f"{remeasured:.1f}x" if remeasured is not None else f"{again.status.value}: {again.message}"
     return result.model_copy(
         update={
-            "phase_s": result.phase_s | {"remeasure": device_seconds(again)},
+            "phase_s": _remeasured(result, again),
             "status": Status.SUSPICIOUS,
             "message": f"{speedup:.1f}x over the fastest baseline; re-measured in a fresh worker: {note}; "
             f"not accepted without review",
         }
     )
+
+
+def _baselines_timed_again(ctx: CampaignContext, candidate, result: EvalResult) -> tuple[EvalResult, dict]:
+    """`result`, with the device seconds of a fresh evaluation of its candidate that times the
+    baselines (kept as the campaign's on the kind it lands on, if not held there), and the
+    baselines of the result's kind then held. Where there are none, the result is suspicious: a
+    speedup not put against any baseline is never accepted without a person."""
+    again = ctx.backend.evaluate(
+        candidate, baselines=_baselines(ctx, candidate.problem), trials=ctx.config.sandbox.trials
+    )
+    timed = again.status == Status.OK and any(t.baselines for t in again.timings)
+    if timed and again.kind not in ctx.store.baseline_kinds(ctx.campaign_id, candidate.problem):
+        ctx.store.add_baselines(ctx.campaign_id, candidate.problem, again)
+    result = result.model_copy(update={"phase_s": _remeasured(result, again)})
+    stored = ctx.store.baselines(ctx.campaign_id, candidate.problem, result.kind)
+    if not stored:
+        why = "no baselines" if again.status == Status.OK else f"{again.status.value}: {again.message}"
+        message = (
+            f"no baselines were timed on its kind of device; an evaluation again to time them: {why}; "
+            "not accepted without review"
+        )
+        result = result.model_copy(update={"status": Status.SUSPICIOUS, "message": message})
+    return result, stored
+
+
+def _remeasured(result: EvalResult, again: EvalResult) -> dict[str, float]:
+    """`result`'s phases, with the device seconds of `again` added to its re-measuring."""
+    return result.phase_s | {"remeasure": result.phase_s.get("remeasure", 0.0) + device_seconds(again)}
 
 
 def best_speedup(ctx: CampaignContext, problem: str) -> float | None:

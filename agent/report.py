@@ -200,7 +200,7 @@ def _problem(
             known = previous_by_kind.get(r.result.kind)
             if known is None or r.score_us < known.score_us:
                 previous_by_kind[r.result.kind] = r
-    # The best's kind of device, else (no best yet) the first evaluation's, which timed baselines.
+    # The best's kind of device, else (no best yet) the first evaluation's.
     first = next((r.result.kind for r in rows if r.result.kind is not None), None)
     kind = best.result.kind if best is not None else first
     baselines = by_kind.get(kind, {})

@@ -4,7 +4,7 @@ The mix follows what a campaign sends: most candidates are knob settings of the 
 compile and pass, a third are wrong (a bug in the mean path, found only on some check shapes),
 and a few crash (raise inside the entry). Each is checked on every check shape and, if correct,
 timed on the problem's timing shapes, exactly as in a campaign; the baselines are timed once,
-by the first evaluation, as a campaign does.
+as a campaign's first batch of a problem times them (sandbox.locks.BaselineClaims).
 
     evaluations per hour = number of candidates / wall seconds * 3600
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from rich.console import Console
 from rich.table import Table
@@ -73,65 +72,56 @@ def _phases(result) -> str:
     return ", ".join(parts)
 
 
-def _evaluate_all(backend, candidates: list[Candidate], t0: float, console: Console) -> list:
-    """The candidates evaluated as the backend's evaluate_many would, as many at once as its
-    places take (each on the place that frees first), each result printed as it comes: a run cut
-    short still shows what it measured. A backend without places (Ray: it schedules its cluster
-    itself) gets the whole list at once."""
-    places = getattr(backend, "places", None)
-    if places is None:
-        return backend.evaluate_many(candidates)
-    results: list = [None] * len(candidates)
+def _evaluate_all(
+    backend, candidates: list[Candidate], baselines: list[str], t0: float, console: Console
+) -> list:
+    """The candidates evaluated as a campaign's first batch of a problem is: with a backend that
+    times the baselines once per kind within a call (Backend.baselines_once), all in one call,
+    as many at once as it takes; with another, the first alone, to time them where it lands,
+    then the rest. Each result is printed as it comes: a run cut short still shows what it
+    measured."""
 
-    def timed(candidate: Candidate) -> tuple:
-        begin = time.perf_counter()
-        result = backend.evaluate(candidate)
-        return result, time.perf_counter() - begin
+    def show(i: int, result) -> None:
+        timed = " (timed the baselines)" if any(t.baselines for t in result.timings) else ""
+        console.print(
+            f"{time.perf_counter() - t0:6.1f} s  #{i + 1:<3} {result.status.value:14} "
+            f"judge {result.wall_s:5.1f} s: {_phases(result)}{timed}",
+            style="dim",
+        )
+        if "beside_out_of_memory" in result.phase_s:  # run again alone: why the first run failed
+            console.print(f"         {result.log_tail.partition(chr(10))[0][:300]}", style="dim")
 
-    with ThreadPoolExecutor(max_workers=max(1, min(places.capacity, len(candidates)))) as pool:
-        futures = {pool.submit(timed, candidate): i for i, candidate in enumerate(candidates)}
-        for future in as_completed(futures):
-            i = futures[future]
-            result, seconds = future.result()
-            results[i] = result
-            # "judge": the judge process's own life; the rest of the call is the backend's (the
-            # screen, waiting for a place or the memory lock, the compiled-kernel cache, cleanup).
-            console.print(
-                f"{time.perf_counter() - t0:6.1f} s  #{i + 2:<3} {result.status.value:14} "
-                f"{seconds:5.1f} s, judge {result.wall_s:5.1f} s: {_phases(result)}",
-                style="dim",
-            )
-            if "beside_out_of_memory" in result.phase_s:  # run again alone: why the first run failed
-                console.print(f"         {result.log_tail.partition(chr(10))[0][:300]}", style="dim")
-    return results
+    if getattr(backend, "baselines_once", False):
+        return backend.evaluate_many(candidates, baselines=baselines, on_result=show)
+    first = backend.evaluate(candidates[0], baselines=baselines)
+    show(0, first)
+    held = [first.kind] if first.kind is not None and any(t.baselines for t in first.timings) else []
+    rest = backend.evaluate_many(
+        candidates[1:], baselines=baselines, baselines_held_on=held, on_result=lambda i, r: show(i + 1, r)
+    )
+    return [first, *rest]
 
 
 def run_sandbox_benchmark(backend, n: int, *, baselines: list[str], console: Console | None = None) -> dict:
-    """Evaluate the mix (the first evaluation also times the baselines, as in a campaign), then,
-    where the backend keeps compiled artifacts, evaluate the first correct candidate once more, as
-    a campaign's re-verification does, to show what reusing its compiled kernels saves."""
+    """Evaluate the mix as a campaign's first batch (the baselines timed once, beside the
+    candidates' evaluations where the backend can), then, where the backend keeps compiled
+    artifacts, evaluate the first correct candidate once more, as a campaign's re-verification
+    does, to show what reusing its compiled kernels saves."""
     console = console or Console()
     candidates = realistic_mix(n)
     t0 = time.perf_counter()
-    first = backend.evaluate(candidates[0], baselines=baselines)
-    first_s = time.perf_counter() - t0
-    console.print(
-        f"first evaluation, with the baselines' timings: {first.status.value} in {first_s:.1f} s", style="dim"
-    )
-    rest = _evaluate_all(backend, candidates[1:], t0, console)
+    results = _evaluate_all(backend, candidates, baselines, t0, console)
     wall = time.perf_counter() - t0
-    results = [first, *rest]
     statuses = Counter(r.status.value for r in results)
     interpreted = any(r.interpreted for r in results)
     per_hour = len(results) / wall * 3600
-    # Past the first evaluation (a campaign times its baselines once), what a campaign sustains.
-    steady_per_hour = len(rest) / (wall - first_s) * 3600 if rest else None
+    timers = [i for i, r in enumerate(results) if any(t.baselines for t in r.timings)]
     phases = mean_phases(results)
     table = Table(
         "candidates",
         "wall s",
         "evaluations per hour",
-        "past the first",
+        "baselines timed by",
         "statuses",
         "backend",
         title="sandbox throughput" + (" (interpreted Triton on a CPU)" if interpreted else ""),
@@ -140,7 +130,7 @@ def run_sandbox_benchmark(backend, n: int, *, baselines: list[str], console: Con
         str(len(results)),
         f"{wall:.1f}",
         f"{per_hour:.0f}",
-        f"{steady_per_hour:.0f}" if steady_per_hour else "-",
+        ", ".join(f"#{i + 1} ({results[i].wall_s:.1f} s)" for i in timers) or "none",
         ", ".join(f"{k} {v}" for k, v in statuses.most_common()),
         backend.name,
     )
@@ -169,16 +159,20 @@ def run_sandbox_benchmark(backend, n: int, *, baselines: list[str], console: Con
         "candidates": len(results),
         "wall_s": wall,
         "evaluations_per_hour": per_hour,
-        "first_evaluation_s": first_s,
-        "evaluations_per_hour_past_the_first": steady_per_hour,
+        "baselines_timed_by": [{"candidate": i + 1, "wall_s": results[i].wall_s} for i in timers],
         "statuses": dict(statuses),
         "interpreted": interpreted,
         "backend": backend.name,
         "mean_phase_s": phases,
         "gpu_held_s": dict(held),
     }
-    reevaluated = next(
-        ((c, r) for c, r in zip(candidates[1:], results[1:], strict=True) if r.status.value == "ok"), None
+    reevaluated = next(  # one that timed no baselines: its walls then compare
+        (
+            (c, r)
+            for i, (c, r) in enumerate(zip(candidates, results, strict=True))
+            if r.status.value == "ok" and i not in timers
+        ),
+        None,
     )
     if getattr(backend, "artifacts", None) is not None and reevaluated is not None:
         candidate, before = reevaluated

@@ -4,7 +4,7 @@ sandbox.ray_backend): a candidate in, its EvalResult out."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from pydantic import BaseModel, Field
@@ -55,9 +55,13 @@ class AlongsideClaims:
 
 class Backend(Protocol):
     """`baselines` are timed in each evaluation's judge, unless it runs on a kind of device among
-    `baselines_held_on` (DeviceInfo.kind values); `alongside`: see Alongside."""
+    `baselines_held_on` (DeviceInfo.kind values), or, where `baselines_once`, another evaluation
+    of the same evaluate_many call times them on its kind (sandbox.locks.BaselineClaims);
+    `alongside`: see Alongside. evaluate_many gives each result to `on_result`, with its index,
+    as it comes."""
 
     name: str
+    baselines_once: bool
 
     def evaluate(
         self,
@@ -81,4 +85,5 @@ class Backend(Protocol):
         baselines_held_on: Collection[str] = (),
         trials: int = 2,
         alongside: Alongside | None = None,
+        on_result: Callable[[int, EvalResult], None] | None = None,
     ) -> list[EvalResult]: ...

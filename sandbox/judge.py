@@ -61,7 +61,7 @@ import torch
 
 from sandbox import cgroups, isolation, shared, wire
 from sandbox.hardware import roofline_seconds
-from sandbox.locks import gpu_use
+from sandbox.locks import BaselineClaims, gpu_use
 from sandbox.protocol import (
     DEADLINE_MARK,
     EvalRequest,
@@ -71,7 +71,7 @@ from sandbox.protocol import (
     output_tensors,
 )
 from sandbox.result import LOG_TAIL_CHARS, DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
-from sandbox.timing import L2_FLUSH_BYTES, benchmark, sample_stats
+from sandbox.timing import L2_FLUSH_BYTES, benchmark, sample_stats, warm_up
 from search_space.problem import DRAWN, Inputs, Problem, Shape, get_problem
 
 NO_OP_PROOFS = 2  # at least this many among the checks, and one more per timing shape
@@ -994,7 +994,7 @@ class Evaluation:
         if gpu:
             with self.session.gpu(exclusive=True):  # flushes the L2: nothing beside
                 calibration = Calibration.measure(self.session.runner, self.device)
-        names = [] if device.kind in self.request.baselines_held_on else self.request.baselines
+        names = self.request.baselines if self.times_baselines(device) else []
         baselines = baseline_providers(self.problem, names, self.device)
         timings = []
         for shape in shapes:
@@ -1002,6 +1002,17 @@ class Evaluation:
             if gpu:
                 torch.cuda.empty_cache()
         return timings
+
+    def times_baselines(self, device: DeviceInfo) -> bool:
+        """Whether this judge times the baselines asked for: not on a kind the caller holds them
+        for, and, among judges of one call that claim them (EvalRequest.baselines_claims), only
+        the first on its kind to get here, its candidate through every check (or it again, the
+        same evaluation run once more alone)."""
+        if not self.request.baselines or device.kind in self.request.baselines_held_on:
+            return False
+        if self.request.baselines_claims is None:
+            return True
+        return BaselineClaims.claim(Path(self.request.baselines_claims), device.kind, self.request.runner_dir)
 
     def timed_batch(
         self, shape: Shape, n: int, calibration: Calibration | None
@@ -1135,8 +1146,16 @@ class Evaluation:
                         self.problem.make_inputs(shape, fresh_seed(), self.device)
                     )
                     arg_sets.append((inputs.args, inputs.kwargs))
+                # Their first calls (torch.compile's build for this shape, seconds of CPU) beside
+                # other evaluations' checks: the GPU is held alone only to measure.
+                if gpu:
+                    for b in baselines.values():
+                        warm_up(b, arg_sets)
             with self.session.gpu(exclusive=True):
-                base = {name: benchmark(b, arg_sets, device=self.device) for name, b in baselines.items()}
+                base = {
+                    name: benchmark(b, arg_sets, device=self.device, warmed=gpu)
+                    for name, b in baselines.items()
+                }
             del arg_sets
         stats = sample_stats(samples)
         flops, nbytes = self.problem.flops(shape), self.problem.bytes(shape)

@@ -42,7 +42,7 @@ from sandbox.gpus import (
 )
 from sandbox.hardware import cuda_present
 from sandbox.isolation import SCRATCH, IsolationUnavailable, bwrap_works
-from sandbox.locks import gpu_use
+from sandbox.locks import BaselineClaims, gpu_use
 from sandbox.protocol import DEADLINE_MARK, EvalRequest
 from sandbox.result import LOG_TAIL_CHARS, EvalResult, Status
 from sandbox.screen import screen_candidate
@@ -133,17 +133,38 @@ class WorkerBackend:
             self._places = Places([Place(None)], self.parallel)
         return self._places
 
+    # Within one evaluate_many call, the baselines are timed once per kind of device (BaselineClaims).
+    baselines_once = True
+
     def evaluate_many(
-        self, candidates: Sequence[Candidate], *, alongside: Alongside | None = None, **kwargs
+        self,
+        candidates: Sequence[Candidate],
+        *,
+        alongside: Alongside | None = None,
+        on_result: Callable[[int, EvalResult], None] | None = None,
+        **kwargs,
     ) -> list[EvalResult]:
         """As many at once as the places take, each on the place that frees first, in threads
-        (each evaluation is a judge process); the results in the order of `candidates`."""
+        (each evaluation is a judge process); the results in the order of `candidates`, each
+        also given to `on_result` with its index as it comes. The baselines asked for are timed
+        by one evaluation per kind of device not held (BaselineClaims), so a call need not send
+        its first candidate alone to have them timed."""
         claims = AlongsideClaims(alongside)
-        workers = min(self.places.capacity, len(candidates))
-        if workers <= 1:
-            return [self._evaluate(c, claims, **kwargs) for c in candidates]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(lambda c: self._evaluate(c, claims, **kwargs), candidates))
+        with contextlib.ExitStack() as stack:
+            if kwargs.get("baselines") and len(candidates) > 1:
+                kwargs["baselines_claims"] = stack.enter_context(BaselineClaims()).path
+
+            def one(i: int) -> EvalResult:
+                result = self._evaluate(candidates[i], claims, **kwargs)
+                if on_result is not None:
+                    on_result(i, result)
+                return result
+
+            workers = min(self.places.capacity, len(candidates))
+            if workers <= 1:
+                return [one(i) for i in range(len(candidates))]
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                return list(pool.map(one, range(len(candidates))))
 
     def evaluate(
         self,
@@ -175,6 +196,7 @@ class WorkerBackend:
         timing: bool = True,
         baselines: list[str] | None = None,
         baselines_held_on: Collection[str] = (),
+        baselines_claims: Path | None = None,
         trials: int = 2,
     ) -> EvalResult:
         rejected = screen_candidate(candidate)
@@ -188,6 +210,7 @@ class WorkerBackend:
                 timing=timing,
                 baselines=baselines or [],
                 baselines_held_on=sorted(baselines_held_on),
+                baselines_claims=None if baselines_claims is None else str(baselines_claims),
                 trials=trials,
             )
             kernels = claims.claim(result)

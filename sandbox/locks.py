@@ -1,13 +1,18 @@
 """The GPU's locks, shared by every evaluation on one host (judges, backends, campaigns): flock(2)
 locks on files in the host's temporary directory, one file per GPU named by what the GPU is (its
 UUID, sandbox.gpus.gpu_uuids) rather than by how a process numbers it, with a turnstile so that
-an exclusive waiter keeps new shared holders from starting. Standard library only."""
+an exclusive waiter keeps new shared holders from starting; and the claims by which the judges of
+one call time the baselines once per kind of device. Standard library only."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -66,3 +71,42 @@ def _held(path: str, exclusive: bool) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(gpu, fcntl.LOCK_UN)
+
+
+class BaselineClaims:
+    """Which of one call's evaluations, run side by side, times the baselines on each kind of
+    device: the first judge on that kind whose candidate passes every check claims it, by
+    creating the kind's file in a directory of the backend's host (O_EXCL: one creator wins);
+    the others time none. A call's first evaluations need not wait for the baselines' timing,
+    and none of them pays for it twice. The directory is the judges' alone (a runner's sandbox
+    has a /tmp of its own and writes nowhere else), and goes when the call ends."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="recforge-baselines-"))
+
+    def __enter__(self) -> BaselineClaims:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    @staticmethod
+    def claim(path: Path, kind: str, evaluation: str) -> bool:
+        """Whether `evaluation` (a name no other evaluation of the call has: its scratch
+        directory) times the baselines on `kind`: the first to claim it in `path`, or the one
+        that did, run again (alone, after its judge ran out of device memory beside others). A
+        claim that cannot be written, the directory gone, say, is a won one: timing the
+        baselines twice costs time, missing them costs the comparison."""
+        file = path / hashlib.sha256(kind.encode()).hexdigest()[:32]
+        try:
+            fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            try:
+                return file.read_text() == evaluation
+            except OSError:
+                return False
+        except OSError:
+            return True
+        with os.fdopen(fd, "w") as out:
+            out.write(evaluation)
+        return True

@@ -47,6 +47,10 @@ class EvalRequest(BaseModel):
     # one of them times none. A campaign cannot know which kind a task lands on (a Ray cluster of
     # several GPU models), so the judge, which knows its own, decides.
     baselines_held_on: list[str] = []
+    # Where the judges of one call, run side by side, decide which times the baselines on each kind
+    # of device (sandbox.backend.BaselineClaims): a directory on the judges' host, or None for a
+    # judge that times them wherever they are not held.
+    baselines_claims: str | None = None
     input_sets: int = 3  # for the baselines, which the judge times in its own process
     # The timing lock files of the GPUs the evaluation may use, one per GPU (sandbox.locks.gpu_use):
     # evaluations check and compile side by side under shared locks, and one at a time measures a

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sandbox.backend import Alongside
@@ -63,6 +63,8 @@ class RayBackend:
     """Evaluates candidates as Ray tasks, each a local-backend evaluation on its host."""
 
     name = "ray"
+    # Tasks of a call run on several hosts, which share no directory to claim the baselines in.
+    baselines_once = False
 
     def __init__(
         self,
@@ -148,9 +150,11 @@ class RayBackend:
         baselines_held_on: Collection[str] = (),
         trials: int = 2,
         alongside: Alongside | None = None,
+        on_result: Callable[[int, EvalResult], None] | None = None,
     ) -> list[EvalResult]:
         """Submits every candidate at once, so the cluster runs as many as it has GPUs (or CPUs)
-        for, then gathers the results in the order of `candidates`."""
+        for, then gathers the results in the order of `candidates` (each given to `on_result`
+        as it is gathered)."""
         import ray
 
         eval_kwargs = {
@@ -171,8 +175,13 @@ class RayBackend:
             if i not in results
         }
         try:
+            if on_result is not None:
+                for i in sorted(results):  # screened out
+                    on_result(i, results[i])
             for i, ref in refs.items():
                 results[i] = _gather(candidates[i], ref)
+                if on_result is not None:
+                    on_result(i, results[i])
         except BaseException:
             # An interrupt reaches each running task as KeyboardInterrupt, and the local
             # backend's clean-up there kills its worker's process group and scratch directory.

@@ -84,6 +84,42 @@ class KindsBackend:
         return [self.evaluate(c, **kwargs) for c in candidates]
 
 
+class ClaimingBackend(KindsBackend):
+    """A backend that times the baselines once per kind within a call, as the local one does
+    (sandbox.locks.BaselineClaims): in evaluate_many, the evaluations on a kind not held whose
+    candidate is in `timers` claim it in turn (the first to claim wins), and `fails` fail after
+    claiming. A lone evaluate times them where its kind is not held."""
+
+    name = "claiming"
+    baselines_once = True
+
+    def __init__(self, *args, timers: set[str], fails: set[str] = frozenset(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.timers, self.fails = timers, fails
+        self.calls: list[list[str]] = []  # the candidates of each call
+
+    def evaluate_many(self, candidates, *, baselines=None, baselines_held_on=(), **_) -> list[EvalResult]:
+        self.calls.append([c.id for c in candidates])
+        claimed, results = set(baselines_held_on), []
+        for candidate in candidates:
+            device = self.devices.pop(0)
+            self.asked.append(sorted(baselines_held_on))
+            timed = baselines and candidate.id in self.timers and device.kind not in claimed
+            claimed |= {device.kind} if timed else set()
+            if candidate.id in self.fails:
+                results.append(
+                    EvalResult(status=Status.WRONG, problem=OP, candidate_id=candidate.id, device=device)
+                )
+                continue
+            base = self.baseline_us[device.kind] if timed else None
+            results.append(_result(candidate, device, self.speed[candidate.id], base))
+        return results
+
+    def evaluate(self, candidate, **kwargs) -> EvalResult:
+        self.calls.append([candidate.id])
+        return super().evaluate(candidate, **kwargs)
+
+
 def _context(tmp_path: Path, store: Store, backend, **config) -> CampaignContext:
     cfg = parse_config({**CONFIG, **config})
     if store.campaign("c") is None:
@@ -123,6 +159,77 @@ def test_each_kind_times_its_baselines_and_candidates_meet_only_their_own(tmp_pa
     report = _problem(store, "c", OP, fast.id, [])
     assert report.speedups[BASELINE] == pytest.approx(2.5)
     assert report.baselines["s/fp32"][BASELINE].median_us == 20.0
+
+
+def _claimed_batch(
+    tmp_path: Path, db: str, candidates: list[Candidate], backend: ClaimingBackend
+) -> tuple[CampaignContext, dict[str, EvalResult]]:
+    """`candidates` proposed and evaluated by a campaign with `backend`: its context, and each
+    candidate's stored result by id."""
+    store = Store(tmp_path / db)
+    for c in candidates:
+        store.add_candidate("c", c)
+    ctx = _context(tmp_path, store, backend, start_from="reference", register_kernels=False)
+    nodes.evaluate({"pending": [c.id for c in candidates]}, SimpleNamespace(context=ctx))
+    return ctx, {r.candidate.id: r.result for r in store.evaluations("c", OP)}
+
+
+def test_a_backend_that_claims_baselines_takes_the_first_batch_whole(tmp_path: Path) -> None:
+    """With a backend that times the baselines once per kind within a call, the problem's first
+    batch goes whole. The baselines come from whichever evaluation claimed them, here the last,
+    and every result of the batch is judged against them: the first, 12.5x faster than its
+    kind's baseline, is re-measured and flagged, though its own evaluation timed no baseline."""
+    fast, slow, timer = _candidate(4), _candidate(8), _candidate(16)
+    backend = ClaimingBackend(
+        [H100, H100, H100, H100],
+        speed={fast.id: 8.0, slow.id: 90.0, timer.id: 60.0},
+        baseline_us={H100.kind: 100.0},
+        timers={timer.id},
+    )
+    ctx, rows = _claimed_batch(tmp_path, "s.db", [fast, slow, timer], backend)
+    assert backend.calls == [[fast.id, slow.id, timer.id], [fast.id]]  # the batch, then the re-measure
+    assert backend.asked[:3] == [[], [], []]
+    assert ctx.store.baselines("c", OP, H100.kind)["s/fp32"][BASELINE].median_us == 100.0
+    assert rows[fast.id].status == Status.SUSPICIOUS
+    assert "12.5x over the fastest baseline" in rows[fast.id].message
+    assert rows[slow.id].status == rows[timer.id].status == Status.OK
+    assert nodes.best_speedup(ctx, OP) == pytest.approx(100.0 / 60.0)
+
+
+def test_baselines_lost_with_the_evaluation_that_claimed_them_are_timed_again(tmp_path: Path) -> None:
+    """The evaluation that claimed the baselines failed while timing, so the batch's passing
+    results have none on their kind: the first of them is evaluated again, alone, to time them,
+    and every result is judged against those. Where that evaluation lands on another kind, the
+    baselines it timed are that kind's; the result's kind still has none, and the result is not
+    accepted without review."""
+    claimer, first, second = _candidate(4), _candidate(8), _candidate(16)
+    backend = ClaimingBackend(
+        [H100, H100, H100, H100],
+        speed={claimer.id: 50.0, first.id: 40.0, second.id: 80.0},
+        baseline_us={H100.kind: 100.0},
+        timers={claimer.id},
+        fails={claimer.id},
+    )
+    ctx, rows = _claimed_batch(tmp_path, "s.db", [claimer, first, second], backend)
+    assert backend.calls == [[claimer.id, first.id, second.id], [first.id]]
+    assert rows[claimer.id].status == Status.WRONG
+    assert rows[first.id].status == rows[second.id].status == Status.OK
+    assert "remeasure" in rows[first.id].phase_s  # the evaluation again counts in the device budget
+    assert "remeasure" not in rows[second.id].phase_s
+    assert nodes.best_speedup(ctx, OP) == pytest.approx(100.0 / 40.0)
+
+    backend = ClaimingBackend(
+        [H100, H100, A100],
+        speed={claimer.id: 50.0, first.id: 40.0},
+        baseline_us={H100.kind: 100.0, A100.kind: 20.0},
+        timers={claimer.id},
+        fails={claimer.id},
+    )
+    ctx, rows = _claimed_batch(tmp_path, "t.db", [claimer, first], backend)
+    assert rows[first.id].status == Status.SUSPICIOUS
+    assert rows[first.id].message.startswith("no baselines were timed on its kind of device")
+    assert ctx.store.baselines("c", OP, H100.kind) == {}  # the A100's timing is not the H100's,
+    assert ctx.store.baselines("c", OP, A100.kind)["s/fp32"][BASELINE].median_us == 20.0  # but the A100's
 
 
 def _registered(

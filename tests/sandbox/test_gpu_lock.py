@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from sandbox.locks import gpu_use
+from sandbox.locks import BaselineClaims, gpu_use
 
 HOLD_S = 0.6
 
@@ -176,3 +177,25 @@ def test_inside_an_exclusive_hold_the_session_takes_nothing_more(tmp_path: Path)
     with session.gpu(exclusive=False):  # after it, each takes its own again
         pass
     assert set(session.held_s) == {"exclusive", "shared"}
+
+
+def _claim(path: str, kind: str, evaluation: str) -> bool:
+    return BaselineClaims.claim(Path(path), kind, evaluation)
+
+
+def test_one_judge_per_kind_claims_the_baselines_and_the_claims_go_with_the_call() -> None:
+    """Eight evaluations claim at once, each in a process of its own: one wins each kind, and
+    wins it again when run once more (its judge ran out of memory beside others); a claim in a
+    directory gone (a call ended) is won, since timing the baselines twice costs less than
+    missing them."""
+    with BaselineClaims() as claims:
+        path = str(claims.path)
+        kinds = ["NVIDIA H200 (sm_90)"] * 4 + ["NVIDIA H100 80GB HBM3 (sm_90)"] * 3 + ["x86_64 (interpreter)"]
+        asked = [(path, kind, f"/scratch/eval-{i}") for i, kind in enumerate(kinds)]
+        with multiprocessing.get_context("spawn").Pool(8) as pool:
+            won = pool.starmap(_claim, asked)
+        assert Counter(k for w, k in zip(won, kinds, strict=True) if w) == Counter(set(kinds))
+        assert [_claim(*a) for a in asked] == won
+        assert not _claim(path, kinds[0], "/scratch/eval-8")
+    assert not claims.path.exists()
+    assert _claim(path, kinds[0], "/scratch/eval-8")

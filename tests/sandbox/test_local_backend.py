@@ -187,14 +187,22 @@ def test_forbidden_import_is_rejected_without_a_judge(backend: LocalBackend, sta
 def test_parallel_evaluations_all_finish_in_order(tmp_path: Path) -> None:
     """Judges run side by side (on a GPU host sharing its timing lock, each timed batch holding
     it alone: test_judge.py's); here, the three evaluations of two at a time all finish, each
-    with its timing, in the order asked."""
+    with its timing, in the order asked, each told as it ends; one of them, whichever got to its
+    timing first, times the baselines."""
     backend = LocalBackend(timeout_s=120, scratch_root=tmp_path, parallel=2)
     sources = [TEMPLATE.render({"BLOCK_L": n}) for n in (4, 16, 32)]
+    told: dict[int, EvalResult] = {}
     # Unchecked, so that both judges reach their timing phase at about the same moment.
-    results = backend.evaluate_many([_candidate(s) for s in sources], check=False)
+    results = backend.evaluate_many(
+        [_candidate(s) for s in sources], check=False, baselines=["reference"], on_result=told.__setitem__
+    )
     assert [r.status for r in results] == [Status.OK] * 3, [r.message for r in results]
     assert all(r.timing_window is not None and r.timings for r in results)
     assert [r.candidate_id for r in results] == [_candidate(s).id for s in sources]  # order kept
+    assert [told[i] for i in range(3)] == results
+    shapes = len(results[0].timings)
+    timed = sorted([set(t.baselines) for t in r.timings] for r in results)
+    assert timed == [[set()] * shapes, [set()] * shapes, [{"reference"}] * shapes]
 
 
 def _oom(message: str) -> EvalResult:
