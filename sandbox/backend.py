@@ -58,7 +58,8 @@ class Backend(Protocol):
     `baselines_held_on` (DeviceInfo.kind values), or, where `baselines_once`, another evaluation
     of the same evaluate_many call times them on its kind (sandbox.locks.BaselineClaims);
     `alongside`: see Alongside. evaluate_many gives each result to `on_result`, with its index,
-    as it comes."""
+    as it comes (Ray's: as it gathers them, in the candidates' order), one at a time; an
+    exception it raises ends the call."""
 
     name: str
     baselines_once: bool

@@ -71,7 +71,7 @@ from sandbox.protocol import (
     output_tensors,
 )
 from sandbox.result import LOG_TAIL_CHARS, DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
-from sandbox.timing import L2_FLUSH_BYTES, benchmark, sample_stats, warm_up
+from sandbox.timing import L2_FLUSH_BYTES, benchmark, sample_stats
 from search_space.problem import DRAWN, Inputs, Problem, Shape, get_problem
 
 NO_OP_PROOFS = 2  # at least this many among the checks, and one more per timing shape
@@ -1146,16 +1146,11 @@ class Evaluation:
                         self.problem.make_inputs(shape, fresh_seed(), self.device)
                     )
                     arg_sets.append((inputs.args, inputs.kwargs))
-                # Their first calls (torch.compile's build for this shape, seconds of CPU) beside
-                # other evaluations' checks: the GPU is held alone only to measure.
-                if gpu:
-                    for b in baselines.values():
-                        warm_up(b, arg_sets)
+            # Their first calls too (torch.compile's build for the shape, seconds of CPU) hold the
+            # GPU alone: Inductor times its kernels' configurations in them and keeps the fastest,
+            # a choice that work beside it could skew.
             with self.session.gpu(exclusive=True):
-                base = {
-                    name: benchmark(b, arg_sets, device=self.device, warmed=gpu)
-                    for name, b in baselines.items()
-                }
+                base = {name: benchmark(b, arg_sets, device=self.device) for name, b in baselines.items()}
             del arg_sets
         stats = sample_stats(samples)
         flops, nbytes = self.problem.flops(shape), self.problem.bytes(shape)
@@ -1314,7 +1309,11 @@ def evaluate(request: EvalRequest, deadline_mark: Path | None = None) -> EvalRes
                 "host_float_ops": list(ev.problem.host_float_ops),
                 "host_copies_compute": ev.problem.host_copies_compute,
                 "gpu_memory_bytes": request.gpu_memory_bytes}  # fmt: skip
-        runner.ask(load, where="import failed")
+        # Rule candidate code under the locks: its import runs code too (a kernel launched at
+        # module level, a loop), so it runs under the shared lock, as the checks do, and ends in
+        # the runner's synchronize: none of it beside another evaluation's timed batch.
+        with ev.session.gpu(exclusive=False):
+            runner.ask(load, where="import failed")
         if request.check:
             ev.clock.start("check")
             ev.run_checks()

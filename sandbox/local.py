@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -154,10 +155,13 @@ class WorkerBackend:
             if kwargs.get("baselines") and len(candidates) > 1:
                 kwargs["baselines_claims"] = stack.enter_context(BaselineClaims()).path
 
+            told = threading.Lock()
+
             def one(i: int) -> EvalResult:
                 result = self._evaluate(candidates[i], claims, **kwargs)
                 if on_result is not None:
-                    on_result(i, result)
+                    with told:
+                        on_result(i, result)
                 return result
 
             workers = min(self.places.capacity, len(candidates))

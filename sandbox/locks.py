@@ -107,6 +107,6 @@ class BaselineClaims:
                 return False
         except OSError:
             return True
-        with os.fdopen(fd, "w") as out:
+        with contextlib.suppress(OSError), os.fdopen(fd, "w") as out:
             out.write(evaluation)
         return True

@@ -48,7 +48,7 @@ class EvalRequest(BaseModel):
     # several GPU models), so the judge, which knows its own, decides.
     baselines_held_on: list[str] = []
     # Where the judges of one call, run side by side, decide which times the baselines on each kind
-    # of device (sandbox.backend.BaselineClaims): a directory on the judges' host, or None for a
+    # of device (sandbox.locks.BaselineClaims): a directory on the judges' host, or None for a
     # judge that times them wherever they are not held.
     baselines_claims: str | None = None
     input_sets: int = 3  # for the baselines, which the judge times in its own process

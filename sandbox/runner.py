@@ -179,9 +179,12 @@ class Runner:
             fn = getattr(module, message["entry"], None)
             if not callable(fn):
                 raise AttributeError(f"the module defines no callable {message['entry']!r}")
+            self._sync()  # device work the import launched ends before the answer
         except BaseException as exc:  # noqa: BLE001 - the candidate's own code: anything can come out
             if isinstance(exc, KeyboardInterrupt):
                 raise
+            with contextlib.suppress(Exception):  # launched before it failed: ended too
+                self._sync()
             return {"ok": False, "error": {**_error(exc), "kind": "compile_error"}}
         self.fn = fn
         return {"ok": True}

@@ -200,8 +200,8 @@ def test_baselines_lost_with_the_evaluation_that_claimed_them_are_timed_again(tm
     """The evaluation that claimed the baselines failed while timing, so the batch's passing
     results have none on their kind: the first of them is evaluated again, alone, to time them,
     and every result is judged against those. Where that evaluation lands on another kind, the
-    baselines it timed are that kind's; the result's kind still has none, and the result is not
-    accepted without review."""
+    baselines it timed are that kind's, and it goes again, up to RECHECK_TRIES times; with none
+    on the result's kind, the result is not accepted without review."""
     claimer, first, second = _candidate(4), _candidate(8), _candidate(16)
     backend = ClaimingBackend(
         [H100, H100, H100, H100],
@@ -218,18 +218,35 @@ def test_baselines_lost_with_the_evaluation_that_claimed_them_are_timed_again(tm
     assert "remeasure" not in rows[second.id].phase_s
     assert nodes.best_speedup(ctx, OP) == pytest.approx(100.0 / 40.0)
 
+    # The first evaluation again lands on an A100, whose baselines it keeps; the second on the
+    # H100, whose baselines the result is then judged against.
     backend = ClaimingBackend(
-        [H100, H100, A100],
+        [H100, H100, A100, H100],
         speed={claimer.id: 50.0, first.id: 40.0},
         baseline_us={H100.kind: 100.0, A100.kind: 20.0},
         timers={claimer.id},
         fails={claimer.id},
     )
     ctx, rows = _claimed_batch(tmp_path, "t.db", [claimer, first], backend)
+    assert backend.calls == [[claimer.id, first.id], [first.id], [first.id]]
+    assert rows[first.id].status == Status.OK
+    assert ctx.store.baselines("c", OP, A100.kind)["s/fp32"][BASELINE].median_us == 20.0
+    assert nodes.best_speedup(ctx, OP) == pytest.approx(100.0 / 40.0)
+
+    # Never on the H100 in RECHECK_TRIES: not accepted without review.
+    backend = ClaimingBackend(
+        [H100, H100, *[A100] * nodes.RECHECK_TRIES],
+        speed={claimer.id: 50.0, first.id: 40.0},
+        baseline_us={H100.kind: 100.0, A100.kind: 20.0},
+        timers={claimer.id},
+        fails={claimer.id},
+    )
+    ctx, rows = _claimed_batch(tmp_path, "u.db", [claimer, first], backend)
+    assert len(backend.calls) == 1 + nodes.RECHECK_TRIES
     assert rows[first.id].status == Status.SUSPICIOUS
     assert rows[first.id].message.startswith("no baselines were timed on its kind of device")
-    assert ctx.store.baselines("c", OP, H100.kind) == {}  # the A100's timing is not the H100's,
-    assert ctx.store.baselines("c", OP, A100.kind)["s/fp32"][BASELINE].median_us == 20.0  # but the A100's
+    assert f"it ran on {A100.kind}" in rows[first.id].message
+    assert ctx.store.baselines("c", OP, H100.kind) == {}
 
 
 def _registered(

@@ -12,6 +12,7 @@ keeps one core busy; a small CI machine has two).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 from sandbox import isolation, judge
 from sandbox.judge import LOG_TAIL_CHARS, Evaluation, baseline_providers, evaluate
+from sandbox.locks import gpu_use
 from sandbox.protocol import EvalRequest
 from sandbox.result import EvalResult, Status
 from search_space import get_problem
@@ -329,6 +331,36 @@ def test_import_failure_is_a_compile_error_with_traceback(outcomes) -> None:
     assert result.message == "import failed: NameError: name '_make_helper' is not defined"
     assert "Traceback" in result.log_tail and "_make_helper" in result.log_tail
     assert result.checks == []
+
+
+@needs_bwrap
+def test_the_candidates_import_runs_under_the_shared_lock(tmp_path: Path) -> None:
+    """Importing the candidate runs its module-level code (a kernel launched there, a loop):
+    under the shared lock, as the checks are, and never beside another evaluation's timed batch.
+    Here another evaluation holds the GPU alone from before the runner starts until after its
+    import would have begun: a candidate that fails at import still waits for it."""
+    lock = str(tmp_path / "gpu.lock")
+    holding = threading.Event()
+    hold_s = 4.0  # past the runner's start (about a second on an idle machine)
+
+    def other_evaluation() -> None:
+        with gpu_use(lock, exclusive=True):
+            holding.set()
+            time.sleep(hold_s)
+
+    other = threading.Thread(target=other_evaluation)
+    other.start()
+    holding.wait()
+    runner_dir = tmp_path / "runner"
+    runner_dir.mkdir()
+    (runner_dir / "candidate.py").write_text(CASES["import-failure"][0])
+    try:
+        result = evaluate(_request(runner_dir, timing_locks=[lock]))
+    finally:
+        other.join()
+    _says(result, Status.COMPILE_ERROR, "import failed")
+    assert result.phase_s.get("lock_wait", 0.0) > 1.0, result.phase_s
+    assert set(result.gpu_held_s) == {"shared"}
 
 
 @needs_bwrap
