@@ -361,6 +361,10 @@ def _checked_launch(run):
                 and any(isinstance(v, torch.Tensor) for v in tree_leaves(value))
             ):
                 raise TypeError(f"a tensor passed as the compile-time constant {name} of a kernel")
+        if _CURRENT and _CURRENT[-1].first is not None:
+            # The call's verdict is made (the runner reports the finding however the call ends):
+            # its further launches would only spend the judge's time.
+            raise RuntimeError(f"no launch after the watch found {_CURRENT[-1].first}")
         launched = run(self, *args, **kwargs)
         if _CURRENT:
             _CURRENT[-1].after_launch()

@@ -1373,6 +1373,10 @@ def main(argv: list[str]) -> int:
 
         die_with_parent(int(argv[2]))
     request = EvalRequest.model_validate_json(request_path.read_text())
+    # One thread for the judge's own torch work (references on small CPU inputs, comparisons):
+    # evaluations run side by side, and idle intra-op threads spinning beside another
+    # evaluation's interpreted kernels cost it more than they ever gain this one.
+    torch.set_num_threads(1)
     if request.cpus:
         # Its place's cores, for this judge and (inherited) its runner: a runner's CPU work stays
         # off the cores of the judges timing on the host's other GPUs.

@@ -479,6 +479,7 @@ def main(argv: list[str]) -> int:
         sock.connect(args.connect)
     else:
         sock = socket.socket(fileno=args.fd)
+    torch.set_num_threads(1)  # as its judge (sandbox.judge.main): evaluations run side by side
     Runner(sock).serve()
     return 0
 

@@ -14,6 +14,9 @@ import torch
 # it loads, and without a GPU the interpreter is the only way the kernels run at all.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    # One intra-op thread: the suite's workers (one per core) run beside each other and beside
+    # the sandbox's judges and runners, and spinning idle threads slow everyone on a small host.
+    torch.set_num_threads(1)
 
 if TYPE_CHECKING:
     from kernels.registry import KernelLibrary

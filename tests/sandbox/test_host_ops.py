@@ -148,6 +148,26 @@ def test_a_kernel_that_writes_an_input_is_seen(tmp_path: Path, device) -> None:
     assert watch.first == "a kernel writing into the call's input (int32, [40])"
 
 
+def test_no_kernel_launches_after_the_watch_finds_host_compute(tmp_path: Path, device) -> None:
+    """Once the watch has found host compute the call's verdict is made, so a further launch is
+    refused, naming the finding (a candidate that goes on would only spend the judge's time: one
+    that stashed a table through its input a launch at a time ran on for 30 s interpreted)."""
+    host_ops.prepare_triton(_kernel_classes())
+    copy_bits = _load(_BITS_KERNEL, "copy_bits", tmp_path, "bits_kernel_after")
+    x = torch.randn(40, device=device)
+    out = torch.empty(40, dtype=torch.int32, device=device)
+    with host_ops.watching(True, inputs=[x]) as watch:
+        copy_bits(x, out)  # nothing found yet: it runs
+        x * 2
+        with pytest.raises(RuntimeError, match="no launch after the watch found aten.mul.Tensor"):
+            copy_bits(x, torch.zeros_like(out))
+    assert "aten.mul.Tensor" in (watch.first or ""), watch.first
+    assert torch.equal(out, x.view(torch.int32))
+    again = torch.zeros_like(out)
+    copy_bits(x, again)  # unwatched (a timed call), launches run
+    assert torch.equal(again, out)
+
+
 def test_integers_cast_from_floating_point_data_are_the_data() -> None:
     """A cast is bookkeeping, but what it makes of floating-point values (scaled to integers,
     say) is the data: host compute on it counts."""
