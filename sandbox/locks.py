@@ -79,10 +79,14 @@ class BaselineClaims:
     creating the kind's file in a directory of the backend's host (O_EXCL: one creator wins);
     the others time none. A call's first evaluations need not wait for the baselines' timing,
     and none of them pays for it twice. The directory is the judges' alone (a runner's sandbox
-    has a /tmp of its own and writes nowhere else), and goes when the call ends."""
+    has a /tmp of its own and writes nowhere else), and goes when the call ends, or, where its
+    process was killed first, when another call starts (its name holds its creator's PID)."""
+
+    PREFIX = "recforge-baselines-"
 
     def __init__(self) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="recforge-baselines-"))
+        _remove_orphans(Path(tempfile.gettempdir()), self.PREFIX)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{self.PREFIX}{os.getpid()}-"))
 
     def __enter__(self) -> BaselineClaims:
         return self
@@ -110,3 +114,22 @@ class BaselineClaims:
         with contextlib.suppress(OSError), os.fdopen(fd, "w") as out:
             out.write(evaluation)
         return True
+
+
+def _remove_orphans(root: Path, prefix: str) -> None:
+    """Remove the directories `prefix`PID-... in `root` whose process PID has ended (killed before
+    it could remove its own). A PID in use again keeps its directory: it is only left longer."""
+    for path in root.glob(f"{prefix}*-*"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

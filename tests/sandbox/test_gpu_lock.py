@@ -199,3 +199,22 @@ def test_one_judge_per_kind_claims_the_baselines_and_the_claims_go_with_the_call
         assert not _claim(path, kinds[0], "/scratch/eval-8")
     assert not claims.path.exists()
     assert _claim(path, kinds[0], "/scratch/eval-8")
+
+
+def test_a_killed_calls_claims_go_when_the_next_call_starts(tmp_path: Path, monkeypatch) -> None:
+    """A call killed before it could remove its claims directory leaves it; the next call's
+    claims remove it, and leave those of calls still running (their PIDs alive)."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    ended = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    ended.start()
+    ended.join()
+    orphan = tmp_path / f"{BaselineClaims.PREFIX}{ended.pid}-abc"
+    running = tmp_path / f"{BaselineClaims.PREFIX}{multiprocessing.current_process().pid}-def"
+    other = tmp_path / "recforge-baselines-notapid"
+    for path in (orphan, running, other):
+        path.mkdir()
+        (path / "claim").write_text("/scratch/eval-0")
+    with BaselineClaims() as claims:
+        assert claims.path.parent == tmp_path and claims.path.name.startswith(f"{BaselineClaims.PREFIX}")
+        assert not orphan.exists() and running.exists() and other.exists()
+    assert not claims.path.exists()
