@@ -164,7 +164,7 @@ def test_no_kernel_launches_after_the_watch_finds_host_compute(tmp_path: Path, d
     assert "aten.mul.Tensor" in (watch.first or ""), watch.first
     assert torch.equal(out, x.view(torch.int32))
     again = torch.zeros_like(out)
-    copy_bits(x, again)  # unwatched (a timed call), launches run
+    copy_bits(x, again)  # outside a watch, launches run
     assert torch.equal(again, out)
 
 
