@@ -261,8 +261,10 @@ class Runner:
                             try:
                                 self._call(cid, args, kwargs)
                             except Exception as exc:  # noqa: BLE001
-                                # No output without kernels: a fallback would have given one.
                                 self._sync()  # a CUDA error is an error, not an answer
+                                if isinstance(exc, HostCompute):
+                                    raise  # what the watch found is said, as in any other call
+                                # No output without kernels: a fallback would have given one.
                                 results.append({"id": cid, "raised": type(exc).__name__})
                                 continue
                     else:
@@ -330,8 +332,9 @@ class Runner:
             ) as watch:
                 try:
                     out = self.fn(*args, **kwargs)
-                except Exception as exc:
-                    # What the watch found before the call raised is said with the error.
+                except BaseException as exc:
+                    # What the watch found before the call raised (or exited) is said with the
+                    # error.
                     if watch.first is not None:
                         raise HostCompute(watch.first) from exc
                     raise

@@ -5,6 +5,7 @@ computes on floating-point data."""
 from __future__ import annotations
 
 import importlib.util
+import socket
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from agent.incumbents import incumbents
 from kernels.registry import KernelLibrary
 from sandbox import host_ops
 from sandbox.protocol import fresh_seed
-from sandbox.runner import _kernel_classes
+from sandbox.runner import Runner, _kernel_classes
 from search_space import get_problem, problem_names
 
 
@@ -166,6 +167,34 @@ def test_no_kernel_launches_after_the_watch_finds_host_compute(tmp_path: Path, d
     again = torch.zeros_like(out)
     copy_bits(x, again)  # outside a watch, launches run
     assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("noop", [False, True], ids=["kernels", "no-op proof"])
+@pytest.mark.parametrize("ending", [ValueError("gave up"), SystemExit(0)], ids=["raises", "exits"])
+def test_the_runner_says_what_the_watch_found_however_the_call_ends(noop: bool, ending) -> None:
+    """Host compute then an exception, or an exit, is reported as host compute (the judge makes
+    it suspicious), in checks and in the no-op proof alike; without a finding, an exception in
+    the no-op proof is the proof's "no output without kernels"."""
+
+    def found_then_ends():
+        torch.ones(3) * 2
+        raise ending
+
+    def ends():
+        raise ValueError("gave up")
+
+    runner = Runner(socket.socketpair()[0])
+    message = {"calls": [{"id": 1, "args": [], "kwargs": {}}], "watch": True, "noop": noop}
+    runner.fn = found_then_ends
+    reply = runner.op_run(message, [])
+    assert reply["ok"] is False and reply["error"]["kind"] == "host_compute", reply
+    assert "aten.mul.Tensor" in reply["error"]["message"], reply
+    runner.fn = ends
+    reply = runner.op_run(message, [])
+    if noop:
+        assert reply == {"ok": True, "calls": [{"id": 1, "raised": "ValueError"}]}, reply
+    else:
+        assert reply["ok"] is False and reply["error"]["kind"] == "runtime_error", reply
 
 
 def test_integers_cast_from_floating_point_data_are_the_data() -> None:
