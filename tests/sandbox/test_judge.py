@@ -146,6 +146,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "import-failure": (DEFAULT_SOURCE + "\nHELPER = _make_helper()\n", {}),
     "missing-entry": (DEFAULT_SOURCE.replace(f"def {ENTRY}(", "def other("), {}),
     "raising": (_edit(ENTRY_BODY, '    raise RuntimeError("gave up")\n' + ENTRY_BODY), {}),
+    "threads": (_edit(ENTRY_BODY, '    raise RuntimeError(f"threads: {torch.get_num_threads()}")\n'), {}),
     # The real kernel, checked and then timed (interpreted): the one slow case.
     "default-template": (DEFAULT_SOURCE, {"timing": True}),
     "flagged": (_flagged("return out"), {}),
@@ -366,6 +367,14 @@ def test_the_candidates_import_runs_under_the_shared_lock(tmp_path: Path) -> Non
 @needs_bwrap
 def test_missing_entry_is_a_compile_error(outcomes) -> None:
     _says(_result(outcomes, "missing-entry"), Status.COMPILE_ERROR, "import failed", f"no callable {ENTRY!r}")
+
+
+@needs_bwrap
+def test_the_runner_computes_on_one_thread(outcomes) -> None:
+    """Runners (and judges) keep one torch thread: evaluations run side by side, and the idle
+    intra-op threads of one spun beside another's interpreted kernels (two update evaluations on
+    two cores took 3x to 4x as long as one alone)."""
+    _says(_result(outcomes, "threads"), Status.RUNTIME_ERROR, "RuntimeError: threads: 1")
 
 
 @needs_bwrap
