@@ -185,9 +185,7 @@ def evaluate(state: CampaignState, runtime: Runtime[CampaignContext]) -> dict:
         # The first timing of the baselines on a kind is kept: the comparisons use it from then
         # on, those of this batch's results too, whichever of them timed it.
         for candidate, result in zip(batch, results, strict=True):
-            timed = result.status == Status.OK and any(t.baselines for t in result.timings)
-            if timed and result.kind not in ctx.store.baseline_kinds(ctx.campaign_id, problem):
-                ctx.store.add_baselines(ctx.campaign_id, candidate.problem, result)
+            _keep_baselines(ctx, candidate.problem, result)
         for candidate, result in zip(batch, results, strict=True):
             if alongside is not None:
                 _keep_incumbents(ctx, alongside, result.alongside)
@@ -274,9 +272,7 @@ def _baselines_timed_again(ctx: CampaignContext, candidate, result: EvalResult) 
     for _ in range(RECHECK_TRIES):
         asked = {"baselines": _baselines(ctx, problem), "trials": ctx.config.sandbox.trials}
         again = ctx.backend.evaluate(candidate, **asked)
-        timed = again.status == Status.OK and any(t.baselines for t in again.timings)
-        if timed and again.kind not in ctx.store.baseline_kinds(ctx.campaign_id, problem):
-            ctx.store.add_baselines(ctx.campaign_id, problem, again)
+        _keep_baselines(ctx, problem, again)
         result = result.model_copy(update={"phase_s": _remeasured(result, again)})
         stored = ctx.store.baselines(ctx.campaign_id, problem, result.kind)
         if stored:
@@ -290,6 +286,14 @@ def _baselines_timed_again(ctx: CampaignContext, candidate, result: EvalResult) 
         "not accepted without review"
     )
     return result.model_copy(update={"status": Status.SUSPICIOUS, "message": message}), {}
+
+
+def _keep_baselines(ctx: CampaignContext, problem: str, result: EvalResult) -> None:
+    """The baselines `result` timed, kept as the campaign's on its kind of device unless some are
+    held there already."""
+    held = ctx.store.baseline_kinds(ctx.campaign_id, problem)
+    if result.status == Status.OK and result.timed_baselines and result.kind not in held:
+        ctx.store.add_baselines(ctx.campaign_id, problem, result)
 
 
 def _remeasured(result: EvalResult, again: EvalResult) -> dict[str, float]:

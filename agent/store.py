@@ -256,7 +256,7 @@ class Store:
         )
         for (result_json,) in rows:
             result = EvalResult.model_validate_json(result_json)
-            if any(t.baselines for t in result.timings):
+            if result.timed_baselines:
                 return result.kind
         return None
 

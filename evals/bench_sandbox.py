@@ -82,7 +82,7 @@ def _evaluate_all(
     measured."""
 
     def show(i: int, result) -> None:
-        timed = " (timed the baselines)" if any(t.baselines for t in result.timings) else ""
+        timed = " (timed the baselines)" if result.timed_baselines else ""
         console.print(
             f"{time.perf_counter() - t0:6.1f} s  #{i + 1:<3} {result.status.value:14} "
             f"judge {result.wall_s:5.1f} s: {_phases(result)}{timed}",
@@ -95,7 +95,7 @@ def _evaluate_all(
         return backend.evaluate_many(candidates, baselines=baselines, on_result=show)
     first = backend.evaluate(candidates[0], baselines=baselines)
     show(0, first)
-    held = [first.kind] if first.kind is not None and any(t.baselines for t in first.timings) else []
+    held = [first.kind] if first.kind is not None and first.timed_baselines else []
     rest = backend.evaluate_many(
         candidates[1:], baselines=baselines, baselines_held_on=held, on_result=lambda i, r: show(i + 1, r)
     )
@@ -115,7 +115,7 @@ def run_sandbox_benchmark(backend, n: int, *, baselines: list[str], console: Con
     statuses = Counter(r.status.value for r in results)
     interpreted = any(r.interpreted for r in results)
     per_hour = len(results) / wall * 3600
-    timers = [i for i, r in enumerate(results) if any(t.baselines for t in r.timings)]
+    timers = [i for i, r in enumerate(results) if r.timed_baselines]
     phases = mean_phases(results)
     table = Table(
         "candidates",

@@ -134,6 +134,11 @@ class EvalResult(BaseModel):
         """DeviceInfo.kind of the device it ran on (None: it ran on none, e.g. screened out)."""
         return None if self.device is None else self.device.kind
 
+    @property
+    def timed_baselines(self) -> bool:
+        """Whether its own timings carry the baselines' (its judge timed them)."""
+        return any(t.baselines for t in self.timings)
+
     def unphased_s(self) -> float:
         """`wall_s` outside every phase: the judge process's start before its first phase (and of
         a failed judge, which reports no phases, its whole life)."""
