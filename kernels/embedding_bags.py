@@ -50,6 +50,7 @@ KNOBS = {
     "num_stages": 1,
     "PROGRAMS": None,
     "FLAT": None,
+    "SLICES_TOGETHER": None,
     "GRAD_BLOCK_L": None,
     "GRAD_BLOCK_D": None,
     "GRAD_num_warps": None,
@@ -68,20 +69,32 @@ SHORT_MEAN_IDS = 2.0
 @triton.jit
 def _block_of(
     p, num_blocks, num_bag_blocks, num_bags, num_features, f_F, lo_F, dim_F, blocks_F, ends_F,
-    weight_offsets_ptr, offsets_ptr, BLOCK_B: tl.constexpr,
+    weight_offsets_ptr, offsets_ptr, BLOCK_B: tl.constexpr, SLICES_TOGETHER: tl.constexpr,
 ):  # fmt: skip
     """Block p: its feature's first output column and dim, its column block, its table's offset,
     its bags, their bound (0 past the last block or feature: nothing is loaded or stored), and
-    the bags' starts and lengths (the block's loads of the offsets)."""
-    block = p // num_bag_blocks
-    feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
+    the bags' starts and lengths (the block's loads of the offsets).
+
+    Blocks are numbered feature by feature. Within a feature, either every bag block of column
+    block 0, then of column block 1, ... (the slices of one row are read num_bag_blocks programs
+    apart), or (SLICES_TOGETHER) every column block of bag block 0, then of bag block 1, ...: the
+    slices of a row are read by neighbouring programs, at about the same time."""
+    first_F = (ends_F - blocks_F).to(tl.int64) * num_bag_blocks  # each feature's first block
+    feature = tl.sum((ends_F.to(tl.int64) * num_bag_blocks <= p).to(tl.int32), axis=0)
     feature = tl.where(p < num_blocks, feature, num_features)
     this_F = f_F == feature
     first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
     dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)  # 0 past the last feature
-    col_block = block - tl.sum(tl.where(this_F, ends_F - blocks_F, 0), axis=0)
+    q = p - tl.sum(tl.where(this_F, first_F, 0), axis=0)  # the block within its feature
+    if SLICES_TOGETHER:
+        slices = tl.maximum(tl.sum(tl.where(this_F, blocks_F, 0), axis=0), 1)  # 1 past the last
+        col_block = q % slices
+        bag_block = q // slices
+    else:
+        col_block = q // num_bag_blocks
+        bag_block = q % num_bag_blocks
     table = tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))
-    bags_B = (p % num_bag_blocks).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bags_B = bag_block.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     limit = tl.where(feature < num_features, num_bags, 0)
     bag_mask_B = bags_B < limit
     keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
@@ -247,13 +260,14 @@ def _embedding_bags_fwd_kernel(
     NUM_STAGES: tl.constexpr,
     VEC: tl.constexpr,
     FLAT: tl.constexpr,
+    SLICES_TOGETHER: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # Block p is bag block p % num_bag_blocks of column block p // num_bag_blocks, where the
-    # column blocks of every feature are numbered in turn (a feature of dim d has cdiv(d,
-    # BLOCK_D) of them): no block is launched for columns past a narrow feature's dim.
+    # Each feature has num_bag_blocks x cdiv(d, BLOCK_D) blocks (a feature of dim d), numbered
+    # feature by feature (_block_of says in which order within one): no block is launched for
+    # columns past a narrow feature's dim.
     # `num_blocks` is a bound taken on the host; blocks past the last feature's store nothing.
     # (One axis: the blocks grow with the features, and a second axis would stop at 65535.) A
     # program takes blocks p, p + grid, ...: one each when the grid covers them all, several in
@@ -267,7 +281,7 @@ def _embedding_bags_fwd_kernel(
     for p in tl.range(tl.program_id(0), num_blocks, tl.num_programs(0)):
         first_col, dim, col_block, table, bags_B, limit, start_B, len_B = _block_of(
             p, num_blocks, num_bag_blocks, num_bags, num_features,
-            f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B,
+            f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B, SLICES_TOGETHER,
         )  # fmt: skip
         _pool_block(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
@@ -379,8 +393,9 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
         tile = (32, 2, 64, False)
     # FLAT (the block's ids in chunks of BLOCK_B x BLOCK_L, _flat_sums) stays off: on an H100 it
     # was 0.45x to 0.79x these tiles at every timing shape (BENCHMARKS.md, twenty-sixth session).
+    # SLICES_TOGETHER (a row's column slices read by neighbouring programs) stays off until timed.
     names = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")
-    return dict(zip(names, tile, strict=True)) | {"num_warps": 2, "FLAT": False}
+    return dict(zip(names, tile, strict=True)) | {"num_warps": 2, "FLAT": False, "SLICES_TOGETHER": False}
 
 
 def _backward_config(max_dim: int, interpreted: bool = False) -> dict:

@@ -348,6 +348,13 @@ TEMPLATE = KnobTemplate(
             help="a block's ids in chunks of BLOCK_B x BLOCK_L whatever their bags (no lane waits on a "
             "long bag), summed into bags by a tensor-core product",
         ),
+        Knob(
+            "SLICES_TOGETHER",
+            (None, False, True),
+            default=None,
+            help="the column slices of a block's rows read by neighbouring programs, at about the "
+            "same time (else num_bag_blocks programs apart)",
+        ),
     ),
     constraint=_knob_constraints,
 )

@@ -17,16 +17,25 @@ from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
 
-# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, VECTORS[, FLAT]]]); None keeps the
-# launch heuristic's. PROGRAMS: a persistent grid of that many programs, each looping over blocks
-# (132 SMs on an H100 or H200); VECTORS False: rows move an element at a time, as before 16-byte
-# vectors (the kernel's VECTORS switch); FLAT: a block's ids in chunks of BLOCK_B x BLOCK_L,
-# whatever their bags, summed into bags on the tensor cores. After the default (and without
-# vectors), the twenty-fifth session's question: FLAT at several chunks and warps; then earlier
-# sweeps' tiles.
+# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, VECTORS[, FLAT[, SLICES_TOGETHER]]]]);
+# None keeps the launch heuristic's. PROGRAMS: a persistent grid of that many programs, each
+# looping over blocks (132 SMs on an H100 or H200); VECTORS False: rows move an element at a
+# time, as before 16-byte vectors (the kernel's VECTORS switch); FLAT: a block's ids in chunks of
+# BLOCK_B x BLOCK_L, whatever their bags, summed into bags on the tensor cores; SLICES_TOGETHER:
+# a block's column slices read by neighbouring programs. After the default (and without
+# vectors), the twenty-ninth session's question: a row's column slices read by neighbouring
+# programs (SLICES_TOGETHER), at the default tile and with wider slices; then the twenty-fifth
+# session's: FLAT at several chunks and warps; then earlier sweeps' tiles.
 F = (None, True, True)  # PROGRAMS None, VECTORS, FLAT
+T = (None, True, None, True)  # PROGRAMS None, VECTORS, FLAT None, SLICES_TOGETHER
 TILES = (
     (None, None, None, None, None),
+    (None, None, None, None, None, *T),
+    (None, None, 128, None, None, *T),
+    (None, None, 128, None, 4, *T),
+    (None, None, 128, None, 4),
+    (None, None, 32, None, None, *T),
+    (None, None, 256, None, 4, *T),
     (None, None, None, None, None, None, False),
     (None, None, None, None, None, *F),
     (None, None, None, None, 4, *F),
@@ -67,6 +76,7 @@ TILES = (
     (16, 4, 64, None, 4),
 )
 NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "VECTORS", "FLAT")
+NAMES += ("SLICES_TOGETHER",)
 
 
 def main(pattern: str = "", first: str = "") -> None:

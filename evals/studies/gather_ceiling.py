@@ -6,8 +6,10 @@ tables far larger than L2.
 Each row size runs over a table of about 1.6 GB (the timing shapes' size) with uniformly random
 ids. Providers: a plain Triton gather that copies whole rows (several tiles, the best kept), the
 same gather split into 64-byte column slices, each slice its own program, as the lookup's grid
-splits a row (the slices of a row are then read far apart in time), torch.index_select, and
-embedding_bags' forward with one feature and bags of one id. GB/s on the bytes read and written
+splits a row (the slices of a row are then read far apart in time), the same slices numbered
+column block fastest (a row's slices read by neighbouring programs, at about the same time),
+torch.index_select, and embedding_bags' forward with one feature and bags of one id, its blocks
+in either order (its SLICES_TOGETHER knob). GB/s on the bytes read and written
 (rows twice, and the ids); "copy" is the fraction of the device-to-device copy bandwidth
 measured in the same run (the lookup's offsets, 8 bytes an id more, are not counted). One CUDA
 device; prints a table (on a CPU, interpreted, it only shows that the study runs).
@@ -44,11 +46,19 @@ TILES = ((16, 2), (32, 2), (64, 4), (128, 4))
 
 
 @triton.jit
-def _gather_kernel(table_ptr, ids_ptr, out_ptr, n, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows of a block of ids, BLOCK_D columns from `col_block`, into consecutive output rows.
-    The grid's second axis numbers the column blocks (one block: whole rows)."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+def _gather_kernel(
+    table_ptr, ids_ptr, out_ptr, n, dim, col_blocks, TOGETHER: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Rows of a block of ids, BLOCK_D columns of one column block, into consecutive output rows.
+    The grid's second axis numbers the column blocks (one block: whole rows); TOGETHER, one axis
+    numbers them fastest."""
+    if TOGETHER:
+        row_block, col_block = tl.program_id(0) // col_blocks, tl.program_id(0) % col_blocks
+    else:
+        row_block, col_block = tl.program_id(0), tl.program_id(1)
+    r = row_block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     rmask = r < n
     cmask = c < dim
     ids = tl.load(ids_ptr + r, mask=rmask, other=0)
@@ -56,12 +66,26 @@ def _gather_kernel(table_ptr, ids_ptr, out_ptr, n, dim, BLOCK_R: tl.constexpr, B
     tl.store(out_ptr + r[:, None] * dim + c[None, :], vals, mask=rmask[:, None] & cmask[None, :])
 
 
-def _gather(table, ids, dim, block_r, block_d, warps):
+def _gather(table, ids, dim, block_r, block_d, warps, together=False):
     n = ids.numel()
     out = torch.empty((n, dim), dtype=table.dtype, device=table.device)
-    grid = (triton.cdiv(n, block_r), triton.cdiv(dim, block_d))
-    _gather_kernel[grid](table, ids, out, n, dim, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+    row_blocks, col_blocks = triton.cdiv(n, block_r), triton.cdiv(dim, block_d)
+    grid = (row_blocks * col_blocks,) if together else (row_blocks, col_blocks)
+    _gather_kernel[grid](
+        table, ids, out, n, dim, col_blocks, TOGETHER=together, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=warps,
+    )  # fmt: skip
     return out
+
+
+def _lookup(table, one, dims, ids, offsets, dim, together):
+    """embedding_bags' forward, its blocks in the given order."""
+    saved = bags.KNOBS["SLICES_TOGETHER"]
+    bags.KNOBS["SLICES_TOGETHER"] = together
+    try:
+        return bags.embedding_bags_forward(table, one, dims, ids, offsets, total_dim=dim, max_dim=dim)
+    finally:
+        bags.KNOBS["SLICES_TOGETHER"] = saved
 
 
 def _rate(fn, arg_sets, want, moved: int, copy_bw: float | None, device: torch.device) -> str:
@@ -74,7 +98,7 @@ def _rate(fn, arg_sets, want, moved: int, copy_bw: float | None, device: torch.d
 
 
 def _row(dtype: torch.dtype, dim: int, n: int, copy_bw: float | None, device: torch.device) -> list[str]:
-    """The four providers' rates at rows of `dim` elements of `dtype`."""
+    """The providers' rates at rows of `dim` elements of `dtype`."""
     elem = torch.empty((), dtype=dtype).element_size()
     rows = int(TABLE_BYTES // (dim * elem))
     table = torch.randn(rows * dim, dtype=torch.float32, device=device).to(dtype)
@@ -89,12 +113,10 @@ def _row(dtype: torch.dtype, dim: int, n: int, copy_bw: float | None, device: to
     providers = {
         "whole": [lambda ids, r=r, w=w: _gather(table, ids, dim, r, whole_d, w) for r, w in TILES],
         "sliced": [lambda ids: _gather(table, ids, dim, 32, max(64 // elem, 1), 2)],
+        "sliced together": [lambda ids: _gather(table, ids, dim, 32, max(64 // elem, 1), 2, True)],
         "index_select": [lambda ids: torch.index_select(table.view(rows, dim), 0, ids)],
-        "lookup": [
-            lambda ids: bags.embedding_bags_forward(
-                table, one, dims, ids, offsets, total_dim=dim, max_dim=dim
-            )
-        ],
+        "lookup": [lambda ids: _lookup(table, one, dims, ids, offsets, dim, False)],
+        "lookup together": [lambda ids: _lookup(table, one, dims, ids, offsets, dim, True)],
     }
     return [
         max(
@@ -110,7 +132,8 @@ def main(ids_millions: float = 4.0) -> None:
     copy_bw = measure_copy_bandwidth(device)
     n = int(ids_millions * 1e6)
     print(f"copy bandwidth {(copy_bw or 0) / 1e9:.0f} GB/s; {n} random ids a call")
-    names = ("whole rows", "64 B slices", "index_select", "embedding_bags")
+    names = ("whole rows", "64 B slices", "slices together", "index_select", "embedding_bags")
+    names += ("bags together",)
     print(f"{'row':>13} {'bytes':>5} " + " ".join(f"{p:>14}" for p in names))
     for dtype, dim in ROWS:
         rates = _row(dtype, dim, n, copy_bw, device)

@@ -166,6 +166,30 @@ def test_a_persistent_launch_covers_every_block(
         assert result.ok, (shape.name, result.message)
 
 
+@pytest.mark.parametrize("programs", [None, 3])
+def test_a_rows_slices_read_together_cover_every_block(programs, monkeypatch, empty_library) -> None:
+    """SLICES_TOGETHER numbers a feature's blocks column block fastest (a row's slices read by
+    neighbouring programs): at the GPU's tiles (dims of one to four column blocks, a dim that is
+    not a multiple of the block, two to five bag blocks a feature) every bag and column still
+    comes out right, in a grid of one program a block and in a persistent one, whose host bound
+    runs past the last feature."""
+    forward = module._forward_config
+
+    def gpu_forward_config(dim, size, ids, interpreted):
+        return forward(dim, size, ids)
+
+    monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
+    monkeypatch.setitem(module.KNOBS, "SLICES_TOGETHER", True)
+    monkeypatch.setitem(module.KNOBS, "PROGRAMS", programs)
+    many_blocks = [
+        _explicit("short-150", "fp32", THREE_TABLES, [i * 5 % 4 for i in range(3 * 150)]),  # 64 bags a block
+        _explicit("pooled-70", "bf16", THREE_TABLES, [i * 7 % 9 for i in range(3 * 70)]),  # 32 bags a block
+    ]
+    for shape in many_blocks:
+        result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
+        assert result.ok, (shape.name, result.message)
+
+
 def test_the_launch_regime_is_the_buckets() -> None:
     """The launcher (self-contained, as a candidate is) keeps its own copy of the bucket's
     short-call threshold: a call it launches as short is in a "-short" bucket."""
@@ -529,6 +553,7 @@ fwd_types = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indic
 fwd_types |= {"weights_ptr": "*bf16", "psw_ptr": "*bf16", "out_ptr": "*bf16"}
 tile = dict(BLOCK_B=64, BLOCK_L=1, BLOCK_D=64, ACC_3D=False)
 fwd = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False, **tile)
+fwd["SLICES_TOGETHER"] = False
 bwd_types = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indices_ptr", "offsets_ptr")}
 bwd_types |= {"grad_out_ptr": "*bf16", "psw_ptr": "*bf16", "grad_ptr": "*fp32"}
 bwd = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=16, BLOCK_D=128)
