@@ -2,13 +2,14 @@
 (BLOCK_T rows of the jagged output, BLOCK_D columns) finds each row's sequence by a binary
 search over the offsets (no host sync and no index tensor), then copies the row from the
 padded form, or writes zeros for a row past its padded length. Self-contained, like any
-candidate: it is also the op's knob template (its KNOBS dict)."""
+candidate: it is also the op's knob template (its KNOBS dict; a knob that is None takes the
+launch heuristic's value, _tile)."""
 
 import torch
 import triton
 import triton.language as tl
 
-KNOBS = {"BLOCK_T": 32, "BLOCK_D": 128, "num_warps": 4}
+KNOBS = {"BLOCK_T": None, "BLOCK_D": None, "num_warps": None}
 
 
 @triton.jit
@@ -35,6 +36,18 @@ def _dense_to_jagged_kernel(
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], tile, mask=in_rows[:, None] & in_cols)
 
 
+# The launch tile, for each knob that is None: BLOCK_D columns cover the row in 16-byte vectors,
+# at most a warp's 32 of them (512 bytes, a 32nd of the tile); the rows fill the tile to 16 KB, up
+# to 256 (8 a thread on one warp) and to the next power of two of `extent` (the rows the grid
+# covers); a warp per 4 KB of tile. Interpreted (on the CPU, each op of each program a NumPy call),
+# 256 KB tiles of whole rows up to 8 KB: fewer, wider programs.
+def _tile(rows, dim, itemsize, extent, interpreted):
+    tile = 262144 if interpreted else 16384
+    block_d = KNOBS["BLOCK_D"] or min(triton.next_power_of_2(dim), tile // 32 // itemsize)
+    rows = rows or min(tile // (block_d * itemsize), 256, triton.next_power_of_2(extent))
+    return rows, block_d, KNOBS["num_warps"] or max(1, min(8, rows * block_d * itemsize // 4096))
+
+
 def dense_to_jagged(dense, offsets, *, total):
     """dense [B, N, D], offsets [B + 1] (int32 or int64, from 0 to total) -> [total, D]: row p of
     sequence b is dense[b, p] for p < N, zeros past N."""
@@ -44,10 +57,12 @@ def dense_to_jagged(dense, offsets, *, total):
     out = torch.empty((total, dim), dtype=dense.dtype, device=dense.device)
     if total == 0 or dim == 0:
         return out
-    grid = (triton.cdiv(total, KNOBS["BLOCK_T"]), triton.cdiv(dim, KNOBS["BLOCK_D"]))
+    rows, block_d, num_warps = _tile(
+        KNOBS["BLOCK_T"], dim, out.element_size(), total, out.device.type == "cpu"
+    )
+    grid = (triton.cdiv(total, rows), triton.cdiv(dim, block_d))
     _dense_to_jagged_kernel[grid](
         dense, offsets, out, total, num_seqs, padded_len, dim, dense.stride(0), dense.stride(1),
-        max(1, (num_seqs - 1).bit_length()),
-        BLOCK_T=KNOBS["BLOCK_T"], BLOCK_D=KNOBS["BLOCK_D"], num_warps=KNOBS["num_warps"],
+        max(1, (num_seqs - 1).bit_length()), BLOCK_T=rows, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
     return out

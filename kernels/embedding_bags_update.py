@@ -19,8 +19,10 @@ CHUNK positions, so a chunk holds at most CHUNK ids of one row. Then
 2. one program per CHUNK positions finishes the long row that crosses its position, if any:
    sums its chunks' sums and updates it once.
 
-Host code only sorts and numbers integer keys (torch.sort, torch.cumsum); every launch is
-sized from the number of ids, so nothing is read back: the call never syncs the host.
+Host code only makes the ids' row keys from the call's integer inputs and sorts them (torch
+ops before any launch, on integers no kernel can have written); kernels find the ids' bags and
+number the chunks. Every launch is sized from the number of ids, so nothing is read back: the
+call never syncs the host.
 
 This module is also the problem's knob template: a search writes values into KNOBS; None keeps
 the launch heuristic (_config) for that knob.
@@ -73,7 +75,7 @@ def _sorted_kernel(
     pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = pos < nnz
     i = tl.load(order_ptr + pos, mask=valid, other=0)
-    b = tl.load(bag_ptr + i, mask=valid, other=0)
+    b = tl.load(bag_ptr + i, mask=valid, other=0).to(tl.int64)
     f = b // batch
     col0 = tl.load(d_off_ptr + f, mask=valid, other=0)
     dim = tl.load(d_off_ptr + f + 1, mask=valid, other=0) - col0
@@ -99,14 +101,50 @@ def _sorted_kernel(
 
 
 @triton.jit
-def _chunk_starts_kernel(chunk_end_ptr, starts_ptr, nnz, BLOCK: tl.constexpr):
-    """starts[c] = the first sorted position of chunk c (chunk_end: the inclusive count of chunk
-    starts up to each position)."""
+def _bags_kernel(offsets_ptr, bag_ptr, nnz, num_bags, steps, BLOCK: tl.constexpr):
+    """bag[p] = the bag of id p: how many bags end at or before p (an empty bag ends where it
+    starts, so it is no id's), by a binary search of `steps` halvings over [0, num_bags]: the
+    same work in every program whatever the bags' lengths, and neighbouring ids take mostly the
+    same path (the same offsets loaded)."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = lo + num_bags
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        past = (lo < hi) & (tl.load(offsets_ptr + mid + 1, mask=lo < hi, other=0) <= pos)
+        lo, hi = tl.where(past, mid + 1, lo), tl.where(past, hi, mid)
+    tl.store(bag_ptr + pos, lo, mask=pos < nnz)
+
+
+@triton.jit
+def _chunks_kernel(
+    keys_ptr, before_ptr, starts_ptr, nnz, COUNT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The chunks that start in block k of BLOCK sorted positions (one at a row's first id and at
+    every multiple of CHUNK): COUNT, how many, into before[k]; else starts[c] = the first position
+    of chunk c, numbered from before[k], the count of earlier blocks' (after _scan_kernel)."""
     pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = pos < nnz
-    ends = tl.load(chunk_end_ptr + pos, mask=valid, other=0)
-    before = tl.load(chunk_end_ptr + pos - 1, mask=valid & (pos > 0), other=0)
-    tl.store(starts_ptr + ends - 1, pos, mask=valid & (ends != before))
+    key = tl.load(keys_ptr + pos, mask=valid, other=0)
+    prior = tl.load(keys_ptr + pos - 1, mask=valid & (pos > 0), other=0)
+    new = valid & ((pos % CHUNK == 0) | (key != prior))
+    if COUNT:
+        tl.store(before_ptr + tl.program_id(0), tl.sum(new.to(tl.int64), axis=0))
+    else:
+        chunks = tl.load(before_ptr + tl.program_id(0)) + tl.cumsum(new.to(tl.int32), axis=0) - 1
+        tl.store(starts_ptr + chunks, pos, mask=new)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, total_ptr, n, BLOCK: tl.constexpr):
+    """One program: counts[:n] become their exclusive prefix sums, in place; *total, their sum."""
+    total = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    for first in range(0, n, BLOCK):
+        at = first + tl.arange(0, BLOCK)
+        counts = tl.load(counts_ptr + at, mask=at < n, other=0)
+        tl.store(counts_ptr + at, total + tl.cumsum(counts, axis=0) - counts, mask=at < n)
+        total += tl.sum(counts, axis=0)
+    tl.store(total_ptr, total)
 
 
 @triton.jit
@@ -331,95 +369,6 @@ def _config(max_dim: int, interpreted: bool) -> dict:
 # or the state's entries, whichever is more.
 INT32_KEYS_BELOW = 2**31
 
-MAX_DIM = 1024  # the long rows kernel's tile holds a row whole
-
-
-def check_arguments(
-    weights: torch.Tensor,
-    state: torch.Tensor,
-    grad_out: torch.Tensor,
-    weight_offsets: torch.Tensor,
-    row_offsets: torch.Tensor,
-    dim_offsets: torch.Tensor,
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    max_dim: int,
-    optimizer: str = "adagrad",
-    lr: float = 0.01,
-    eps: float = 1e-8,
-    pooling: str = "sum",
-    per_sample_weights: torch.Tensor | None = None,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-) -> None:
-    """ValueError naming what is wrong; sizes only (never the data: no sync)."""
-    if optimizer not in ("sgd", "adagrad"):
-        raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {optimizer!r}")
-    if pooling not in ("sum", "mean"):
-        raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
-    if weights.dim() != 1 or not weights.is_contiguous():
-        raise ValueError(f"weights must be a contiguous flat buffer [N], got shape {tuple(weights.shape)}")
-    if weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"weights must be fp32, bf16 or fp16, got {weights.dtype}")
-    if optimizer == "adagrad" and (
-        state.dtype != torch.float32 or state.dim() != 1 or not state.is_contiguous()
-    ):
-        raise ValueError(
-            f"adagrad's state must be a contiguous fp32 [rows], got {state.dtype} {tuple(state.shape)}"
-        )
-    num_features = weight_offsets.numel()
-    if (
-        num_features == 0
-        or row_offsets.shape != weight_offsets.shape
-        or dim_offsets.shape != (num_features + 1,)
-    ):
-        raise ValueError(
-            f"weight_offsets and row_offsets must be [F] (F >= 1) and dim_offsets [F + 1], got "
-            f"{tuple(weight_offsets.shape)}, {tuple(row_offsets.shape)}, {tuple(dim_offsets.shape)}"
-        )
-    layout = {"weight_offsets": weight_offsets, "row_offsets": row_offsets, "dim_offsets": dim_offsets}
-    for name, t in layout.items():
-        if t.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64, got {t.dtype}")
-    ids = (torch.int32, torch.int64)
-    if indices.dim() != 1 or indices.dtype not in ids or offsets.dtype != indices.dtype:
-        raise ValueError(
-            f"indices must be [nnz] int32 or int64 and offsets of the same dtype, got "
-            f"{indices.dtype} {tuple(indices.shape)} and {offsets.dtype}"
-        )
-    if offsets.dim() != 1 or (offsets.numel() - 1) % num_features:
-        raise ValueError(f"offsets must be [F * B + 1] with F = {num_features}, got {tuple(offsets.shape)}")
-    batch = (offsets.numel() - 1) // num_features
-    if grad_out.dim() != 2 or grad_out.shape[0] != batch or grad_out.dtype != weights.dtype:
-        raise ValueError(
-            f"grad_out must be [B = {batch}, total_dim] in the weights' dtype {weights.dtype}, "
-            f"got {grad_out.dtype} {tuple(grad_out.shape)}"
-        )
-    if not 1 <= max_dim <= MAX_DIM:
-        raise ValueError(f"max_dim must be in [1, {MAX_DIM}], got {max_dim}")
-    named = {"weights": weights, "state": state, "grad_out": grad_out, "weight_offsets": weight_offsets,
-             "row_offsets": row_offsets, "dim_offsets": dim_offsets, "indices": indices, "offsets": offsets,
-             "per_sample_weights": per_sample_weights}  # fmt: skip
-    for name, t in named.items():
-        if t is None:
-            continue
-        if t.device != weights.device:
-            raise ValueError(f"{name} is on {t.device}, the weights on {weights.device}: one device for all")
-        if name != "grad_out" and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (call .contiguous())")
-    if per_sample_weights is not None:
-        if not per_sample_weights.is_floating_point():
-            raise ValueError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
-        if pooling != "sum":
-            raise ValueError("per_sample_weights is only supported with pooling='sum'")
-        if per_sample_weights.shape != indices.shape:
-            raise ValueError(
-                f"per_sample_weights must be [nnz = {indices.numel()}], got {tuple(per_sample_weights.shape)}"
-            )
-    if stochastic_rounding and weights.dtype == torch.float32:
-        raise ValueError("stochastic_rounding is for bf16 and fp16 weights; these are fp32")
-
 
 def number_chunks(
     row_offsets: torch.Tensor,
@@ -429,23 +378,32 @@ def number_chunks(
     chunk: int,
     *,
     int32_keys: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The update's host work (torch ops on the device, no sync): every id's bag; its row's key
-    (its index in the state; int32 where the rows allow, for a sort of half the passes); the
-    keys sorted and their order; chunk_end, where chunk_end[i] counts the chunks up to sorted
-    position i (a new one at each row's first id and every `chunk` positions, so the last
-    entry is their number, which the kernels read themselves)."""
-    nnz = indices.numel()
-    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)
-    bag = torch.searchsorted(offsets[1:], positions, right=True)
-    keys = row_offsets[bag // batch] + indices
-    if int32_keys:
-        keys = keys.to(torch.int32)
-    sorted_keys, order = torch.sort(keys, stable=True)
-    flags = torch.ones(nnz, dtype=torch.int32, device=indices.device)
-    flags[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    flags |= positions % chunk == 0
-    return bag, sorted_keys, order, torch.cumsum(flags, 0, dtype=torch.int32)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The numbering of nnz > 0 ids (on the device, no sync): every id's bag (int32 below 2^31
+    bags); its row's key (its index in the state; int32 where the rows allow, for a sort of half
+    the passes), the keys sorted and their order; starts [nnz + 1], where starts[c] is the first
+    sorted position of chunk c (a new one at each row's first id and every `chunk` positions) and
+    nnz follows the last; and count [1], the chunks' number, which the kernels read themselves.
+
+    Torch ops make the keys from the call's integer inputs and sort them before any launch: the
+    sandbox's host-compute watch refuses host ops on integers a kernel may have written. Kernels
+    find the bags and number the chunks (a count per block, a scan, the starts)."""
+    nnz, device = indices.numel(), indices.device
+    positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
+    # Each id's feature: how many features end at or before it (a search over F offsets).
+    feature = torch.searchsorted(offsets[batch::batch].contiguous(), positions, right=True, out_int32=True)
+    dtype = torch.int32 if int32_keys else torch.int64
+    sorted_keys, order = torch.sort(row_offsets.to(dtype)[feature] + indices.to(dtype), stable=True)
+    blocks, bags = triton.cdiv(nnz, 1024), offsets.numel() - 1
+    bag = torch.empty(nnz, dtype=torch.int32 if bags < 2**31 else torch.int64, device=device)
+    _bags_kernel[(blocks,)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=1024)
+    before = torch.empty(blocks, dtype=torch.int64, device=device)
+    count = torch.empty(1, dtype=torch.int64, device=device)
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)
+    _chunks_kernel[(blocks,)](sorted_keys, before, starts, nnz, COUNT=True, CHUNK=chunk, BLOCK=1024)
+    _scan_kernel[(1,)](before, count, blocks, BLOCK=1024)
+    _chunks_kernel[(blocks,)](sorted_keys, before, starts, nnz, COUNT=False, CHUNK=chunk, BLOCK=1024)
+    return bag, sorted_keys, order, starts, count
 
 
 def embedding_bags_update(
@@ -478,7 +436,7 @@ def embedding_bags_update(
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
     chunk = KNOBS["CHUNK"]
     block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(max_dim))
-    bag, sorted_keys, order, chunk_end = number_chunks(
+    bag, sorted_keys, order, starts, count = number_chunks(
         row_offsets,
         indices,
         offsets,
@@ -502,13 +460,11 @@ def embedding_bags_update(
         row_offsets, dim_offsets, grad_at, scale, row_at, dims, misaligned, nnz, batch, grad_out.stride(0),
         POOL_MEAN=pooling == "mean", HAS_PSW=has_psw, VEC=vec, BLOCK=1024,
     )  # fmt: skip
-    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)
-    _chunk_starts_kernel[grid](chunk_end, starts, nnz, BLOCK=1024)
     partial = torch.empty((2 * triton.cdiv(nnz, chunk), max_dim), dtype=torch.float32, device=weights.device)
     adagrad = optimizer == "adagrad"
     stochastic = bool(stochastic_rounding)
     _rows_kernel[(triton.cdiv(nnz, cfg["BLOCK_I"]),)](
-        weights, state, grad_out, sorted_keys, grad_at, scale, row_at, dims, starts, chunk_end[nnz - 1 :],
+        weights, state, grad_out, sorted_keys, grad_at, scale, row_at, dims, starts, count,
         partial, max_dim, nnz, lr, eps, seed, misaligned,
         ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
         BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d,

@@ -2,13 +2,13 @@
 (BLOCK_T output rows, BLOCK_D columns) finds each row's sequence by a binary search over the
 output's offsets (first_offsets + second_offsets, added as they are read), then copies the row
 from the first part or the second. Self-contained, like any candidate: it is also the op's
-knob template (its KNOBS dict)."""
+knob template (its KNOBS dict; a knob that is None takes the launch heuristic's value, _tile)."""
 
 import torch
 import triton
 import triton.language as tl
 
-KNOBS = {"BLOCK_T": 32, "BLOCK_D": 128, "num_warps": 4}
+KNOBS = {"BLOCK_T": None, "BLOCK_D": None, "num_warps": None}
 
 
 @triton.jit
@@ -42,6 +42,18 @@ def _jagged_concat_kernel(
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], tile, mask=in_rows[:, None] & in_cols)
 
 
+# The launch tile, for each knob that is None: BLOCK_D columns cover the row in 16-byte vectors,
+# at most a warp's 32 of them (512 bytes, a 32nd of the tile); the rows fill the tile to 16 KB, up
+# to 256 (8 a thread on one warp) and to the next power of two of `extent` (the rows the grid
+# covers); a warp per 4 KB of tile. Interpreted (on the CPU, each op of each program a NumPy call),
+# 256 KB tiles of whole rows up to 8 KB: fewer, wider programs.
+def _tile(rows, dim, itemsize, extent, interpreted):
+    tile = 262144 if interpreted else 16384
+    block_d = KNOBS["BLOCK_D"] or min(triton.next_power_of_2(dim), tile // 32 // itemsize)
+    rows = rows or min(tile // (block_d * itemsize), 256, triton.next_power_of_2(extent))
+    return rows, block_d, KNOBS["num_warps"] or max(1, min(8, rows * block_d * itemsize // 4096))
+
+
 def jagged_concat(first, first_offsets, second, second_offsets):
     """first [T1, D] with first_offsets [B + 1], second [T2, D] with second_offsets [B + 1] ->
     [T1 + T2, D]: sequence b's rows of first, then its rows of second (the result's offsets are
@@ -55,10 +67,13 @@ def jagged_concat(first, first_offsets, second, second_offsets):
     out = torch.empty((total, dim), dtype=first.dtype, device=first.device)
     if total == 0 or dim == 0:
         return out
-    grid = (triton.cdiv(total, KNOBS["BLOCK_T"]), triton.cdiv(dim, KNOBS["BLOCK_D"]))
+    rows, block_d, num_warps = _tile(
+        KNOBS["BLOCK_T"], dim, out.element_size(), total, out.device.type == "cpu"
+    )
+    grid = (triton.cdiv(total, rows), triton.cdiv(dim, block_d))
     _jagged_concat_kernel[grid](
         first, first_offsets, second, second_offsets, out, total, num_seqs, dim,
         first.stride(0), second.stride(0), max(1, (num_seqs - 1).bit_length()),
-        BLOCK_T=KNOBS["BLOCK_T"], BLOCK_D=KNOBS["BLOCK_D"], num_warps=KNOBS["num_warps"],
+        BLOCK_T=rows, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
     return out

@@ -1,13 +1,14 @@
 """The default kernel of jagged_split (search_space/jagged_split.py): one program per
 (BLOCK_T input rows, BLOCK_D columns) finds each row's sequence by a binary search over the
 offsets, then writes the row to the first part (a sequence's first rows) or to the second.
-Self-contained, like any candidate: it is also the op's knob template (its KNOBS dict)."""
+Self-contained, like any candidate: it is also the op's knob template (its KNOBS dict; a knob
+that is None takes the launch heuristic's value, _tile)."""
 
 import torch
 import triton
 import triton.language as tl
 
-KNOBS = {"BLOCK_T": 32, "BLOCK_D": 128, "num_warps": 4}
+KNOBS = {"BLOCK_T": None, "BLOCK_D": None, "num_warps": None}
 
 
 @triton.jit
@@ -39,6 +40,18 @@ def _jagged_split_kernel(
     tl.store(second_ptr + second_rows[:, None] * dim + cols[None, :], tile, mask=to_second)
 
 
+# The launch tile, for each knob that is None: BLOCK_D columns cover the row in 16-byte vectors,
+# at most a warp's 32 of them (512 bytes, a 32nd of the tile); the rows fill the tile to 16 KB, up
+# to 256 (8 a thread on one warp) and to the next power of two of `extent` (the rows the grid
+# covers); a warp per 4 KB of tile. Interpreted (on the CPU, each op of each program a NumPy call),
+# 256 KB tiles of whole rows up to 8 KB: fewer, wider programs.
+def _tile(rows, dim, itemsize, extent, interpreted):
+    tile = 262144 if interpreted else 16384
+    block_d = KNOBS["BLOCK_D"] or min(triton.next_power_of_2(dim), tile // 32 // itemsize)
+    rows = rows or min(tile // (block_d * itemsize), 256, triton.next_power_of_2(extent))
+    return rows, block_d, KNOBS["num_warps"] or max(1, min(8, rows * block_d * itemsize // 4096))
+
+
 def jagged_split(values, offsets, first_offsets, *, first_total):
     """values [T, D] with offsets [B + 1], first_offsets [B + 1] (each sequence's first part,
     first_offsets[-1] = first_total) -> (first [first_total, D], second [T - first_total, D]):
@@ -50,10 +63,12 @@ def jagged_split(values, offsets, first_offsets, *, first_total):
     second = torch.empty((total - first_total, dim), dtype=values.dtype, device=values.device)
     if total == 0 or dim == 0:
         return first, second
-    grid = (triton.cdiv(total, KNOBS["BLOCK_T"]), triton.cdiv(dim, KNOBS["BLOCK_D"]))
+    rows, block_d, num_warps = _tile(
+        KNOBS["BLOCK_T"], dim, values.element_size(), total, values.device.type == "cpu"
+    )
+    grid = (triton.cdiv(total, rows), triton.cdiv(dim, block_d))
     _jagged_split_kernel[grid](
         values, offsets, first_offsets, first, second, total, num_seqs, dim, values.stride(0),
-        max(1, (num_seqs - 1).bit_length()),
-        BLOCK_T=KNOBS["BLOCK_T"], BLOCK_D=KNOBS["BLOCK_D"], num_warps=KNOBS["num_warps"],
+        max(1, (num_seqs - 1).bit_length()), BLOCK_T=rows, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
     return first, second

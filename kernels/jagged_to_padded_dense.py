@@ -2,7 +2,7 @@
 program per (sequence, BLOCK_L padded positions, BLOCK_D columns) copies the rows it covers and
 writes the padding value over the rest, so every element of the output is written once and
 nothing is read twice. Self-contained, like any candidate: it is also the op's knob template
-(its KNOBS dict)."""
+(its KNOBS dict; a knob that is None takes the launch heuristic's value, _tile)."""
 
 import math
 
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-KNOBS = {"BLOCK_L": 32, "BLOCK_D": 128, "num_warps": 4}
+KNOBS = {"BLOCK_L": None, "BLOCK_D": None, "num_warps": None}
 
 
 @triton.jit
@@ -35,6 +35,18 @@ def _jagged_to_padded_dense_kernel(
     tl.store(out_ptr + out_rows[:, None] * dim + cols[None, :], tile, mask=in_positions & in_cols)
 
 
+# The launch tile, for each knob that is None: BLOCK_D columns cover the row in 16-byte vectors,
+# at most a warp's 32 of them (512 bytes, a 32nd of the tile); the rows fill the tile to 16 KB, up
+# to 256 (8 a thread on one warp) and to the next power of two of `extent` (the rows the grid
+# covers); a warp per 4 KB of tile. Interpreted (on the CPU, each op of each program a NumPy call),
+# 256 KB tiles of whole rows up to 8 KB: fewer, wider programs.
+def _tile(rows, dim, itemsize, extent, interpreted):
+    tile = 262144 if interpreted else 16384
+    block_d = KNOBS["BLOCK_D"] or min(triton.next_power_of_2(dim), tile // 32 // itemsize)
+    rows = rows or min(tile // (block_d * itemsize), 256, triton.next_power_of_2(extent))
+    return rows, block_d, KNOBS["num_warps"] or max(1, min(8, rows * block_d * itemsize // 4096))
+
+
 def _rounded(value, dtype):
     """value rounded to nearest-even in a 16-bit dtype's significand, as torch.full rounds it,
     so that the kernel's own cast (which the interpreter truncates) has nothing left to round
@@ -56,10 +68,13 @@ def jagged_to_padded_dense(values, offsets, *, max_len, padding_value=0.0):
     if num_seqs == 0 or max_len == 0 or dim == 0:
         return out
     padding = _rounded(float(padding_value), values.dtype)
-    position_blocks = triton.cdiv(max_len, KNOBS["BLOCK_L"])
-    grid = (num_seqs * position_blocks, triton.cdiv(dim, KNOBS["BLOCK_D"]))
+    rows, block_d, num_warps = _tile(
+        KNOBS["BLOCK_L"], dim, out.element_size(), max_len, out.device.type == "cpu"
+    )
+    position_blocks = triton.cdiv(max_len, rows)
+    grid = (num_seqs * position_blocks, triton.cdiv(dim, block_d))
     _jagged_to_padded_dense_kernel[grid](
         values, offsets, out, max_len, dim, position_blocks, values.stride(0), padding,
-        BLOCK_L=KNOBS["BLOCK_L"], BLOCK_D=KNOBS["BLOCK_D"], num_warps=KNOBS["num_warps"],
+        BLOCK_L=rows, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
     return out

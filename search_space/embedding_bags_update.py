@@ -657,12 +657,89 @@ def _cost(
     return 6 * nnz * mean_dim, moved
 
 
+# The widest row the op takes: the default kernel's long-rows tile holds a row whole
+# (kernels/embedding_bags_update.py).
+MAX_DIM = 1024
+
+
+def check_arguments(
+    weights, state, grad_out, weight_offsets, row_offsets, dim_offsets, indices, offsets, *, max_dim,
+    optimizer="adagrad", pooling="sum", per_sample_weights=None, stochastic_rounding=False, **_,
+) -> None:  # fmt: skip
+    """ValueError naming what is wrong; sizes only (never the data: no sync)."""
+    if optimizer not in ("sgd", "adagrad"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adagrad', got {optimizer!r}")
+    if pooling not in ("sum", "mean"):
+        raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}")
+    if weights.dim() != 1 or not weights.is_contiguous():
+        raise ValueError(f"weights must be a contiguous flat buffer [N], got shape {tuple(weights.shape)}")
+    if weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"weights must be fp32, bf16 or fp16, got {weights.dtype}")
+    if optimizer == "adagrad" and (
+        state.dtype != torch.float32 or state.dim() != 1 or not state.is_contiguous()
+    ):
+        raise ValueError(
+            f"adagrad's state must be a contiguous fp32 [rows], got {state.dtype} {tuple(state.shape)}"
+        )
+    num_features = weight_offsets.numel()
+    if (
+        num_features == 0
+        or row_offsets.shape != weight_offsets.shape
+        or dim_offsets.shape != (num_features + 1,)
+    ):
+        raise ValueError(
+            f"weight_offsets and row_offsets must be [F] (F >= 1) and dim_offsets [F + 1], got "
+            f"{tuple(weight_offsets.shape)}, {tuple(row_offsets.shape)}, {tuple(dim_offsets.shape)}"
+        )
+    layout = {"weight_offsets": weight_offsets, "row_offsets": row_offsets, "dim_offsets": dim_offsets}
+    for name, t in layout.items():
+        if t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {t.dtype}")
+    ids = (torch.int32, torch.int64)
+    if indices.dim() != 1 or indices.dtype not in ids or offsets.dtype != indices.dtype:
+        raise ValueError(
+            f"indices must be [nnz] int32 or int64 and offsets of the same dtype, got "
+            f"{indices.dtype} {tuple(indices.shape)} and {offsets.dtype}"
+        )
+    if offsets.dim() != 1 or (offsets.numel() - 1) % num_features:
+        raise ValueError(f"offsets must be [F * B + 1] with F = {num_features}, got {tuple(offsets.shape)}")
+    batch = (offsets.numel() - 1) // num_features
+    if grad_out.dim() != 2 or grad_out.shape[0] != batch or grad_out.dtype != weights.dtype:
+        raise ValueError(
+            f"grad_out must be [B = {batch}, total_dim] in the weights' dtype {weights.dtype}, "
+            f"got {grad_out.dtype} {tuple(grad_out.shape)}"
+        )
+    if not 1 <= max_dim <= MAX_DIM:
+        raise ValueError(f"max_dim must be in [1, {MAX_DIM}], got {max_dim}")
+    named = {"weights": weights, "state": state, "grad_out": grad_out, "weight_offsets": weight_offsets,
+             "row_offsets": row_offsets, "dim_offsets": dim_offsets, "indices": indices, "offsets": offsets,
+             "per_sample_weights": per_sample_weights}  # fmt: skip
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.device != weights.device:
+            raise ValueError(f"{name} is on {t.device}, the weights on {weights.device}: one device for all")
+        if name != "grad_out" and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    if per_sample_weights is not None:
+        if not per_sample_weights.is_floating_point():
+            raise ValueError(f"per_sample_weights must be floating point, got {per_sample_weights.dtype}")
+        if pooling != "sum":
+            raise ValueError("per_sample_weights is only supported with pooling='sum'")
+        if per_sample_weights.shape != indices.shape:
+            raise ValueError(
+                f"per_sample_weights must be [nnz = {indices.numel()}], got {tuple(per_sample_weights.shape)}"
+            )
+    if stochastic_rounding and weights.dtype == torch.float32:
+        raise ValueError("stochastic_rounding is for bf16 and fp16 weights; these are fp32")
+
+
 OP = Op(
     name="embedding_bags_update",
     cost=_cost,
     problem=PROBLEM,
     default="kernels.embedding_bags_update:embedding_bags_update",
-    check="kernels.embedding_bags_update:check_arguments",
+    check=check_arguments,
     fake=lambda *args, **kwargs: None,
     bucket=_call_bucket,
     doc="""The optimizer step of table-batched embeddings, fused into their backward.

@@ -53,21 +53,37 @@ def copy_problem(name: str, **fields) -> Problem:
     )
 
 
+# The most elements a tile may hold, and the widest BLOCK_D the launch heuristic picks (the
+# kernels' _tile: 512 bytes of a 2-byte dtype's row), which the constraint takes for a BLOCK_D
+# left None; rows left None always fit (the heuristic fills the tile to 16 KB).
+MAX_TILE = 16384
+WIDEST_HEURISTIC_BLOCK_D = 256
+
+
 def tile_template(name: str, rows: str, rows_help: str) -> KnobTemplate:
     """The knobs of a jagged transform's default kernel (kernels/<name>.py, its own template):
-    a tile of `rows` x BLOCK_D columns per program, and its warps."""
+    a tile of `rows` x BLOCK_D columns per program, and its warps; None, the default, takes the
+    kernel's launch heuristic (its _tile: the row's width in 16-byte vectors, a 16 KB tile)."""
+
+    def constraint(knobs: dict) -> str | None:
+        if knobs[rows] is None:
+            return None
+        block_d = knobs["BLOCK_D"] or WIDEST_HEURISTIC_BLOCK_D
+        if knobs[rows] * block_d > MAX_TILE:
+            given = "" if knobs["BLOCK_D"] else " (BLOCK_D None: the heuristic's up to 256)"
+            return f"a tile of more than {MAX_TILE} elements: {rows} {knobs[rows]} x BLOCK_D {block_d}{given}"
+        return None
+
     return KnobTemplate(
         problem=name,
         source_module=f"kernels.{name}",
         entry=name,
         knobs=(
-            Knob(rows, (8, 16, 32, 64, 128), default=32, help=rows_help),
-            Knob("BLOCK_D", (32, 64, 128, 256), default=128, help="columns per program"),
-            Knob("num_warps", (1, 2, 4, 8), default=4),
+            Knob(rows, (None, 8, 16, 32, 64, 128), default=None, help=rows_help),
+            Knob("BLOCK_D", (None, 32, 64, 128, 256), default=None, help="columns per program"),
+            Knob("num_warps", (None, 1, 2, 4, 8), default=None),
         ),
-        constraint=lambda knobs: (
-            "a tile of more than 16384 elements" if knobs[rows] * knobs["BLOCK_D"] > 16384 else None
-        ),
+        constraint=constraint,
     )
 
 

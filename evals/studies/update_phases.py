@@ -1,6 +1,7 @@
-"""Where embedding_bags_update's time goes at a timing shape: the host's sort and numbering, the
-rows kernel and the long-rows kernel timed apart, then the whole op at several launch knobs,
-beside torch's sparse path. One CUDA device; prints a table.
+"""Where embedding_bags_update's time goes at a timing shape: the numbering of the ids (keys, sort,
+bags, chunk starts) by the kernel's number_chunks beside the torch ops it replaced (checked equal
+first), the whole op with each, the rows kernel and the long-rows kernel timed apart, then the
+whole op at several launch knobs, beside torch's sparse path. One CUDA device; prints a table.
 
     python3 -m evals.studies.update_phases [SHAPE NAME SUBSTRING] [DTYPE] [EARLIER MODULE]
 """
@@ -12,6 +13,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 import kernels.embedding_bags_update as kernel
 from sandbox.timing import benchmark
@@ -35,6 +37,37 @@ def _compiled(fn) -> list[str]:
     ]
 
 
+@triton.jit
+def _chunk_end_starts_kernel(chunk_end_ptr, starts_ptr, nnz, BLOCK: tl.constexpr):
+    """starts[c] = the first sorted position of chunk c (chunk_end: the inclusive count of chunk
+    starts up to each position)."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = pos < nnz
+    ends = tl.load(chunk_end_ptr + pos, mask=valid, other=0)
+    before = tl.load(chunk_end_ptr + pos - 1, mask=valid & (pos > 0), other=0)
+    tl.store(starts_ptr + ends - 1, pos, mask=valid & (ends != before))
+
+
+def torch_numbering(row_offsets, indices, offsets, batch, chunk, *, int32_keys):
+    """number_chunks as it was before its kernels: every step but the chunk starts in torch ops
+    (a search over all bags' ends, a chain of elementwise launches, a cumsum), the same outputs
+    (an int64 bag; count an int32 view of chunk_end's last entry)."""
+    nnz = indices.numel()
+    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)
+    bag = torch.searchsorted(offsets[1:], positions, right=True)
+    keys = row_offsets[bag // batch] + indices
+    if int32_keys:
+        keys = keys.to(torch.int32)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    flags = torch.ones(nnz, dtype=torch.int32, device=indices.device)
+    flags[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    flags |= positions % chunk == 0
+    chunk_end = torch.cumsum(flags, 0, dtype=torch.int32)
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=indices.device)
+    _chunk_end_starts_kernel[(triton.cdiv(nnz, 1024),)](chunk_end, starts, nnz, BLOCK=1024)
+    return bag, sorted_keys, order, starts, chunk_end[nnz - 1 :]
+
+
 def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = "") -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags_update")
@@ -44,13 +77,25 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
     nnz, batch = indices.numel(), (offsets.numel() - 1) // w_off.numel()
     print(f"{shape.describe()}: {nnz:,} ids")
 
-    def prep():  # the kernel's own host step
-        return kernel.number_chunks(r_off, indices, offsets, batch, kernel.KNOBS["CHUNK"], int32_keys=True)
+    int32_keys = max(weights.numel(), state.numel()) < kernel.INT32_KEYS_BELOW
+    numbering = ((r_off, indices, offsets, batch, kernel.KNOBS["CHUNK"]), {"int32_keys": int32_keys})
+    ours = kernel.number_chunks(*numbering[0], **numbering[1])
+    before = torch_numbering(*numbering[0], **numbering[1])
+    for name, new, old in zip(("bag", "sorted_keys", "order", "starts", "count"), ours, before, strict=True):
+        assert torch.equal(new.long(), old.long()), f"number_chunks and torch_numbering differ in {name}"
+    del ours, before
 
     def stats(fn, args=((), {})):
         return benchmark(fn, [args], device=device, max_reps=20).median_us
 
-    rows = [("host: searchsorted, sort, number chunks", stats(prep))]
+    rows = [("numbering: number_chunks", stats(kernel.number_chunks, numbering))]
+    rows.append(("numbering before: torch_numbering", stats(torch_numbering, numbering)))
+    number_chunks, kernel.number_chunks = kernel.number_chunks, torch_numbering
+    try:  # the whole op on the numbering before
+        us = stats(kernel.embedding_bags_update, (inputs.args, inputs.kwargs))
+        rows.append(("whole op, numbered by torch_numbering", us))
+    finally:
+        kernel.number_chunks = number_chunks
     versions = [("", kernel)]
     if earlier:  # an earlier version's module beside this one, for a side-by-side run
         versions.append((earlier + " ", importlib.import_module(earlier)))

@@ -94,6 +94,80 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
+def _numbering_by_torch(row_offsets, indices, offsets, batch: int, chunk: int, int32_keys: bool):
+    """number_chunks's outputs, by plain torch ops: each id's bag by a search, the keys sorted,
+    the chunk starts flagged and counted."""
+    nnz = indices.numel()
+    positions = torch.arange(nnz, device=indices.device)
+    bag = torch.searchsorted(offsets[1:].long(), positions, right=True)
+    keys = row_offsets[bag // batch] + indices.long()
+    sorted_keys, order = torch.sort(keys.to(torch.int32) if int32_keys else keys, stable=True)
+    flags = torch.ones(nnz, dtype=torch.bool, device=indices.device)
+    flags[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    flags |= positions % chunk == 0
+    chunk_end = torch.cumsum(flags, 0)
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=indices.device)
+    starts[chunk_end[flags] - 1] = positions[flags]
+    return bag, sorted_keys, order, starts, chunk_end[-1:]
+
+
+# (bag lengths, F * B of them; ids in order; row_offsets, one per feature; chunk)
+NUMBERINGS = {
+    "empty-bags": ([2, 0, 0, 1, 0, 3, 0, 2], [3, 1, 4, 1, 5, 9, 2, 6], [0, 10], 4),
+    "first-bag-empty": ([0, 3, 2], [7, 7, 1, 7, 0], [0], 2),
+    "all-in-one-bag": ([0, 0, 9, 0], [2, 5, 2, 2, 0, 5, 2, 1, 2], [0, 8], 3),
+    # Features 0 and 2 share a table (one row offset): their ids of one row share a key.
+    "features-sharing-a-table": ([1, 2, 0, 3, 1, 1], [4, 0, 4, 1, 4, 2, 4, 0], [0, 5, 0], 64),
+    # Sorted, rows of 2, 6 and 5 ids at chunk 4: a chunk starts inside the second row (4), at
+    # its end where the third starts (8), and at the third's last id (12).
+    "chunks-inside-and-at-ends-of-rows": ([13], [2, 0, 1, 1, 2, 1, 2, 0, 1, 1, 2, 1, 2], [0], 4),
+}
+
+
+@pytest.mark.parametrize("int32_keys", [True, False])
+@pytest.mark.parametrize("ids", [torch.int32, torch.int64])
+@pytest.mark.parametrize("case", sorted(NUMBERINGS))
+def test_number_chunks_is_torchs_numbering(
+    case: str, ids: torch.dtype, int32_keys: bool, device: torch.device
+) -> None:
+    lengths, in_order, row_offsets, chunk = NUMBERINGS[case]
+    batch = len(lengths) // len(row_offsets)
+    offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(ids)
+    indices = torch.tensor(in_order, dtype=ids, device=device)
+    r_off = torch.tensor(row_offsets, device=device)
+    got = kernel.number_chunks(r_off, indices, offsets, batch, chunk, int32_keys=int32_keys)
+    want = _numbering_by_torch(r_off, indices, offsets, batch, chunk, int32_keys)
+    assert got[0].dtype == torch.int32 and got[1].dtype == (torch.int32 if int32_keys else torch.int64)
+    for name, g, w in zip(("bag", "sorted_keys", "order", "starts", "count"), got, want, strict=True):
+        assert torch.equal(g.long(), w.long()), (name, g, w)
+
+
+def test_number_chunks_spans_programs(device: torch.device) -> None:
+    """Ids over several programs' positions (1024 each), hot rows crossing their edges, and
+    bags of all lengths (empty ones among them)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    lengths = torch.randint(0, 40, (2 * 60,), generator=gen, device=device)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), lengths.cumsum(0)])
+    indices = torch.randint(0, 30, (int(lengths.sum()),), generator=gen, device=device)
+    indices[::3] = 7  # one row in a third of the ids
+    r_off = torch.tensor([0, 30], device=device)
+    got = kernel.number_chunks(r_off, indices, offsets, 60, 16, int32_keys=True)
+    want = _numbering_by_torch(r_off, indices, offsets, 60, 16, True)
+    assert indices.numel() > 2 * 1024
+    for name, g, w in zip(("bag", "sorted_keys", "order", "starts", "count"), got, want, strict=True):
+        assert torch.equal(g.long(), w.long()), name
+
+
+def test_the_chunk_scan_carries_across_its_tiles(device: torch.device) -> None:
+    """The one-program prefix sum over blocks' counts, in tiles of 16 here (1024 in the op)."""
+    counts = torch.randint(0, 1000, (53,), device=device)
+    scanned = counts.clone()
+    total = torch.empty(1, dtype=torch.int64, device=device)
+    kernel._scan_kernel[(1,)](scanned, total, counts.numel(), BLOCK=16)
+    assert torch.equal(scanned, counts.cumsum(0) - counts)
+    assert total.tolist() == [int(counts.sum())]
+
+
 def _several_steps(
     update, shape: Shape, steps: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,5 +399,12 @@ def test_every_gpu_launch_compiles_for_sm90() -> None:
     assert report["failed"] == [], report["failed"]
     assert report["compiled"] == [
         f"kernels.embedding_bags_update.{name}"
-        for name in ("_chunk_starts_kernel", "_long_rows_kernel", "_rows_kernel", "_sorted_kernel")
+        for name in (
+            "_bags_kernel",
+            "_chunks_kernel",
+            "_long_rows_kernel",
+            "_rows_kernel",
+            "_scan_kernel",
+            "_sorted_kernel",
+        )
     ]

@@ -2,19 +2,27 @@
 other's gradient: jagged_to_padded_dense and dense_to_jagged, jagged_concat and jagged_split.
 The public ops against their references on every check shape (both offset dtypes, truncation,
 empty sequences, widths that are no power of two), their baselines, gradients, the custom ops'
-registration, argument errors, and the sandbox's verdict on the default kernels and on a kernel
-that pads with the wrong value."""
+registration, argument errors, the sandbox's verdict on the default kernels and on a kernel
+that pads with the wrong value, and the launch tiles: the heuristic's at every width, and the
+tiles a search writes."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
+import triton
 
 from kernels import ops
 from sandbox import Candidate, LocalBackend, Status, isolation
+from sandbox.protocol import check_shape
 from search_space import get_problem
-from search_space.jagged_transforms import lengths_of, padded_len
-from search_space.template import get_template
+from search_space.jagged_transforms import MAX_TILE, lengths_of, padded_len
+from search_space.problem import Shape
+from search_space.template import get_template, knob_values
 
 OPS = ("jagged_to_padded_dense", "dense_to_jagged")
 ALL = (*OPS, "jagged_concat", "jagged_split")
@@ -184,3 +192,114 @@ def test_host_copies_of_the_data_count_as_computing_a_jagged_transform() -> None
     with host_ops.watching(True, copies_compute=True) as watch:
         values.new_full((2, 3), 0.5)
     assert watch.first == "aten.new_full.default on float32"
+
+
+# --- launch tiles: the heuristic (knobs None) and the tiles a search writes ------------------
+
+MODULES = {name: importlib.import_module(f"kernels.{name}") for name in ALL}
+ROWS = {name: get_template(name).knobs[0].name for name in ALL}  # BLOCK_L or BLOCK_T
+# Widths around every power of two up to 512, and a few between.
+WIDTHS = (1, 2, 3, 5, 7, 8, 9, 15, 17, 24, 31, 33, 48, 63, 65, 100, 127, 129, 200, 255, 257, 300, 513)
+
+
+def _parts_shape(dim: int, dtype: str) -> Shape:
+    """Every op's inputs from one shape: empty, short and truncated sequences (padded_len 24)
+    and second parts of uneven lengths."""
+    return Shape.of(
+        f"d{dim}", dtype, dim=dim, lengths=[0, 3, 40, 1, 17], second=[2, 0, 5, 1, 3], padded_len=24
+    )
+
+
+def test_the_four_kernels_share_one_tile_heuristic() -> None:
+    """Each module is self-contained, so each has its own copy of _tile: the same one."""
+    sources = {inspect.getsource(module._tile) for module in MODULES.values()}
+    assert len(sources) == 1
+
+
+@pytest.mark.parametrize("interpreted", [False, True], ids=["gpu", "interpreted"])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_the_heuristic_tile_covers_every_width(itemsize: int, interpreted: bool) -> None:
+    """Every width from 1 to 600: BLOCK_D covers the row in 16-byte vectors (a warp's 32 at the
+    most on a GPU), the tile stays within its bytes and the template's elements, and no more
+    rows than the grid has."""
+    tile_bytes = 262144 if interpreted else 16384
+    widest = tile_bytes // 32 // itemsize
+    tile = MODULES["dense_to_jagged"]._tile
+    for extent in (1, 5, 37, 10**6):
+        most_rows = min(256, triton.next_power_of_2(extent))
+        for dim in range(1, 601):
+            rows, block_d, num_warps = tile(None, dim, itemsize, extent, interpreted)
+            where = f"dim {dim}, {itemsize}-byte, extent {extent}: {rows} x {block_d} on {num_warps} warps"
+            assert block_d == min(triton.next_power_of_2(dim), widest), where
+            assert rows == triton.next_power_of_2(rows) and rows <= most_rows, where
+            # The rows fill the tile, unless there are no more of them to take.
+            assert rows * block_d * itemsize == tile_bytes or rows == most_rows, where
+            assert num_warps in (1, 2, 4, 8), where
+            if not interpreted:
+                assert rows * block_d <= MAX_TILE, where
+
+
+def test_set_knobs_override_the_heuristic_and_the_rest_follow(monkeypatch) -> None:
+    module = MODULES["jagged_concat"]
+    assert module._tile(None, 64, 4, 10**6, False) == (64, 64, 4)  # 16 KB of fp32 rows of 64
+    assert module._tile(None, 512, 2, 10**6, False) == (32, 256, 4)  # bf16: two blocks a row
+    monkeypatch.setitem(module.KNOBS, "BLOCK_D", 32)
+    assert module._tile(None, 64, 4, 10**6, False) == (128, 32, 4)  # the rows fill the tile
+    assert module._tile(16, 64, 4, 10**6, False) == (16, 32, 1)  # a warp per 4 KB
+    monkeypatch.setitem(module.KNOBS, "num_warps", 8)
+    assert module._tile(16, 64, 4, 10**6, True) == (16, 32, 8)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ALL)
+def test_the_heuristic_tiles_are_exact_at_every_width(name: str, dtype: str, monkeypatch) -> None:
+    """The interpreted tile (whole rows), and the tile a GPU would take at a large call, set as
+    knobs: several column blocks a row, the last one partly masked, at widths of no power of two."""
+    problem, module = get_problem(name), MODULES[name]
+    names = (ROWS[name], "BLOCK_D", "num_warps")
+    for dim in WIDTHS:
+        inputs = problem.make_inputs(_parts_shape(dim, dtype), dim, CPU)
+        expected = problem.reference(*inputs.args, **inputs.kwargs)
+        monkeypatch.setattr(module, "KNOBS", dict.fromkeys(names))
+        gpu_tile = module._tile(None, dim, inputs.args[0].element_size(), 10**6, False)
+        for knobs in (dict.fromkeys(names), dict(zip(names, gpu_tile, strict=True))):
+            monkeypatch.setattr(module, "KNOBS", knobs)
+            got = getattr(module, name)(*inputs.args, **inputs.kwargs)
+            assert _equal(got, expected), f"dim {dim}, knobs {knobs}"
+
+
+# Knob values a search may write: each alone, and with the others None.
+SEARCHED = (
+    {"BLOCK_D": 32},
+    {"rows": 8, "BLOCK_D": 64, "num_warps": 2},
+    {"rows": 16, "num_warps": 1},
+    {"rows": 64, "BLOCK_D": 256, "num_warps": 8},
+)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_searched_tile_renders_and_checks_out(name: str, monkeypatch) -> None:
+    """The template's default is the module itself (the heuristic); a rendering differs from it
+    only in its KNOBS, whose values the module then runs with."""
+    template, problem, module = get_template(name), get_problem(name), MODULES[name]
+    assert template.defaults() == {ROWS[name]: None, "BLOCK_D": None, "num_warps": None}
+    assert template.render({}) == Path(module.__file__).read_text()
+    shapes = [s for s in problem.check_shapes if s.name in ("edges", "wide", "single")]
+    for searched in SEARCHED:
+        knobs = template.validate({ROWS[name] if k == "rows" else k: v for k, v in searched.items()})
+        assert knob_values(template.render(knobs)) == knobs
+        monkeypatch.setattr(module, "KNOBS", knobs)
+        for shape in shapes:
+            check = check_shape(problem, getattr(module, name), shape, 0, CPU)
+            assert check.ok, f"{knobs} at {shape.describe()}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_tile_constraint_takes_a_none_block_d_as_the_widest_heuristic(name: str) -> None:
+    template, rows = get_template(name), ROWS[name]
+    assert template.validate({rows: 64})[rows] == 64  # 64 x (up to 256): 16384 elements
+    assert template.validate({rows: 128, "BLOCK_D": 128})[rows] == 128
+    assert template.validate({"BLOCK_D": 256})["BLOCK_D"] == 256  # rows None fill the tile
+    for knobs in ({rows: 128}, {rows: 128, "BLOCK_D": 256}):
+        with pytest.raises(ValueError, match="a tile of more than 16384 elements"):
+            template.validate(knobs)

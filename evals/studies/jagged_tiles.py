@@ -1,0 +1,117 @@
+"""The four jagged transforms at each of their timing shapes under several launch tiles, set in
+their kernels' KNOBS: the launch heuristic (every knob None, kernels/<op>.py's _tile), the fixed
+tile it replaced (32 rows x 128 columns on 4 warps), and the rows x BLOCK_D x warps of `tiles`.
+Each call is the public op (kernels.ops), dispatched to its default kernel (through an empty
+library), and its output is checked against the problem's reference. One CUDA device; prints a
+table per op: microseconds, GB/s and the fraction of the copy bandwidth measured in the same run.
+
+    python3 -m evals.studies.jagged_tiles [OP NAME SUBSTRING] [SHAPE NAME SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+import tempfile
+
+import torch
+import triton
+
+from evals.bench_ops import measure_copy_bandwidth
+from kernels import ops
+from kernels.registry import DISPATCHER
+from sandbox.protocol import compare
+from sandbox.timing import benchmark
+from search_space import get_problem
+from search_space.jagged_transforms import MAX_TILE
+from search_space.problem import Inputs
+from search_space.template import get_template
+
+OPS = ("jagged_to_padded_dense", "dense_to_jagged", "jagged_concat", "jagged_split")
+HEURISTIC = (None, None, None)  # (rows, BLOCK_D, num_warps)
+BEFORE = (32, 128, 4)
+ROWS, BLOCK_DS, WARPS = (16, 32, 64, 128), (64, 128, 256), (2, 4, 8)
+MAX_REPS = 20
+
+
+def tiles(dim: int, itemsize: int) -> list[tuple]:
+    """The heuristic, the tile before it, then every rows x BLOCK_D x warps of at most MAX_TILE
+    elements whose BLOCK_D the row can use (no wider than its next power of two, 64 at least) and
+    whose threads move 4 or 8 16-byte vectors each (the heuristic's tiles move 8; the tile before,
+    at 2 bytes, 4). Compiled variants depend on the dtype and the tile alone, not the shape."""
+    swept = [
+        (rows, block_d, warps)
+        for rows, block_d, warps in itertools.product(ROWS, BLOCK_DS, WARPS)
+        if rows * block_d <= MAX_TILE
+        and block_d <= max(64, triton.next_power_of_2(dim))
+        and 64 <= rows * block_d * itemsize // (32 * warps) <= 128
+    ]
+    return [HEURISTIC, BEFORE, *(tile for tile in swept if tile != BEFORE)]
+
+
+def extent(name: str, inputs: Inputs) -> int:
+    """The rows (padded positions, for jagged_to_padded_dense) the kernel's grid covers: the
+    heuristic takes no more than their next power of two."""
+    if name == "jagged_to_padded_dense":
+        return inputs.kwargs["max_len"]
+    if name == "dense_to_jagged":
+        return inputs.kwargs["total"]
+    if name == "jagged_concat":
+        return inputs.args[0].shape[0] + inputs.args[2].shape[0]
+    return inputs.args[0].shape[0]
+
+
+def study(name: str, shape_pattern: str, device: torch.device, copy_bw: float) -> None:
+    problem, public = get_problem(name), ops.op(name)
+    module = importlib.import_module(f"kernels.{name}")
+    knobs = (get_template(name).knobs[0].name, "BLOCK_D", "num_warps")
+    base = dict(module.KNOBS)
+    print(
+        f"\n{name}\n  {'shape':24} {'tile (rows x BLOCK_D / warps)':32} {'us':>9} {'GB/s':>7} {'copy':>5}  ok"
+    )
+    for shape in [s for s in problem.timing_shapes if shape_pattern in s.name]:
+        inputs = problem.make_inputs(shape, 1, device)
+        want = problem.reference(*inputs.args, **inputs.kwargs)
+        moved = problem.bytes(shape)
+        dim, itemsize = shape.params["dim"], shape.torch_dtype.itemsize
+        where = f"{shape.name} {shape.dtype}"
+        for tile in tiles(dim, itemsize):
+            module.KNOBS.update(base, **dict(zip(knobs, tile, strict=True)))
+            rows, block_d, warps = module._tile(tile[0], dim, itemsize, extent(name, inputs), False)
+            what = "heuristic " if tile == HEURISTIC else "before " if tile == BEFORE else ""
+            label = f"{what}{rows} x {block_d} / {warps}"
+            try:  # a tile this device or Triton cannot launch is a row of the table, not the end
+                got = public(*inputs.args, **inputs.kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported, and the sweep goes on
+                print(f"  {where:24} {label:32} FAILED: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+            if DISPATCHER.last.get(name) != "default":
+                raise SystemExit(f"{name} dispatched to {DISPATCHER.last.get(name)}, not its default kernel")
+            ok, details = compare(got, want, problem.tolerance(shape.dtype))
+            del got
+            us = benchmark(public, [(inputs.args, inputs.kwargs)], device=device, max_reps=MAX_REPS).median_us
+            gbs = moved / (us * 1e-6) / 1e9
+            verdict = "ok" if ok else f"WRONG: {details['message'][:60]}"
+            # Each row as soon as it is measured: a run cut short keeps what it timed.
+            print(
+                f"  {where:24} {label:32} {us:9.1f} {gbs:7.0f} {gbs * 1e9 / copy_bw:5.0%}  {verdict}",
+                flush=True,
+            )
+        del want, inputs
+    module.KNOBS.update(base)
+
+
+def main(op_pattern: str = "", shape_pattern: str = "") -> None:
+    device = torch.device("cuda")
+    copy_bw = measure_copy_bandwidth(device)
+    assert copy_bw is not None
+    name = torch.cuda.get_device_name(device)
+    print(f"{name}: copy {copy_bw / 1e9:.0f} GB/s; triton {triton.__version__}, torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as empty, DISPATCHER.library_at(empty):
+        for op in [op for op in OPS if op_pattern in op]:
+            study(op, shape_pattern, device, copy_bw)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
