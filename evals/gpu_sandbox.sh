@@ -9,7 +9,7 @@
 # evaluations side by side, 6 here) size the call to the device time at hand. TIMING_LOCKS, a
 # list of RECFORGE_TIMING_LOCK modes, runs the benchmark once per mode in that order; the first
 # run also fills the compile caches, so to compare modes on equal terms end with the first one
-# again ("batch shape batch").
+# again ("shape batch shape").
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 export COLUMNS=160 RECFORGE_HOME=/tmp/recforge-home RECFORGE_CORPUS_PARALLEL=${RECFORGE_CORPUS_PARALLEL:-6}
@@ -19,7 +19,7 @@ candidates=${BENCH_CANDIDATES:-30}
 python3 -m pytest -q -p no:cacheprovider -rA ${SANDBOX_TESTS:-tests/sandbox/test_host_ops.py \
   tests/sandbox/test_channel.py tests/sandbox/test_judge.py tests/sandbox/test_adversarial.py} 2>&1 \
   | tee -a "$LOG" | tail -40
-for mode in ${TIMING_LOCKS:-batch}; do
+for mode in ${TIMING_LOCKS:-shape}; do
   echo "== bench sandbox, RECFORGE_TIMING_LOCK=$mode" | tee -a "$LOG"
   RECFORGE_TIMING_LOCK=$mode python3 -m agent bench sandbox --candidates "$candidates" --parallel 6 2>&1 | tee -a "$LOG"
 done

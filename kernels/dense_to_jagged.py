@@ -3,7 +3,7 @@
 search over the offsets (no host sync and no index tensor), then copies the row from the
 padded form, or writes zeros for a row past its padded length. Self-contained, like any
 candidate: it is also the op's knob template (its KNOBS dict; a knob that is None takes the
-launch heuristic's value, _tile)."""
+launch tile's value, _tile)."""
 
 import torch
 import triton
@@ -36,15 +36,18 @@ def _dense_to_jagged_kernel(
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], tile, mask=in_rows[:, None] & in_cols)
 
 
-# The launch tile, for each knob that is None: BLOCK_D columns cover the row in 16-byte vectors,
-# at most a warp's 32 of them (512 bytes, a 32nd of the tile); the rows fill the tile to 16 KB, up
-# to 256 (8 a thread on one warp) and to the next power of two of `extent` (the rows the grid
-# covers); a warp per 4 KB of tile. Interpreted (on the CPU, each op of each program a NumPy call),
-# 256 KB tiles of whole rows up to 8 KB: fewer, wider programs.
+# The launch tile, for each knob that is None. On a GPU, 32 rows x 128 columns on 4 warps: an
+# H100 sweep of 8 to 17 tiles at every timing shape (evals/studies/jagged_tiles.py; BENCHMARKS.md,
+# 2026-12-06, twenty-ninth session) put none ahead of it by more than the run's noise (one tile
+# timed twice differed by up to 9%), tiles of the row's width included. Interpreted (on the CPU,
+# each op of each program a NumPy call), fewer, wider programs: BLOCK_D covers the row (up to 8
+# KB), the rows fill a 256 KB tile up to the next power of two of `extent` (the rows the grid
+# covers), a warp per 4 KB.
 def _tile(rows, dim, itemsize, extent, interpreted):
-    tile = 262144 if interpreted else 16384
-    block_d = KNOBS["BLOCK_D"] or min(triton.next_power_of_2(dim), tile // 32 // itemsize)
-    rows = rows or min(tile // (block_d * itemsize), 256, triton.next_power_of_2(extent))
+    if not interpreted:
+        return rows or 32, KNOBS["BLOCK_D"] or 128, KNOBS["num_warps"] or 4
+    block_d = KNOBS["BLOCK_D"] or min(triton.next_power_of_2(dim), 8192 // itemsize)
+    rows = rows or min(262144 // (block_d * itemsize), 256, triton.next_power_of_2(extent))
     return rows, block_d, KNOBS["num_warps"] or max(1, min(8, rows * block_d * itemsize // 4096))
 
 

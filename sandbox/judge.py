@@ -84,12 +84,13 @@ TIMED_TARGET_S = 0.3  # of timed calls per shape, within those bounds
 CHECKED_SHARE = 0.25
 COSTLY_REFERENCE_S = 1.0
 INTERPRETED_TIMED_CALLS = 3
-# How timed batches take the GPU's lock: "batch" (each batch alone, exclusive; the checks of its
-# calls, shared, between them) or "shape" (exclusive once for a timing shape's batches and the
-# checks between them). An experiment's switch, for measuring which lets more evaluations an
-# hour through (evals/bench_sandbox.py; the local backend passes it to its judges); both time
-# every batch with nothing beside it.
-TIMING_LOCK = os.environ.get("RECFORGE_TIMING_LOCK", "batch")
+# How timed batches take the GPU's lock: "shape" (exclusive once for a timing shape's batches and
+# the checks between them) or "batch" (each batch alone, exclusive; the checks of its calls,
+# shared, between them). Both time every batch with nothing beside it. "shape" lets more
+# evaluations an hour through: 747 and 774 against "batch"'s 638, run in the order shape, batch,
+# shape on one H100 (`bench sandbox` 20 @4; BENCHMARKS.md, 2026-12-06, twenty-ninth session).
+# The local backend passes RECFORGE_TIMING_LOCK to its judges.
+TIMING_LOCK = os.environ.get("RECFORGE_TIMING_LOCK", "shape")
 if TIMING_LOCK not in ("batch", "shape"):
     raise ValueError(f"RECFORGE_TIMING_LOCK must be 'batch' or 'shape', got {TIMING_LOCK!r}")
 # The judge's clock less the runner's event times, per batch, that honest timing leaves over:

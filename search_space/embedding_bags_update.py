@@ -596,7 +596,8 @@ PROBLEM = Problem(
     template="embedding_bags_update",
     optimizes="backward",
     updates=("weights", "state"),
-    # Sorting the ids' row keys and numbering the rows' chunks: host code on integers (the
+    # Sorting the ids' row keys, and numbering the rows' chunks (the default kernel numbers them
+    # in kernels; a candidate may in host code, as it did before): host code on integers (the
     # host-compute watch holds it to the call's own integer inputs and what is made from them).
     screen_extras=("torch.sort", "torch.cumsum", "torch.searchsorted"),
     forbidden_ops=(

@@ -53,25 +53,21 @@ def copy_problem(name: str, **fields) -> Problem:
     )
 
 
-# The most elements a tile may hold, and the widest BLOCK_D the launch heuristic picks (the
-# kernels' _tile: 512 bytes of a 2-byte dtype's row), which the constraint takes for a BLOCK_D
-# left None; rows left None always fit (the heuristic fills the tile to 16 KB).
+# The most elements a tile may hold, and the tile a GPU launch takes for knobs left None (the
+# kernels' _tile), which the constraint counts them as.
 MAX_TILE = 16384
-WIDEST_HEURISTIC_BLOCK_D = 256
+GPU_ROWS, GPU_BLOCK_D = 32, 128
 
 
 def tile_template(name: str, rows: str, rows_help: str) -> KnobTemplate:
     """The knobs of a jagged transform's default kernel (kernels/<name>.py, its own template):
     a tile of `rows` x BLOCK_D columns per program, and its warps; None, the default, takes the
-    kernel's launch heuristic (its _tile: the row's width in 16-byte vectors, a 16 KB tile)."""
+    kernel's launch tile (its _tile: 32 x 128 on 4 warps on a GPU)."""
 
     def constraint(knobs: dict) -> str | None:
-        if knobs[rows] is None:
-            return None
-        block_d = knobs["BLOCK_D"] or WIDEST_HEURISTIC_BLOCK_D
-        if knobs[rows] * block_d > MAX_TILE:
-            given = "" if knobs["BLOCK_D"] else " (BLOCK_D None: the heuristic's up to 256)"
-            return f"a tile of more than {MAX_TILE} elements: {rows} {knobs[rows]} x BLOCK_D {block_d}{given}"
+        tile_rows, block_d = knobs[rows] or GPU_ROWS, knobs["BLOCK_D"] or GPU_BLOCK_D
+        if tile_rows * block_d > MAX_TILE:
+            return f"a tile of more than {MAX_TILE} elements: {rows} {tile_rows} x BLOCK_D {block_d}"
         return None
 
     return KnobTemplate(

@@ -1,6 +1,7 @@
 """The four jagged transforms at each of their timing shapes under several launch tiles, set in
-their kernels' KNOBS: the launch heuristic (every knob None, kernels/<op>.py's _tile), the fixed
-tile it replaced (32 rows x 128 columns on 4 warps), and the rows x BLOCK_D x warps of `tiles`.
+their kernels' KNOBS: the default (every knob None, kernels/<op>.py's _tile: 32 rows x 128
+columns on 4 warps), the rows x BLOCK_D x warps of `tiles`, then the default again (the two
+rows of one tile show the run's noise and any drift over it).
 Each call is the public op (kernels.ops), dispatched to its default kernel (through an empty
 library), and its output is checked against the problem's reference. One CUDA device; prints a
 table per op: microseconds, GB/s and the fraction of the copy bandwidth measured in the same run.
@@ -29,17 +30,17 @@ from search_space.problem import Inputs
 from search_space.template import get_template
 
 OPS = ("jagged_to_padded_dense", "dense_to_jagged", "jagged_concat", "jagged_split")
-HEURISTIC = (None, None, None)  # (rows, BLOCK_D, num_warps)
-BEFORE = (32, 128, 4)
+DEFAULT = (None, None, None)  # (rows, BLOCK_D, num_warps)
 ROWS, BLOCK_DS, WARPS = (16, 32, 64, 128), (64, 128, 256), (2, 4, 8)
 MAX_REPS = 20
 
 
 def tiles(dim: int, itemsize: int) -> list[tuple]:
-    """The heuristic, the tile before it, then every rows x BLOCK_D x warps of at most MAX_TILE
-    elements whose BLOCK_D the row can use (no wider than its next power of two, 64 at least) and
-    whose threads move 4 or 8 16-byte vectors each (the heuristic's tiles move 8; the tile before,
-    at 2 bytes, 4). Compiled variants depend on the dtype and the tile alone, not the shape."""
+    """The default, every rows x BLOCK_D x warps of at most MAX_TILE elements whose BLOCK_D the
+    row can use (no wider than its next power of two, 64 at least) and whose threads move 4 or 8
+    16-byte vectors each (among them tiles of the row's width: a 16 KB tile of BLOCK_D the row's
+    next power of two, up to 512 bytes), then the default again. Compiled variants depend on the
+    dtype and the tile alone, not the shape."""
     swept = [
         (rows, block_d, warps)
         for rows, block_d, warps in itertools.product(ROWS, BLOCK_DS, WARPS)
@@ -47,12 +48,12 @@ def tiles(dim: int, itemsize: int) -> list[tuple]:
         and block_d <= max(64, triton.next_power_of_2(dim))
         and 64 <= rows * block_d * itemsize // (32 * warps) <= 128
     ]
-    return [HEURISTIC, BEFORE, *(tile for tile in swept if tile != BEFORE)]
+    return [DEFAULT, *swept, DEFAULT]
 
 
 def extent(name: str, inputs: Inputs) -> int:
-    """The rows (padded positions, for jagged_to_padded_dense) the kernel's grid covers: the
-    heuristic takes no more than their next power of two."""
+    """The rows (padded positions, for jagged_to_padded_dense) the kernel's grid covers: an
+    interpreted launch takes no more than their next power of two."""
     if name == "jagged_to_padded_dense":
         return inputs.kwargs["max_len"]
     if name == "dense_to_jagged":
@@ -79,7 +80,7 @@ def study(name: str, shape_pattern: str, device: torch.device, copy_bw: float) -
         for tile in tiles(dim, itemsize):
             module.KNOBS.update(base, **dict(zip(knobs, tile, strict=True)))
             rows, block_d, warps = module._tile(tile[0], dim, itemsize, extent(name, inputs), False)
-            what = "heuristic " if tile == HEURISTIC else "before " if tile == BEFORE else ""
+            what = "default " if tile == DEFAULT else ""
             label = f"{what}{rows} x {block_d} / {warps}"
             try:  # a tile this device or Triton cannot launch is a row of the table, not the end
                 got = public(*inputs.args, **inputs.kwargs)

@@ -3,7 +3,7 @@ other's gradient: jagged_to_padded_dense and dense_to_jagged, jagged_concat and 
 The public ops against their references on every check shape (both offset dtypes, truncation,
 empty sequences, widths that are no power of two), their baselines, gradients, the custom ops'
 registration, argument errors, the sandbox's verdict on the default kernels and on a kernel
-that pads with the wrong value, and the launch tiles: the heuristic's at every width, and the
+that pads with the wrong value, and the launch tiles: the default's at every width, and the
 tiles a search writes."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kernels import ops
 from sandbox import Candidate, LocalBackend, Status, isolation
 from sandbox.protocol import check_shape
 from search_space import get_problem
-from search_space.jagged_transforms import MAX_TILE, lengths_of, padded_len
+from search_space.jagged_transforms import lengths_of, padded_len
 from search_space.problem import Shape
 from search_space.template import get_template, knob_values
 
@@ -194,7 +194,7 @@ def test_host_copies_of_the_data_count_as_computing_a_jagged_transform() -> None
     assert watch.first == "aten.new_full.default on float32"
 
 
-# --- launch tiles: the heuristic (knobs None) and the tiles a search writes ------------------
+# --- launch tiles: the default's (knobs None) and the tiles a search writes -------------------
 
 MODULES = {name: importlib.import_module(f"kernels.{name}") for name in ALL}
 ROWS = {name: get_template(name).knobs[0].name for name in ALL}  # BLOCK_L or BLOCK_T
@@ -210,51 +210,50 @@ def _parts_shape(dim: int, dtype: str) -> Shape:
     )
 
 
-def test_the_four_kernels_share_one_tile_heuristic() -> None:
+def test_the_four_kernels_share_one_launch_tile() -> None:
     """Each module is self-contained, so each has its own copy of _tile: the same one."""
     sources = {inspect.getsource(module._tile) for module in MODULES.values()}
     assert len(sources) == 1
 
 
-@pytest.mark.parametrize("interpreted", [False, True], ids=["gpu", "interpreted"])
+def test_a_gpu_launch_takes_the_swept_tile_at_every_width() -> None:
+    tile = MODULES["dense_to_jagged"]._tile
+    for itemsize in (2, 4):
+        assert {tile(None, dim, itemsize, 10**6, False) for dim in range(1, 601)} == {(32, 128, 4)}
+
+
 @pytest.mark.parametrize("itemsize", [2, 4])
-def test_the_heuristic_tile_covers_every_width(itemsize: int, interpreted: bool) -> None:
-    """Every width from 1 to 600: BLOCK_D covers the row in 16-byte vectors (a warp's 32 at the
-    most on a GPU), the tile stays within its bytes and the template's elements, and no more
-    rows than the grid has."""
-    tile_bytes = 262144 if interpreted else 16384
-    widest = tile_bytes // 32 // itemsize
+def test_the_interpreted_tile_covers_every_width(itemsize: int) -> None:
+    """Every width from 1 to 600: BLOCK_D covers the row (8 KB at the most), the rows fill a
+    256 KB tile, and no more rows than the grid has."""
     tile = MODULES["dense_to_jagged"]._tile
     for extent in (1, 5, 37, 10**6):
         most_rows = min(256, triton.next_power_of_2(extent))
         for dim in range(1, 601):
-            rows, block_d, num_warps = tile(None, dim, itemsize, extent, interpreted)
+            rows, block_d, num_warps = tile(None, dim, itemsize, extent, True)
             where = f"dim {dim}, {itemsize}-byte, extent {extent}: {rows} x {block_d} on {num_warps} warps"
-            assert block_d == min(triton.next_power_of_2(dim), widest), where
+            assert block_d == min(triton.next_power_of_2(dim), 8192 // itemsize), where
             assert rows == triton.next_power_of_2(rows) and rows <= most_rows, where
             # The rows fill the tile, unless there are no more of them to take.
-            assert rows * block_d * itemsize == tile_bytes or rows == most_rows, where
+            assert rows * block_d * itemsize == 262144 or rows == most_rows, where
             assert num_warps in (1, 2, 4, 8), where
-            if not interpreted:
-                assert rows * block_d <= MAX_TILE, where
 
 
-def test_set_knobs_override_the_heuristic_and_the_rest_follow(monkeypatch) -> None:
+def test_set_knobs_override_the_launch_tile(monkeypatch) -> None:
     module = MODULES["jagged_concat"]
-    assert module._tile(None, 64, 4, 10**6, False) == (64, 64, 4)  # 16 KB of fp32 rows of 64
-    assert module._tile(None, 512, 2, 10**6, False) == (32, 256, 4)  # bf16: two blocks a row
     monkeypatch.setitem(module.KNOBS, "BLOCK_D", 32)
-    assert module._tile(None, 64, 4, 10**6, False) == (128, 32, 4)  # the rows fill the tile
-    assert module._tile(16, 64, 4, 10**6, False) == (16, 32, 1)  # a warp per 4 KB
+    assert module._tile(None, 64, 4, 10**6, False) == (32, 32, 4)
+    assert module._tile(16, 64, 4, 10**6, False) == (16, 32, 4)
+    assert module._tile(None, 64, 4, 10**6, True) == (256, 32, 8)  # interpreted: the rows fill the tile
     monkeypatch.setitem(module.KNOBS, "num_warps", 8)
-    assert module._tile(16, 64, 4, 10**6, True) == (16, 32, 8)
+    assert module._tile(16, 64, 4, 10**6, False) == (16, 32, 8)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ALL)
-def test_the_heuristic_tiles_are_exact_at_every_width(name: str, dtype: str, monkeypatch) -> None:
-    """The interpreted tile (whole rows), and the tile a GPU would take at a large call, set as
-    knobs: several column blocks a row, the last one partly masked, at widths of no power of two."""
+def test_the_launch_tiles_are_exact_at_every_width(name: str, dtype: str, monkeypatch) -> None:
+    """The interpreted tile (whole rows), and the tile a GPU launches, set as knobs: several
+    column blocks a row, the last one partly masked, at widths of no power of two."""
     problem, module = get_problem(name), MODULES[name]
     names = (ROWS[name], "BLOCK_D", "num_warps")
     for dim in WIDTHS:
@@ -279,7 +278,7 @@ SEARCHED = (
 
 @pytest.mark.parametrize("name", ALL)
 def test_a_searched_tile_renders_and_checks_out(name: str, monkeypatch) -> None:
-    """The template's default is the module itself (the heuristic); a rendering differs from it
+    """The template's default is the module itself (knobs None); a rendering differs from it
     only in its KNOBS, whose values the module then runs with."""
     template, problem, module = get_template(name), get_problem(name), MODULES[name]
     assert template.defaults() == {ROWS[name]: None, "BLOCK_D": None, "num_warps": None}
@@ -295,11 +294,9 @@ def test_a_searched_tile_renders_and_checks_out(name: str, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_the_tile_constraint_takes_a_none_block_d_as_the_widest_heuristic(name: str) -> None:
+def test_the_tile_constraint_counts_a_none_as_the_gpu_tiles(name: str) -> None:
     template, rows = get_template(name), ROWS[name]
-    assert template.validate({rows: 64})[rows] == 64  # 64 x (up to 256): 16384 elements
-    assert template.validate({rows: 128, "BLOCK_D": 128})[rows] == 128
-    assert template.validate({"BLOCK_D": 256})["BLOCK_D"] == 256  # rows None fill the tile
-    for knobs in ({rows: 128}, {rows: 128, "BLOCK_D": 256}):
-        with pytest.raises(ValueError, match="a tile of more than 16384 elements"):
-            template.validate(knobs)
+    assert template.validate({rows: 128})[rows] == 128  # 128 x 128: 16384 elements
+    assert template.validate({"BLOCK_D": 256})["BLOCK_D"] == 256  # 32 x 256
+    with pytest.raises(ValueError, match="a tile of more than 16384 elements"):
+        template.validate({rows: 128, "BLOCK_D": 256})

@@ -263,11 +263,11 @@ def test_only_the_judges_own_out_of_memory_runs_alone(tmp_path: Path, message: s
 
 @pytest.mark.slow
 def test_the_timing_lock_switch_reaches_the_judge(monkeypatch, tmp_path: Path) -> None:
-    """RECFORGE_TIMING_LOCK (sandbox.judge.TIMING_LOCK) is passed to the judges: "shape" times
-    a correct candidate as "batch" does (its batches and their checks under one hold), and a
+    """RECFORGE_TIMING_LOCK (sandbox.judge.TIMING_LOCK) is passed to the judges: "batch" times
+    a correct candidate as the default "shape" does (each batch under a hold of its own), and a
     value the judge does not know stops it with a message naming the switch."""
-    monkeypatch.setenv("RECFORGE_TIMING_LOCK", "shape")
-    backend = LocalBackend(timeout_s=120, scratch_root=tmp_path / "shape")
+    monkeypatch.setenv("RECFORGE_TIMING_LOCK", "batch")
+    backend = LocalBackend(timeout_s=120, scratch_root=tmp_path / "batch")
     result = backend.evaluate(_candidate(DEFAULT_SOURCE), trials=1)
     assert result.status == Status.OK, result.message
     assert result.timings and all(t.checked_calls >= 1 for t in result.timings)
