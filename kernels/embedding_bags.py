@@ -79,20 +79,24 @@ def _block_of(
     block 0, then of column block 1, ... (the slices of one row are read num_bag_blocks programs
     apart), or (SLICES_TOGETHER) every column block of bag block 0, then of bag block 1, ...: the
     slices of a row are read by neighbouring programs, at about the same time."""
-    first_F = (ends_F - blocks_F).to(tl.int64) * num_bag_blocks  # each feature's first block
-    feature = tl.sum((ends_F.to(tl.int64) * num_bag_blocks <= p).to(tl.int32), axis=0)
-    feature = tl.where(p < num_blocks, feature, num_features)
-    this_F = f_F == feature
-    first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
-    dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)  # 0 past the last feature
-    q = p - tl.sum(tl.where(this_F, first_F, 0), axis=0)  # the block within its feature
     if SLICES_TOGETHER:
+        # (Products of at most the grid's blocks: int32.)
+        feature = tl.sum((ends_F * num_bag_blocks <= p).to(tl.int32), axis=0)
+        feature = tl.where(p < num_blocks, feature, num_features)
+        this_F = f_F == feature
+        q = p - tl.sum(tl.where(this_F, (ends_F - blocks_F) * num_bag_blocks, 0), axis=0)
         slices = tl.maximum(tl.sum(tl.where(this_F, blocks_F, 0), axis=0), 1)  # 1 past the last
         col_block = q % slices
         bag_block = q // slices
     else:
-        col_block = q // num_bag_blocks
-        bag_block = q % num_bag_blocks
+        block = p // num_bag_blocks
+        feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
+        feature = tl.where(p < num_blocks, feature, num_features)
+        this_F = f_F == feature
+        col_block = block - tl.sum(tl.where(this_F, ends_F - blocks_F, 0), axis=0)
+        bag_block = p % num_bag_blocks
+    first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
+    dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)  # 0 past the last feature
     table = tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))
     bags_B = bag_block.to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     limit = tl.where(feature < num_features, num_bags, 0)

@@ -2,11 +2,16 @@
 torch's per-feature lookups, as GB/s and the fraction of the copy bandwidth measured in the same
 run. One CUDA device; prints a table per shape.
 
-    python3 -m evals.studies.bags_tiles [SHAPE NAME SUBSTRING] [FIRST N TILES]
+    python3 -m evals.studies.bags_tiles [SHAPE NAME SUBSTRING] [FIRST N TILES] [EARLIER MODULE]
+
+With an earlier version's module (e.g. `git show COMMIT:kernels/embedding_bags.py >
+evals/studies/_bags_before.py`, then `evals.studies._bags_before`), each shape first times its
+default and this one's, alternately, twice each, before the tiles.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import torch
@@ -79,7 +84,7 @@ NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "VE
 NAMES += ("SLICES_TOGETHER",)
 
 
-def main(pattern: str = "", first: str = "") -> None:
+def main(pattern: str = "", first: str = "", earlier: str = "") -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags")
     copy_bw = measure_copy_bandwidth(device)
@@ -100,6 +105,13 @@ def main(pattern: str = "", first: str = "") -> None:
             print(f"  {label:70} {us:9.1f} us {gbs:7.0f} GB/s {frac} {torch_us / us:5.2f}x", flush=True)
 
         show("torch.embedding_bag_per_feature", torch_us)
+        if earlier:
+            before = importlib.import_module(earlier)
+            for label, module in [(f"{earlier} default", before), ("default", kernel)] * 2:
+                got = module.embedding_bags_forward(*call[0], **call[1])
+                ok, details = compare(got, want, problem.tolerance(shape.dtype))
+                us = benchmark(module.embedding_bags_forward, [call], device=device).median_us
+                show(label if ok else f"{label} WRONG: {details['message'][:40]}", us)
         for tile in TILES[: int(first)] if first else TILES:
             settings = dict(zip(NAMES, tile, strict=False))
             kernel.VECTORS = settings.pop("VECTORS", True)
