@@ -42,10 +42,10 @@ def _jagged_concat_kernel(
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], tile, mask=in_rows[:, None] & in_cols)
 
 
-# The launch tile, for each knob that is None. On a GPU, 32 rows x 128 columns on 4 warps: an
+# The launch tile, for each knob that is None. On a GPU, 32 rows x 128 columns on 4 warps: in an
 # H100 sweep of 8 to 17 tiles at every timing shape (evals/studies/jagged_tiles.py; BENCHMARKS.md,
-# 2026-12-06, twenty-ninth session) put none ahead of it by more than the run's noise (one tile
-# timed twice differed by up to 9%), tiles of the row's width included. Interpreted (on the CPU,
+# 2026-12-06, twenty-ninth session) the best was within 0% to 7% of it, no one tile led across
+# shapes, and one tile timed twice differed by up to 12%. Interpreted (on the CPU,
 # each op of each program a NumPy call), fewer, wider programs: BLOCK_D covers the row (up to 8
 # KB), the rows fill a 256 KB tile up to the next power of two of `extent` (the rows the grid
 # covers), a warp per 4 KB.

@@ -26,7 +26,6 @@ from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
 from search_space.jagged_transforms import MAX_TILE
-from search_space.problem import Inputs
 from search_space.template import get_template
 
 OPS = ("jagged_to_padded_dense", "dense_to_jagged", "jagged_concat", "jagged_split")
@@ -51,18 +50,6 @@ def tiles(dim: int, itemsize: int) -> list[tuple]:
     return [DEFAULT, *swept, DEFAULT]
 
 
-def extent(name: str, inputs: Inputs) -> int:
-    """The rows (padded positions, for jagged_to_padded_dense) the kernel's grid covers: an
-    interpreted launch takes no more than their next power of two."""
-    if name == "jagged_to_padded_dense":
-        return inputs.kwargs["max_len"]
-    if name == "dense_to_jagged":
-        return inputs.kwargs["total"]
-    if name == "jagged_concat":
-        return inputs.args[0].shape[0] + inputs.args[2].shape[0]
-    return inputs.args[0].shape[0]
-
-
 def study(name: str, shape_pattern: str, device: torch.device, copy_bw: float) -> None:
     problem, public = get_problem(name), ops.op(name)
     module = importlib.import_module(f"kernels.{name}")
@@ -79,7 +66,7 @@ def study(name: str, shape_pattern: str, device: torch.device, copy_bw: float) -
         where = f"{shape.name} {shape.dtype}"
         for tile in tiles(dim, itemsize):
             module.KNOBS.update(base, **dict(zip(knobs, tile, strict=True)))
-            rows, block_d, warps = module._tile(tile[0], dim, itemsize, extent(name, inputs), False)
+            rows, block_d, warps = module._tile(tile[0], dim, itemsize, 0, False)  # a GPU tile: no extent
             what = "default " if tile == DEFAULT else ""
             label = f"{what}{rows} x {block_d} / {warps}"
             try:  # a tile this device or Triton cannot launch is a row of the table, not the end

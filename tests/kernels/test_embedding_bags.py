@@ -567,6 +567,8 @@ report = {
 }
 flat = {**fwd, "FLAT": True, "BLOCK_B": 32, "BLOCK_L": 2, "HAS_PSW": True, "VEC": 8}
 report["flat forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, flat, 2)
+together = {**fwd, "SLICES_TOGETHER": True, "VEC": 8}
+report["together forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, together, 2)
 print(json.dumps(report))
 """
 
@@ -576,7 +578,8 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
     """The dims and offsets come from memory, so only the kernels' alignment test lets the
     compiler move rows in 16-byte vectors (v4 of 32 bits; the backward's fp32 atomic adds four
     at a time): with it (VEC 8 for bf16) the PTX holds them, without it (VEC 1) it does not.
-    The FLAT forward compiles for sm_90 too, its sums on the tensor cores."""
+    The FLAT forward compiles for sm_90 too, its sums on the tensor cores, and so does the
+    forward whose blocks take a row's slices together (SLICES_TOGETHER), its rows in vectors."""
     report = in_subprocess(VECTOR_PTX)
     for name in ("forward", "backward"):
         assert not any(".v4." in op for op in report[f"{name} VEC=1"]), report
@@ -586,3 +589,4 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
     # FLAT, weighted: rows in vectors too, summed into bags by TF32 tensor-core products.
     flat = report["flat forward VEC=8"]
     assert "ld.global.v4.b32" in flat and any(op.startswith("mma") and ".tf32" in op for op in flat), report
+    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(report["together forward VEC=8"]), report

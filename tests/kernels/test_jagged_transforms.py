@@ -20,7 +20,7 @@ from kernels import ops
 from sandbox import Candidate, LocalBackend, Status, isolation
 from sandbox.protocol import check_shape
 from search_space import get_problem
-from search_space.jagged_transforms import lengths_of, padded_len
+from search_space.jagged_transforms import GPU_BLOCK_D, GPU_ROWS, lengths_of, padded_len
 from search_space.problem import Shape
 from search_space.template import get_template, knob_values
 
@@ -216,10 +216,12 @@ def test_the_four_kernels_share_one_launch_tile() -> None:
     assert len(sources) == 1
 
 
-def test_a_gpu_launch_takes_the_swept_tile_at_every_width() -> None:
-    tile = MODULES["dense_to_jagged"]._tile
-    for itemsize in (2, 4):
-        assert {tile(None, dim, itemsize, 10**6, False) for dim in range(1, 601)} == {(32, 128, 4)}
+def test_a_gpu_launch_takes_the_tile_the_template_counts_knobs_left_none_as() -> None:
+    """The template's constraint counts a None as the GPU's tile (GPU_ROWS x GPU_BLOCK_D): the
+    tile every module launches, whatever the width."""
+    for module in MODULES.values():
+        for itemsize in (2, 4):
+            assert module._tile(None, 100, itemsize, 10**6, False) == (GPU_ROWS, GPU_BLOCK_D, 4)
 
 
 @pytest.mark.parametrize("itemsize", [2, 4])
@@ -294,9 +296,8 @@ def test_a_searched_tile_renders_and_checks_out(name: str, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_the_tile_constraint_counts_a_none_as_the_gpu_tiles(name: str) -> None:
+def test_the_tile_constraint_bounds_set_tiles(name: str) -> None:
     template, rows = get_template(name), ROWS[name]
-    assert template.validate({rows: 128})[rows] == 128  # 128 x 128: 16384 elements
-    assert template.validate({"BLOCK_D": 256})["BLOCK_D"] == 256  # 32 x 256
+    assert template.validate({rows: 128, "BLOCK_D": 128})[rows] == 128  # 16384 elements
     with pytest.raises(ValueError, match="a tile of more than 16384 elements"):
         template.validate({rows: 128, "BLOCK_D": 256})
