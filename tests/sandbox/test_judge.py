@@ -335,19 +335,28 @@ def test_import_failure_is_a_compile_error_with_traceback(outcomes) -> None:
 
 
 @needs_bwrap
-def test_the_candidates_import_runs_under_the_shared_lock(tmp_path: Path) -> None:
+def test_the_candidates_import_runs_under_the_shared_lock(tmp_path: Path, monkeypatch) -> None:
     """Importing the candidate runs its module-level code (a kernel launched there, a loop):
     under the shared lock, as the checks are, and never beside another evaluation's timed batch.
-    Here another evaluation holds the GPU alone from before the runner starts until after its
-    import would have begun: a candidate that fails at import still waits for it."""
+    Here another evaluation holds the GPU alone from before the runner starts until 1.5 s into
+    the judge's "load" phase (however long the runner took to start: on a GPU its CUDA context
+    takes seconds): a candidate that fails at import still waits for it."""
     lock = str(tmp_path / "gpu.lock")
-    holding = threading.Event()
-    hold_s = 4.0  # past the runner's start (about a second on an idle machine)
+    holding, loading = threading.Event(), threading.Event()
+    real_start = judge.PhaseClock.start
+
+    def start(self, name: str) -> None:
+        if name == "load":
+            loading.set()
+        real_start(self, name)
+
+    monkeypatch.setattr(judge.PhaseClock, "start", start)
 
     def other_evaluation() -> None:
         with gpu_use(lock, exclusive=True):
             holding.set()
-            time.sleep(hold_s)
+            loading.wait(timeout=120)
+            time.sleep(1.5)
 
     other = threading.Thread(target=other_evaluation)
     other.start()
