@@ -1149,9 +1149,16 @@ class Evaluation:
                     arg_sets.append((inputs.args, inputs.kwargs))
             # Their first calls too (torch.compile's build for the shape, seconds of CPU) hold the
             # GPU alone: Inductor times its kernels' configurations in them and keeps the fastest,
-            # a choice that work beside it could skew.
+            # a choice that work beside it could skew. Each call is timed as the runner times a
+            # candidate's, to its end event on the current stream (torch's own code, whose work
+            # stays on it): an end event after a device-wide synchronize would add the host's
+            # round trip (about 12 us on an H100) to the baselines alone, and at a call of tens of
+            # microseconds make any candidate look faster than it is.
             with self.session.gpu(exclusive=True):
-                base = {name: benchmark(b, arg_sets, device=self.device) for name, b in baselines.items()}
+                base = {
+                    name: benchmark(b, arg_sets, device=self.device, joined_streams=True)
+                    for name, b in baselines.items()
+                }
             del arg_sets
         stats = sample_stats(samples)
         flops, nbytes = self.problem.flops(shape), self.problem.bytes(shape)

@@ -725,6 +725,28 @@ def test_reference_compile_of_a_jagged_reference_compiles_its_dense_part(monkeyp
         assert baseline_providers(problem, ["reference.compile"], torch.device("cpu")) == {}
 
 
+@needs_bwrap
+def test_baselines_are_timed_as_the_runner_times_a_candidate(tmp_path: Path, monkeypatch) -> None:
+    """To each call's end event on the current stream, as the runner's events time a candidate's
+    calls: an end event after a device-wide synchronize would add the host's round trip to the
+    baselines alone."""
+    asked = []
+    real_benchmark = judge.benchmark
+
+    def recording(fn, arg_sets, **kwargs):
+        asked.append(kwargs)
+        return real_benchmark(fn, arg_sets, **kwargs)
+
+    monkeypatch.setattr(judge, "benchmark", recording)
+    runner_dir = tmp_path / "eval" / "runner"
+    runner_dir.mkdir(parents=True)
+    (runner_dir / "candidate.py").write_text(DEFAULT_SOURCE)
+    result = evaluate(_request(runner_dir, timing=True, check=False, trials=1, baselines=["reference"]))
+    _says(result, Status.OK)
+    assert result.timings and all("reference" in t.baselines for t in result.timings)
+    assert asked and all(kwargs.get("joined_streams") is True for kwargs in asked), asked
+
+
 def test_unknown_baseline_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown baseline"):
         baseline_providers(get_problem("embedding_bag"), ["nope"], torch.device("cpu"))
