@@ -45,10 +45,10 @@ def _jagged_concat_kernel(
 # The launch tile, for each knob that is None. On a GPU, 32 rows x 128 columns on 4 warps: in an
 # H100 sweep of 8 to 17 tiles at every timing shape (evals/studies/jagged_tiles.py; BENCHMARKS.md,
 # 2026-12-06, twenty-ninth session) the best was within 0% to 7% of it, no one tile led across
-# shapes, and one tile timed twice differed by up to 12%. Interpreted (on the CPU,
-# each op of each program a NumPy call), fewer, wider programs: BLOCK_D covers the row (up to 8
-# KB), the rows fill a 256 KB tile up to the next power of two of `extent` (the rows the grid
-# covers), a warp per 4 KB.
+# shapes, and one tile timed twice differed by up to 12%. Interpreted (on the CPU, each op of
+# each program a NumPy call), fewer, wider programs: BLOCK_D covers the row (up to 8 KB), the
+# rows fill a 256 KB tile up to the next power of two of `extent` (the rows the grid covers), a
+# warp per 4 KB.
 def _tile(rows, dim, itemsize, extent, interpreted):
     if not interpreted:
         return rows or 32, KNOBS["BLOCK_D"] or 128, KNOBS["num_warps"] or 4
