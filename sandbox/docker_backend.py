@@ -233,6 +233,17 @@ class DockerBackend(LocalBackend):
     def _source_file(self, runner_dir: Path) -> str:
         return f"{SCRATCH_DIR}/candidate.py"
 
+    def _end_runner(self, judge_pid: int, judge_dir: Path) -> None:
+        """The runner's container removed (killed first; the call returns once it is gone), found
+        by its label: the judge removes it when it ends, but not when it is killed."""
+        import docker
+
+        runner_dir = judge_dir.parent / "runner"  # LocalBackend._run's layout of the scratch directory
+        for container in self.client.containers.list(all=True, filters={"label": f"{LABEL}={runner_dir}"}):
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                container.remove(force=True)
+        super()._end_runner(judge_pid, judge_dir)
+
     def _run(self, candidate, scratch: Path, request: EvalRequest) -> EvalResult:
         request = request.model_copy(
             update={

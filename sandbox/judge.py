@@ -223,6 +223,7 @@ class RunnerProcess:
         self.bwrap = request.isolation == "bwrap"
         self.stopped: str | None = None  # why the judge stopped the runner, if it did
         self._ended = threading.Event()
+        self._killed = False
         if request.isolation == "docker":
             from sandbox.docker_backend import ContainerRunner
 
@@ -324,26 +325,36 @@ class RunnerProcess:
         may wait on the channel before a request is sent, so an answer written ahead (to stop the
         judge's clock at "go" before the calls have run) is refused, never taken for the reply."""
         nonce = secrets.token_hex(8)
+        unanswered = None
         try:
             if wire.pending(self.sock):
-                raise Verdict(Status.SUSPICIOUS, f"{where}: the runner sent a message nobody asked for")
-            wire.send(self.sock, {**message, "nonce": nonce}, fds)
-            reply, extra = wire.receive(self.sock, self.deadline.at)
+                text = f"{where}: the runner sent a message nobody asked for"
+                unanswered = Verdict(Status.SUSPICIOUS, text)
+            else:
+                wire.send(self.sock, {**message, "nonce": nonce}, fds)
+                reply, extra = wire.receive(self.sock, self.deadline.at)
         except wire.ChannelTimeout:
-            raise Verdict(
-                Status.TIMEOUT, f"killed after {self.timeout_s:.0f} s ({where}: no answer)"
-            ) from None
+            unanswered = Verdict(Status.TIMEOUT, f"killed after {self.timeout_s:.0f} s ({where}: no answer)")
         except (wire.ChannelClosed, BrokenPipeError, ConnectionError):
-            raise Verdict(Status.RUNTIME_ERROR, f"{where}: the runner {self._how_it_ended()}") from None
+            unanswered = Verdict(Status.RUNTIME_ERROR, f"{where}: the runner {self._how_it_ended()}")
         except wire.BadMessage as exc:
-            raise Verdict(
-                Status.RUNTIME_ERROR, f"{where}: the runner sent an unreadable message ({exc})"
-            ) from None
-        for fd in extra:  # the judge takes no descriptor from the runner
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if reply.get("re") != nonce:
-            raise Verdict(Status.SUSPICIOUS, f"{where}: the runner answered a request it was not sent")
+            text = f"{where}: the runner sent an unreadable message ({exc})"
+            unanswered = Verdict(Status.RUNTIME_ERROR, text)
+        if unanswered is None:
+            for fd in extra:  # the judge takes no descriptor from the runner
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if reply.get("re") != nonce:
+                text = f"{where}: the runner answered a request it was not sent"
+                unanswered = Verdict(Status.SUSPICIOUS, text)
+        if unanswered is not None:
+            # Rule locks: a runner that did not answer (it hangs, crashed mid-call, or speaks out
+            # of turn) may still have work on the GPU, so it is gone, its CUDA context with it,
+            # before the caller releases the lock it holds for the request (Session.gpu): no
+            # other evaluation times beside what it left running. An answer, error or not, comes
+            # after the runner's synchronize.
+            self.kill()
+            raise unanswered
         if reply.get("ok") is True:
             return reply
         error = reply.get("error") if isinstance(reply.get("error"), dict) else {}
@@ -402,6 +413,10 @@ class RunnerProcess:
         return rid
 
     def kill(self) -> None:
+        """The runner and everything it started stopped, and waited for until gone; once."""
+        if self._killed:
+            return
+        self._killed = True
         self._ended.set()
         self._stop()
         if self.proc is not None:

@@ -397,12 +397,23 @@ class LocalBackend(WorkerBackend):
             env["RECFORGE_BWRAP"] = os.environ["RECFORGE_BWRAP"]
         return env
 
+    def _end_runner(self, judge_pid: int, judge_dir: Path) -> None:
+        """The runner of the judge `judge_pid` (working in `judge_dir`) killed, and waited for
+        until gone: its control groups (sandbox.cgroups)."""
+        cgroups.remove_groups_of(judge_pid)
+
     def _judge(self, cmd: list[str], judge_dir: Path) -> tuple[bool, int, float]:
         """Run the judge `cmd` (python -P -m sandbox.judge ...) in `judge_dir` until it ends or
         its hard limit passes, then kill its process group (the judge and, through bubblewrap,
         its runner's namespace): (timed out, exit code, seconds until it was started). Forked
         from the judge server where it runs (sandbox.judge_server; the judge then dies with the
-        server, which ends with this process), else a process of its own."""
+        server, which ends with this process), else a process of its own.
+
+        A judge killed drops its GPU locks at once (the kernel releases a dead process's flocks)
+        while its runner, dying with it, may still have work on the GPU: so the runner is killed
+        and waited for first (_end_runner), and no other evaluation times beside what it left
+        running. (Without a control group, a bubblewrapped runner dies with the judge's process
+        group.)"""
         limit = self.timeout_s + JUDGE_GRACE_S
         log = judge_dir / "judge.log"
         log.touch()  # read afterwards, whether or not the judge got as far as writing to it
@@ -420,6 +431,8 @@ class LocalBackend(WorkerBackend):
                 except TimeoutError:
                     timed_out = True
                 finally:
+                    if judge.returncode is None:  # its runner first (see above)
+                        self._end_runner(judge.pid, judge_dir)
                     judge.kill()
                     if timed_out:
                         with contextlib.suppress(TimeoutError):
@@ -439,6 +452,7 @@ class LocalBackend(WorkerBackend):
                 timed_out = True
             finally:
                 if proc.returncode is None:  # unreaped: its pid and group cannot name another process
+                    self._end_runner(proc.pid, judge_dir)  # its runner first (see above)
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

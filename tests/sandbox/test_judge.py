@@ -527,6 +527,37 @@ def test_a_hanging_entry_times_out(outcomes) -> None:
 
 
 @needs_bwrap
+def test_a_runner_that_does_not_answer_is_gone_before_its_lock_goes(tmp_path: Path, monkeypatch) -> None:
+    """A runner that hangs mid-call may still have work on the GPU: it is killed and waited for
+    while the judge still holds the lock it took for the call, so no other evaluation times
+    beside what it left running."""
+    events: list[str] = []
+    real_gpu_use, real_kill = judge.gpu_use, judge.RunnerProcess.kill
+
+    @contextlib.contextmanager
+    def recording_gpu_use(lock_path, *, exclusive, waited=None):
+        with real_gpu_use(lock_path, exclusive=exclusive, waited=waited):
+            try:
+                yield
+            finally:
+                events.append("released")
+
+    def recording_kill(self) -> None:
+        real_kill(self)
+        events.append("runner gone")
+
+    monkeypatch.setattr(judge, "gpu_use", recording_gpu_use)
+    monkeypatch.setattr(judge.RunnerProcess, "kill", recording_kill)
+    runner_dir = tmp_path / "eval" / "runner"
+    runner_dir.mkdir(parents=True)
+    (runner_dir / "candidate.py").write_text(CASES["hangs"][0])
+    result = evaluate(_request(runner_dir, timeout_s=8, timing_locks=[str(tmp_path / "gpu.lock")]))
+    _says(result, Status.TIMEOUT, "no answer")
+    last_release = len(events) - 1 - events[::-1].index("released")
+    assert events.index("runner gone") < last_release, events
+
+
+@needs_bwrap
 def test_honest_first_calls_then_garbage_is_wrong(outcomes) -> None:
     result = _result(outcomes, "honest-then-garbage")
     _says(result, Status.WRONG, "outside tolerance")

@@ -277,3 +277,73 @@ def test_the_timing_lock_switch_reaches_the_judge(monkeypatch, tmp_path: Path) -
         result = backend.evaluate(_candidate(DEFAULT_SOURCE), trials=1)
     assert result.status == Status.RUNTIME_ERROR
     assert "RECFORGE_TIMING_LOCK must be 'batch' or 'shape'" in result.log_tail, result.log_tail
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["own-process", "judge-server"])
+def test_a_judge_past_its_hard_limit_loses_its_runner_before_its_locks(server, monkeypatch, tmp_path) -> None:
+    """A judge killed drops its GPU locks at once, while its runner may still have work on the
+    GPU: the runner's control group is killed and emptied before the judge is."""
+    import signal
+    import sys
+
+    from sandbox import local
+
+    order: list[str] = []
+    monkeypatch.setattr(local.cgroups, "remove_groups_of", lambda pid: order.append("runner's groups"))
+
+    def timed_out(wait, limit, judge_dir) -> None:
+        raise TimeoutError
+
+    monkeypatch.setattr(local, "_wait_within", timed_out)
+    if server:
+
+        class Judge:
+            pid, returncode = 123456, None
+
+            def kill(self) -> None:
+                order.append("judge")
+                self.returncode = -int(signal.SIGKILL)
+
+            def wait(self, timeout=None) -> int:
+                return self.returncode
+
+        monkeypatch.setattr(judge_server, "enabled", lambda: True)
+        monkeypatch.setattr(judge_server, "start_judge", lambda *args: Judge())
+    else:
+        monkeypatch.setenv("RECFORGE_JUDGE_SERVER", "0")
+        real_killpg = local.os.killpg
+
+        def killpg(pid: int, sig: int) -> None:
+            order.append("judge")
+            real_killpg(pid, sig)
+
+        monkeypatch.setattr(local.os, "killpg", killpg)
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)", "", "", ""]
+    timed, _, _ = LocalBackend(timeout_s=1)._judge(cmd, tmp_path)
+    assert timed and order[:2] == ["runner's groups", "judge"], order
+
+
+def test_the_docker_backend_ends_the_runners_container_too(monkeypatch, tmp_path) -> None:
+    """Its runner is a container, found by the label naming the evaluation's runner directory,
+    removed (killed) before the judge's groups and the judge."""
+    from sandbox import local
+    from sandbox.docker_backend import LABEL, DockerBackend
+
+    order: list[str] = []
+    asked: list[dict] = []
+
+    class Container:
+        def remove(self, force: bool = False) -> None:
+            order.append(f"container removed, force={force}")
+
+    class Containers:
+        def list(self, **kwargs) -> list:
+            asked.append(kwargs)
+            return [Container()]
+
+    backend = DockerBackend.__new__(DockerBackend)  # no daemon here: a client that answers
+    backend.client = type("Client", (), {"containers": Containers()})()
+    monkeypatch.setattr(local.cgroups, "remove_groups_of", lambda pid: order.append("runner's groups"))
+    backend._end_runner(123456, tmp_path / "judge")
+    assert asked == [{"all": True, "filters": {"label": f"{LABEL}={tmp_path / 'runner'}"}}]
+    assert order == ["container removed, force=True", "runner's groups"]
