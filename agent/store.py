@@ -21,6 +21,9 @@ from sandbox.result import EvalResult, Status, TimingStats
 if TYPE_CHECKING:
     from agent.llm.preflight import Preflight
 
+# The store's user_version from which its baselines were timed as candidates are, each call to
+# its end event (sandbox.judge; Store._baselines_timed_to_end_events).
+BASELINES_TIMING = 1
 BASELINES_TABLE = """CREATE TABLE IF NOT EXISTS baselines (
     campaign_id TEXT NOT NULL, problem TEXT NOT NULL, kind TEXT NOT NULL, shape_key TEXT NOT NULL,
     name TEXT NOT NULL, stats_json TEXT NOT NULL, PRIMARY KEY (campaign_id, problem, kind, shape_key, name)
@@ -205,6 +208,7 @@ class Store:
         self._db.executescript(SCHEMA)
         self._add_columns()
         self._baselines_by_kind()
+        self._baselines_timed_to_end_events()
 
     def _columns(self, table: str) -> set[str]:
         return {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
@@ -243,6 +247,24 @@ class Store:
                     (kind, campaign_id, problem),
                 )
             self._db.execute("DROP TABLE baselines_without_kind")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _baselines_timed_to_end_events(self) -> None:
+        """A store from before the judge timed baselines as it times candidates (each call to its
+        end event on the current stream, not past a device-wide synchronize: 12 us more a call
+        on an H100, which made candidates look faster at small calls): its baselines are dropped,
+        and a resumed campaign times them again with its next evaluation on each kind of device.
+        The store's user_version says it is done (BASELINES_TIMING)."""
+        if self._db.execute("PRAGMA user_version").fetchone()[0] >= BASELINES_TIMING:
+            return
+        self._db.execute("BEGIN IMMEDIATE")  # one process migrates; the others find it done
+        try:
+            if self._db.execute("PRAGMA user_version").fetchone()[0] < BASELINES_TIMING:
+                self._db.execute("DELETE FROM baselines")
+                self._db.execute(f"PRAGMA user_version = {BASELINES_TIMING}")
         except BaseException:
             self._db.execute("ROLLBACK")
             raise

@@ -21,7 +21,7 @@ from agent.incumbents import default_candidate
 from agent.population import primary_baseline
 from agent.report import _problem
 from agent.state import CampaignContext
-from agent.store import Store
+from agent.store import BASELINES_TIMING, Store
 from kernels.registry import KernelLibrary
 from sandbox.candidate import Candidate
 from sandbox.result import DeviceInfo, EvalResult, ShapeTiming, Status, TimingStats
@@ -368,6 +368,9 @@ def test_a_store_from_before_kinds_opens_with_the_kind_that_timed_its_baselines(
             "INSERT INTO baselines VALUES (?, ?, 's/fp32', ?, ?)",
             (campaign, OP, BASELINE, _stats(100.0).model_dump_json()),
         )
+    # Its baselines' timing taken as today's, to see the kinds' migration alone (a store this old
+    # also loses them to the next one: test_a_store_from_before_baselines_were_timed_to_end_events).
+    db.execute(f"PRAGMA user_version = {BASELINES_TIMING}")
     db.commit()
     db.close()
     store = Store(path)
@@ -376,6 +379,25 @@ def test_a_store_from_before_kinds_opens_with_the_kind_that_timed_its_baselines(
     assert store.baseline_kinds("lost", OP) == []
     store.close()
     assert Store(path).baseline_kinds("old", OP) == [H100.kind]  # opens again as it is
+
+
+def test_a_store_from_before_baselines_were_timed_to_end_events_times_them_again(tmp_path: Path) -> None:
+    """Its baselines were timed past a device-wide synchronize (12 us more a call on an H100):
+    dropped when it opens, so a resumed campaign times them again; a store opened since keeps
+    what it times."""
+    path = tmp_path / "store.db"
+    store = Store(path)
+    store.add_baselines("c", OP, _result(_candidate(4), H100, 50.0, baseline_us=100.0))
+    assert store.baseline_kinds("c", OP) == [H100.kind]
+    store.close()
+    assert Store(path).baseline_kinds("c", OP) == [H100.kind]  # opened again: kept
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version = 0")  # as a store from before
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert store.baseline_kinds("c", OP) == [] and store.baselines("c", OP, H100.kind) == {}
+    store.close()
 
 
 @pytest.mark.parametrize(
