@@ -239,8 +239,12 @@ class DockerBackend(LocalBackend):
         import docker
 
         runner_dir = judge_dir.parent / "runner"  # LocalBackend._run's layout of the scratch directory
-        for container in self.client.containers.list(all=True, filters={"label": f"{LABEL}={runner_dir}"}):
-            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+        try:  # a daemon that does not answer cannot remove it: the rest goes all the same
+            found = self.client.containers.list(all=True, filters={"label": f"{LABEL}={runner_dir}"})
+        except (docker.errors.DockerException, OSError):  # the HTTP client's errors are OSErrors
+            found = []
+        for container in found:
+            with contextlib.suppress(docker.errors.DockerException, OSError):
                 container.remove(force=True)
         super()._end_runner(judge_pid, judge_dir)
 

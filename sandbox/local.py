@@ -431,9 +431,11 @@ class LocalBackend(WorkerBackend):
                 except TimeoutError:
                     timed_out = True
                 finally:
-                    if judge.returncode is None:  # its runner first (see above)
-                        self._end_runner(judge.pid, judge_dir)
-                    judge.kill()
+                    try:
+                        if judge.returncode is None:  # its runner first (see above)
+                            self._end_runner(judge.pid, judge_dir)
+                    finally:  # whatever that met, the judge goes
+                        judge.kill()
                     if timed_out:
                         with contextlib.suppress(TimeoutError):
                             judge.wait(timeout=30)
@@ -452,9 +454,11 @@ class LocalBackend(WorkerBackend):
                 timed_out = True
             finally:
                 if proc.returncode is None:  # unreaped: its pid and group cannot name another process
-                    self._end_runner(proc.pid, judge_dir)  # its runner first (see above)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+                    try:
+                        self._end_runner(proc.pid, judge_dir)  # its runner first (see above)
+                    finally:  # whatever that met, the judge goes
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 cgroups.remove_groups_of(proc.pid)
         return timed_out, proc.returncode, spawn

@@ -347,3 +347,12 @@ def test_the_docker_backend_ends_the_runners_container_too(monkeypatch, tmp_path
     backend._end_runner(123456, tmp_path / "judge")
     assert asked == [{"all": True, "filters": {"label": f"{LABEL}={tmp_path / 'runner'}"}}]
     assert order == ["container removed, force=True", "runner's groups"]
+
+    class Unreachable:
+        def list(self, **kwargs) -> list:
+            raise ConnectionError("the daemon does not answer")  # as the HTTP client raises it
+
+    order.clear()
+    backend.client = type("Client", (), {"containers": Unreachable()})()
+    backend._end_runner(123456, tmp_path / "judge")
+    assert order == ["runner's groups"]
