@@ -291,8 +291,9 @@ def _baselines_timed_again(ctx: CampaignContext, candidate, result: EvalResult) 
 def _keep_baselines(ctx: CampaignContext, problem: str, result: EvalResult) -> None:
     """The baselines `result` timed, kept as the campaign's on its kind of device unless some are
     held there already."""
-    held = ctx.store.baseline_kinds(ctx.campaign_id, problem)
-    if result.status == Status.OK and result.timed_baselines and result.kind not in held:
+    if result.status != Status.OK or not result.timed_baselines:
+        return
+    if result.kind not in ctx.store.baseline_kinds(ctx.campaign_id, problem):
         ctx.store.add_baselines(ctx.campaign_id, problem, result)
 
 

@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import math
 import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -225,13 +226,8 @@ class Store:
         device of that evaluation, the first correct one whose timings hold baselines; where
         none says (no such evaluation, or none with a device), they are dropped, and a resumed
         campaign times them again with its next evaluation."""
-        if "kind" in self._columns("baselines"):
-            return
-        self._db.execute("BEGIN IMMEDIATE")  # one process migrates; the others find it done
-        try:
-            if "kind" in self._columns("baselines"):
-                self._db.execute("COMMIT")
-                return
+
+        def migrate() -> None:
             self._db.execute("ALTER TABLE baselines RENAME TO baselines_without_kind")
             self._db.execute(BASELINES_TABLE)
             pairs = self._db.execute(
@@ -247,10 +243,8 @@ class Store:
                     (kind, campaign_id, problem),
                 )
             self._db.execute("DROP TABLE baselines_without_kind")
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+
+        self._migrate(lambda: "kind" in self._columns("baselines"), migrate)
 
     def _baselines_timed_to_end_events(self) -> None:
         """A store from before the judge timed baselines as it times candidates (each call to its
@@ -258,13 +252,24 @@ class Store:
         on an H100, which made candidates look faster at small calls): its baselines are dropped,
         and a resumed campaign times them again with its next evaluation on each kind of device.
         The store's user_version says it is done (BASELINES_TIMING)."""
-        if self._db.execute("PRAGMA user_version").fetchone()[0] >= BASELINES_TIMING:
+
+        def migrate() -> None:
+            self._db.execute("DELETE FROM baselines")
+            self._db.execute(f"PRAGMA user_version = {BASELINES_TIMING}")
+
+        self._migrate(
+            lambda: self._db.execute("PRAGMA user_version").fetchone()[0] >= BASELINES_TIMING, migrate
+        )
+
+    def _migrate(self, done: Callable[[], bool], migrate: Callable[[], None]) -> None:
+        """`migrate` once, in a transaction, unless `done()`: one process migrates, and the others,
+        waiting for its write lock, find it done."""
+        if done():
             return
-        self._db.execute("BEGIN IMMEDIATE")  # one process migrates; the others find it done
+        self._db.execute("BEGIN IMMEDIATE")
         try:
-            if self._db.execute("PRAGMA user_version").fetchone()[0] < BASELINES_TIMING:
-                self._db.execute("DELETE FROM baselines")
-                self._db.execute(f"PRAGMA user_version = {BASELINES_TIMING}")
+            if not done():
+                migrate()
         except BaseException:
             self._db.execute("ROLLBACK")
             raise
