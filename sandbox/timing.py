@@ -15,6 +15,9 @@ from sandbox.result import TimingStats
 
 # Twice the H200's 60 MB L2: writing it evicts everything a previous call left there.
 L2_FLUSH_BYTES = 128 * 1024 * 1024
+# The shortest warm-up, as triton.testing.do_bench's: shorter, the first timing after the host
+# drew a shape's inputs ran up to 1.8x slow on an H100 (the jagged and embedding studies).
+WARMUP_MS = 25.0
 
 
 def sample_stats(samples_us: list[float]) -> TimingStats:
@@ -34,12 +37,15 @@ def benchmark(
     min_reps: int = 10,
     max_reps: int = 200,
     joined_streams: bool = False,
+    warmup_ms: float = WARMUP_MS,
 ) -> TimingStats:
     """Time `fn(*args, **kwargs)` per call, rotating over `arg_sets` so no input stays cached.
 
     On CUDA: every call is bracketed by events after an L2 flush, the end event after a
     device-wide synchronize so that all streams' work is inside; the repetition count is
-    chosen from a warm-up estimate to fill about `target_ms`. On a CPU (interpreted Triton):
+    chosen from a warm-up estimate to fill about `target_ms`. The warm-up runs calls for
+    `warmup_ms` at least, so that the GPU's clocks have left whatever state the host's work
+    before (drawing inputs, compiling) put them in. On a CPU (interpreted Triton):
     wall-clock per call, a few repetitions; such numbers only prove the path runs.
 
     `joined_streams=True` records the end event right after the call on the current stream,
@@ -64,12 +70,17 @@ def benchmark(
         args, kwargs = arg_sets[i % len(arg_sets)]
         fn(*args, **kwargs)
     torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    for i in range(3):
-        args, kwargs = arg_sets[i % len(arg_sets)]
-        fn(*args, **kwargs)
-    torch.cuda.synchronize(device)
-    est_ms = max((time.perf_counter() - t0) * 1e3 / 3, 1e-3)
+    calls, batch, t0 = 0, 3, time.perf_counter()
+    while True:  # batches of calls, each twice the last, until the warm-up's time is spent
+        for _ in range(batch):
+            args, kwargs = arg_sets[calls % len(arg_sets)]
+            fn(*args, **kwargs)
+            calls += 1
+        torch.cuda.synchronize(device)
+        if (time.perf_counter() - t0) * 1e3 >= warmup_ms:
+            break
+        batch *= 2
+    est_ms = max((time.perf_counter() - t0) * 1e3 / calls, 1e-3)
     reps = int(min(max_reps, max(min_reps, target_ms / est_ms)))
 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
