@@ -6,22 +6,27 @@ Backward: grad[weight_offsets[f] + indices[i] * dim_f + c] += psw[i] * grad_out[
 
 One launch serves every feature. A forward program takes one block of bags and one block of
 columns of one feature: the grid numbers every feature's column blocks in turn, so a narrow
-feature launches only the programs its dim needs. Inside, it is the single-table kernel
+feature launches only the programs its dim needs (a grid over the widest feature's blocks
+launched 60% of its programs past their feature's dim at the timing shapes; on an H100 the
+forward took 0.83x to 0.94x of its time). Inside, it is the single-table kernel
 (kernels/embedding_bag.py): BLOCK_B bags advance together and gather a [BLOCK_B, BLOCK_L,
 BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
 rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
-launch): each program then loops over blocks. Rows move in 16-byte vectors wherever a block's
-table, dim, first output column and the output's row stride allow it (_pool_block). A block
-advances until its longest bag ends, so on skewed bags most lanes idle (power-law bags of mean
-19 ids in blocks of 32: the longest near 100). Two knobs answer it: ORDER_BAGS gives each
-block bags of about one length (each feature's bags sorted longest first on the device), and
-FLAT takes a block's ids in order, every lane busy, summed into their bags on the tensor cores
-(slower at every timing shape on an H100: off by default).
+launch): each program then loops over blocks, reading the features' dims once. Rows move in
+16-byte vectors wherever a block's table, dim, first output column and the output's row
+stride allow it (_pool_block; the backward's bags likewise): on an H100 that alone made the
+forward 1.2x to 2.0x as fast at one tile, and let wider slices lead (BENCHMARKS.md,
+2026-12-06, twenty-fourth session). A block advances until its longest bag ends, so on skewed
+bags most lanes idle (power-law bags of mean 19 ids in blocks of 32: the longest near 100); the
+FLAT knob (_flat_sums) takes a block's ids in order instead, every lane busy, and sums them into
+their bags on the tensor cores; it measured slower at every timing shape, so it is a knob a
+campaign may try, off by default.
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
 the widest feature's column blocks: numbering every feature's blocks in turn, as the forward
-does, cost its one-bag programs more than the empty ones it saved (on an H100).
+does, cost each of its one-bag programs more than the empty ones it saved (forward and
+backward 0.93x to 0.95x as fast on an H100).
 
 This module is also the knob template of both problems (embedding_bags; embedding_bags_backward,
 the GRAD_ knobs): a search writes values into KNOBS; None keeps the launch heuristic
@@ -46,7 +51,6 @@ KNOBS = {
     "PROGRAMS": None,
     "FLAT": None,
     "SLICES_TOGETHER": None,
-    "ORDER_BAGS": None,
     "GRAD_BLOCK_L": None,
     "GRAD_BLOCK_D": None,
     "GRAD_num_warps": None,
@@ -65,8 +69,7 @@ SHORT_MEAN_IDS = 2.0
 @triton.jit
 def _block_of(
     p, num_blocks, num_bag_blocks, num_bags, num_features, f_F, lo_F, dim_F, blocks_F, ends_F,
-    weight_offsets_ptr, offsets_ptr, order_ptr, BLOCK_B: tl.constexpr, SLICES_TOGETHER: tl.constexpr,
-    ORDER_BAGS: tl.constexpr,
+    weight_offsets_ptr, offsets_ptr, BLOCK_B: tl.constexpr, SLICES_TOGETHER: tl.constexpr,
 ):  # fmt: skip
     """Block p: its feature's first output column and dim, its column block, its table's offset,
     its bags, their bound (0 past the last block or feature: nothing is loaded or stored), and
@@ -75,9 +78,7 @@ def _block_of(
     Blocks are numbered feature by feature. Within a feature, either every bag block of column
     block 0, then of column block 1, ... (the slices of one row are read num_bag_blocks programs
     apart), or (SLICES_TOGETHER) every column block of bag block 0, then of bag block 1, ...: the
-    slices of a row are read by neighbouring programs, at about the same time. ORDER_BAGS: a
-    feature's bags in the host's order (_bag_order, longest first), so a block's bags end
-    together instead of idling while its longest ends."""
+    slices of a row are read by neighbouring programs, at about the same time."""
     if SLICES_TOGETHER:
         feature = tl.sum((ends_F * num_bag_blocks <= p).to(tl.int32), axis=0)
         feature = tl.where(p < num_blocks, feature, num_features)
@@ -100,9 +101,6 @@ def _block_of(
     limit = tl.where(feature < num_features, num_bags, 0)
     bag_mask_B = bags_B < limit
     keyed_B = feature.to(tl.int64) * num_bags + bags_B  # bag (feature, b) in the feature-major offsets
-    if ORDER_BAGS:  # a permutation within each feature: masked lanes keep bags past the limit
-        keyed_B = tl.where(bag_mask_B, tl.load(order_ptr + keyed_B, mask=bag_mask_B, other=0), keyed_B)
-        bags_B = keyed_B - feature.to(tl.int64) * num_bags
     start_B = tl.load(offsets_ptr + keyed_B, mask=bag_mask_B, other=0).to(tl.int64)
     len_B = tl.load(offsets_ptr + keyed_B + 1, mask=bag_mask_B, other=0).to(tl.int64) - start_B
     return first_col, dim, col_block, table, bags_B, limit, start_B, len_B
@@ -177,10 +175,12 @@ def _flat_sums(
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The bags' sums [BLOCK_B, BLOCK_D], taking the block's ids (contiguous: its bags are) in
-    order, CHUNK at a time whatever bag each is in. Each chunk's rows go to their bags through a
-    product with the chunk's membership matrix [BLOCK_B, CHUNK] on the tensor cores, in TF32,
-    exact for 0/1 factors (or bf16 and fp16 weights) times bf16 or fp16 rows; fp32 rows or
-    weights take three TF32 products (about 22 bits). Every
+    order, CHUNK at a time whatever bag each is in: no lane waits while the block's longest bag
+    finishes (a block of 32 power-law bags of mean 19 ids runs to about 100). Each chunk's rows
+    go to their bags through a product with the chunk's membership matrix [BLOCK_B, CHUNK] on
+    the tensor cores, in TF32, whose products are exact for 0/1 factors (or bf16 and fp16
+    weights) times bf16 or fp16 rows; fp32 rows or weights take three TF32 products (about 22
+    bits). The sums are the tensor cores' fp32 accumulation, not the step loop's order. Every
     row of a chunk meets every bag's factor, so an inf or NaN in a table row makes NaN of the
     other bags of its chunk too (the step loop keeps it to its own bag). The ids between the
     block's first and last are read (ids of other features, where offsets do not increase)."""
@@ -248,7 +248,6 @@ def _embedding_bags_fwd_kernel(
     dim_offsets_ptr,
     indices_ptr,
     offsets_ptr,
-    order_ptr,
     psw_ptr,
     out_ptr,
     stride_out_row,
@@ -265,7 +264,6 @@ def _embedding_bags_fwd_kernel(
     VEC: tl.constexpr,
     FLAT: tl.constexpr,
     SLICES_TOGETHER: tl.constexpr,
-    ORDER_BAGS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -286,8 +284,7 @@ def _embedding_bags_fwd_kernel(
     for p in tl.range(tl.program_id(0), num_blocks, tl.num_programs(0)):
         first_col, dim, col_block, table, bags_B, limit, start_B, len_B = _block_of(
             p, num_blocks, num_bag_blocks, num_bags, num_features,
-            f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, order_ptr, BLOCK_B,
-            SLICES_TOGETHER, ORDER_BAGS,
+            f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B, SLICES_TOGETHER,
         )  # fmt: skip
         _pool_block(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
@@ -376,11 +373,16 @@ def _whole_row(max_dim: int) -> int:
 
 
 def _forward_config(max_dim: int, element_size: int, mean_ids: float, interpreted: bool = False) -> dict:
-    """Launch parameters of the forward, from sweeps of its timing shapes on an H100
-    (evals/studies/bags_tiles.py; BENCHMARKS.md, twenty-fourth session): 64 columns a slice,
-    every feature's row one to four slices, many row gathers in flight. Short bags, 64 bags x 1
-    id a step on two warps; bf16 pooled batches (bags of up to 120 ids), 32 bags x 2 ids; fp32
-    pooled batches, 16 bags x 2 ids with the 3D accumulator.
+    """Launch parameters of the forward, from sweeps of its timing shapes (evals/studies/bags_tiles.py).
+
+    Column slices of 128 or 256 bytes and many bags: every feature's row is one to four slices,
+    each program keeps many row gathers in flight, and a narrow feature wastes few lanes. Once
+    rows moved in 16-byte vectors, an H100 sweep of every timing shape (BENCHMARKS.md
+    2026-12-06, twenty-fourth session) found 64 columns a slice best in both dtypes: short bags,
+    64 bags x 1 id a step on two warps (bf16 1.02x and 1.18x the 32 x 2 x 64 tile, fp32 1.05x
+    the 64 x 1 x 32 tile before it); bf16 pooled batches (bags of up to 120 ids), 32 bags x 2
+    ids; fp32 pooled batches, 16 bags x 2 ids with the 3D accumulator (1.13x the 32-column
+    slice on one warp before it).
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
@@ -396,22 +398,7 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
     # was 0.45x to 0.79x these tiles at every timing shape (BENCHMARKS.md, twenty-sixth session).
     # SLICES_TOGETHER stays off: 0.97x to 1.05x these tiles on an H100 (twenty-ninth session).
     names = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")
-    knobs = {"num_warps": 2, "FLAT": False, "SLICES_TOGETHER": False, "ORDER_BAGS": False}
-    return dict(zip(names, tile, strict=True)) | knobs
-
-
-# Bags are ordered by length up to this (longer ones count as this long); sort keys: feature
-# index x (LONGEST_ORDERED + 1) + the length's rank.
-LONGEST_ORDERED = 1023
-
-
-def _bag_order(offsets: torch.Tensor, num_features: int, num_bags: int) -> torch.Tensor:
-    """Each feature's bags longest first: order[f * B + i] is the keyed bag f * B + b of the
-    feature's i-th longest bag (one sort of int32 keys on the device, no sync)."""
-    lengths = (offsets[1:] - offsets[:-1]).clamp_(max=LONGEST_ORDERED)
-    feature = torch.arange(num_features * num_bags, device=offsets.device) // num_bags
-    keys = feature * (LONGEST_ORDERED + 1) + (LONGEST_ORDERED - lengths)
-    return torch.argsort(keys.to(torch.int32 if num_features < 2**21 else torch.int64))
+    return dict(zip(names, tile, strict=True)) | {"num_warps": 2, "FLAT": False, "SLICES_TOGETHER": False}
 
 
 def _backward_config(max_dim: int, interpreted: bool = False) -> dict:
@@ -452,15 +439,12 @@ def embedding_bags_forward(
     num_blocks = column_blocks * num_bag_blocks
     # A persistent launch caps the grid (PROGRAMS knob); each program then loops over blocks.
     programs = min(num_blocks, KNOBS["PROGRAMS"] or num_blocks)
-    # FLAT reads a block's ids from its first bag's start to its last's end: its bags in order.
-    cfg["ORDER_BAGS"] = bool(cfg["ORDER_BAGS"]) and not cfg["FLAT"]
     _embedding_bags_fwd_kernel[(programs,)](
         weights,
         weight_offsets,
         dim_offsets,
         indices,
         offsets,
-        _bag_order(offsets, num_features, num_bags) if cfg["ORDER_BAGS"] else offsets,
         per_sample_weights if has_psw else weights,
         out,
         out.stride(0),

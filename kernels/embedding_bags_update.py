@@ -10,12 +10,12 @@ CHUNK positions, so a chunk holds at most CHUNK ids of one row. Then
 0. one wide launch resolves each sorted position once (its gradient row's place in grad_out,
    its factor, its table row's place in weights and dim), so that no later program walks the
    chain of dependent loads from an id to its bag, feature, table and gradient row;
-1. each program sums the gradients of BLOCK_I chunks (a [BLOCK_I, BLOCK_L, width] tile of
-   gathered gradient rows per step), on a tile as wide as its widest row (BLOCK_D doubled up to
-   ROW_TILE), or BLOCK_D columns at a time past it (then rows wider than BLOCK_D take a second
-   pass under adagrad, whose step needs the row's norm). A row whose ids all lie in its chunk
-   (nearly every row: most are looked up once or twice) is updated there and then; a longer
-   row (a hot id, held by many bags) leaves its chunks' sums in a buffer;
+1. each program sums the gradients of BLOCK_I chunks, BLOCK_D columns at a time (a
+   [BLOCK_I, BLOCK_L, BLOCK_D] tile of gathered gradient rows per step; rows wider than
+   BLOCK_D take a second pass under adagrad, whose step needs the row's norm). A row whose
+   ids all lie in its chunk (nearly every row: most are looked up once or twice) is updated
+   there and then; a longer row (a hot id, held by many bags) leaves its chunks' sums in a
+   buffer;
 2. one program per CHUNK positions finishes the long row that crosses its position, if any:
    sums its chunks' sums and updates it once.
 
@@ -38,7 +38,6 @@ KNOBS = {
     "BLOCK_I": None,
     "BLOCK_L": None,
     "BLOCK_D": None,
-    "ROW_TILE": None,
     "CHUNK": 64,
     "num_warps": None,
     "num_stages": None,
@@ -225,39 +224,17 @@ def _rows_kernel(
     starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed, misaligned_ptr,
     ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
     VEC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROW_TILE: tl.constexpr,
 ):  # fmt: skip
     """_rows, told where every row start and dim is a multiple of VEC elements (16 bytes): the
     starts are loaded from memory, and untold the compiler moves rows an element at a time."""
     if tl.load(misaligned_ptr) == 0:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, ROW_TILE, VEC)  # fmt: skip
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, VEC)  # fmt: skip
     else:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, ROW_TILE, 1)  # fmt: skip
-
-
-@triton.jit
-def _whole_rows(
-    weights_ptr, state_ptr, grad_out_ptr, grad_at_ptr, scale_ptr, partial_ptr, partial_stride,
-    begin_I, end_I, valid_I, whole_I, part_I, slot_I, key_I, row_at_I, dim_I, longest, lr, eps, seed,
-    ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr,
-    BLOCK_L: tl.constexpr, WIDTH: tl.constexpr, ALIGN: tl.constexpr,
-):  # fmt: skip
-    """The program's rows, none wider than WIDTH, in one pass: each row's gradient gathered once,
-    its norm taken from registers, the row updated (or its chunk's sum left, see _rows)."""
-    cols_D = tl.arange(0, WIDTH)
-    col_mask_ID = cols_D[None, :] < dim_I[:, None]
-    grad_ID = _gather_sum(
-        grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
-        SCALED, BLOCK_L, ALIGN,
-    )  # fmt: skip
-    step_I = _scale(state_ptr, tl.sum(grad_ID * grad_ID, axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)
-    _apply(weights_ptr, grad_ID, step_I, row_at_I, cols_D, whole_I[:, None] & col_mask_ID, seed, STOCHASTIC)
-    where_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
-    tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, 1)  # fmt: skip
 
 
 @triton.jit
@@ -265,14 +242,12 @@ def _rows(
     weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
     starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
     ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ROW_TILE: tl.constexpr,
-    ALIGN: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_I chunks: in one pass on a tile as wide as the widest row (_whole_rows; keys are
-    sorted, so a program's rows are nearly always of one table), or past ROW_TILE, BLOCK_D
-    columns at a time: in two passes under adagrad (the rows' norms first, then the step: the
-    gradients are gathered twice, the second time mostly from L2), one under SGD. ALIGN divides
-    every row's start and dim (x // ALIGN * ALIGN tells the compiler)."""
+    """BLOCK_I chunks, BLOCK_D columns at a time: when no row of the program is wider than
+    BLOCK_D, in one pass; otherwise in two under adagrad (the rows' norms first, then the step:
+    the gradients are gathered twice, the second time mostly from L2) and one under SGD. ALIGN
+    divides every row's start and dim (x // ALIGN * ALIGN tells the compiler)."""
     count = tl.load(count_ptr)
     chunks_I = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     valid_I = chunks_I < count
@@ -291,21 +266,20 @@ def _rows(
     part_I = valid_I & ~whole_I
     longest = tl.max(end_I - begin_I, axis=0)
     widest = tl.minimum(tl.max(dim_I, axis=0), partial_stride)  # max_dim: the caller's bound on dims
-    # One pass on a tile of the narrowest width that holds the widest row: BLOCK_D, or 2, 4 or 8
-    # times it up to ROW_TILE (a constexpr bound: no wider tile is compiled).
-    held = widest < 0  # false: no tile yet
-    for k in tl.static_range(0, 4):
-        if (BLOCK_D << k) <= ROW_TILE:
-            fits = (held == 0) & (widest <= (BLOCK_D << k))
-            if fits:
-                _whole_rows(
-                    weights_ptr, state_ptr, grad_out_ptr, grad_at_ptr, scale_ptr, partial_ptr,
-                    partial_stride, begin_I, end_I, valid_I, whole_I, part_I, slot_I, key_I, row_at_I, dim_I,
-                    longest, lr, eps, seed, ADAGRAD, SCALED, STOCHASTIC, BLOCK_L, BLOCK_D << k, ALIGN,
-                )  # fmt: skip
-            held = held | fits
-    if held == 0:
-        cols_D = tl.arange(0, BLOCK_D)
+    cols_D = tl.arange(0, BLOCK_D)
+    if widest <= BLOCK_D:
+        col_mask_ID = cols_D[None, :] < dim_I[:, None]
+        grad_ID = _gather_sum(
+            grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
+            SCALED, BLOCK_L, ALIGN,
+        )  # fmt: skip
+        step_I = _scale(state_ptr, tl.sum(grad_ID * grad_ID, axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)
+        _apply(
+            weights_ptr, grad_ID, step_I, row_at_I, cols_D, whole_I[:, None] & col_mask_ID, seed, STOCHASTIC
+        )
+        where_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
+        tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
+    else:
         grad_sq_I = tl.zeros([BLOCK_I], dtype=tl.float32)
         if ADAGRAD:
             for c0 in range(0, widest, BLOCK_D):
@@ -385,10 +359,9 @@ def _config(max_dim: int, interpreted: bool) -> dict:
     a step on two warps. Interpreted, where each op of each program is a NumPy call, few wide
     programs: 64 chunks x 4 ids of whole rows (the check shapes in 0.47x the time of 16 x 8)."""
     if interpreted:
-        whole = triton.next_power_of_2(max_dim)
-        return {"BLOCK_I": 64, "BLOCK_L": 4, "BLOCK_D": whole, "ROW_TILE": whole, "num_warps": 1,
+        return {"BLOCK_I": 64, "BLOCK_L": 4, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
                 "num_stages": 1}  # fmt: skip
-    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "ROW_TILE": 32, "num_warps": 2, "num_stages": 1}
+    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1}
 
 
 # Sort keys (each row's index in the state) are int32 when the rows are fewer than this: a radix
@@ -411,7 +384,10 @@ def number_chunks(
     the passes), the keys sorted and their order; starts [nnz + 1], where starts[c] is the first
     sorted position of chunk c (a new one at each row's first id and every `chunk` positions) and
     nnz follows the last; and count [1], the chunks' number, which the kernels read themselves.
-    Torch ops sort (see the module's docstring); kernels find the bags and number the chunks."""
+
+    Torch ops make the keys from the call's integer inputs and sort them before any launch: the
+    sandbox's host-compute watch refuses host ops on integers a kernel may have written. Kernels
+    find the bags and number the chunks (a count per block, a scan, the starts)."""
     nnz, device = indices.numel(), indices.device
     positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
     # Each id's feature: how many features end at or before it (a search over F offsets).
@@ -460,7 +436,6 @@ def embedding_bags_update(
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
     chunk = KNOBS["CHUNK"]
     block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(max_dim))
-    row_tile = max(block_d, min(cfg["ROW_TILE"], triton.next_power_of_2(max_dim)))
     bag, sorted_keys, order, starts, count = number_chunks(
         row_offsets,
         indices,
@@ -492,7 +467,7 @@ def embedding_bags_update(
         weights, state, grad_out, sorted_keys, grad_at, scale, row_at, dims, starts, count,
         partial, max_dim, nnz, lr, eps, seed, misaligned,
         ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
-        BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d, ROW_TILE=row_tile,
+        BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     _long_rows_kernel[(triton.cdiv(nnz, chunk),)](

@@ -310,8 +310,8 @@ FLAT_OPERAND_LIMIT = 8192
 
 def _knob_constraints(knobs: dict) -> str | None:
     """The single-table kernel's tile bounds; with FLAT, the tensor-core product's: 16 bags or
-    more, operands within FLAT_OPERAND_LIMIT, and neither ACC_3D, pipelining nor ordered bags (the
-    step loop's alone: with FLAT they would only repeat a point of the search)."""
+    more, operands within FLAT_OPERAND_LIMIT, and neither ACC_3D nor pipelining (the step loop's
+    alone: with FLAT they would only repeat a point of the search)."""
     if knobs.get("FLAT"):
         bags, ids, cols = knobs["BLOCK_B"] or 64, knobs["BLOCK_L"] or 2, knobs["BLOCK_D"] or 64
         if bags < 16:
@@ -321,8 +321,8 @@ def _knob_constraints(knobs: dict) -> str | None:
                 f"FLAT's operands [{bags}, {bags * ids}] and [{bags * ids}, {cols}] exceed "
                 f"{FLAT_OPERAND_LIMIT} elements"
             )
-        if knobs["ACC_3D"] or knobs["num_stages"] != 1 or knobs.get("ORDER_BAGS"):
-            return "FLAT takes neither ACC_3D, num_stages > 1 nor ORDER_BAGS (the step loop's)"
+        if knobs["ACC_3D"] or knobs["num_stages"] != 1:
+            return "FLAT takes neither ACC_3D nor num_stages > 1 (the step loop's)"
     return single.TEMPLATE.constraint(knobs)
 
 
@@ -354,13 +354,6 @@ TEMPLATE = KnobTemplate(
             default=None,
             help="the column slices of a block's rows read by neighbouring programs, at about the "
             "same time (else num_bag_blocks programs apart)",
-        ),
-        Knob(
-            "ORDER_BAGS",
-            (None, False, True),
-            default=None,
-            help="each feature's bags sorted longest first (one sort on the device), so a block's bags "
-            "end together",
         ),
     ),
     constraint=_knob_constraints,

@@ -542,13 +542,7 @@ KNOBS = (
         "BLOCK_D",
         (None, 16, 32, 64, 128, 256),
         default=None,
-        help="columns a program takes at a time past ROW_TILE (rows wider take two passes under adagrad)",
-    ),
-    Knob(
-        "ROW_TILE",
-        (None, 16, 32, 64, 128, 256),
-        default=None,
-        help="widest tile a program takes to hold its rows whole, doubling BLOCK_D (one gather a row)",
+        help="columns a program takes at a time (rows wider take two passes under adagrad)",
     ),
     Knob(
         "CHUNK",

@@ -22,29 +22,18 @@ from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
 
-# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, VECTORS[, FLAT[, SLICES_TOGETHER[,
-# ORDER_BAGS]]]]]);
+# (BLOCK_B, BLOCK_L, BLOCK_D, ACC_3D, num_warps[, PROGRAMS[, VECTORS[, FLAT[, SLICES_TOGETHER]]]]);
 # None keeps the launch heuristic's. PROGRAMS: a persistent grid of that many programs, each
 # looping over blocks (132 SMs on an H100 or H200); VECTORS False: rows move an element at a
 # time, as before 16-byte vectors (the kernel's VECTORS switch); FLAT: a block's ids in chunks of
 # BLOCK_B x BLOCK_L, whatever their bags, summed into bags on the tensor cores; SLICES_TOGETHER:
-# a block's column slices read by neighbouring programs; ORDER_BAGS (S: sorted): each feature's
-# bags sorted longest first. After the default, the thirtieth session's question: bags ordered
-# by length, at the default tile and at tiles of more ids a step (a block's bags now end
-# together), then the default again (the run's drift); then the twenty-ninth session's: a row's
-# column slices read by neighbouring programs (SLICES_TOGETHER), at the default tile and with
-# wider slices; then the twenty-fifth session's: FLAT at several chunks and warps; then earlier
-# sweeps' tiles.
+# a block's column slices read by neighbouring programs. After the default (and without
+# vectors), the twenty-ninth session's question: a row's column slices read by neighbouring
+# programs (SLICES_TOGETHER), at the default tile and with wider slices; then the twenty-fifth
+# session's: FLAT at several chunks and warps; then earlier sweeps' tiles.
 F = (None, True, True)  # PROGRAMS None, VECTORS, FLAT
 T = (None, True, None, True)  # PROGRAMS None, VECTORS, FLAT None, SLICES_TOGETHER
-S = (None, True, None, None, True)  # PROGRAMS None, VECTORS, FLAT None, SLICES_TOGETHER None, ORDER_BAGS
 TILES = (
-    (None, None, None, None, None),
-    (None, None, None, None, None, *S),
-    (32, 4, 64, None, 4, *S),
-    (16, 4, 64, None, 2, *S),
-    (64, 2, 64, None, 4, *S),
-    (32, 2, 128, None, 4, *S),
     (None, None, None, None, None),
     (None, None, None, None, None, *T),
     (None, None, 128, None, None, *T),
@@ -92,7 +81,7 @@ TILES = (
     (16, 4, 64, None, 4),
 )
 NAMES = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "num_warps", "PROGRAMS", "VECTORS", "FLAT")
-NAMES += ("SLICES_TOGETHER", "ORDER_BAGS")
+NAMES += ("SLICES_TOGETHER",)
 
 
 def main(pattern: str = "", first: str = "", earlier: str = "") -> None:

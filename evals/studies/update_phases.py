@@ -99,22 +99,19 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
     versions = [("", kernel)]
     if earlier:  # an earlier version's module beside this one, for a side-by-side run
         versions.append((earlier + " ", importlib.import_module(earlier)))
-    # Knobs over the launch heuristic's (an empty dict: the heuristic's own); VECTORS False moves
-    # rows an element at a time (as before 16-byte vectors).
-    configs = [{}, {"VECTORS": False}]
-    configs += [{"ROW_TILE": tile} for tile in (32, 64, 128, 256)]
-    configs += [
-        dict(zip(("BLOCK_I", "BLOCK_D", "ROW_TILE", "num_warps"), knobs, strict=True))
-        for knobs in ((4, 32, 256, 2), (8, 32, 256, 4), (16, 32, 256, 4), (4, 64, 256, 2), (2, 32, 256, 1))
-    ]
+    # (BLOCK_I, BLOCK_L, BLOCK_D, num_warps[, VECTORS]); None keeps the launch heuristic's, and
+    # VECTORS False moves rows an element at a time (as before 16-byte vectors).
+    configs = [(None,) * 4, (None, None, None, None, False), (2, 1, 128, 1), (1, 1, 256, 1), (2, 1, 256, 2)]
+    configs += [(4, 1, 128, 2), (1, 1, 128, 1), (2, 1, 64, 1), (4, 1, 64, 2), (2, 1, 32, 1), (8, 1, 32, 2)]
     for label, module in versions:
         base = dict(module.KNOBS)
-        for knobs in configs if not label else configs[:2]:
+        for config in configs if not label else configs[:2]:
+            names = ("BLOCK_I", "BLOCK_L", "BLOCK_D", "num_warps", "VECTORS")
+            knobs = dict(zip(names, config, strict=False))
             module.VECTORS = knobs.get("VECTORS", True)
             module.KNOBS.update(base, **{k: v for k, v in knobs.items() if k in base})
             us = stats(module.embedding_bags_update, (inputs.args, inputs.kwargs))
-            named = " ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
-            rows.append((f"{label}whole op, {named}", us))
+            rows.append((f"{label}whole op, {' '.join(f'{k}={v}' for k, v in knobs.items())}", us))
         module.KNOBS.update(base)
         module.VECTORS = True
         rows.extend((f"{label}{what}", 0.0) for what in _compiled(module._rows_kernel))

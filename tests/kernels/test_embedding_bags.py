@@ -181,49 +181,13 @@ def test_a_rows_slices_read_together_cover_every_block(programs, monkeypatch, em
     monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
     monkeypatch.setitem(module.KNOBS, "SLICES_TOGETHER", True)
     monkeypatch.setitem(module.KNOBS, "PROGRAMS", programs)
-    for shape in _many_blocks():
-        result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
-        assert result.ok, (shape.name, result.message)
-
-
-def _many_blocks() -> list[Shape]:
-    """Calls of several bag blocks a feature at the GPU's tiles, bags of varied lengths."""
-    return [
+    many_blocks = [
         _explicit("short-150", "fp32", THREE_TABLES, [i * 5 % 4 for i in range(3 * 150)]),  # 64 bags a block
         _explicit("pooled-70", "bf16", THREE_TABLES, [i * 7 % 9 for i in range(3 * 70)]),  # 32 bags a block
     ]
-
-
-@pytest.mark.parametrize("programs", [None, 3])
-def test_bags_ordered_longest_first_land_in_their_rows(programs, monkeypatch, empty_library) -> None:
-    """ORDER_BAGS gives a block the bags of one length (each feature's, sorted longest first),
-    no longer neighbours: at the GPU's tiles every bag's sum still lands in its own output row,
-    in a grid of one program a block and in a persistent one."""
-    forward = module._forward_config
-
-    def gpu_forward_config(dim, size, ids, interpreted):
-        return forward(dim, size, ids)
-
-    monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
-    monkeypatch.setitem(module.KNOBS, "ORDER_BAGS", True)
-    monkeypatch.setitem(module.KNOBS, "PROGRAMS", programs)
-    for shape in _many_blocks():
+    for shape in many_blocks:
         result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
         assert result.ok, (shape.name, result.message)
-
-
-@pytest.mark.slow
-def test_ordered_bags_pass_every_check_shape(monkeypatch, empty_library) -> None:
-    monkeypatch.setitem(module.KNOBS, "ORDER_BAGS", True)
-    for trial, shape in enumerate(CHECK_SHAPES):
-        result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, trial, DEVICE)
-        assert result.ok, (shape.name, shape.dtype, result.message)
-
-
-def test_the_bag_order_sorts_each_features_bags_longest_first() -> None:
-    lengths = torch.tensor([2, 0, 5, 1, 4, 3, 0, 2000, 7])  # 3 features x 3 bags; one past the cap
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    assert module._bag_order(offsets, 3, 3).tolist() == [2, 0, 1, 4, 5, 3, 7, 8, 6]
 
 
 def test_the_launch_regime_is_the_buckets() -> None:
@@ -589,8 +553,7 @@ fwd_types = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indic
 fwd_types |= {"weights_ptr": "*bf16", "psw_ptr": "*bf16", "out_ptr": "*bf16"}
 tile = dict(BLOCK_B=64, BLOCK_L=1, BLOCK_D=64, ACC_3D=False)
 fwd = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False, **tile)
-fwd["SLICES_TOGETHER"] = fwd["ORDER_BAGS"] = False
-fwd_types["order_ptr"] = "*i64"
+fwd["SLICES_TOGETHER"] = False
 bwd_types = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indices_ptr", "offsets_ptr")}
 bwd_types |= {"grad_out_ptr": "*bf16", "psw_ptr": "*bf16", "grad_ptr": "*fp32"}
 bwd = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=16, BLOCK_D=128)
@@ -606,8 +569,6 @@ flat = {**fwd, "FLAT": True, "BLOCK_B": 32, "BLOCK_L": 2, "HAS_PSW": True, "VEC"
 report["flat forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, flat, 2)
 together = {**fwd, "SLICES_TOGETHER": True, "VEC": 8}
 report["together forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, together, 2)
-ordered = {**fwd, "ORDER_BAGS": True, "VEC": 8}
-report["ordered forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, ordered, 2)
 print(json.dumps(report))
 """
 
@@ -617,9 +578,8 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
     """The dims and offsets come from memory, so only the kernels' alignment test lets the
     compiler move rows in 16-byte vectors (v4 of 32 bits; the backward's fp32 atomic adds four
     at a time): with it (VEC 8 for bf16) the PTX holds them, without it (VEC 1) it does not.
-    The FLAT forward compiles for sm_90 too, its sums on the tensor cores, and so do the
-    forward whose blocks take a row's slices together (SLICES_TOGETHER) and the one whose blocks
-    take bags in the host's order (ORDER_BAGS), their rows in vectors."""
+    The FLAT forward compiles for sm_90 too, its sums on the tensor cores, and so does the
+    forward whose blocks take a row's slices together (SLICES_TOGETHER), its rows in vectors."""
     report = in_subprocess(VECTOR_PTX)
     for name in ("forward", "backward"):
         assert not any(".v4." in op for op in report[f"{name} VEC=1"]), report
@@ -629,5 +589,4 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
     # FLAT, weighted: rows in vectors too, summed into bags by TF32 tensor-core products.
     flat = report["flat forward VEC=8"]
     assert "ld.global.v4.b32" in flat and any(op.startswith("mma") and ".tf32" in op for op in flat), report
-    for knob in ("together", "ordered"):
-        assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(report[f"{knob} forward VEC=8"]), report
+    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(report["together forward VEC=8"]), report

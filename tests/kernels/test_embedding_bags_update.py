@@ -45,20 +45,6 @@ def test_column_blocks_narrower_than_the_rows_pass_every_check_shape(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row_tile", [64, 128])
-def test_tiles_widened_to_whole_rows_pass_every_check_shape(monkeypatch, device, row_tile: int) -> None:
-    """The GPU's 32 columns widened to hold a program's rows whole, up to row_tile: rows of the
-    check shapes' dims 4 to 256 take one pass on 32, 64 or 128 columns, or 32 at a time past
-    row_tile."""
-    for name, value in kernel._config(256, interpreted=False).items():
-        monkeypatch.setitem(kernel.KNOBS, name, value)
-    monkeypatch.setitem(kernel.KNOBS, "ROW_TILE", row_tile)
-    for trial, shape in enumerate(PROBLEM.check_shapes):
-        result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
-        assert result.ok, (shape.name, shape.dtype, result.message)
-
-
-@pytest.mark.slow
 def test_int64_keys_pass_every_check_shape(monkeypatch, device) -> None:
     """Buffers of 2^31 rows or more sort int64 keys: the same kernels on the other key type."""
     monkeypatch.setattr(kernel, "INT32_KEYS_BELOW", 0)
@@ -401,8 +387,7 @@ import kernels.embedding_bags_update as module
 config = module._config
 module._config = lambda max_dim, interpreted=False: config(max_dim, False)
 first = cuda_compile.main(["embedding_bags_update"])
-module.INT32_KEYS_BELOW = 0  # the int64 keys of buffers of 2^31 rows or more,
-module.KNOBS["ROW_TILE"] = 256  # and every whole-row tile, 32 to 256 columns
+module.INT32_KEYS_BELOW = 0  # the int64 keys of buffers of 2^31 rows or more
 then = cuda_compile.main(["embedding_bags_update"])
 print(json.dumps({"compiled": first["compiled"], "failed": first["failed"] + then["failed"]}))
 """
