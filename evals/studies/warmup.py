@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from kernels import ops
 from kernels.registry import DISPATCHER
 from sandbox.protocol import fresh_seed
 from sandbox.timing import WARMUP_MS, benchmark
@@ -25,6 +26,7 @@ IDLE_S = 1.0
 
 def study(name: str, device: torch.device) -> None:
     problem = get_problem(name)
+    ops.op(name)  # defines the op and its default kernel
     fn = DISPATCHER.default(name)
     heads = " ".join(f"{h:>9}" for h in ("1st us", "2nd us", "3rd us", "1st/3rd"))
     print(f"\n{name}\n  {'shape':28} {'dtype':5} {'warm-up':>8} {heads}")
