@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from sandbox import cgroups, isolation, shared, wire
+from sandbox.flush import L2Flush
 from sandbox.hardware import roofline_seconds
 from sandbox.locks import BaselineClaims, gpu_use
 from sandbox.protocol import (
@@ -71,7 +72,7 @@ from sandbox.protocol import (
     output_tensors,
 )
 from sandbox.result import LOG_TAIL_CHARS, DeviceInfo, EvalResult, ShapeCheck, ShapeTiming, Status
-from sandbox.timing import L2_FLUSH_BYTES, benchmark, sample_stats
+from sandbox.timing import benchmark, sample_stats
 from search_space.problem import DRAWN, Inputs, Problem, Shape, get_problem
 
 NO_OP_PROOFS = 2  # at least this many among the checks, and one more per timing shape
@@ -1208,7 +1209,7 @@ def _a_time(t) -> bool:
 @dataclass(frozen=True)
 class Calibration:
     """What honest timing leaves between the judge's clock and the runner's events, measured by
-    the judge: the channel's round trip and the L2 flush (the same write the runner makes)."""
+    the judge: the channel's round trip and the L2 flush (the same read the runner makes)."""
 
     rtt_us: float
     flush_us: float
@@ -1220,13 +1221,12 @@ class Calibration:
             t0 = time.perf_counter()
             runner.ask({"op": "ping"}, where="ping")
             rtts.append((time.perf_counter() - t0) * 1e6)
-        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
-        flush.zero_()
+        flush = L2Flush(device)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(10):
-            flush.zero_()
+            flush()
         end.record()
         end.synchronize()
         return cls(rtt_us=statistics.median(rtts), flush_us=start.elapsed_time(end) * 1e3 / 10)

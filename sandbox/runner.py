@@ -36,9 +36,9 @@ from collections.abc import Iterator
 import torch
 
 from sandbox import confine, host_ops, interpreter_memory, shared, wire
+from sandbox.flush import L2Flush
 from sandbox.poison import poison
 
-L2_FLUSH_BYTES = 128 * 1024 * 1024  # twice the H200's 60 MB L2: writing it evicts what a call left
 TRACEBACK_CHARS = 4000
 
 # Taken before any candidate code runs: the C functions themselves, which a module attribute
@@ -422,8 +422,7 @@ class Runner:
         if self.device != "cuda":
             return [], []
         if self._flush is None:
-            self._flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-            self._flush.zero_()
+            self._flush = L2Flush("cuda")
             _cuda_synchronize()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -438,7 +437,7 @@ class Runner:
                 times.append((_perf_counter() - t0) * 1e6)
             return times
         for i, (cid, (args, kwargs)) in enumerate(calls):
-            self._flush.zero_()
+            self._flush()
             starts[i].record()
             self._call(cid, args, kwargs)
             ends[i].record()

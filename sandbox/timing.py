@@ -11,10 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from sandbox.flush import L2Flush
 from sandbox.result import TimingStats
 
-# Twice the H200's 60 MB L2: writing it evicts everything a previous call left there.
-L2_FLUSH_BYTES = 128 * 1024 * 1024
 # The shortest warm-up, as triton.testing.do_bench's: shorter, the first timing after the host
 # drew a shape's inputs ran up to 1.8x slow on an H100 (the jagged and embedding studies).
 WARMUP_MS = 25.0
@@ -38,10 +37,12 @@ def benchmark(
     max_reps: int = 200,
     joined_streams: bool = False,
     warmup_ms: float = WARMUP_MS,
+    flush: Callable[[], None] | None = None,
 ) -> TimingStats:
     """Time `fn(*args, **kwargs)` per call, rotating over `arg_sets` so no input stays cached.
 
-    On CUDA: every call is bracketed by events after an L2 flush, the end event after a
+    On CUDA: every call is bracketed by events after an L2 flush (`flush`, an L2Flush by
+    default), the end event after a
     device-wide synchronize so that all streams' work is inside; the repetition count is
     chosen from a warm-up estimate to fill about `target_ms`. The warm-up runs calls for
     `warmup_ms` at least, so that the GPU's clocks have left whatever state the host's work
@@ -65,7 +66,7 @@ def benchmark(
             samples.append((time.perf_counter() - t0) * 1e6)
         return sample_stats(samples)
 
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    flush = flush or L2Flush(device)
     for i in range(3):  # compile, autotune, lazy init
         args, kwargs = arg_sets[i % len(arg_sets)]
         fn(*args, **kwargs)
@@ -87,7 +88,7 @@ def benchmark(
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         args, kwargs = arg_sets[i % len(arg_sets)]
-        flush.zero_()
+        flush()
         starts[i].record()
         fn(*args, **kwargs)
         if not joined_streams:

@@ -1,0 +1,61 @@
+"""Whether the L2 flush before each timed call costs the call its own time: each op's default
+kernel at each timing shape timed after the flush that reads a 128 MB buffer
+(sandbox.flush.L2Flush) and after one that writes it (zero_(), every timing's flush before it),
+alternately, twice each. A written flush leaves the L2 full of dirty lines, which the timed
+call would write back to HBM in its own window. Prints medians and p20-p80 per flush.
+
+    python3 -m evals.studies.flush [OP ...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kernels import ops
+from kernels.registry import DISPATCHER
+from sandbox.flush import L2_FLUSH_BYTES, L2Flush
+from sandbox.protocol import fresh_seed
+from sandbox.timing import benchmark
+from search_space import get_problem
+
+OPS = ("dense_to_jagged", "jagged_split", "jagged_concat", "jagged_to_padded_dense")
+
+
+class WrittenFlush:
+    """The flush before sandbox.flush: writing the buffer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+
+    def __call__(self) -> None:
+        self.buffer.zero_()
+
+
+def study(name: str, device: torch.device) -> None:
+    problem = get_problem(name)
+    ops.op(name)  # defines the op and its default kernel
+    fn = DISPATCHER.default(name)
+    flushes = {"read": L2Flush(device), "written": WrittenFlush(device)}
+    print(f"\n{name}")
+    for shape in problem.timing_shapes:
+        drawn = (problem.make_inputs(shape, fresh_seed(), device) for _ in range(3))
+        sets = [(i.args, i.kwargs) for i in map(problem.without_statistics, drawn)]
+        cells = []
+        for label in ("read", "written") * 2:
+            stats = benchmark(fn, sets, device=device, joined_streams=True, flush=flushes[label])
+            cells.append(f"{label} {stats.median_us:7.1f} ({stats.p20_us:.1f}-{stats.p80_us:.1f})")
+        print(f"  {shape.name:18} {shape.dtype:5} " + "  ".join(cells), flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    for name in sys.argv[1:] or OPS:
+        study(name, device)
+
+
+if __name__ == "__main__":
+    main()
