@@ -202,25 +202,26 @@ def measure_step(
     section: ModelSection, libraries: dict[str, Path], *, rounds: int | None = None
 ) -> dict[str, Any]:
     """The model's step time with each library, measured in this process side by side: the
-    same model and batches, one warm-up step each, then `rounds` rounds of one step per library
-    in turn (so drift hits all alike); per library the median step."""
+    same model, one warm-up step each, then `rounds` rounds of one step per library in turn (so
+    drift hits all alike); per library the median step. Every step, the warm-up's too, runs on a
+    batch that no library's step has seen (two libraries may hold the same kernel), all of them
+    variants of one batch (model.profile.ModelStep): the same sizes, so that the warm-up compiles
+    what the timed steps run, and the same work for every library."""
     import statistics
+    from functools import partial
 
     import torch
 
     from kernels import DISPATCHER
     from kernels.registry import KernelLibrary
     from model.config import load_config
-    from model.profile import model_step
+    from model.profile import ModelStep
     from model.serving import timed
 
     config = load_config(section.config)
     device = _device(section)
     rounds = rounds or section.measure_steps
-    one_step = model_step(config, section.graph, device, batches=1)
-
-    def step() -> None:
-        one_step(0)
+    step = ModelStep(config, section.graph, device, batches=1)
 
     times: dict[str, list[float]] = {label: [] for label in libraries}
     implementations: dict[str, dict[str, str]] = {}
@@ -229,12 +230,13 @@ def measure_step(
     for label, library in loaded.items():  # warm-up: compiles and loads each library's kernels
         with DISPATCHER.library_at(library):
             DISPATCHER.last.clear()
-            step()
+            step.run(step.batch(0))
             implementations[label] = dict(DISPATCHER.last)
     for _ in range(rounds):
         for label, library in loaded.items():
+            batch = step.batch(0)  # made and copied to the device before the clock starts
             with DISPATCHER.library_at(library):
-                times[label].append(timed(step, device))
+                times[label].append(timed(partial(step.run, batch), device))
     medians = {label: 1e3 * statistics.median(ts) for label, ts in times.items()}
     return {
         "graph": section.graph,

@@ -29,23 +29,30 @@ For gdpa and target attention, whose eager calls at request shapes are bound by 
 second kernel row times the op's forward with its sync-free bounds replayed from a CUDA graph
 ("kernels.ops, bounds, CUDA graph"), each replay to its last kernel (no host round trip), as a
 server replaying graphs would run it. Both kernel rows are compared with every baseline.
+
+Every timed call runs on inputs its provider has never seen (evals.bench_common.FreshInputs):
+each pass draws its own, and so does the replayed forward, whose kernel the eager row has
+called. Some timed calls are checked: a forward's output against the problem's reference, a
+backward's gradients against its gradient problem's (`<op>_grad`, on grad_out and the forward's
+arguments, which the backward passes are drawn from); the row says WRONG where one fails.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from evals.bench_common import BenchRun, select_shapes
+from evals.bench_common import FRESH_MAX_SETS, BenchRun, Checked, FreshInputs, select_shapes
 from sandbox.judge import baseline_providers
-from sandbox.protocol import all_baselines, compare
-from sandbox.timing import benchmark
+from sandbox.protocol import all_baselines
+from sandbox.timing import ArgSet, benchmark
 from search_space import get_problem
 from search_space.op import Op, get_op
 from search_space.problem import Inputs, Problem, Shape
@@ -61,6 +68,13 @@ KERNEL = "kernels.ops"
 GRAPHED = "kernels.ops, bounds, CUDA graph"
 KERNELS = (KERNEL, GRAPHED)
 FORWARD_ONLY = ("reference", "reference.compile", GRAPHED)
+# A provider's timed calls of a pass compared with the reference (evals.bench_common.FreshInputs):
+# one, the same for every provider of the pass, whose reference (a gradient's, for bwd and
+# fwd+bwd) takes seconds at the larger shapes.
+CHECKED_CALLS = 1
+# The replayed forward's timed calls: each replays a graph captured for it, and a capture costs a
+# device-wide synchronize and the allocator's cache.
+GRAPH_CAPTURES = 20
 
 
 def pass_flops(forward_flops: float, pass_name: str) -> float:
@@ -128,13 +142,17 @@ def without_bounds(op: str, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in bounds}
 
 
-def graphed(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
-    """(replay, outputs): fn captured in a CUDA graph after a warm-up on a side stream."""
-    fn()
+def graphed(
+    fn: Callable[[], object], warm: Callable[[], object] | None = None
+) -> tuple[Callable[[], None], object]:
+    """(replay, outputs): fn captured in a CUDA graph after a warm-up on a side stream, of `warm`
+    where given (a call on other inputs: fn's own are then first seen in the capture), else of fn."""
+    warm = warm or fn
+    warm()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()
+        warm()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -167,18 +185,21 @@ def _peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
     return peak
 
 
-def _with_grad_leaves(op: str, args: tuple, kwargs: dict) -> tuple[tuple, list[torch.Tensor]]:
-    """The call's arguments with its differentiable positional ones (q, k, v of the attention
-    ops: their declarations' Backward.differentiable) replaced by fresh leaves that require grad."""
+def _with_grad_leaves(op: str, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """The call's arguments with its differentiable ones (its declaration's
+    Backward.differentiable: q, k, v of the attention ops, rel_bias where given) replaced by fresh
+    leaves that require grad, and those leaves in that order: the order of the gradients its
+    gradient problem returns."""
     declared = get_op(op)
     positional = list(declared.signature.parameters)[: len(args)]
-    wanted = set(declared.backward.differentiable)
-    call_args = [
-        a.detach().clone().requires_grad_() if name in wanted and a is not None else a
-        for name, a in zip(positional, args, strict=True)
-    ]
-    leaves = [a for name, a in zip(positional, call_args, strict=True) if name in wanted and a is not None]
-    return tuple(call_args), leaves
+    named = dict(zip(positional, args, strict=True)) | kwargs
+    leaves = {
+        name: named[name].detach().clone().requires_grad_()
+        for name in declared.backward.differentiable
+        if named.get(name) is not None
+    }
+    call_args = tuple(leaves.get(name, a) for name, a in zip(positional, args, strict=True))
+    return call_args, {k: leaves.get(k, v) for k, v in kwargs.items()}, list(leaves.values())
 
 
 def _providers(problem: Problem, shape: Shape, device: torch.device, kernel: Callable | None) -> dict:
@@ -195,39 +216,90 @@ def _providers(problem: Problem, shape: Shape, device: torch.device, kernel: Cal
     return providers
 
 
-def _time_forward(fn, arg_sets, ref, problem, shape, device) -> dict:
-    args, kwargs = arg_sets[0]
-    scale = problem.tolerance_scale(Inputs(args=args, kwargs=kwargs))
-    ok, details = compare(fn(*args, **kwargs), ref, problem.tolerance(shape.dtype), scale)
-    stats = benchmark(fn, arg_sets, device=device)
+@dataclass
+class _AtShape:
+    """What a timing shape's passes are timed on: the warm-up's sets of the forward problem and of
+    its gradient problem (grad_out, then the forward's arguments: the backward passes'), and the
+    timed calls' own sets, drawn for each pass (and for the replayed forward) as it comes."""
+
+    run: BenchRun
+    problem: Problem
+    shape: Shape
+
+    @cached_property
+    def warmup(self) -> list[ArgSet]:
+        return self.run.input_sets(self.problem, self.shape)
+
+    @cached_property
+    def grad_warmup(self) -> list[ArgSet]:
+        return self.run.input_sets(self.grad_problem, self.shape)
+
+    @property
+    def grad_problem(self) -> Problem:
+        return get_problem(get_op(self.problem.name).backward.gradient_op)
+
+    def fresh(self, pass_name: str, *, most: int = FRESH_MAX_SETS) -> FreshInputs:
+        problem = self.problem if pass_name == "fwd" else self.grad_problem
+        return self.run.fresh_inputs(problem, self.shape, checks=CHECKED_CALLS, most=most)
+
+
+def _timed(stats, checked: Checked, peak_mem_bytes: int | None) -> dict:
     return {
         "stats": stats,
-        "correct": ok,
-        "message": details.get("message", ""),
-        "peak_mem_bytes": _peak_bytes(lambda: fn(*args, **kwargs), device),
+        "correct": checked.ok,
+        "message": checked.failure or "",
+        "checked_calls": checked.calls,
+        "peak_mem_bytes": peak_mem_bytes,
     }
 
 
-def _time_graph_replay(fn, op, arg_sets, ref, problem, shape, device) -> dict:
-    """The forward of `fn` with the inputs' launch bounds, captured in a CUDA graph per input set
-    and timed by replays, each to its last kernel (`joined_streams`: capture admits no work left
-    on another stream). A kernel that cannot be captured (a library kernel that syncs) is an
+def _time_forward(fn, at: _AtShape, fresh: FreshInputs, device) -> dict:
+    checked = Checked()
+    stats = benchmark(fn, at.warmup, device=device, **fresh.timing(checked))
+    args, kwargs = at.warmup[0]
+    return _timed(stats, checked, _peak_bytes(lambda: fn(*args, **kwargs), device))
+
+
+def _replayed(replay: Callable[[], None], outputs: object) -> object:
+    replay()
+    return outputs
+
+
+def _time_graph_replay(fn, at: _AtShape, device) -> dict:
+    """The forward of `fn` with the inputs' launch bounds, captured in a CUDA graph and timed by
+    replays, each to its last kernel (`joined_streams`: capture admits no work left on another
+    stream). Each timed replay is of a graph captured for it (outside its events) on a set of
+    its own, never seen by fn before: fn's host code runs only in a capture, where a memo would
+    put a copy of what it kept in the graph, and a graph replayed again would give its kernels
+    inputs they have seen. A kernel that cannot be captured (a library kernel that syncs) is an
     error row."""
     if device.type != "cuda":
         return {"skipped": "CUDA graphs need a GPU"}
-    replays, outputs = [], []
     with torch.no_grad():
-        for args, kwargs in arg_sets:
-            replay, out = graphed(partial(fn, *args, **kwargs))
-            replays.append(replay)
-            outputs.append(out)
-    args, kwargs = arg_sets[0]
-    replays[0]()
-    scale = problem.tolerance_scale(Inputs(args=args, kwargs=kwargs))
-    ok, details = compare(outputs[0], ref, problem.tolerance(shape.dtype), scale)
-    index_sets = [((i,), {}) for i in range(len(replays))]
-    stats = benchmark(lambda i: replays[i](), index_sets, device=device, joined_streams=True)
-    return {"stats": stats, "correct": ok, "message": details.get("message", ""), "peak_mem_bytes": None}
+        warm = [(graphed(partial(fn, *args, **kwargs)), {}) for args, kwargs in at.warmup]
+    fresh = at.fresh("fwd", most=GRAPH_CAPTURES)
+    args, kwargs = at.warmup[0]
+    other = partial(fn, *args, **kwargs)
+
+    def capture(i: int) -> ArgSet:
+        """Set i's graph, replayed once with zeros for the set's floating-point tensors: a graph's
+        first replay takes longer than the next (it uploads the graph: tens of microseconds on
+        an H100), and its kernels then meet the set's values first in the timed replay."""
+        with torch.no_grad():
+            args, kwargs = fresh.args(i)
+            replay, outputs = graphed(partial(fn, *args, **kwargs), warm=other)
+            values = [t for t in fresh.sets[i].tensors() if t.is_floating_point()]
+            kept = [t.clone() for t in values]
+            for t in values:
+                t.zero_()
+            replay()
+            for t, k in zip(values, kept, strict=True):
+                t.copy_(k)
+        return (replay, outputs), {}
+
+    checked = Checked()
+    stats = benchmark(_replayed, warm, device=device, joined_streams=True, **fresh.timing(checked, capture))
+    return _timed(stats, checked, None)
 
 
 def _keep_saved_buffers():
@@ -243,32 +315,59 @@ def _keep_saved_buffers():
     return config.patch(donated_buffer=False)
 
 
-def _time_backward(fn, op, args, kwargs, device, pass_name) -> dict:
+def _time_backward(fn, op, at: _AtShape, fresh: FreshInputs, device, pass_name) -> dict:
     with _keep_saved_buffers():
-        return _time_backward_pass(fn, op, args, kwargs, device, pass_name)
+        return _time_backward_pass(fn, op, at, fresh, device, pass_name)
 
 
-def _time_backward_pass(fn, op, args, kwargs, device, pass_name) -> dict:
-    call_args, leaves = _with_grad_leaves(op, args, kwargs)
-    out = fn(*call_args, **kwargs)
-    if not out.requires_grad:
+def _differentiated(fn, op: str, inputs: Inputs) -> tuple:
+    """(output, leaves, grad_out) of fn on a gradient problem's inputs (grad_out, then the
+    forward's arguments), its differentiable arguments as leaves: a graph to differentiate."""
+    grad_out, *args = inputs.args
+    call_args, call_kwargs, leaves = _with_grad_leaves(op, tuple(args), inputs.kwargs)
+    return fn(*call_args, **call_kwargs), leaves, grad_out
+
+
+def _backward(out, leaves, grad_out):
+    # The warm-up's graphs are differentiated again and again.
+    return torch.autograd.grad(out, leaves, grad_out, retain_graph=True, allow_unused=True)
+
+
+def _forward_backward(fn, call_args, call_kwargs, leaves, grad_out):
+    return torch.autograd.grad(fn(*call_args, **call_kwargs), leaves, grad_out, allow_unused=True)
+
+
+def _time_backward_pass(fn, op, at: _AtShape, fresh: FreshInputs, device, pass_name) -> dict:
+    """bwd: the gradients of a forward graph made outside the events, one for each timed call, of
+    its own set; fwd+bwd: the forward and its gradients, on leaves of the timed call's set. Both
+    compared with the gradient problem's reference on some of the calls' sets."""
+    warm_inputs = [Inputs(args=args, kwargs=kwargs) for args, kwargs in at.grad_warmup]
+    checked = Checked()
+    if pass_name == "bwd":
+        graphs = [_differentiated(fn, op, inputs) for inputs in warm_inputs]
+        if not graphs[0][0].requires_grad:
+            return {"skipped": "no autograd"}
+        timing = fresh.timing(checked, lambda i: (_differentiated(fn, op, fresh.sets[i]), {}))
+        stats = benchmark(_backward, [(g, {}) for g in graphs], device=device, **timing)
+        return _timed(stats, checked, _peak_bytes(lambda: _backward(*graphs[0]), device))
+
+    def leaves_of(inputs: Inputs) -> tuple:
+        grad_out, *args = inputs.args
+        return (fn, *_with_grad_leaves(op, tuple(args), inputs.kwargs), grad_out)
+
+    calls = [leaves_of(inputs) for inputs in warm_inputs]
+    _, call_args, call_kwargs, _, _ = calls[0]
+    if not fn(*call_args, **call_kwargs).requires_grad:
         return {"skipped": "no autograd"}
-    grad_out = torch.randn(out.shape, generator=torch.Generator(device=device).manual_seed(0), device=device)
-    grad_out = grad_out.to(out.dtype)
-
-    def bwd():
-        return torch.autograd.grad(out, leaves, grad_out, retain_graph=True, allow_unused=True)
-
-    def fwd_bwd():
-        return torch.autograd.grad(fn(*call_args, **kwargs), leaves, grad_out, allow_unused=True)
-
-    step = bwd if pass_name == "bwd" else fwd_bwd
-    stats = benchmark(step, [((), {})], device=device)
-    return {"stats": stats, "correct": None, "message": "", "peak_mem_bytes": _peak_bytes(step, device)}
+    timing = fresh.timing(checked, lambda i: (leaves_of(fresh.sets[i]), {}))
+    stats = benchmark(_forward_backward, [(c, {}) for c in calls], device=device, **timing)
+    return _timed(stats, checked, _peak_bytes(lambda: _forward_backward(*calls[0]), device))
 
 
-def _measure(name, fn, pass_name, arg_sets, ref, problem, shape, device) -> dict:
-    """One provider on one pass; failures (out of memory, unsupported) become the row's note."""
+def _measure(name, fn, pass_name, at: _AtShape, fresh: FreshInputs | None, device) -> dict:
+    """One provider on one pass; failures (out of memory, unsupported) become the row's note.
+    `fresh`: the pass's timed calls' sets, shared by its providers (but the replayed forward,
+    which draws its own)."""
     if pass_name != "fwd" and name in FORWARD_ONLY:
         return {
             "skipped": "forward only ("
@@ -277,11 +376,11 @@ def _measure(name, fn, pass_name, arg_sets, ref, problem, shape, device) -> dict
         }
     try:
         if name == GRAPHED:
-            return _time_graph_replay(fn, problem.name, arg_sets, ref, problem, shape, device)
+            return _time_graph_replay(fn, at, device)
+        assert fresh is not None
         if pass_name == "fwd":
-            return _time_forward(fn, arg_sets, ref, problem, shape, device)
-        args, kwargs = arg_sets[0]
-        return _time_backward(fn, problem.name, args, kwargs, device, pass_name)
+            return _time_forward(fn, at, fresh, device)
+        return _time_backward(fn, at.problem.name, at, fresh, device, pass_name)
     except torch.cuda.OutOfMemoryError:
         return {"error": "out of memory"}
     except NotImplementedError as exc:
@@ -346,9 +445,7 @@ def run_attention_benchmark(
     )
     rows: list[dict] = []
     for shape in shapes:
-        arg_sets = run.input_sets(problem, shape)
-        args, kwargs = arg_sets[0]
-        ref = problem.reference(*args, **kwargs)
+        at = _AtShape(run=run, problem=problem, shape=shape)
         forward_flops = problem.flops(shape)
         providers = {
             name: fn
@@ -356,10 +453,16 @@ def run_attention_benchmark(
             if name not in (without or ())
         }
         for pass_name in passes:
+            # The pass's timed calls' sets, shared by its providers: never seen by the kernel,
+            # whose earlier passes ran on sets of their own.
+            timed_here = [
+                n for n in providers if n != GRAPHED and (pass_name == "fwd" or n not in FORWARD_ONLY)
+            ]
+            fresh = at.fresh(pass_name) if timed_here else None
             results = {
-                name: _measure(name, fn, pass_name, arg_sets, ref, problem, shape, device)
-                for name, fn in providers.items()
+                name: _measure(name, fn, pass_name, at, fresh, device) for name, fn in providers.items()
             }
+            del fresh
             kernel_us = results.get(KERNEL, {}).get("stats")
             kernel_us = kernel_us.median_us if kernel_us else None
             flops = pass_flops(forward_flops, pass_name)
@@ -375,7 +478,7 @@ def run_attention_benchmark(
                 table.add_row(*_cells(row))
                 if on_row is not None:
                     on_row(row)
-        del arg_sets, args, kwargs, ref
+        del at
         if device.type == "cuda":
             torch.cuda.empty_cache()
     run.finish(console, table)
@@ -400,11 +503,13 @@ def _row(op, name, shape, pass_name, flops, peak, r, kernel_us, timed) -> dict:
         "p50_us": stats.median_us,
         "p20_us": stats.p20_us,
         "p80_us": stats.p80_us,
+        "timed_calls": stats.reps,
         "tflops": tflops,
         "peak_fraction": tflops * 1e12 / peak if peak else None,
         "peak_mem_bytes": r["peak_mem_bytes"],
         "correct": r["correct"],
         "message": r["message"],
+        "checked_calls": r["checked_calls"],
     }
     if name in KERNELS:  # the kernel eagerly and replayed, each against every baseline
         row["speedup_vs"] = {n: us / stats.median_us for n, us in timed.items() if n not in KERNELS}

@@ -1,11 +1,22 @@
 """What the product benchmarks share: the run's device, software and commit, and how a
-benchmark draws its shapes and input sets (evals.bench_ops, evals.bench_attention)."""
+benchmark draws its shapes and input sets (evals.bench_ops, evals.bench_attention).
+
+The judge times a candidate on inputs it has never seen and checks timed outputs, so a kernel
+that memoizes its outputs gains nothing there; the benchmarks, which report figures for the
+library's kernels after the judge accepted them, hold them to the same rule (FreshInputs): each
+timed call of a provider runs on a set drawn for it, never seen by that provider (its warm-up
+runs on other sets), and some of those calls are compared with the reference.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import random
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +25,25 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from sandbox.protocol import fresh_seed
-from search_space.problem import Problem, Shape
+from sandbox.judge import SEED_FORMS
+from sandbox.protocol import compare, fresh_seed
+from sandbox.timing import ArgSet
+from search_space.problem import Inputs, Problem, Shape
+
+# The warm-up's input sets: of the forms 0, 1, 2 (a problem draws some settings of a call, an
+# index dtype say, from its seed's low bits: sandbox.judge.SEED_FORMS), one on the interpreter.
+WARMUP_SETS, INTERPRETED_SETS = 3, 1
+# Timed calls' sets (FreshInputs): at least FRESH_MIN_SETS and at most FRESH_MAX_SETS (the timed
+# calls sandbox.timing.benchmark makes at most), fewer where the next one would take the sets
+# past FRESH_MEMORY_SHARE of the GPU's memory or their drawing past FRESH_DRAW_S. A call of a
+# millisecond on tables of gigabytes (the embedding shapes: 1.6 GB a set) is so timed a dozen
+# times; one of tens of microseconds on small inputs up to 200 times. They are drawn before the
+# warm-up, not between timed calls: the host's work idles the GPU, whose clocks then drop (see
+# sandbox.timing.WARMUP_MS). The interpreter times 3 calls (sandbox.timing.benchmark).
+FRESH_MIN_SETS, FRESH_MAX_SETS = 10, 200
+FRESH_MEMORY_SHARE = 0.25
+FRESH_DRAW_S = 1.0
+INTERPRETED_FRESH_SETS = 3
 
 
 @dataclass(frozen=True)
@@ -61,23 +89,160 @@ class BenchRun:
             problem.interpreted_timing_shapes if self.interpreted else problem.timing_shapes, only
         )
 
-    def input_sets(self, problem: Problem, shape: Shape) -> list[tuple[tuple, dict]]:
-        """Fresh inputs to rotate over: three on a GPU (nothing stays cached), one interpreted.
-        Without the problem's request for statistics: a public op saves them itself when a
-        gradient will be taken (the forward+backward rows), and providers take the op's
-        arguments."""
+    def input_sets(self, problem: Problem, shape: Shape) -> list[ArgSet]:
+        """The warm-up's inputs, to rotate over: three on a GPU, of the forms 0, 1, 2 (so that
+        every form a timed call meets is compiled), one interpreted. Without the problem's
+        request for statistics: a public op saves them itself when a gradient will be taken (the
+        forward+backward rows), and providers take the op's arguments."""
         return [
             (i.args, i.kwargs)
             for i in (
-                problem.without_statistics(problem.make_inputs(shape, fresh_seed(), self.device))
-                for _ in range(1 if self.interpreted else 3)
+                problem.without_statistics(problem.make_inputs(shape, seed_of_form(form), self.device))
+                for form in range(self.warmup_sets)
             )
         ]
+
+    @property
+    def warmup_sets(self) -> int:
+        return INTERPRETED_SETS if self.interpreted else WARMUP_SETS
+
+    def fresh_inputs(
+        self, problem: Problem, shape: Shape, *, checks: int, most: int = FRESH_MAX_SETS
+    ) -> FreshInputs:
+        """A round of timed calls' inputs at `shape` (FreshInputs), of the warm-up's forms."""
+        return FreshInputs(problem, shape, self.device, forms=self.warmup_sets, checks=checks, most=most)
 
     def finish(self, console: Console, table: Table) -> None:
         console.print(table)
         if self.interpreted:
             console.print("[yellow]interpreted Triton on a CPU: these timings say nothing about GPU speed[/]")
+
+
+def seed_of_form(form: int) -> int:
+    """A fresh seed whose low bits draw the inputs' form `form` (sandbox.judge.SEED_FORMS)."""
+    return (fresh_seed() & ~(SEED_FORMS - 1)) | form
+
+
+@dataclass
+class Checked:
+    """What the checks of one provider's timed calls found: how many ran, the first failure."""
+
+    calls: int = 0
+    failure: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+class FreshInputs:
+    """The inputs of one round of timed calls at a shape: timed call i of every provider runs on
+    set i, drawn from a fresh seed before any timing (sandbox.timing.benchmark's `fresh`), and
+    the calls on `checks` of the sets, chosen at random among those every provider's timing
+    reaches, are compared with the reference on their inputs (its `check`).
+
+    Shared by providers of different code, which never see each other's calls; never by two
+    rounds of one code (a pass after another, a kernel called and replayed), which draw a round
+    each. Providers share the checked sets, so that one reference serves them all (at an
+    attention shape it takes seconds). An op that updates its arguments (Problem.updates)
+    updates a set in place: a later provider gets it as the earlier left it, inputs it has never
+    seen with the same ids (the same work), and each check compares with the reference on a copy
+    of the set made before its call.
+
+    A memo keyed on a sample of the values never hits; one keyed on the sets' addresses never
+    either (the sets are all alive, each at its own addresses). One that answers a call with
+    another call's outputs (keyed on the addresses of what a call makes from its set, a
+    backward's saved tensors, which an earlier call's may have held; or on anything else) fails
+    a check: the checks never fall on the first timed call alone, which no earlier timed call
+    can answer."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        shape: Shape,
+        device: torch.device,
+        *,
+        forms: int,
+        checks: int,
+        most: int = FRESH_MAX_SETS,
+    ) -> None:
+        """Sets of the forms 0 to `forms` - 1 in turn (the warm-up's), `most` at most."""
+        self.problem, self.shape = problem, shape
+        interpreted = device.type != "cuda"
+        most = min(most, INTERPRETED_FRESH_SETS) if interpreted else most
+        memory = math.inf if interpreted else torch.cuda.get_device_properties(device).total_memory
+        budget = FRESH_MEMORY_SHARE * memory
+        self.sets: list[Inputs] = []
+        nbytes, t0 = 0, time.perf_counter()
+        while len(self.sets) < most:
+            drawn = problem.make_inputs(shape, seed_of_form(len(self.sets) % forms), device)
+            self.sets.append(problem.without_statistics(drawn))
+            nbytes += sum(t.nbytes for t in drawn.tensors())
+            full = nbytes * (1 + 1 / len(self.sets)) > budget or time.perf_counter() - t0 > FRESH_DRAW_S
+            if full and len(self.sets) >= min(FRESH_MIN_SETS, most):
+                break
+        # Every provider's timing reaches FRESH_MIN_SETS calls (its min_reps, see `timing`) or
+        # all the sets, if fewer; the interpreter's three calls are all checked, as the judge
+        # checks all of its.
+        reached = min(FRESH_MIN_SETS, len(self.sets))
+        if interpreted:
+            self.checked = frozenset(range(reached))
+        else:
+            later = range(1, reached) if reached > 1 else range(reached)
+            self.checked = frozenset(random.sample(later, min(checks, len(later))))
+        self._references: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self.sets)
+
+    def args(self, i: int) -> ArgSet:
+        """Timed call i's arguments."""
+        return self.sets[i].args, self.sets[i].kwargs
+
+    def timing(self, checked: Checked, fresh: Callable[[int], ArgSet] | None = None) -> dict:
+        """sandbox.timing.benchmark's options for one provider's round: its timed calls on these
+        sets (`fresh`: call i's arguments made from set i, where they are not the set itself),
+        its checks' findings to `checked`."""
+        return {
+            "fresh": fresh or self.args,
+            "check": self.checker(checked),
+            "min_reps": FRESH_MIN_SETS,
+            "max_reps": len(self.sets),
+        }
+
+    def checker(self, checked: Checked) -> Callable[[int, tuple, dict], Callable[[object], None] | None]:
+        """benchmark's `check` for one provider, whose findings go to `checked`: for a call on a
+        checked set, a function comparing its output (the problem's result of the call) with the
+        reference's on the set."""
+
+        def before(i: int, args: tuple, kwargs: dict) -> Callable[[object], None] | None:
+            if i not in self.checked:
+                return None
+            inputs = self.sets[i]
+            pristine = inputs.clone() if self.problem.updates else None
+
+            def verify(out: object) -> None:
+                ref, tol, scale = self._reference(i, pristine)
+                ok, details = compare(self.problem.result(inputs, out), ref, tol, scale)
+                checked.calls += 1
+                if not ok and checked.ok:
+                    checked.failure = f"{details.get('message', '')} (timed call {i})"
+
+            return verify
+
+        return before
+
+    def _reference(self, i: int, pristine: Inputs | None) -> tuple:
+        """(the reference's output, tolerance, error scale) on set i; for an op that updates its
+        arguments, on `pristine` (a copy of them before the call), else once for all providers."""
+        if pristine is None and i in self._references:
+            return self._references[i]
+        inputs = pristine if pristine is not None else self.sets[i]
+        ref = self.problem.result(inputs, self.problem.reference(*inputs.args, **inputs.kwargs))
+        found = (ref, *self.problem.closeness(self.shape.dtype, inputs, ref))
+        if pristine is None:
+            self._references[i] = found
+        return found
 
 
 def select_shapes(shapes: tuple[Shape, ...], only: list[str] | None) -> tuple[Shape, ...]:

@@ -27,15 +27,18 @@ from rich.table import Table
 from torch import Tensor
 
 from evals.bench_attention import PASSES, run_attention_benchmark, timed_per_pass
-from evals.bench_common import BenchRun
+from evals.bench_common import BenchRun, Checked
 from kernels.registry import DISPATCHER, KernelLibrary, device_arch, device_name
 from sandbox.judge import baseline_providers
-from sandbox.protocol import all_baselines, compare
+from sandbox.protocol import all_baselines
 from sandbox.timing import benchmark
 from search_space import get_problem, problem_names
-from search_space.problem import Inputs, Problem
+from search_space.problem import Problem
 
 COPY_BYTES = 2 * 1024**3
+# A provider's timed calls compared with the reference (evals.bench_common.FreshInputs): the same
+# two for every provider of a shape.
+CHECKED_CALLS = 2
 FAMILIES = ("embedding", "attention", "all")
 
 
@@ -92,9 +95,11 @@ def run_op_benchmark(
     passes: tuple[str, ...] | None = None,
     on_row: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """`only_shapes`: substrings of the timing shapes to run; `without`: providers to leave out;
-    `passes`: for ops timed per pass, among fwd, bwd, fwd+bwd; `on_row`: called with each row as soon
-    as it is measured."""
+    """Every provider of `op` timed at each timing shape, on inputs it has never seen
+    (evals.bench_common.FreshInputs), some of its timed calls checked against the reference: a
+    row whose check failed says WRONG. `only_shapes`: substrings of the timing shapes to run;
+    `without`: providers to leave out; `passes`: for ops timed per pass, among fwd, bwd,
+    fwd+bwd; `on_row`: called with each row as soon as it is measured."""
     problem = get_problem(op)
     if timed_per_pass(op):
         return run_attention_benchmark(
@@ -129,30 +134,21 @@ def run_op_benchmark(
     )
     rows = []
     for shape in run.shapes(problem, only_shapes):
-        arg_sets = run.input_sets(problem, shape)
-        args, kwargs = arg_sets[0]
-        first = Inputs(args=args, kwargs=kwargs)
+        warmup = run.input_sets(problem, shape)
+        fresh = run.fresh_inputs(problem, shape, checks=CHECKED_CALLS)
         nbytes, nflops = problem.bytes(shape), problem.flops(shape)
-        # An op that updates its arguments is checked on copies of them (Problem.result); timed
-        # calls update the same ones again and again, as training steps do.
-        pristine = first.clone() if problem.updates else first
-        fresh = pristine.clone if problem.updates else (lambda kept=first: kept)
-        checked = fresh()
-        ref = problem.result(checked, problem.reference(*checked.args, **checked.kwargs))
-        tol, scale = problem.closeness(shape.dtype, first, ref)
         results = {}
         for name, fn in _providers(problem, lib, device, shape).items():
-            call = fresh()
-            ok, details = compare(problem.result(call, fn(*call.args, **call.kwargs)), ref, tol, scale)
+            checked = Checked()
             # Each call to its end event on the current stream, as the judge times candidates and
             # baselines: torch's ops and the library's Triton launches stay on it (a library
             # kernel was registered only after the judge's own clock accounted for its work). An
             # end event after a device-wide synchronize adds the host's round trip, about 12 us
             # on an H100: a fifth of a call at the jagged transforms' smaller shapes.
-            stats = benchmark(fn, arg_sets, device=device, joined_streams=True)
-            results[name] = (stats, ok, details.get("message", ""))
-        torch_us = next((s.median_us for n, (s, _, _) in results.items() if n.startswith("torch.")), None)
-        for name, (stats, ok, msg) in results.items():
+            stats = benchmark(fn, warmup, device=device, joined_streams=True, **fresh.timing(checked))
+            results[name] = (stats, checked)
+        torch_us = next((s.median_us for n, (s, _) in results.items() if n.startswith("torch.")), None)
+        for name, (stats, checked) in results.items():
             gbps = nbytes / (stats.median_us * 1e-6) / 1e9
             frac = gbps * 1e9 / copy_bw if copy_bw else None
             speedup = torch_us / stats.median_us if torch_us else None
@@ -166,7 +162,7 @@ def run_op_benchmark(
                 f"{100 * frac:.0f}%" if frac else "n/a",
                 f"{nflops / (stats.median_us * 1e-6) / 1e12:.2f}",
                 f"{speedup:.2f}x" if speedup else "n/a",
-                "ok" if ok else f"WRONG {msg[:40]}",
+                "ok" if checked.ok else f"WRONG {checked.failure[:40]}",
             )
             rows.append(
                 {
@@ -181,13 +177,16 @@ def run_op_benchmark(
                     "copy_fraction": frac,
                     "tflops": nflops / (stats.median_us * 1e-6) / 1e12,
                     "speedup_vs_torch": speedup,
-                    "correct": ok,
+                    "timed_calls": stats.reps,
+                    "correct": checked.ok,
+                    "message": checked.failure or "",
+                    "checked_calls": checked.calls,
                     **run.fields(),
                 }
             )
             if on_row is not None:
                 on_row(rows[-1])
-        del arg_sets, args, kwargs, ref, first, pristine, checked, fresh
+        del warmup, fresh
         if device.type == "cuda":
             torch.cuda.empty_cache()
     run.finish(console, table)

@@ -23,7 +23,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -250,6 +250,50 @@ class TrafficGenerator:
         lengths[short] = torch.randint(0, int(low) + 1, (int(short.sum()),), generator=gen)
         return lengths
 
+    def _history_events(self, total: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """(items, actions, ages) of `total` history events: items power-law, actions likelier
+        the lower their index, ages uniform over the time buckets."""
+        h = self.config.history
+        assert h is not None
+        items = zipf_ids(total, self.config.table(h.item_table).num_rows, gen)
+        actions = (
+            torch.multinomial(torch.linspace(1.0, 0.1, h.num_actions), total, replacement=True, generator=gen)
+            if total
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        ages = torch.rand(total, generator=gen, dtype=torch.float64) * (h.time_buckets - 1)
+        return items, actions, ages.floor().long()
+
+    def variant(self, batch: RequestBatch, gen: torch.Generator) -> RequestBatch:
+        """A batch of `batch`'s sizes that no step has seen: its requests in a random order, with
+        every id, weight, history event and dense feature drawn again (the labels go with their
+        candidates: no kernel reads them). What a step is timed on, so that no implementation's
+        memo of earlier answers pays, and nothing compiles in it: every size and bound a kernel
+        is launched with (each feature's ids, the candidates, the history events; a feature's
+        longest bag and a request's longest history) is `batch`'s, the order alone differs, so
+        the kernels compiled for one batch (Triton specializes on integer arguments) serve all
+        its variants. `batch` is on the host, as the generator makes it."""
+        out = batch.select_requests(torch.randperm(batch.num_requests, generator=gen))
+        features = {f.name: f for f in self.config.features}
+
+        def redrawn(name: str, bags: Bags) -> Bags:
+            ids = zipf_ids(bags.ids.numel(), self.config.hash_size(features[name]), gen)
+            weights = None if bags.weights is None else torch.rand(ids.numel(), generator=gen)
+            return Bags(ids, bags.offsets, weights)
+
+        history = out.history_items, out.history_actions, out.history_ages
+        if self.config.history is not None:
+            history = self._history_events(out.history_items.numel(), gen)
+        return replace(
+            out,
+            user_features={k: redrawn(k, b) for k, b in out.user_features.items()},
+            item_features={k: redrawn(k, b) for k, b in out.item_features.items()},
+            history_items=history[0],
+            history_actions=history[1],
+            history_ages=history[2],
+            dense=torch.randn(out.dense.shape, generator=gen),
+        )
+
     def _vectors(self, table: str, bags: Bags) -> torch.Tensor:
         """The hidden vector of each bag: the mean of its ids' ([num_bags, HIDDEN_DIM], zeros if empty)."""
         rows = self.hidden[table][bags.ids % HIDDEN_ROWS]
@@ -304,17 +348,7 @@ class TrafficGenerator:
                 lengths = torch.full_like(lengths, history_length)
             history_offsets = _offsets(lengths)
             total = int(history_offsets[-1])
-            items_rows = c.table(h.item_table).num_rows
-            history_items = zipf_ids(total, items_rows, gen)
-            history_actions = (
-                torch.multinomial(
-                    torch.linspace(1.0, 0.1, h.num_actions), total, replacement=True, generator=gen
-                )
-                if total
-                else torch.zeros(0, dtype=torch.int64)
-            )
-            ages = torch.rand(total, generator=gen, dtype=torch.float64) * (h.time_buckets - 1)
-            history_ages = ages.floor().long()
+            history_items, history_actions, history_ages = self._history_events(total, gen)
             weight = self.action_weight[history_actions] * torch.exp(-history_ages.float() / h.time_buckets)
             owner = torch.repeat_interleave(torch.arange(num_requests), lengths)
             events = self.hidden[h.item_table][history_items % HIDDEN_ROWS] * weight.unsqueeze(1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 
 from kernels.trace import RANGE_PREFIX, Call, trace
 from model.config import ModelConfig
-from model.data import TrafficGenerator
+from model.data import RequestBatch, TrafficGenerator
 from model.flops import peak_flops
 from model.serving import score, synchronize
 from model.training import Trainer
@@ -172,23 +171,41 @@ def _group(name: str) -> str:
     return name.split("#", 1)[1] if name.startswith("Optimizer.") and "#" in name else name
 
 
-def model_step(
-    config: ModelConfig, graph: str, device: torch.device, *, batches: int
-) -> Callable[[int], None]:
-    """step(i): one step of `graph` on batch i of `batches` made ahead on the device ("train": a
-    training step on a training batch; "serve": scoring a serving batch of the config's size),
-    of one model built for it."""
-    trainer = Trainer(config, device)
-    traffic = TrafficGenerator(config, seed=config.train.seed)
-    d = config.data
-    if graph == "train":
-        made = [traffic.batch(i).to(device) for i in range(batches)]
-        return lambda i: trainer.train_step(made[i])
-    made = [
-        traffic.batch(i, num_requests=d.serve_requests, candidates_per_request=d.serve_candidates).to(device)
-        for i in range(batches)
-    ]
-    return lambda i: score(trainer.model, made[i])
+class ModelStep:
+    """Steps of `graph` ("train": a training step on a training batch; "serve": scoring a serving
+    batch of the config's size) on one model built for it.
+
+    `batch(i)`: on the device, a variant of base batch i of `batches` that no step has seen
+    (TrafficGenerator.variant: the base batch's sizes, new ids and values), made before the step
+    that runs on it: no implementation's memo of earlier answers pays, and a step after one on a
+    variant of the same base batch compiles nothing (Triton specializes on integer arguments,
+    which the variants share). `run(batch)`: one step on it."""
+
+    def __init__(self, config: ModelConfig, graph: str, device: torch.device, *, batches: int) -> None:
+        self.trainer = Trainer(config, device)
+        self.traffic = TrafficGenerator(config, seed=config.train.seed)
+        self.device = device
+        self._gen = torch.Generator().manual_seed(config.train.seed)
+        d = config.data
+        if graph == "train":
+            self.bases = [self.traffic.batch(i) for i in range(batches)]
+        else:
+            self.bases = [
+                self.traffic.batch(
+                    i, num_requests=d.serve_requests, candidates_per_request=d.serve_candidates
+                )
+                for i in range(batches)
+            ]
+        self.graph = graph
+
+    def batch(self, i: int) -> RequestBatch:
+        return self.traffic.variant(self.bases[i], self._gen).to(self.device)
+
+    def run(self, batch: RequestBatch) -> None:
+        if self.graph == "train":
+            self.trainer.train_step(batch)
+        else:
+            score(self.trainer.model, batch)
 
 
 def profile_model(
@@ -201,20 +218,21 @@ def profile_model(
     trace_file: Path | None = None,
 ) -> Profile:
     """Profile `steps` steps of `graph` ("train": a training step on a training batch; "serve":
-    scoring a serving batch) after `warmup` steps on the same batches, the profiled steps'
-    batches each once at least: a kernel compiles for the values a batch brings (Triton
-    specializes on its integer arguments), so a batch first seen in the profiled steps would
-    put its compiles in them. With `trace_file`, the torch profiler's trace of the profiled
-    steps is written there too (chrome://tracing, Perfetto), each op's call a range named
-    recforge::<op>::<bucket>."""
+    scoring a serving batch) after `warmup` steps, the profiled steps' base batches each once at
+    least (ModelStep): every step on a batch no step saw before, so no memo of earlier answers
+    pays, and each profiled step's sizes met in the warm-up, so no kernel compiles in it (Triton
+    specializes on integer arguments). With `trace_file`, the torch profiler's trace of the
+    profiled steps is written there too (chrome://tracing, Perfetto), each op's call a range
+    named recforge::<op>::<bucket>."""
     if graph not in GRAPHS:
         raise ValueError(f"graph must be one of {GRAPHS}, got {graph!r}")
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps} and {warmup}")
     device = torch.device(device)
-    step = model_step(config, graph, device, batches=steps)
+    step = ModelStep(config, graph, device, batches=steps)
     for i in range(max(warmup, steps)):
-        step(i % steps)
+        step.run(step.batch(i % steps))
+    batches = [step.batch(i) for i in range(steps)]
     synchronize(device)
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU]
@@ -227,16 +245,19 @@ def profile_model(
     on_gpu = device.type == "cuda"
     with profiler if not on_gpu else contextlib.nullcontext(), trace(timed=True) as recorded:
         start = time.perf_counter()
-        for i in range(steps):
-            step(i)
+        for batch in batches:
+            step.run(batch)
         synchronize(device)
         step_s = (time.perf_counter() - start) / steps
     calls = recorded.seconds()
     if on_gpu:
+        batches = [step.batch(i) for i in range(steps)]
+        synchronize(device)
         with profiler, trace():
-            for i in range(steps):
-                step(i)
+            for batch in batches:
+                step.run(batch)
             synchronize(device)
+    del batches
     if trace_file is not None:
         Path(trace_file).parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(trace_file))

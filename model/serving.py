@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,10 +121,29 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _time(fn, device: torch.device, repeats: int, warmup: int) -> list[float]:
+def _time(
+    make: Callable[[], Callable[[], object]], device: torch.device, repeats: int, warmup: int
+) -> list[float]:
+    """Seconds of each of `repeats` calls after `warmup` untimed ones, each call made by `make()`
+    before its clock starts (on a batch of its own)."""
     for _ in range(warmup):
-        fn()
-    return [timed(fn, device) for _ in range(repeats)]
+        make()()
+    return [timed(make(), device) for _ in range(repeats)]
+
+
+def _serve_fresh(
+    path: str, fresh: Callable[[], RequestBatch], model: GEMModel, graphed, k: int, with_all_candidates: bool
+) -> Callable[[], object]:
+    """One call of `path` on a batch of `fresh()`, made now, with what it needs before the clock
+    starts (the naive path's copies of its requests)."""
+    batch = fresh()
+    if path == "request":
+        return functools.partial(serve, model, batch, k)
+    if path == "graph":  # the first of the warm-up calls captures
+        return functools.partial(_serve_graphed, graphed, batch, k)
+    # The naive service gets each candidate's copy of its request as its input.
+    per_candidate, pick = batch.per_candidate_requests(with_all_candidates=with_all_candidates)
+    return functools.partial(_serve_copies, model, per_candidate, pick, batch, k)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -151,7 +171,9 @@ def serve_bench(
     (default: the config's median and max), on the request-oriented path, (graphs, on a GPU)
     the same captured in CUDA graphs (model.graphed: the batch padded to its capacity, then one
     replay) and (naive) the path that repeats the user's work for every candidate: scores and
-    top-k, end to end."""
+    top-k, end to end. Each call serves a batch of its own, a variant of the row's
+    (TrafficGenerator.variant: its sizes, new ids and values), so that no implementation's memo
+    of earlier answers pays and no kernel compiles in a timed call."""
     from model.graphed import GraphedScorer
 
     device = torch.device(device)
@@ -166,6 +188,7 @@ def serve_bench(
     if history_lengths is None:
         history_lengths = (h.median_len, h.max_len) if h is not None else (0,)
     traffic = TrafficGenerator(config, seed=config.train.seed)
+    gen = torch.Generator().manual_seed(config.train.seed)
     rows: list[LatencyRow] = []
     for length in history_lengths:
         for count in candidates:
@@ -175,7 +198,8 @@ def serve_bench(
                 candidates_per_request=count,
                 exact_candidates=True,
                 history_length=length if h is not None else None,
-            ).to(device)
+            )
+            fresh = functools.partial(_variant_on, traffic, batch, gen, device)
             targets = h is not None and h.candidates_as_targets
             for path in paths:
                 row = LatencyRow(path, count, length, requests)
@@ -189,21 +213,19 @@ def serve_bench(
                 if row.skipped:
                     rows.append(row)
                     continue
-                if path == "request":
-                    work = functools.partial(serve, model, batch, k)
-                elif path == "graph":  # the first of the warm-up calls captures
-                    work = functools.partial(_serve_graphed, graphed, batch, k)
-                else:
-                    # The naive service gets each candidate's copy of its request as its input:
-                    # the copies are made before the clock starts.
-                    per_candidate, pick = batch.per_candidate_requests(with_all_candidates=targets)
-                    work = functools.partial(_serve_copies, model, per_candidate, pick, batch, k)
+                make = functools.partial(_serve_fresh, path, fresh, model, graphed, k, targets)
                 # The graph path's first call captures: never inside the clock.
-                times = _time(work, device, repeats, max(warmup, 1) if path == "graph" else warmup)
+                times = _time(make, device, repeats, max(warmup, 1) if path == "graph" else warmup)
                 row.p50_ms, row.p99_ms = 1e3 * percentile(times, 50), 1e3 * percentile(times, 99)
                 row.candidates_per_s = requests * count / percentile(times, 50)
                 rows.append(row)
     return rows
+
+
+def _variant_on(
+    traffic: TrafficGenerator, batch: RequestBatch, gen: torch.Generator, device: torch.device
+) -> RequestBatch:
+    return traffic.variant(batch, gen).to(device)
 
 
 def sublinearity(rows: list[LatencyRow], small: int = 256, large: int = 4096) -> dict[int, float]:

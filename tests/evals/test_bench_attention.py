@@ -7,6 +7,7 @@ import io
 
 import pytest
 import torch
+from memos import Memo, always, by_sample
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -72,6 +73,47 @@ def test_attention_bench_rows_on_the_interpreted_shape(monkeypatch) -> None:
         assert "forward only" in by[("reference", pass_name)]["skipped"]
         assert "backward on CPU" in by[("torch.flex_attention", pass_name)]["skipped"]
     assert "target_attention on cpu" in console.file.getvalue()
+
+
+BASELINES = ["reference", "torch.padded", "torch.replicate_kv", "torch.flex_attention"]
+
+
+def _kernel_rows(monkeypatch, kernel, passes: tuple[str, ...]) -> dict[str, dict]:
+    """The kernel's rows (by pass) with `kernel` as kernels.ops.target_attention, alone."""
+    monkeypatch.setattr(bench_attention, "kernel_under_test", lambda op: (kernel, ""))
+    console = Console(file=io.StringIO(), width=200)
+    rows = run_attention_benchmark("target_attention", console=console, passes=passes, without=BASELINES)
+    return {r["pass"]: r for r in rows if r["provider"] == "kernels.ops"}
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="on a GPU the warm-up's calls come first: the interpreter's are all timed",
+)
+def test_a_kernel_that_memoizes_its_outputs_is_never_answered_from_memory(monkeypatch) -> None:
+    # Each pass on sets of its own: the forward and backward's forwards never meet the forward
+    # pass's inputs again.
+    memo = Memo(target_attention.torch_padded, by_sample)
+    rows = _kernel_rows(monkeypatch, memo, ("fwd", "fwd+bwd"))
+    assert all(r["correct"] and r["checked_calls"] == r["timed_calls"] for r in rows.values()), rows
+    assert memo.answered and not any(memo.answered), memo.answered
+
+
+def test_a_kernel_answering_with_another_calls_output_is_marked_wrong(monkeypatch) -> None:
+    rows = _kernel_rows(monkeypatch, Memo(target_attention.torch_padded, always), ("fwd",))
+    assert rows["fwd"]["correct"] is False and "(timed call" in rows["fwd"]["message"]
+
+
+def test_the_backward_passes_gradients_are_checked(monkeypatch) -> None:
+    def doubled_gradients(*args, **kwargs):
+        out = target_attention.torch_padded(*args, **kwargs)
+        return out + (out - out.detach())  # the output's value, twice its gradient
+
+    honest = _kernel_rows(monkeypatch, target_attention.torch_padded, ("bwd", "fwd+bwd"))
+    assert all(r["correct"] is True and r["checked_calls"] >= 1 for r in honest.values()), honest
+    wrong = _kernel_rows(monkeypatch, doubled_gradients, ("fwd", "bwd", "fwd+bwd"))
+    assert wrong["fwd"]["correct"] is True
+    assert wrong["bwd"]["correct"] is False and wrong["fwd+bwd"]["correct"] is False
 
 
 def test_the_declarations_say_what_is_timed_per_pass_and_which_bounds_may_be_left_out() -> None:

@@ -17,6 +17,33 @@ def test_a_batch_is_a_function_of_seed_and_index() -> None:
     assert a.dense.shape != b.dense.shape or not torch.equal(a.dense, b.dense)
 
 
+def test_a_variant_has_the_batchs_sizes_and_values_of_its_own() -> None:
+    config = load_config("tiny")
+    traffic = TrafficGenerator(config, seed=3)
+    batch = traffic.batch(0)
+    variant = traffic.variant(batch, torch.Generator().manual_seed(1))
+    # What kernels are launched with: every tensor's shape and the static bounds.
+    assert [t.shape for t in variant.tensors()] == [t.shape for t in batch.tensors()]
+    assert (variant.max_history, variant.max_candidates) == (batch.max_history, batch.max_candidates)
+
+    def lengths(offsets: torch.Tensor) -> list[int]:
+        return sorted(offsets.diff().tolist())
+
+    # The same requests, histories and bags in another order, with ids drawn again.
+    assert lengths(variant.candidate_offsets) == lengths(batch.candidate_offsets)
+    assert lengths(variant.history_offsets) == lengths(batch.history_offsets)
+    assert not torch.equal(variant.history_items, batch.history_items)
+    features = batch.user_features | batch.item_features
+    for f in config.features:
+        bags = (variant.user_features | variant.item_features)[f.name]
+        assert lengths(bags.offsets) == lengths(features[f.name].offsets), f.name
+        assert not torch.equal(bags.ids, features[f.name].ids), f.name
+        assert int(bags.ids.min()) >= 0 and int(bags.ids.max()) < config.hash_size(f), f.name
+    assert not torch.equal(variant.dense, batch.dense)
+    other = traffic.variant(batch, torch.Generator().manual_seed(2))
+    assert not torch.equal(other.dense, variant.dense)
+
+
 def test_lengths_follow_the_workload() -> None:
     config = load_config("large")
     batch = TrafficGenerator(config).batch(0)
