@@ -6,25 +6,36 @@ from __future__ import annotations
 
 import torch
 
-# Twice the H200's 60 MB L2: reading it evicts everything a previous call left there.
+# Twice the H200's 60 MB L2: passing over it evicts everything a previous call left there.
 L2_FLUSH_BYTES = 128 * 1024 * 1024
 
-# Taken at import, before any candidate code runs in the runner's process: a torch.sum patched
-# later cannot turn the flush into nothing.
+# Whether the flush reads its buffer rather than writing it. A written flush (zero_()) leaves
+# the L2 full of its own dirty lines, which the timed call may then write back to HBM in its own
+# window: up to the L2's 50 to 60 MB, some 17 us at an H100's bandwidth, as much as a small
+# call's own traffic. A read flush evicts the same and leaves clean lines. The write is what
+# every recorded figure used; the read is not yet measured on a GPU (evals/studies/flush.py
+# times both, alternately), so the write stays until it is.
+READS = False
+
+# Taken at import, before any candidate code runs in the runner's process: a torch.sum or a
+# Tensor.zero_ patched later cannot turn the flush into nothing.
 _sum = torch.sum
+_zero = torch.Tensor.zero_
 
 
 class L2Flush:
-    """Empties the L2 cache before a timed call by reading a buffer twice its size (one sum):
-    what an earlier call left there is evicted (its dirty lines written back now, untimed), and
-    what replaces it is clean. A flush that writes the buffer (zero_()) leaves the L2 full of
-    dirty lines instead, which the timed call then writes back to HBM in its own time: up to
-    the L2's 50 to 60 MB, some 17 us at an H100's bandwidth, as much as a small call's own
-    traffic. The judge and the runner flush with this one, and so does every benchmark."""
+    """Empties the L2 cache before a timed call: one pass over a buffer twice its size, a sum
+    that reads it (`reads`) or a zero_() that writes it."""
 
-    def __init__(self, device: torch.device | str, nbytes: int = L2_FLUSH_BYTES) -> None:
+    def __init__(
+        self, device: torch.device | str, *, reads: bool | None = None, nbytes: int = L2_FLUSH_BYTES
+    ):
+        self.reads = READS if reads is None else reads
         self._buffer = torch.ones(nbytes // 8, dtype=torch.int64, device=device)
         self._sink = torch.empty((), dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
-        _sum(self._buffer, dim=0, out=self._sink)
+        if self.reads:
+            _sum(self._buffer, dim=0, out=self._sink)
+        else:
+            _zero(self._buffer)

@@ -1209,7 +1209,7 @@ def _a_time(t) -> bool:
 @dataclass(frozen=True)
 class Calibration:
     """What honest timing leaves between the judge's clock and the runner's events, measured by
-    the judge: the channel's round trip and the L2 flush (the same read the runner makes)."""
+    the judge: the channel's round trip and the L2 flush (the runner's own, sandbox.flush)."""
 
     rtt_us: float
     flush_us: float

@@ -1,8 +1,8 @@
 """Whether the L2 flush before each timed call costs the call its own time: each op's default
-kernel at each timing shape timed after the flush that reads a 128 MB buffer
-(sandbox.flush.L2Flush) and after one that writes it (zero_(), every timing's flush before it),
-alternately, twice each. A written flush leaves the L2 full of dirty lines, which the timed
-call would write back to HBM in its own window. Prints medians and p20-p80 per flush.
+kernel at each timing shape timed after the flush that reads a 128 MB buffer and after the one
+that writes it (sandbox.flush.L2Flush, either way; the write is the default), alternately,
+twice each. A written flush leaves the L2 full of dirty lines, which the timed call may write
+back to HBM in its own window. Prints medians and p20-p80 per flush.
 
     python3 -m evals.studies.flush [OP ...]
 """
@@ -15,7 +15,7 @@ import torch
 
 from kernels import ops
 from kernels.registry import DISPATCHER
-from sandbox.flush import L2_FLUSH_BYTES, L2Flush
+from sandbox.flush import L2Flush
 from sandbox.protocol import fresh_seed
 from sandbox.timing import benchmark
 from search_space import get_problem
@@ -23,21 +23,11 @@ from search_space import get_problem
 OPS = ("dense_to_jagged", "jagged_split", "jagged_concat", "jagged_to_padded_dense")
 
 
-class WrittenFlush:
-    """The flush before sandbox.flush: writing the buffer."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
-
-    def __call__(self) -> None:
-        self.buffer.zero_()
-
-
 def study(name: str, device: torch.device) -> None:
     problem = get_problem(name)
     ops.op(name)  # defines the op and its default kernel
     fn = DISPATCHER.default(name)
-    flushes = {"read": L2Flush(device), "written": WrittenFlush(device)}
+    flushes = {"read": L2Flush(device, reads=True), "written": L2Flush(device, reads=False)}
     print(f"\n{name}")
     for shape in problem.timing_shapes:
         drawn = (problem.make_inputs(shape, fresh_seed(), device) for _ in range(3))

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sandbox.flush import L2Flush
 
 
-def test_the_flush_reads_its_whole_buffer_whatever_torch_sum_became(monkeypatch) -> None:
-    """Each flush sums every element of its buffer (a read of all of it, nothing written but
-    the sum), with the torch.sum taken when the runner imported the module: a candidate that
-    later replaces torch.sum does not turn the flush into nothing."""
-    flush = L2Flush("cpu", nbytes=8 * 1000)
+@pytest.mark.parametrize("reads", [True, False])
+def test_the_flush_passes_over_its_whole_buffer_whatever_torch_became(monkeypatch, reads: bool) -> None:
+    """Each flush reads every element of its buffer (a sum, nothing else written) or writes
+    every one (zeros), with torch's functions taken when the runner imported the module: a
+    candidate that later replaces torch.sum or Tensor.zero_ does not turn the flush into
+    nothing."""
+    flush = L2Flush("cpu", reads=reads, nbytes=8 * 1000)
     flush._sink.fill_(0)
     monkeypatch.setattr(torch, "sum", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda self: self)
     flush()
-    assert int(flush._sink) == 1000
-    assert bool((flush._buffer == 1).all())
+    if reads:
+        assert int(flush._sink) == 1000 and bool((flush._buffer == 1).all())
+    else:
+        assert int(flush._sink) == 0 and not bool(flush._buffer.any())
