@@ -14,11 +14,15 @@ L2_FLUSH_BYTES = 128 * 1024 * 1024
 # window: up to the L2's 50 to 60 MB, some 17 us at an H100's bandwidth, as much as a small
 # call's own traffic. A read flush evicts the same and leaves clean lines. The write is what
 # every recorded figure used; the read is not yet measured on a GPU (evals/studies/flush.py
-# times both, alternately), so the write stays until it is.
+# times both, alternately), so the write stays until it is. Turning it on also asks the judge's
+# calibration (sandbox.judge.Calibration.measure) to time a read flush as the runner's meets
+# it, after a call's writes, not after another read.
 READS = False
 
 # Taken at import, before any candidate code runs in the runner's process: a torch.sum or a
-# Tensor.zero_ patched later cannot turn the flush into nothing.
+# Tensor.zero_ patched later does not turn the flush into nothing. Best effort in that process
+# (these names can be reached too); the judge's audit holds each batch's clock to room for its
+# flushes (sandbox.judge.Calibration.audit).
 _sum = torch.sum
 _zero = torch.Tensor.zero_
 

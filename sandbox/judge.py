@@ -106,6 +106,9 @@ SLACK_FRACTION = 0.1
 # once (an honest embedding-bag kernel in a six-worker H200 benchmark), work hidden from the
 # events leaves it every time.
 AUDIT_ATTEMPTS = 3
+# The share of a batch's L2 flushes (the judge's calibration of one, times the calls) that its
+# clock must hold beside the calls' event times: less, and the runner skipped them.
+FLUSHES_SEEN = 0.5
 # A call's inputs start 0 to PLACEMENT_GAPS - 1 alignment units past the previous call's end.
 PLACEMENT_GAPS = 16
 # Problems draw some settings of a call from its seed's low bits (an index dtype from seed % 2, a
@@ -1236,13 +1239,25 @@ class Calibration:
         clock. They cannot exceed it; where they leave more of it unexplained (less the flushes
         and the round trip) than honest timing does, they are raised in proportion to account
         for it, so that a time can only go down by the kernel being faster; where they account
-        for less than half of it (work on a stream the events do not see, a forged timer), the
-        result is suspicious."""
+        for less than half of it (work on a stream the events do not see, a forged timer), or
+        leave too little of it for the flushes (calls timed without them), the result is
+        suspicious."""
         n, reported = len(times), sum(times)
         work = wall_us - self.rtt_us - n * self.flush_us  # what the calls took by the judge's clock
         if reported > wall_us * (1 + SLACK_FRACTION) + BATCH_SLACK_US:
             raise Verdict(Status.SUSPICIOUS, f"timing {shape.describe()}: the runner reported "
                           f"{reported:.0f} us of calls in {wall_us:.0f} us of the judge's clock")  # fmt: skip
+        beside = wall_us - self.rtt_us - reported
+        if self.flush_us > 0 and beside < FLUSHES_SEEN * n * self.flush_us:
+            # Honest timing flushes the L2 before each call, inside the judge's clock: a batch
+            # that leaves no room for the flushes skipped them (a flush patched away in the
+            # runner's process), and its calls ran on what the L2 still held.
+            raise _Unexplained(
+                Status.SUSPICIOUS,
+                f"timing {shape.describe()}: the judge's clock holds {beside:.0f} us beside the "
+                f"calls' {reported:.0f} us, less than half of their {n} L2 flushes "
+                f"({n * self.flush_us:.0f} us): calls timed without their flushes",
+            )
         if work - reported <= SLACK_FRACTION * work + n * PER_CALL_SLACK_US + BATCH_SLACK_US:
             return times
         if reported < 0.5 * work:

@@ -115,7 +115,7 @@ class Runner:
         self.returned_none: set[int] = set()  # calls that returned None (an op's update in place)
         self.outputs: dict[int, list[torch.Tensor]] = {}  # call id -> its output tensors
         self.fn = None
-        self._flush: torch.Tensor | None = None
+        self._flush: L2Flush | None = None
         # The host-compute watch (sandbox.host_ops): on for the calls of a run that asks for it;
         # what it found, by call id; the torch ops the problem lets host code run on floats.
         self.watch = False
@@ -165,6 +165,12 @@ class Runner:
         if self.device == "cpu":  # Triton interprets: its kernels' pointers are host addresses
             interpreter_memory.install()
         self._cap_device_memory(message.get("gpu_memory_bytes"))
+        if self.device == "cuda" and self._flush is None:
+            # Made before the candidate's code exists: nothing it patches (torch.ones, say) can
+            # shrink the buffer. Touched once here, so no first cudaMalloc of 128 MB falls inside
+            # the judge's clock.
+            self._flush = L2Flush("cuda")
+            _cuda_synchronize()
         try:
             path = message["source_file"]
             # The text the screen read (sandbox.screen, rule text): UTF-8, compiled from the
@@ -417,13 +423,11 @@ class Runner:
             _cuda_synchronize()
 
     def _prepare_timing(self, n: int) -> tuple[list, list]:
-        """The flush buffer (allocated and touched once) and the batch's events, made before the
-        judge's clock starts: a first cudaMalloc of 128 MB inside it would be counted as calls."""
+        """The batch's events, made before the judge's clock starts (the flush was made at load)."""
         if self.device != "cuda":
             return [], []
         if self._flush is None:
-            self._flush = L2Flush("cuda")
-            _cuda_synchronize()
+            raise RunnerError("timing asked of a runner that loaded no candidate")
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         return starts, ends

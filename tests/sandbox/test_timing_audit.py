@@ -70,6 +70,21 @@ def test_a_gap_every_time_is_suspicious() -> None:
     assert "work outside the timed calls' events" in caught.value.message
 
 
+def test_calls_timed_without_their_flushes_are_suspicious() -> None:
+    """A runner whose flush was patched away times its calls on what the L2 still holds: its
+    events can be true, but the judge's clock then holds the calls and hardly anything beside
+    them. Once, it is timed again; every time, suspicious. With half the flushes' time beside
+    the calls (a flush that ran fast), the batch stands."""
+    unflushed = (8 * 100.0 + 50.0 + 20.0, [100.0] * 8)
+    session, (calls, wall, times, _, _) = _timed_batch([unflushed, HONEST])
+    assert (wall, times) == HONEST and session.dropped == 1
+    with pytest.raises(Verdict) as caught:
+        _timed_batch([unflushed] * AUDIT_ATTEMPTS)
+    assert caught.value.status == Status.SUSPICIOUS and "without their flushes" in caught.value.message
+    fast_flushes = 8 * (100.0 + 20.0) + 50.0
+    assert CALIBRATION.audit(SHAPE, fast_flushes, [100.0] * 8) == [100.0] * 8
+
+
 def test_times_beyond_the_judges_clock_are_suspicious_at_once() -> None:
     forged = (1_000.0, [500.0] * 8)  # 4 ms of calls reported in 1 ms
     with pytest.raises(Verdict) as caught:
