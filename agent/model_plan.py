@@ -232,11 +232,14 @@ def measure_step(
             DISPATCHER.last.clear()
             step.run(step.batch(0))
             implementations[label] = dict(DISPATCHER.last)
-    for _ in range(rounds):
-        for label, library in loaded.items():
-            batch = step.batch(0)  # made and copied to the device before the clock starts
+    # Every timed step's batch made on the device before the first clock starts: no host work
+    # between timed steps.
+    batches = [[step.batch(0) for _ in loaded] for _ in range(rounds)]
+    for round_batches in batches:
+        for (label, library), batch in zip(loaded.items(), round_batches, strict=True):
             with DISPATCHER.library_at(library):
                 times[label].append(timed(partial(step.run, batch), device))
+    del batches, round_batches, batch
     medians = {label: 1e3 * statistics.median(ts) for label, ts in times.items()}
     return {
         "graph": section.graph,

@@ -187,14 +187,15 @@ def _peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
 
 def _with_grad_leaves(op: str, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
     """The call's arguments with its differentiable ones (its declaration's
-    Backward.differentiable: q, k, v of the attention ops, rel_bias where given) replaced by fresh
+    Backward.differentiable: q, k, v of the attention ops, rel_bias where given) replaced by new
     leaves that require grad, and those leaves in that order: the order of the gradients its
-    gradient problem returns."""
+    gradient problem returns. A leaf shares its argument's memory (nothing updates it): a graph
+    made of a set holds no copy of it."""
     declared = get_op(op)
     positional = list(declared.signature.parameters)[: len(args)]
     named = dict(zip(positional, args, strict=True)) | kwargs
     leaves = {
-        name: named[name].detach().clone().requires_grad_()
+        name: named[name].detach().requires_grad_()
         for name in declared.backward.differentiable
         if named.get(name) is not None
     }
@@ -220,7 +221,8 @@ def _providers(problem: Problem, shape: Shape, device: torch.device, kernel: Cal
 class _AtShape:
     """What a timing shape's passes are timed on: the warm-up's sets of the forward problem and of
     its gradient problem (grad_out, then the forward's arguments: the backward passes'), and the
-    timed calls' own sets, drawn for each pass (and for the replayed forward) as it comes."""
+    timed calls' own sets, drawn for each pass (and for the replayed forward) as it comes, after
+    the pass's warm-up sets (the pool's budget is what they leave of the GPU's memory)."""
 
     run: BenchRun
     problem: Problem
@@ -238,9 +240,20 @@ class _AtShape:
     def grad_problem(self) -> Problem:
         return get_problem(get_op(self.problem.name).backward.gradient_op)
 
+    def warmup_of(self, pass_name: str) -> list[ArgSet]:
+        return self.warmup if pass_name == "fwd" else self.grad_warmup
+
     def fresh(self, pass_name: str, *, most: int = FRESH_MAX_SETS) -> FreshInputs:
+        self.warmup_of(pass_name)
         problem = self.problem if pass_name == "fwd" else self.grad_problem
         return self.run.fresh_inputs(problem, self.shape, checks=CHECKED_CALLS, most=most)
+
+    def release(self, later: tuple[str, ...]) -> None:
+        """Frees the warm-up sets that none of the passes `later` runs on (drawn again if asked)."""
+        if "fwd" not in later:
+            self.__dict__.pop("warmup", None)
+        if not set(later) - {"fwd"}:
+            self.__dict__.pop("grad_warmup", None)
 
 
 def _timed(stats, checked: Checked, peak_mem_bytes: int | None) -> dict:
@@ -284,12 +297,13 @@ def _time_graph_replay(fn, at: _AtShape, device) -> dict:
     def capture(i: int) -> ArgSet:
         """Set i's graph, replayed once with zeros for the set's floating-point tensors: a graph's
         first replay takes longer than the next (it uploads the graph: tens of microseconds on
-        an H100), and its kernels then meet the set's values first in the timed replay."""
+        an H100), and its kernels then meet the set's values first in the timed replay. The
+        values wait on the host meanwhile: the GPU holds no second copy of the set."""
         with torch.no_grad():
             args, kwargs = fresh.args(i)
             replay, outputs = graphed(partial(fn, *args, **kwargs), warm=other)
             values = [t for t in fresh.sets[i].tensors() if t.is_floating_point()]
-            kept = [t.clone() for t in values]
+            kept = [t.cpu() for t in values]
             for t in values:
                 t.zero_()
             replay()
@@ -320,11 +334,16 @@ def _time_backward(fn, op, at: _AtShape, fresh: FreshInputs, device, pass_name) 
         return _time_backward_pass(fn, op, at, fresh, device, pass_name)
 
 
-def _differentiated(fn, op: str, inputs: Inputs) -> tuple:
-    """(output, leaves, grad_out) of fn on a gradient problem's inputs (grad_out, then the
-    forward's arguments), its differentiable arguments as leaves: a graph to differentiate."""
+def _gradient_call(op: str, inputs: Inputs) -> tuple[tuple, dict, list[torch.Tensor], torch.Tensor]:
+    """(args, kwargs, leaves, grad_out) of the forward call on a gradient problem's inputs
+    (grad_out, then the forward's arguments), its differentiable arguments as leaves."""
     grad_out, *args = inputs.args
-    call_args, call_kwargs, leaves = _with_grad_leaves(op, tuple(args), inputs.kwargs)
+    return (*_with_grad_leaves(op, tuple(args), inputs.kwargs), grad_out)
+
+
+def _differentiated(fn, op: str, inputs: Inputs) -> tuple:
+    """(output, leaves, grad_out) of fn on a gradient problem's inputs: a graph to differentiate."""
+    call_args, call_kwargs, leaves, grad_out = _gradient_call(op, inputs)
     return fn(*call_args, **call_kwargs), leaves, grad_out
 
 
@@ -352,8 +371,7 @@ def _time_backward_pass(fn, op, at: _AtShape, fresh: FreshInputs, device, pass_n
         return _timed(stats, checked, _peak_bytes(lambda: _backward(*graphs[0]), device))
 
     def leaves_of(inputs: Inputs) -> tuple:
-        grad_out, *args = inputs.args
-        return (fn, *_with_grad_leaves(op, tuple(args), inputs.kwargs), grad_out)
+        return (fn, *_gradient_call(op, inputs))
 
     calls = [leaves_of(inputs) for inputs in warm_inputs]
     _, call_args, call_kwargs, _, _ = calls[0]
@@ -452,17 +470,25 @@ def run_attention_benchmark(
             for name, fn in _providers(problem, shape, device, kernel).items()
             if name not in (without or ())
         }
-        for pass_name in passes:
+        for index, pass_name in enumerate(passes):
             # The pass's timed calls' sets, shared by its providers: never seen by the kernel,
-            # whose earlier passes ran on sets of their own.
+            # whose earlier passes ran on sets of their own. Freed before the replayed forward
+            # draws its own.
             timed_here = [
                 n for n in providers if n != GRAPHED and (pass_name == "fwd" or n not in FORWARD_ONLY)
             ]
             fresh = at.fresh(pass_name) if timed_here else None
             results = {
-                name: _measure(name, fn, pass_name, at, fresh, device) for name, fn in providers.items()
+                name: _measure(name, providers[name], pass_name, at, fresh, device) for name in timed_here
             }
             del fresh
+            results |= {
+                name: _measure(name, fn, pass_name, at, None, device)
+                for name, fn in providers.items()
+                if name not in results
+            }
+            results = {name: results[name] for name in providers}
+            at.release(passes[index + 1 :])
             kernel_us = results.get(KERNEL, {}).get("stats")
             kernel_us = kernel_us.median_us if kernel_us else None
             flops = pass_flops(forward_flops, pass_name)

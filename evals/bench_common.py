@@ -33,15 +33,19 @@ from search_space.problem import Inputs, Problem, Shape
 # The warm-up's input sets: of the forms 0, 1, 2 (a problem draws some settings of a call, an
 # index dtype say, from its seed's low bits: sandbox.judge.SEED_FORMS), one on the interpreter.
 WARMUP_SETS, INTERPRETED_SETS = 3, 1
-# Timed calls' sets (FreshInputs): at least FRESH_MIN_SETS and at most FRESH_MAX_SETS (the timed
-# calls sandbox.timing.benchmark makes at most), fewer where the next one would take the sets
-# past FRESH_MEMORY_SHARE of the GPU's memory or their drawing past FRESH_DRAW_S. A call of a
-# millisecond on tables of gigabytes (the embedding shapes: 1.6 GB a set) is so timed a dozen
-# times; one of tens of microseconds on small inputs up to 200 times. They are drawn before the
-# warm-up, not between timed calls: the host's work idles the GPU, whose clocks then drop (see
-# sandbox.timing.WARMUP_MS). The interpreter times 3 calls (sandbox.timing.benchmark).
-FRESH_MIN_SETS, FRESH_MAX_SETS = 10, 200
-FRESH_MEMORY_SHARE = 0.25
+# Timed calls' sets (FreshInputs): at least FRESH_MIN_SETS (a median of three calls, the floor:
+# the judge times 8 to 48) and at most FRESH_MAX_SETS (the timed calls sandbox.timing.benchmark
+# makes at most), fewer where the next one would take the sets past their budget or their drawing
+# past FRESH_DRAW_S. The budget is FRESH_MEMORY_SHARE of the GPU's memory free when the sets are
+# drawn (what every set alive then, the warm-up's and other pools', leaves), less FRESH_WORKING_SETS
+# sets' size for the pass's own work (outputs, saved tensors, gradients, a graph's pool). A call of
+# a millisecond on tables of gigabytes (the embedding shapes: 1.6 GB a set) is so timed a few
+# times; one of tens of microseconds on small inputs up to 200 times; every provider times every
+# set. They are drawn before the warm-up, so that host work does not sit between timed calls
+# (sandbox.timing.WARMUP_MS). The interpreter times 3 calls (sandbox.timing.benchmark).
+FRESH_MIN_SETS, FRESH_MAX_SETS = 3, 200
+FRESH_MEMORY_SHARE = 0.5
+FRESH_WORKING_SETS = 2
 FRESH_DRAW_S = 1.0
 INTERPRETED_FRESH_SETS = 3
 
@@ -137,9 +141,9 @@ class Checked:
 
 class FreshInputs:
     """The inputs of one round of timed calls at a shape: timed call i of every provider runs on
-    set i, drawn from a fresh seed before any timing (sandbox.timing.benchmark's `fresh`), and
-    the calls on `checks` of the sets, chosen at random among those every provider's timing
-    reaches, are compared with the reference on their inputs (its `check`).
+    set i, drawn from a fresh seed before any timing (sandbox.timing.benchmark's `fresh`); every
+    provider times every set, and the calls on `checks` of the sets, chosen at random among all
+    but the first (checked_calls), are compared with the reference on their inputs (its `check`).
 
     Shared by providers of different code, which never see each other's calls; never by two
     rounds of one code (a pass after another, a kernel called and replayed), which draw a round
@@ -170,26 +174,22 @@ class FreshInputs:
         self.problem, self.shape = problem, shape
         interpreted = device.type != "cuda"
         most = min(most, INTERPRETED_FRESH_SETS) if interpreted else most
-        memory = math.inf if interpreted else torch.cuda.get_device_properties(device).total_memory
-        budget = FRESH_MEMORY_SHARE * memory
+        least = min(FRESH_MIN_SETS, most)
+        budget = fresh_budget(device)
         self.sets: list[Inputs] = []
         nbytes, t0 = 0, time.perf_counter()
         while len(self.sets) < most:
+            if len(self.sets) >= least:
+                # The next set and the pass's working sets, each the size of the sets so far.
+                per_set = nbytes / len(self.sets)
+                if nbytes + (1 + FRESH_WORKING_SETS) * per_set > budget:
+                    break
+                if time.perf_counter() - t0 > FRESH_DRAW_S:
+                    break
             drawn = problem.make_inputs(shape, seed_of_form(len(self.sets) % forms), device)
             self.sets.append(problem.without_statistics(drawn))
             nbytes += sum(t.nbytes for t in drawn.tensors())
-            full = nbytes * (1 + 1 / len(self.sets)) > budget or time.perf_counter() - t0 > FRESH_DRAW_S
-            if full and len(self.sets) >= min(FRESH_MIN_SETS, most):
-                break
-        # Every provider's timing reaches FRESH_MIN_SETS calls (its min_reps, see `timing`) or
-        # all the sets, if fewer; the interpreter's three calls are all checked, as the judge
-        # checks all of its.
-        reached = min(FRESH_MIN_SETS, len(self.sets))
-        if interpreted:
-            self.checked = frozenset(range(reached))
-        else:
-            later = range(1, reached) if reached > 1 else range(reached)
-            self.checked = frozenset(random.sample(later, min(checks, len(later))))
+        self.checked = checked_calls(len(self.sets), checks, every=interpreted)
         self._references: dict[int, tuple] = {}
 
     def __len__(self) -> int:
@@ -202,11 +202,11 @@ class FreshInputs:
     def timing(self, checked: Checked, fresh: Callable[[int], ArgSet] | None = None) -> dict:
         """sandbox.timing.benchmark's options for one provider's round: its timed calls on these
         sets (`fresh`: call i's arguments made from set i, where they are not the set itself),
-        its checks' findings to `checked`."""
+        its checks' findings to `checked`. Every provider times every set."""
         return {
             "fresh": fresh or self.args,
             "check": self.checker(checked),
-            "min_reps": FRESH_MIN_SETS,
+            "min_reps": len(self.sets),
             "max_reps": len(self.sets),
         }
 
@@ -243,6 +243,26 @@ class FreshInputs:
         if pristine is None:
             self._references[i] = found
         return found
+
+
+def fresh_budget(device: torch.device) -> float:
+    """Bytes the timed calls' sets and the pass's work may take (FreshInputs): FRESH_MEMORY_SHARE
+    of the GPU's memory free now, the allocator's cached blocks included; unbounded on a CPU."""
+    if device.type != "cuda":
+        return math.inf
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return FRESH_MEMORY_SHARE * (free + cached)
+
+
+def checked_calls(sets: int, checks: int, *, every: bool) -> frozenset[int]:
+    """The timed calls whose outputs are checked: all of them with `every` (the interpreter's
+    three, as the judge checks all of its), else `checks` drawn at random among the calls after
+    the first (which no earlier timed call can answer), or the one call there is."""
+    if every:
+        return frozenset(range(sets))
+    later = range(1, sets) if sets > 1 else range(sets)
+    return frozenset(random.sample(later, min(checks, len(later))))
 
 
 def select_shapes(shapes: tuple[Shape, ...], only: list[str] | None) -> tuple[Shape, ...]:

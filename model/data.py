@@ -294,6 +294,11 @@ class TrafficGenerator:
             dense=torch.randn(out.dense.shape, generator=gen),
         )
 
+    def variant_on(self, batch: RequestBatch, gen: torch.Generator, device: torch.device) -> RequestBatch:
+        """A variant of `batch` (variant), on `device`: what a timed step or call runs on, made
+        before the timing starts."""
+        return self.variant(batch, gen).to(device)
+
     def _vectors(self, table: str, bags: Bags) -> torch.Tensor:
         """The hidden vector of each bag: the mean of its ids' ([num_bags, HIDDEN_DIM], zeros if empty)."""
         rows = self.hidden[table][bags.ids % HIDDEN_ROWS]

@@ -199,7 +199,7 @@ class ModelStep:
         self.graph = graph
 
     def batch(self, i: int) -> RequestBatch:
-        return self.traffic.variant(self.bases[i], self._gen).to(self.device)
+        return self.traffic.variant_on(self.bases[i], self._gen, self.device)
 
     def run(self, batch: RequestBatch) -> None:
         if self.graph == "train":
@@ -250,6 +250,7 @@ def profile_model(
         synchronize(device)
         step_s = (time.perf_counter() - start) / steps
     calls = recorded.seconds()
+    del batches, batch  # before the next ones are made: one list of batches at a time on the device
     if on_gpu:
         batches = [step.batch(i) for i in range(steps)]
         synchronize(device)
@@ -257,7 +258,7 @@ def profile_model(
             for batch in batches:
                 step.run(batch)
             synchronize(device)
-    del batches
+        del batches, batch
     if trace_file is not None:
         Path(trace_file).parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(trace_file))

@@ -122,21 +122,28 @@ def timed(fn, device: torch.device) -> float:
 
 
 def _time(
-    make: Callable[[], Callable[[], object]], device: torch.device, repeats: int, warmup: int
+    prepare: Callable[[RequestBatch], Callable[[], object]],
+    batches: list[RequestBatch],
+    device: torch.device,
+    warmup: int,
 ) -> list[float]:
-    """Seconds of each of `repeats` calls after `warmup` untimed ones, each call made by `make()`
-    before its clock starts (on a batch of its own)."""
-    for _ in range(warmup):
-        make()()
-    return [timed(make(), device) for _ in range(repeats)]
+    """Seconds of a call on each of `batches` (made on the device before the first call) but the
+    first `warmup`, which run untimed; each call made by `prepare(batch)` before its clock starts."""
+    times = []
+    for i, batch in enumerate(batches):
+        call = prepare(batch)
+        if i < warmup:
+            call()
+        else:
+            times.append(timed(call, device))
+    return times
 
 
-def _serve_fresh(
-    path: str, fresh: Callable[[], RequestBatch], model: GEMModel, graphed, k: int, with_all_candidates: bool
+def _serve_call(
+    path: str, model: GEMModel, graphed, k: int, with_all_candidates: bool, batch: RequestBatch
 ) -> Callable[[], object]:
-    """One call of `path` on a batch of `fresh()`, made now, with what it needs before the clock
-    starts (the naive path's copies of its requests)."""
-    batch = fresh()
+    """One call of `path` on `batch`, with what it needs before the clock starts (the naive path's
+    copies of its requests: as large as the batch times its candidates, so made call by call)."""
     if path == "request":
         return functools.partial(serve, model, batch, k)
     if path == "graph":  # the first of the warm-up calls captures
@@ -199,7 +206,6 @@ def serve_bench(
                 exact_candidates=True,
                 history_length=length if h is not None else None,
             )
-            fresh = functools.partial(_variant_on, traffic, batch, gen, device)
             targets = h is not None and h.candidates_as_targets
             for path in paths:
                 row = LatencyRow(path, count, length, requests)
@@ -213,19 +219,16 @@ def serve_bench(
                 if row.skipped:
                     rows.append(row)
                     continue
-                make = functools.partial(_serve_fresh, path, fresh, model, graphed, k, targets)
                 # The graph path's first call captures: never inside the clock.
-                times = _time(make, device, repeats, max(warmup, 1) if path == "graph" else warmup)
+                untimed = max(warmup, 1) if path == "graph" else warmup
+                batches = [traffic.variant_on(batch, gen, device) for _ in range(untimed + repeats)]
+                prepare = functools.partial(_serve_call, path, model, graphed, k, targets)
+                times = _time(prepare, batches, device, untimed)
+                del batches
                 row.p50_ms, row.p99_ms = 1e3 * percentile(times, 50), 1e3 * percentile(times, 99)
                 row.candidates_per_s = requests * count / percentile(times, 50)
                 rows.append(row)
     return rows
-
-
-def _variant_on(
-    traffic: TrafficGenerator, batch: RequestBatch, gen: torch.Generator, device: torch.device
-) -> RequestBatch:
-    return traffic.variant(batch, gen).to(device)
 
 
 def sublinearity(rows: list[LatencyRow], small: int = 256, large: int = 4096) -> dict[int, float]:

@@ -17,8 +17,9 @@ from sandbox.result import TimingStats
 # One call's arguments: (args, kwargs).
 ArgSet = tuple[tuple, dict]
 
-# The shortest warm-up, as triton.testing.do_bench's: shorter, the first timing after the host
-# drew a shape's inputs ran up to 1.8x slow on an H100 (the jagged and embedding studies).
+# The shortest warm-up. The first timing after the host's work (drawing a shape's inputs) was
+# seen to run slow, up to 1.8x on an H100 (the jagged and embedding studies); why was not
+# measured. 25 ms is triton.testing.do_bench's warm-up, not yet measured against that slowdown.
 WARMUP_MS = 25.0
 
 
@@ -50,8 +51,8 @@ def benchmark(
     default), the end event after a
     device-wide synchronize so that all streams' work is inside; the repetition count is
     chosen from a warm-up estimate to fill about `target_ms`. The warm-up runs calls for
-    `warmup_ms` at least, so that the GPU's clocks have left whatever state the host's work
-    before (drawing inputs, compiling) put them in. On a CPU (interpreted Triton):
+    `warmup_ms` at least: the first timing after the host's work (drawing inputs, compiling) was
+    seen to run slow (WARMUP_MS). On a CPU (interpreted Triton):
     wall-clock per call, a few repetitions; such numbers only prove the path runs.
 
     `joined_streams=True` records the end event right after the call on the current stream,
@@ -86,7 +87,7 @@ def benchmark(
             samples.append((time.perf_counter() - t0) * 1e6)
             if verify is not None:
                 verify(out)
-            del args, kwargs, out
+            del args, kwargs, out, verify  # a check may hold a copy of its set (an update's)
         return sample_stats(samples)
 
     flush = flush or L2Flush(device)
@@ -122,6 +123,8 @@ def benchmark(
         ends[i].record()
         if verify is not None:
             verify(out)
-        del args, kwargs, out  # a set made for one call (a graph to differentiate) goes with it
+        # A set made for one call (a graph to differentiate) goes with it, and so does its check,
+        # which may hold a copy of the set (an update's).
+        del args, kwargs, out, verify
     torch.cuda.synchronize(device)
     return sample_stats([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)])

@@ -13,11 +13,19 @@ import torch
 from memos import Memo, always, by_address, by_sample
 from rich.console import Console
 
-from evals import bench_ops
-from evals.bench_common import FRESH_MIN_SETS, FreshInputs
+from evals import bench_common, bench_ops
+from evals.bench_common import (
+    FRESH_MAX_SETS,
+    FRESH_MIN_SETS,
+    FRESH_WORKING_SETS,
+    Checked,
+    FreshInputs,
+    checked_calls,
+)
 from evals.bench_ops import run_op_benchmark
 from kernels import DISPATCHER, ops
 from search_space import get_problem
+from search_space.problem import Inputs
 
 
 def _kernel(op: str) -> Callable:
@@ -68,7 +76,38 @@ def test_fresh_inputs_are_sets_of_their_own_of_the_warm_ups_forms(op: str) -> No
     pointers = [t.data_ptr() for inputs in fresh.sets for t in inputs.tensors() if t.numel()]
     assert len(pointers) == len(set(pointers))
     assert len({by_sample(i.args, i.kwargs) for i in fresh.sets}) == len(fresh.sets)
-    # The interpreter checks all its timed calls; a GPU's checks fall among the calls every
-    # provider's timing makes.
+    # The interpreter checks all its timed calls, and every provider times every set.
     assert fresh.checked == frozenset(range(len(fresh)))
-    assert all(i < FRESH_MIN_SETS for i in fresh.checked)
+    timing = fresh.timing(Checked())
+    assert timing["min_reps"] == timing["max_reps"] == len(fresh)
+
+
+class _LargeSets:
+    """A problem whose every set is one tensor of SET_BYTES."""
+
+    SET_BYTES = 4096
+
+    def make_inputs(self, shape, seed: int, device: torch.device) -> Inputs:
+        return Inputs(args=(torch.zeros(self.SET_BYTES // 4, device=device),), kwargs={})
+
+    def without_statistics(self, inputs: Inputs) -> Inputs:
+        return inputs
+
+
+@pytest.mark.parametrize("room", [0, 1, 5, 40])
+def test_fresh_inputs_keep_to_the_budget_but_draw_the_minimum(monkeypatch, room: int) -> None:
+    # A budget of `room` sets beside the pass's working sets: as many sets as fit, never fewer
+    # than the minimum (the interpreter's own bound lifted, the budget a GPU's).
+    problem, size = _LargeSets(), _LargeSets.SET_BYTES
+    budget = (room + FRESH_WORKING_SETS) * size
+    monkeypatch.setattr(bench_common, "INTERPRETED_FRESH_SETS", FRESH_MAX_SETS)
+    monkeypatch.setattr(bench_common, "fresh_budget", lambda device: budget)
+    fresh = FreshInputs(problem, None, torch.device("cpu"), forms=1, checks=1)
+    assert len(fresh) == max(room, FRESH_MIN_SETS)
+
+
+def test_checks_fall_anywhere_after_the_first_timed_call() -> None:
+    seen = set().union(*(checked_calls(10, 1, every=False) for _ in range(400)))
+    assert seen == set(range(1, 10))
+    assert checked_calls(1, 1, every=False) == {0}
+    assert checked_calls(3, 1, every=True) == {0, 1, 2}

@@ -4,6 +4,8 @@ given sets unchanged where a caller gives neither (the judge's baselines)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -46,6 +48,25 @@ def test_timed_calls_run_on_the_fresh_sets_and_their_checks_get_the_outputs() ->
     stats = benchmark(fn, _sets(1), device=torch.device("cpu"), fresh=lambda i: fresh[i], check=check)
     assert fn.seen == [10, 11, 12] and stats.reps == 3
     assert asked == [0, 1, 2] and checked == [(11, 22)]
+
+
+def test_a_calls_check_is_gone_before_the_next_call_is_checked() -> None:
+    # A check may hold a copy of its set (an update's): it must not outlive its call.
+    fresh = _sets(10, 11, 12)
+    held: list[weakref.ref] = []
+    alive_at_check: list[bool] = []
+
+    class Copy:
+        pass
+
+    def check(i, args, kwargs):
+        alive_at_check.append(any(ref() is not None for ref in held))
+        copy = Copy()
+        held.append(weakref.ref(copy))
+        return lambda out: copy
+
+    benchmark(Recorder(), _sets(1), device=torch.device("cpu"), fresh=lambda i: fresh[i], check=check)
+    assert alive_at_check == [False, False, False]
 
 
 def test_max_reps_bounds_the_calls_to_the_sets_there_are() -> None:
