@@ -296,9 +296,9 @@ def _time_graph_replay(fn, at: _AtShape, device) -> dict:
 
     def capture(i: int) -> ArgSet:
         """Set i's graph, replayed once with zeros for the set's floating-point tensors: a graph's
-        first replay takes longer than the next (it uploads the graph: tens of microseconds on
-        an H100), and its kernels then meet the set's values first in the timed replay. The
-        values wait on the host meanwhile: the GPU holds no second copy of the set."""
+        first replay also uploads the graph to the device, work no later replay does, and its
+        kernels then meet the set's values first in the timed replay. The values wait on the
+        host meanwhile: the GPU holds no second copy of the set."""
         with torch.no_grad():
             args, kwargs = fresh.args(i)
             replay, outputs = graphed(partial(fn, *args, **kwargs), warm=other)
