@@ -48,11 +48,10 @@ def benchmark(
     """Time `fn(*args, **kwargs)` per call, rotating over `arg_sets` so no input stays cached.
 
     On CUDA: every call is bracketed by events after an L2 flush (`flush`, an L2Flush by
-    default), the end event after a
-    device-wide synchronize so that all streams' work is inside; the repetition count is
-    chosen from a warm-up estimate to fill about `target_ms`. The warm-up runs calls for
-    `warmup_ms` at least: the first timing after the host's work (drawing inputs, compiling) was
-    seen to run slow (WARMUP_MS). On a CPU (interpreted Triton):
+    default), the end event after a device-wide synchronize so that all streams' work is inside;
+    the repetition count is chosen from a warm-up estimate to fill about `target_ms`. The
+    warm-up runs calls for `warmup_ms` at least: the first timing after the host's work (drawing
+    inputs, compiling) was seen to run slow (WARMUP_MS). On a CPU (interpreted Triton):
     wall-clock per call, a few repetitions; such numbers only prove the path runs.
 
     `joined_streams=True` records the end event right after the call on the current stream,
