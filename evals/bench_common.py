@@ -25,8 +25,8 @@ import triton
 from rich.console import Console
 from rich.table import Table
 
-from sandbox.judge import SEED_FORMS
-from sandbox.protocol import compare, fresh_seed
+from sandbox.judge import seed_of_form
+from sandbox.protocol import compare
 from sandbox.timing import ArgSet
 from search_space.problem import Inputs, Problem, Shape
 
@@ -120,11 +120,6 @@ class BenchRun:
         console.print(table)
         if self.interpreted:
             console.print("[yellow]interpreted Triton on a CPU: these timings say nothing about GPU speed[/]")
-
-
-def seed_of_form(form: int) -> int:
-    """A fresh seed whose low bits draw the inputs' form `form` (sandbox.judge.SEED_FORMS)."""
-    return (fresh_seed() & ~(SEED_FORMS - 1)) | form
 
 
 @dataclass

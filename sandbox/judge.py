@@ -118,6 +118,11 @@ PLACEMENT_GAPS = 16
 SEED_FORMS = 8
 
 
+def seed_of_form(form: int, seed: int | None = None) -> int:
+    """`seed` (a fresh one if None) with its low bits set to draw the inputs' form `form`."""
+    return ((fresh_seed() if seed is None else seed) & ~(SEED_FORMS - 1)) | form
+
+
 class _EmptyOutput(Exception):
     """The reference's output on a shape is empty or zero: no no-op proof can be made there."""
 
@@ -597,7 +602,7 @@ class Session:
         if parity is not None:
             seeds = [(seed & ~1) | parity for seed in seeds]
         if residues is not None:
-            seeds = [(seed & ~(SEED_FORMS - 1)) | r for seed, r in zip(seeds, residues, strict=True)]
+            seeds = [seed_of_form(r, seed) for seed, r in zip(seeds, residues, strict=True)]
         sets = [self.problem.make_inputs(shape, seed, self.device) for seed in seeds]
         if copies:
             sets = [sets[0], *(sets[0].clone() for _ in range(n - 1))]
