@@ -9,43 +9,26 @@ back to HBM in its own window. Prints medians and p20-p80 per flush.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from kernels import ops
-from kernels.registry import DISPATCHER
+from evals.studies import default_at_each_shape, each_op
 from sandbox.flush import L2Flush
-from sandbox.protocol import fresh_seed
 from sandbox.timing import benchmark
-from search_space import get_problem
 
 OPS = ("dense_to_jagged", "jagged_split", "jagged_concat", "jagged_to_padded_dense")
 
 
-def study(name: str, device: torch.device) -> None:
-    problem = get_problem(name)
-    ops.op(name)  # defines the op and its default kernel
-    fn = DISPATCHER.default(name)
+def study(name: str) -> None:
+    device = torch.device("cuda")
     flushes = {"read": L2Flush(device, reads=True), "written": L2Flush(device, reads=False)}
     print(f"\n{name}")
-    for shape in problem.timing_shapes:
-        drawn = (problem.make_inputs(shape, fresh_seed(), device) for _ in range(3))
-        sets = [(i.args, i.kwargs) for i in map(problem.without_statistics, drawn)]
+    for shape, fn, sets in default_at_each_shape(name):
         cells = []
         for label in ("read", "written") * 2:
             stats = benchmark(fn, sets, device=device, joined_streams=True, flush=flushes[label])
             cells.append(f"{label} {stats.median_us:7.1f} ({stats.p20_us:.1f}-{stats.p80_us:.1f})")
         print(f"  {shape.name:18} {shape.dtype:5} " + "  ".join(cells), flush=True)
-        del sets
-        torch.cuda.empty_cache()
-
-
-def main() -> None:
-    device = torch.device("cuda")
-    for name in sys.argv[1:] or OPS:
-        study(name, device)
 
 
 if __name__ == "__main__":
-    main()
+    each_op(study, OPS)

@@ -9,30 +9,22 @@ time-bounded one, in alternating order. Prints each median and the first timing 
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
-from kernels import ops
-from kernels.registry import DISPATCHER
-from sandbox.protocol import fresh_seed
+from evals.studies import default_at_each_shape, each_op
 from sandbox.timing import WARMUP_MS, benchmark
-from search_space import get_problem
 
 OPS = ("jagged_to_padded_dense", "dense_to_jagged", "embedding_bags", "embedding_bags_update")
 IDLE_S = 1.0
 
 
-def study(name: str, device: torch.device) -> None:
-    problem = get_problem(name)
-    ops.op(name)  # defines the op and its default kernel
-    fn = DISPATCHER.default(name)
+def study(name: str) -> None:
+    device = torch.device("cuda")
     heads = " ".join(f"{h:>9}" for h in ("1st us", "2nd us", "3rd us", "1st/3rd"))
     print(f"\n{name}\n  {'shape':28} {'dtype':5} {'warm-up':>8} {heads}")
-    for n, shape in enumerate(problem.timing_shapes):
-        drawn = (problem.make_inputs(shape, fresh_seed(), device) for _ in range(3))
-        sets = [(i.args, i.kwargs) for i in map(problem.without_statistics, drawn)]
+    for n, (shape, fn, sets) in enumerate(default_at_each_shape(name)):
         # The order alternates between shapes, so neither warm-up always runs first.
         order = (0.0, WARMUP_MS) if n % 2 else (WARMUP_MS, 0.0)
         for warmup in order:
@@ -44,15 +36,7 @@ def study(name: str, device: torch.device) -> None:
             ]
             cells = " ".join(f"{x:9.1f}" for x in t)
             print(f"  {shape.name:28} {shape.dtype:5} {warmup:>6.0f}ms {cells} {t[0] / t[2]:9.2f}")
-        del sets
-        torch.cuda.empty_cache()
-
-
-def main() -> None:
-    device = torch.device("cuda")
-    for name in sys.argv[1:] or OPS:
-        study(name, device)
 
 
 if __name__ == "__main__":
-    main()
+    each_op(study, OPS)
