@@ -3,24 +3,26 @@ default kernels (the math: search_space/embedding_bags_update.py; the layout:
 search_space/packed_tables.py).
 
 No dense gradient, and no atomics on weights: the ids are sorted once by their row's key (the
-row's index in the row-wise state, unique across tables), so the ids of one row lie together
-(a run of sorted positions). Then
+row's index in the row-wise state, unique across tables), so the ids of one row lie together.
+The sorted ids are cut into chunks, a new one at every row's first id and at every multiple of
+CHUNK positions, so a chunk holds at most CHUNK ids of one row. Then
 
-1. each program takes BLOCK_P consecutive sorted positions. It resolves each position's
-   gradient row (its bag, feature, place in grad_out, factor) and table row, gathers the
-   gradient rows BLOCK_D columns at a time, and sums each run inside the tile by a segmented
-   scan. A run wholly inside the tile (nearly every row: most are looked up once or twice, and
-   sorting puts a table's rows together, so a tile's rows share one dim) is updated there and
-   then, once; rows wider than BLOCK_D take a second pass under adagrad, whose step needs the
-   row's norm. A run that crosses a tile's edge (a hot id, or a row cut by the edge) leaves its
-   part of the tile's sum in a buffer: the tile's first run if it came from the tile before,
-   its last if it goes on into the next;
-2. one program per tile finishes the run that starts in it and goes on past it, if any: sums
-   its tiles' parts and updates the row once.
+0. one wide launch resolves each sorted position once (its gradient row's place in grad_out,
+   its factor, its table row's place in weights and dim), so that no later program walks the
+   chain of dependent loads from an id to its bag, feature, table and gradient row;
+1. each program sums the gradients of BLOCK_I chunks, BLOCK_D columns at a time (a
+   [BLOCK_I, BLOCK_L, BLOCK_D] tile of gathered gradient rows per step; rows wider than
+   BLOCK_D take a second pass under adagrad, whose step needs the row's norm). A row whose
+   ids all lie in its chunk (nearly every row: most are looked up once or twice) is updated
+   there and then; a longer row (a hot id, held by many bags) leaves its chunks' sums in a
+   buffer;
+2. one program per CHUNK positions finishes the long row that crosses its position, if any:
+   sums its chunks' sums and updates it once.
 
-Host code only makes the ids' row keys from the call's integer inputs and sorts them (torch ops
-before any launch, on integers no kernel can have written); a kernel finds the ids' bags. Every
-launch is sized from the number of ids, so nothing is read back: the call never syncs the host.
+Host code only makes the ids' row keys from the call's integer inputs and sorts them (torch
+ops before any launch, on integers no kernel can have written); kernels find the ids' bags and
+number the chunks. Every launch is sized from the number of ids, so nothing is read back: the
+call never syncs the host.
 
 This module is also the problem's knob template: a search writes values into KNOBS; None keeps
 the launch heuristic (_config) for that knob.
@@ -33,12 +35,69 @@ import triton
 import triton.language as tl
 
 KNOBS = {
-    "BLOCK_P": None,
+    "BLOCK_I": None,
+    "BLOCK_L": None,
     "BLOCK_D": None,
+    "CHUNK": 64,
     "num_warps": None,
     "num_stages": None,
 }
 VECTORS = True  # False: rows move an element at a time, never in 16-byte vectors (for studies)
+
+
+@triton.jit
+def _sorted_kernel(
+    order_ptr,
+    bag_ptr,
+    keys_ptr,
+    offsets_ptr,
+    psw_ptr,
+    w_off_ptr,
+    r_off_ptr,
+    d_off_ptr,
+    grad_at_ptr,
+    scale_ptr,
+    row_at_ptr,
+    dim_ptr,
+    misaligned_ptr,
+    nnz,
+    batch,
+    stride_grad,
+    POOL_MEAN: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """What the rows kernel needs of each sorted position p, resolved once here, where the loads
+    of a thousand positions overlap: where its gradient row starts in grad_out, its factor (the
+    per-sample weight, the mean's 1 / length), where its table row starts in weights, and the
+    row's dim; and *misaligned where a start or dim is not a multiple of VEC (see _rows_kernel)."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = pos < nnz
+    i = tl.load(order_ptr + pos, mask=valid, other=0)
+    b = tl.load(bag_ptr + i, mask=valid, other=0).to(tl.int64)
+    f = b // batch
+    col0 = tl.load(d_off_ptr + f, mask=valid, other=0)
+    dim = tl.load(d_off_ptr + f + 1, mask=valid, other=0) - col0
+    grad_at = (b - f * batch) * stride_grad + col0
+    tl.store(grad_at_ptr + pos, grad_at, mask=valid)
+    if HAS_PSW or POOL_MEAN:
+        scale = tl.full([BLOCK], 1.0, dtype=tl.float32)
+        if HAS_PSW:
+            scale *= tl.load(psw_ptr + i, mask=valid, other=0.0).to(tl.float32)
+        if POOL_MEAN:
+            length = tl.load(offsets_ptr + b + 1, mask=valid, other=1)
+            length -= tl.load(offsets_ptr + b, mask=valid, other=0)
+            scale /= tl.maximum(length, 1).to(tl.float32)
+        tl.store(scale_ptr + pos, scale, mask=valid)
+    key = tl.load(keys_ptr + pos, mask=valid, other=0)
+    row = key - tl.load(r_off_ptr + f, mask=valid, other=0)
+    row_at = tl.load(w_off_ptr + f, mask=valid, other=0) + row * dim
+    tl.store(row_at_ptr + pos, row_at, mask=valid)
+    tl.store(dim_ptr + pos, dim.to(tl.int32), mask=valid)
+    odd = (grad_at % VEC != 0) | (row_at % VEC != 0) | (dim % VEC != 0)
+    if tl.max((valid & odd).to(tl.int32), axis=0) > 0:
+        tl.atomic_max(misaligned_ptr, 1)
 
 
 @triton.jit
@@ -55,6 +114,37 @@ def _bags_kernel(offsets_ptr, bag_ptr, nnz, num_bags, steps, BLOCK: tl.constexpr
         past = (lo < hi) & (tl.load(offsets_ptr + mid + 1, mask=lo < hi, other=0) <= pos)
         lo, hi = tl.where(past, mid + 1, lo), tl.where(past, hi, mid)
     tl.store(bag_ptr + pos, lo, mask=pos < nnz)
+
+
+@triton.jit
+def _chunks_kernel(
+    keys_ptr, before_ptr, starts_ptr, nnz, COUNT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The chunks that start in block k of BLOCK sorted positions (one at a row's first id and at
+    every multiple of CHUNK): COUNT, how many, into before[k]; else starts[c] = the first position
+    of chunk c, numbered from before[k], the count of earlier blocks' (after _scan_kernel)."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = pos < nnz
+    key = tl.load(keys_ptr + pos, mask=valid, other=0)
+    prior = tl.load(keys_ptr + pos - 1, mask=valid & (pos > 0), other=0)
+    new = valid & ((pos % CHUNK == 0) | (key != prior))
+    if COUNT:
+        tl.store(before_ptr + tl.program_id(0), tl.sum(new.to(tl.int64), axis=0))
+    else:
+        chunks = tl.load(before_ptr + tl.program_id(0)) + tl.cumsum(new.to(tl.int32), axis=0) - 1
+        tl.store(starts_ptr + chunks, pos, mask=new)
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, total_ptr, n, BLOCK: tl.constexpr):
+    """One program: counts[:n] become their exclusive prefix sums, in place; *total, their sum."""
+    total = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    for first in range(0, n, BLOCK):
+        at = first + tl.arange(0, BLOCK)
+        counts = tl.load(counts_ptr + at, mask=at < n, other=0)
+        tl.store(counts_ptr + at, total + tl.cumsum(counts, axis=0) - counts, mask=at < n)
+        total += tl.sum(counts, axis=0)
+    tl.store(total_ptr, total)
 
 
 @triton.jit
@@ -95,182 +185,183 @@ def _apply(weights_ptr, grad_ID, step_I, row_at_I, cols_D, mask_ID, seed, STOCHA
 
 
 @triton.jit
-def _same_run_sum(run_a, sum_a, run_b, sum_b):
-    """The segmented scan's step: b's sum, plus a's where both lie in one run."""
-    return run_b, tl.where(run_a == run_b, sum_a + sum_b, sum_b)
+def _gather_sum(
+    grad_out_ptr,
+    grad_at_ptr,
+    scale_ptr,
+    begin_I,
+    end_I,
+    valid_I,
+    longest,
+    cols_D,
+    col_mask_ID,
+    SCALED: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """The summed gradient of each chunk's ids on a block of columns: [BLOCK_I, BLOCK_D] fp32,
+    BLOCK_L ids of every chunk gathered per step. ALIGN divides every gradient row's start
+    (see _rows)."""
+    grad_ID = tl.zeros([begin_I.shape[0], cols_D.shape[0]], dtype=tl.float32)
+    for step in tl.range(0, longest, BLOCK_L):
+        at_IL = begin_I[:, None] + step + tl.arange(0, BLOCK_L)[None, :]
+        mask_IL = valid_I[:, None] & (at_IL < end_I[:, None])
+        g_at_IL = tl.load(grad_at_ptr + at_IL, mask=mask_IL, other=0) // ALIGN * ALIGN
+        g_ILD = tl.load(
+            grad_out_ptr + g_at_IL[:, :, None] + cols_D[None, None, :],
+            mask=mask_IL[:, :, None] & col_mask_ID[:, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if SCALED:
+            g_ILD *= tl.load(scale_ptr + at_IL, mask=mask_IL, other=0.0)[:, :, None]
+        grad_ID += tl.sum(g_ILD, axis=1)
+    return grad_ID
 
 
 @triton.jit
-def _run_sums(grad_out_ptr, grad_at_P, scale_P, run_PD, cols_D, mask_PD, SCALED: tl.constexpr):
-    """Each position's gradient row on a block of columns, plus those of its run's earlier
-    positions in the tile (an inclusive segmented scan): at a run's last position in the tile,
-    the run's sum there. [BLOCK_P, BLOCK_D] fp32."""
-    g_PD = tl.load(grad_out_ptr + grad_at_P[:, None] + cols_D[None, :], mask=mask_PD, other=0.0)
-    g_PD = g_PD.to(tl.float32)
-    if SCALED:
-        g_PD *= scale_P[:, None]
-    _, sums_PD = tl.associative_scan((run_PD, g_PD), 0, _same_run_sum)
-    return sums_PD
-
-
-@triton.jit
-def _runs(
-    weights_ptr, state_ptr, grad_out_ptr, partial_ptr, partial_stride, lr, eps, seed,
-    key_P, run_P, grad_at_P, scale_P, row_at_P, dim_P, valid_P, whole_P, part_P, slot_P,
-    ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
+def _rows_kernel(
+    weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+    starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed, misaligned_ptr,
+    ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
+    VEC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """The tile's runs summed and its whole ones updated, BLOCK_D columns at a time: when no row
-    is wider than BLOCK_D, in one pass; otherwise in two under adagrad (the rows' norms first,
-    then the step: the gradients are gathered twice, the second time mostly from L2) and one
-    under SGD. The parts of the runs that cross the tile's edges go to their slots. ALIGN
+    """_rows, told where every row start and dim is a multiple of VEC elements (16 bytes): the
+    starts are loaded from memory, and untold the compiler moves rows an element at a time."""
+    if tl.load(misaligned_ptr) == 0:
+        _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+              starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, VEC)  # fmt: skip
+    else:
+        _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+              starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, 1)  # fmt: skip
+
+
+@triton.jit
+def _rows(
+    weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+    starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+    ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_I chunks, BLOCK_D columns at a time: when no row of the program is wider than
+    BLOCK_D, in one pass; otherwise in two under adagrad (the rows' norms first, then the step:
+    the gradients are gathered twice, the second time mostly from L2) and one under SGD. ALIGN
     divides every row's start and dim (x // ALIGN * ALIGN tells the compiler)."""
-    grad_at_P = grad_at_P // ALIGN * ALIGN
-    row_at_P = row_at_P // ALIGN * ALIGN
-    dim_P = dim_P // ALIGN * ALIGN
-    run_PD = run_P[:, None] + tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.int32)
-    widest = tl.minimum(tl.max(dim_P, axis=0), partial_stride)  # max_dim: the caller's bound on dims
+    count = tl.load(count_ptr)
+    chunks_I = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    valid_I = chunks_I < count
+    begin_I = tl.load(starts_ptr + chunks_I, mask=valid_I, other=0)
+    end_I = tl.load(starts_ptr + chunks_I + 1, mask=valid_I, other=0)
+    key_I = tl.load(keys_ptr + begin_I, mask=valid_I, other=0)
+    row_at_I = tl.load(row_at_ptr + begin_I, mask=valid_I, other=0) // ALIGN * ALIGN
+    dim_I = tl.load(dim_ptr + begin_I, mask=valid_I, other=0) // ALIGN * ALIGN
+    # Whether the chunk holds its row's first id, and its last.
+    before_I = tl.load(keys_ptr + begin_I - 1, mask=valid_I & (begin_I > 0), other=-1)
+    after_I = tl.load(keys_ptr + end_I, mask=valid_I & (end_I < nnz), other=-1)
+    whole_I = valid_I & ((begin_I == 0) | (before_I != key_I)) & ((end_I >= nnz) | (after_I != key_I))
+    # A long row's chunks leave their sums: slot 2c for the chunk at position c * CHUNK, 2c + 1 for
+    # one that starts its row inside [c * CHUNK, (c + 1) * CHUNK) (only a row's first chunk does).
+    slot_I = 2 * (begin_I // CHUNK) + (begin_I % CHUNK != 0).to(tl.int64)
+    part_I = valid_I & ~whole_I
+    longest = tl.max(end_I - begin_I, axis=0)
+    widest = tl.minimum(tl.max(dim_I, axis=0), partial_stride)  # max_dim: the caller's bound on dims
     cols_D = tl.arange(0, BLOCK_D)
     if widest <= BLOCK_D:
-        mask_PD = valid_P[:, None] & (cols_D[None, :] < dim_P[:, None])
-        sums_PD = _run_sums(grad_out_ptr, grad_at_P, scale_P, run_PD, cols_D, mask_PD, SCALED)
-        step_P = _scale(state_ptr, tl.sum(sums_PD * sums_PD, axis=1), key_P, dim_P, whole_P, lr, eps, ADAGRAD)
-        _apply(weights_ptr, sums_PD, step_P, row_at_P, cols_D, whole_P[:, None] & mask_PD, seed, STOCHASTIC)
-        where_PD = partial_ptr + slot_P[:, None] * partial_stride + cols_D[None, :]
-        tl.store(where_PD, sums_PD, mask=part_P[:, None] & mask_PD)
+        col_mask_ID = cols_D[None, :] < dim_I[:, None]
+        grad_ID = _gather_sum(
+            grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
+            SCALED, BLOCK_L, ALIGN,
+        )  # fmt: skip
+        step_I = _scale(state_ptr, tl.sum(grad_ID * grad_ID, axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)
+        _apply(
+            weights_ptr, grad_ID, step_I, row_at_I, cols_D, whole_I[:, None] & col_mask_ID, seed, STOCHASTIC
+        )
+        where_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
+        tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
     else:
-        grad_sq_P = tl.zeros([BLOCK_P], dtype=tl.float32)
+        grad_sq_I = tl.zeros([BLOCK_I], dtype=tl.float32)
         if ADAGRAD:
             for c0 in range(0, widest, BLOCK_D):
-                mask_PD = valid_P[:, None] & ((c0 + cols_D)[None, :] < dim_P[:, None])
-                sums_PD = _run_sums(grad_out_ptr, grad_at_P, scale_P, run_PD, c0 + cols_D, mask_PD, SCALED)
-                grad_sq_P += tl.sum(sums_PD * sums_PD, axis=1)
-                where_PD = partial_ptr + slot_P[:, None] * partial_stride + (c0 + cols_D)[None, :]
-                tl.store(where_PD, sums_PD, mask=part_P[:, None] & mask_PD)
-        step_P = _scale(state_ptr, grad_sq_P, key_P, dim_P, whole_P, lr, eps, ADAGRAD)
+                col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
+                grad_ID = _gather_sum(  # only rows updated here need their norm
+                    grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, whole_I, longest, c0 + cols_D,
+                    col_mask_ID, SCALED, BLOCK_L, ALIGN,
+                )  # fmt: skip
+                grad_sq_I += tl.sum(grad_ID * grad_ID, axis=1)
+        step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)
         for c0 in range(0, widest, BLOCK_D):
-            mask_PD = valid_P[:, None] & ((c0 + cols_D)[None, :] < dim_P[:, None])
-            sums_PD = _run_sums(grad_out_ptr, grad_at_P, scale_P, run_PD, c0 + cols_D, mask_PD, SCALED)
-            apply_PD = whole_P[:, None] & mask_PD
-            _apply(weights_ptr, sums_PD, step_P, row_at_P, c0 + cols_D, apply_PD, seed, STOCHASTIC)
-            if not ADAGRAD:
-                where_PD = partial_ptr + slot_P[:, None] * partial_stride + (c0 + cols_D)[None, :]
-                tl.store(where_PD, sums_PD, mask=part_P[:, None] & mask_PD)
+            col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
+            grad_ID = _gather_sum(
+                grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, c0 + cols_D,
+                col_mask_ID, SCALED, BLOCK_L, ALIGN,
+            )  # fmt: skip
+            mask_ID = whole_I[:, None] & col_mask_ID
+            _apply(weights_ptr, grad_ID, step_I, row_at_I, c0 + cols_D, mask_ID, seed, STOCHASTIC)
+            where_ID = partial_ptr + slot_I[:, None] * partial_stride + (c0 + cols_D)[None, :]
+            tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
 
 
 @triton.jit
-def _resolve(order_ptr, bag_ptr, offsets_ptr, psw_ptr, w_off_ptr, r_off_ptr, d_off_ptr, pos, key, valid,
-             batch, stride_grad, POOL_MEAN: tl.constexpr, HAS_PSW: tl.constexpr):  # fmt: skip
-    """What sorted positions need of their id: where its gradient row starts in grad_out, its
-    factor (the per-sample weight, the mean's 1 / length; 1.0 when neither), where its table row
-    starts in weights, and the row's dim. Any shape of positions."""
-    i = tl.load(order_ptr + pos, mask=valid, other=0)
-    b = tl.load(bag_ptr + i, mask=valid, other=0).to(tl.int64)
-    f = b // batch
-    col0 = tl.load(d_off_ptr + f, mask=valid, other=0)
-    dim = tl.load(d_off_ptr + f + 1, mask=valid, other=0) - col0
-    grad_at = (b - f * batch) * stride_grad + col0
-    scale = tl.full(pos.shape, 1.0, dtype=tl.float32)
-    if HAS_PSW:
-        scale *= tl.load(psw_ptr + i, mask=valid, other=0.0).to(tl.float32)
-    if POOL_MEAN:
-        length = tl.load(offsets_ptr + b + 1, mask=valid, other=1) - tl.load(
-            offsets_ptr + b, mask=valid, other=0
-        )
-        scale /= tl.maximum(length, 1).to(tl.float32)
-    row = key - tl.load(r_off_ptr + f, mask=valid, other=0)
-    row_at = tl.load(w_off_ptr + f, mask=valid, other=0) + row * dim
-    return grad_at, scale, row_at, dim
-
-
-@triton.jit
-def _runs_kernel(
-    weights_ptr, state_ptr, grad_out_ptr, keys_ptr, order_ptr, bag_ptr, offsets_ptr, psw_ptr,
-    w_off_ptr, r_off_ptr, d_off_ptr, partial_ptr, partial_stride, nnz, batch, stride_grad, lr, eps, seed,
-    ADAGRAD: tl.constexpr, POOL_MEAN: tl.constexpr, HAS_PSW: tl.constexpr, STOCHASTIC: tl.constexpr,
-    VEC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Tile t: sorted positions [t * BLOCK_P, (t + 1) * BLOCK_P). Its whole runs are updated here
-    (see _runs); the part of the run that came from the tile before goes to slot 2t, that of
-    the run going on into the next tile to slot 2t + 1 (one run may be both: it fills slot 2t).
-    Tiles where every row start and dim is a multiple of VEC elements (16 bytes) move rows in
-    16-byte vectors; the compiler is told so by _runs' ALIGN, and untold moves an element at a
-    time."""
-    first = tl.program_id(0).to(tl.int64) * BLOCK_P
-    last = tl.minimum(first + BLOCK_P, nnz) - 1
-    pos_P = first + tl.arange(0, BLOCK_P)
-    valid_P = pos_P < nnz
-    key_P = tl.load(keys_ptr + pos_P, mask=valid_P, other=-1)  # keys are never negative
-    prior_P = tl.load(keys_ptr + pos_P - 1, mask=valid_P & (pos_P > 0), other=-1)
-    next_P = tl.load(keys_ptr + pos_P + 1, mask=pos_P + 1 < nnz, other=-1)
-    run_P = tl.cumsum((valid_P & (key_P != prior_P)).to(tl.int32), axis=0)
-    # The tile's edges, as [BLOCK_P] blocks of one value.
-    first_P, last_P = first + 0 * pos_P, last + 0 * pos_P
-    key_first, key_last = tl.load(keys_ptr + first_P), tl.load(keys_ptr + last_P)
-    came_in = tl.load(keys_ptr + first_P - 1, mask=first_P > 0, other=-1) == key_first
-    goes_on = tl.load(keys_ptr + last_P + 1, mask=last_P + 1 < nnz, other=-1) == key_last
-    head_P = valid_P & (key_P == key_first) & came_in  # the run from the tile before
-    whole_P = valid_P & (key_P != next_P) & ~head_P  # a run's last position, its first in the tile
-    tail_P = (pos_P == last) & goes_on & ~head_P  # the run that starts here and goes on
-    part_P = (head_P & ((key_P != next_P) | (pos_P == last))) | tail_P
-    slot_P = 2 * tl.program_id(0).to(tl.int64) + tail_P.to(tl.int64)
-    grad_at_P, scale_P, row_at_P, dim_P = _resolve(
-        order_ptr, bag_ptr, offsets_ptr, psw_ptr, w_off_ptr, r_off_ptr, d_off_ptr, pos_P, key_P, valid_P,
-        batch, stride_grad, POOL_MEAN, HAS_PSW,
-    )  # fmt: skip
-    odd_P = valid_P & ((grad_at_P % VEC != 0) | (row_at_P % VEC != 0) | (dim_P % VEC != 0))
-    if tl.max(odd_P.to(tl.int32), axis=0) == 0:
-        _runs(weights_ptr, state_ptr, grad_out_ptr, partial_ptr, partial_stride, lr, eps, seed,
-              key_P, run_P, grad_at_P, scale_P, row_at_P, dim_P, valid_P, whole_P, part_P, slot_P,
-              ADAGRAD, POOL_MEAN or HAS_PSW, STOCHASTIC, BLOCK_P, BLOCK_D, VEC)  # fmt: skip
+def _long_rows_kernel(
+    weights_ptr,
+    state_ptr,
+    keys_ptr,
+    row_at_ptr,
+    dim_ptr,
+    partial_ptr,
+    partial_stride,
+    nnz,
+    lr,
+    eps,
+    seed,
+    ADAGRAD: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program c finishes the long row (over CHUNK ids) whose chunks first reach a multiple of
+    CHUNK at position p = c * CHUNK: one that starts at p and runs past p + CHUNK, or one that
+    started inside the previous CHUNK positions and runs into p. Its tile holds a whole row."""
+    p = tl.program_id(0).to(tl.int64) * CHUNK
+    key = tl.load(keys_ptr + p)
+    before = tl.load(keys_ptr + p - 1, mask=p > 0, other=-1)
+    from_before = (p > 0) & (before == key)
+    if from_before:
+        started_here = tl.load(keys_ptr + p - CHUNK, mask=p >= CHUNK, other=-1) != key
     else:
-        _runs(weights_ptr, state_ptr, grad_out_ptr, partial_ptr, partial_stride, lr, eps, seed,
-              key_P, run_P, grad_at_P, scale_P, row_at_P, dim_P, valid_P, whole_P, part_P, slot_P,
-              ADAGRAD, POOL_MEAN or HAS_PSW, STOCHASTIC, BLOCK_P, BLOCK_D, 1)  # fmt: skip
-
-
-@triton.jit
-def _crossing_runs_kernel(
-    weights_ptr, state_ptr, keys_ptr, order_ptr, bag_ptr, w_off_ptr, r_off_ptr, d_off_ptr, partial_ptr,
-    partial_stride, nnz, batch, lr, eps, seed,
-    ADAGRAD: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Program t finishes the run that starts in tile t and goes on into the next, if any: its
-    part there (slot 2t + 1) and in each later tile it reaches (slot 2u of tile u), summed and
-    stepped once. Its tile holds a whole row."""
-    t = tl.program_id(0).to(tl.int64)
-    first = t * BLOCK_P
-    last = tl.minimum(first + BLOCK_P, nnz) - 1
-    key = tl.load(keys_ptr + last)
-    goes_on = tl.load(keys_ptr + last + 1, mask=last + 1 < nnz, other=-1) == key
-    came_in = tl.load(keys_ptr + first - 1, mask=first > 0, other=-1) == key
-    if goes_on & ~(came_in & (tl.load(keys_ptr + first) == key)):
-        at = last + tl.zeros([1], dtype=tl.int64)
-        keys = key + tl.zeros([1], dtype=key.dtype)
-        _, _, row_at, dim = _resolve(
-            order_ptr, bag_ptr, order_ptr, order_ptr, w_off_ptr, r_off_ptr, d_off_ptr, at, keys, at >= 0,
-            batch, 0, False, False,
-        )  # fmt: skip
+        started_here = (p + CHUNK < nnz) & (
+            tl.load(keys_ptr + p + CHUNK, mask=p + CHUNK < nnz, other=-1) == key
+        )
+    if started_here:
+        at = p + tl.zeros([1], dtype=tl.int64)
+        row_at = tl.load(row_at_ptr + at)
+        dim = tl.load(dim_ptr + at)
         cols = tl.arange(0, BLOCK_D)
         mask = cols[None, :] < dim[:, None]
-        grad = tl.load(partial_ptr + (2 * t + 1) * partial_stride + cols[None, :], mask=mask, other=0.0)
-        q = last + 1
+        grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+        if from_before:  # the row's first chunk, inside the previous CHUNK positions
+            slot = 2 * (p // CHUNK - 1) + 1
+            grad += tl.load(partial_ptr + slot * partial_stride + cols[None, :], mask=mask, other=0.0)
+        q = p
         while tl.load(keys_ptr + q, mask=q < nnz, other=-1) == key:
-            grad += tl.load(
-                partial_ptr + 2 * (q // BLOCK_P) * partial_stride + cols[None, :], mask=mask, other=0.0
-            )
-            q += BLOCK_P
-        step = _scale(state_ptr, tl.sum(grad * grad, axis=1), keys, dim, at >= 0, lr, eps, ADAGRAD)
+            slot = 2 * (q // CHUNK)
+            grad += tl.load(partial_ptr + slot * partial_stride + cols[None, :], mask=mask, other=0.0)
+            q += CHUNK
+        keys = key + tl.zeros([1], dtype=tl.int64)
+        step = _scale(state_ptr, tl.sum(grad * grad, axis=1), keys, dim, keys >= 0, lr, eps, ADAGRAD)
         _apply(weights_ptr, grad, step, row_at, cols, mask, seed, STOCHASTIC)
 
 
 def _config(max_dim: int, interpreted: bool) -> dict:
-    """Launch parameters of the runs kernel. On a GPU: tiles of 64 positions x 32 columns on four
-    warps (a guess until evals/studies/update_phases.py sweeps them). Interpreted, where each op
-    of each program is a NumPy call, few wide programs: 64 positions of whole rows."""
+    """Launch parameters of the rows kernel. On a GPU (evals/studies/update_phases.py, every
+    update shape, H100, 2026-12-06): small tiles of few registers, 8 chunks x 1 id x 32 columns
+    a step on two warps. Interpreted, where each op of each program is a NumPy call, few wide
+    programs: 64 chunks x 4 ids of whole rows (the check shapes in 0.47x the time of 16 x 8)."""
     if interpreted:
-        return {"BLOCK_P": 64, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1, "num_stages": 1}
-    return {"BLOCK_P": 64, "BLOCK_D": 32, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_I": 64, "BLOCK_L": 4, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
+                "num_stages": 1}  # fmt: skip
+    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1}
 
 
 # Sort keys (each row's index in the state) are int32 when the rows are fewer than this: a radix
@@ -279,31 +370,40 @@ def _config(max_dim: int, interpreted: bool) -> dict:
 INT32_KEYS_BELOW = 2**31
 
 
-def sort_ids(
+def number_chunks(
     row_offsets: torch.Tensor,
     indices: torch.Tensor,
     offsets: torch.Tensor,
     batch: int,
+    chunk: int,
     *,
     int32_keys: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """nnz > 0 ids sorted by row (on the device, no sync): every id's bag (int32 below 2^31
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The numbering of nnz > 0 ids (on the device, no sync): every id's bag (int32 below 2^31
     bags); its row's key (its index in the state; int32 where the rows allow, for a sort of half
-    the passes), the keys sorted and their order.
+    the passes), the keys sorted and their order; starts [nnz + 1], where starts[c] is the first
+    sorted position of chunk c (a new one at each row's first id and every `chunk` positions) and
+    nnz follows the last; and count [1], the chunks' number, which the kernels read themselves.
 
     Torch ops make the keys from the call's integer inputs and sort them before any launch: the
-    sandbox's host-compute watch refuses host ops on integers a kernel may have written. A kernel
-    finds the bags."""
+    sandbox's host-compute watch refuses host ops on integers a kernel may have written. Kernels
+    find the bags and number the chunks (a count per block, a scan, the starts)."""
     nnz, device = indices.numel(), indices.device
     positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
     # Each id's feature: how many features end at or before it (a search over F offsets).
     feature = torch.searchsorted(offsets[batch::batch].contiguous(), positions, right=True, out_int32=True)
     dtype = torch.int32 if int32_keys else torch.int64
     sorted_keys, order = torch.sort(row_offsets.to(dtype)[feature] + indices.to(dtype), stable=True)
-    bags = offsets.numel() - 1
+    blocks, bags = triton.cdiv(nnz, 1024), offsets.numel() - 1
     bag = torch.empty(nnz, dtype=torch.int32 if bags < 2**31 else torch.int64, device=device)
-    _bags_kernel[(triton.cdiv(nnz, 1024),)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=1024)
-    return bag, sorted_keys, order
+    _bags_kernel[(blocks,)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=1024)
+    before = torch.empty(blocks, dtype=torch.int64, device=device)
+    count = torch.empty(1, dtype=torch.int64, device=device)
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)
+    _chunks_kernel[(blocks,)](sorted_keys, before, starts, nnz, COUNT=True, CHUNK=chunk, BLOCK=1024)
+    _scan_kernel[(1,)](before, count, blocks, BLOCK=1024)
+    _chunks_kernel[(blocks,)](sorted_keys, before, starts, nnz, COUNT=False, CHUNK=chunk, BLOCK=1024)
+    return bag, sorted_keys, order, starts, count
 
 
 def embedding_bags_update(
@@ -334,25 +434,44 @@ def embedding_bags_update(
     grad_out = grad_out.contiguous()
     cfg = _config(max_dim, interpreted=weights.device.type == "cpu")
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
-    block_p, block_d = cfg["BLOCK_P"], min(cfg["BLOCK_D"], triton.next_power_of_2(max_dim))
-    int32_keys = max(weights.numel(), state.numel()) < INT32_KEYS_BELOW
-    bag, sorted_keys, order = sort_ids(row_offsets, indices, offsets, batch, int32_keys=int32_keys)
-    tiles = triton.cdiv(nnz, block_p)
-    partial = torch.empty((2 * tiles, max_dim), dtype=torch.float32, device=weights.device)
+    chunk = KNOBS["CHUNK"]
+    block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(max_dim))
+    bag, sorted_keys, order, starts, count = number_chunks(
+        row_offsets,
+        indices,
+        offsets,
+        batch,
+        chunk,
+        int32_keys=max(weights.numel(), state.numel()) < INT32_KEYS_BELOW,
+    )
+    device = indices.device
+    # Each sorted position resolved once (see _sorted_kernel).
+    grad_at = torch.empty(nnz, dtype=torch.int64, device=device)
+    row_at = torch.empty(nnz, dtype=torch.int64, device=device)
+    dims = torch.empty(nnz, dtype=torch.int32, device=device)
     has_psw = per_sample_weights is not None
+    scaled = has_psw or pooling == "mean"
+    scale = torch.empty(nnz if scaled else 1, dtype=torch.float32, device=device)
+    misaligned = torch.zeros(1, dtype=torch.int32, device=device)
+    vec = 16 // weights.element_size() if VECTORS else 1  # grad_out's dtype is the weights'
+    grid = (triton.cdiv(nnz, 1024),)
+    _sorted_kernel[grid](
+        order, bag, sorted_keys, offsets, per_sample_weights if has_psw else scale, weight_offsets,
+        row_offsets, dim_offsets, grad_at, scale, row_at, dims, misaligned, nnz, batch, grad_out.stride(0),
+        POOL_MEAN=pooling == "mean", HAS_PSW=has_psw, VEC=vec, BLOCK=1024,
+    )  # fmt: skip
+    partial = torch.empty((2 * triton.cdiv(nnz, chunk), max_dim), dtype=torch.float32, device=weights.device)
     adagrad = optimizer == "adagrad"
     stochastic = bool(stochastic_rounding)
-    _runs_kernel[(tiles,)](
-        weights, state, grad_out, sorted_keys, order, bag, offsets,
-        per_sample_weights if has_psw else grad_out, weight_offsets, row_offsets, dim_offsets, partial,
-        max_dim, nnz, batch, grad_out.stride(0), lr, eps, seed,
-        ADAGRAD=adagrad, POOL_MEAN=pooling == "mean", HAS_PSW=has_psw, STOCHASTIC=stochastic,
-        VEC=16 // weights.element_size() if VECTORS else 1,  # grad_out's dtype is the weights'
-        BLOCK_P=block_p, BLOCK_D=block_d, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    _rows_kernel[(triton.cdiv(nnz, cfg["BLOCK_I"]),)](
+        weights, state, grad_out, sorted_keys, grad_at, scale, row_at, dims, starts, count,
+        partial, max_dim, nnz, lr, eps, seed, misaligned,
+        ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
+        BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    _crossing_runs_kernel[(tiles,)](
-        weights, state, sorted_keys, order, bag, weight_offsets, row_offsets, dim_offsets, partial,
-        max_dim, nnz, batch, lr, eps, seed,
-        ADAGRAD=adagrad, STOCHASTIC=stochastic, BLOCK_P=block_p, BLOCK_D=triton.next_power_of_2(max_dim),
+    _long_rows_kernel[(triton.cdiv(nnz, chunk),)](
+        weights, state, sorted_keys, row_at, dims, partial, max_dim, nnz, lr, eps, seed,
+        ADAGRAD=adagrad, STOCHASTIC=stochastic, CHUNK=chunk, BLOCK_D=triton.next_power_of_2(max_dim),
         num_warps=4,
     )  # fmt: skip

@@ -532,34 +532,31 @@ def verify(inputs: Inputs, got: tuple[torch.Tensor, torch.Tensor]) -> str | None
 
 KNOBS = (
     Knob(
-        "BLOCK_P",
-        (None, 16, 32, 64, 128, 256),
+        "BLOCK_I",
+        (None, 1, 2, 4, 8),
         default=None,
-        help="sorted ids a program takes (a tile): its rows' runs are summed by a segmented scan; "
-        "longer runs (hot ids) are split across tiles",
+        help="rows (segments of sorted ids) a program updates together",
     ),
+    Knob("BLOCK_L", (None, 1, 2, 4, 8, 16, 32), default=None, help="ids of a row gathered per step"),
     Knob(
         "BLOCK_D",
         (None, 16, 32, 64, 128, 256),
         default=None,
         help="columns a program takes at a time (rows wider take two passes under adagrad)",
     ),
+    Knob(
+        "CHUNK",
+        (16, 32, 64, 128, 256),
+        default=64,
+        help="most ids of one row a program sums: longer rows (hot ids) are split across programs",
+    ),
     Knob("num_warps", (None, 1, 2, 4, 8), default=None, help="warps per program"),
 )
 
 
-# The most elements of a tile: its gradients and their running sums in fp32 and its run ids, in
-# registers. Beyond, a program spills whatever its warps.
-MOST_TILE_ELEMENTS = 16384
-
-
 def _knob_constraints(knobs: dict) -> str | None:
-    if knobs["BLOCK_P"] is not None and knobs["BLOCK_D"] is not None:
-        if knobs["BLOCK_P"] * knobs["BLOCK_D"] > MOST_TILE_ELEMENTS:
-            return (
-                f"BLOCK_P x BLOCK_D = {knobs['BLOCK_P'] * knobs['BLOCK_D']} elements: a tile holds at "
-                f"most {MOST_TILE_ELEMENTS}"
-            )
+    if knobs["BLOCK_L"] is not None and knobs["BLOCK_L"] > knobs["CHUNK"]:
+        return f"BLOCK_L = {knobs['BLOCK_L']} > CHUNK = {knobs['CHUNK']}: a row's chunk never fills a step"
     return None
 
 

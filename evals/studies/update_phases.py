@@ -1,8 +1,7 @@
-"""Where embedding_bags_update's time goes at a timing shape: the whole op at several launch knobs
-(with each compiled variant's registers), beside an earlier version's module if named and
-torch's sparse path, then the op's kernels by the profiler. The earlier module's result is
-compared with this one's first (the weights and state after one call each, on copies). One CUDA
-device; prints a table.
+"""Where embedding_bags_update's time goes at a timing shape: the numbering of the ids (keys, sort,
+bags, chunk starts) by the kernel's number_chunks beside the torch ops it replaced (checked equal
+first), the whole op with each, the rows kernel and the long-rows kernel timed apart, then the
+whole op at several launch knobs, beside torch's sparse path. One CUDA device; prints a table.
 
     python3 -m evals.studies.update_phases [SHAPE NAME SUBSTRING] [DTYPE] [EARLIER MODULE]
 """
@@ -13,28 +12,12 @@ import importlib
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 import kernels.embedding_bags_update as kernel
 from sandbox.timing import benchmark
 from search_space import get_problem
-
-# (BLOCK_P, BLOCK_D, num_warps[, VECTORS]); None keeps the launch heuristic's, and VECTORS False
-# moves rows an element at a time (not in 16-byte vectors).
-CONFIGS = [
-    (None, None, None),
-    (None, None, None, False),
-    (32, 32, 2),
-    (128, 32, 4),
-    (256, 32, 8),
-    (64, 64, 4),
-    (128, 64, 8),
-    (32, 64, 2),
-    (16, 128, 2),
-    (32, 128, 4),
-    (64, 16, 2),
-    (128, 16, 4),
-]
-KNOB_NAMES = ("BLOCK_P", "BLOCK_D", "num_warps", "VECTORS")
 
 
 def _compiled(fn) -> list[str]:
@@ -54,12 +37,35 @@ def _compiled(fn) -> list[str]:
     ]
 
 
-def _after_one_call(module, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights and state after one call of module's update, on copies."""
-    weights, state, *rest = inputs.args
-    weights, state = weights.clone(), state.clone()
-    module.embedding_bags_update(weights, state, *rest, **inputs.kwargs)
-    return weights.float(), state
+@triton.jit
+def _chunk_end_starts_kernel(chunk_end_ptr, starts_ptr, nnz, BLOCK: tl.constexpr):
+    """starts[c] = the first sorted position of chunk c (chunk_end: the inclusive count of chunk
+    starts up to each position)."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = pos < nnz
+    ends = tl.load(chunk_end_ptr + pos, mask=valid, other=0)
+    before = tl.load(chunk_end_ptr + pos - 1, mask=valid & (pos > 0), other=0)
+    tl.store(starts_ptr + ends - 1, pos, mask=valid & (ends != before))
+
+
+def torch_numbering(row_offsets, indices, offsets, batch, chunk, *, int32_keys):
+    """number_chunks as it was before its kernels: every step but the chunk starts in torch ops
+    (a search over all bags' ends, a chain of elementwise launches, a cumsum), the same outputs
+    (an int64 bag; count an int32 view of chunk_end's last entry)."""
+    nnz = indices.numel()
+    positions = torch.arange(nnz, dtype=offsets.dtype, device=indices.device)
+    bag = torch.searchsorted(offsets[1:], positions, right=True)
+    keys = row_offsets[bag // batch] + indices
+    if int32_keys:
+        keys = keys.to(torch.int32)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    flags = torch.ones(nnz, dtype=torch.int32, device=indices.device)
+    flags[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    flags |= positions % chunk == 0
+    chunk_end = torch.cumsum(flags, 0, dtype=torch.int32)
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=indices.device)
+    _chunk_end_starts_kernel[(triton.cdiv(nnz, 1024),)](chunk_end, starts, nnz, BLOCK=1024)
+    return bag, sorted_keys, order, starts, chunk_end[nnz - 1 :]
 
 
 def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = "") -> None:
@@ -67,38 +73,50 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
     problem = get_problem("embedding_bags_update")
     shape = next(s for s in problem.timing_shapes if pattern in s.name and s.dtype == dtype)
     inputs = problem.make_inputs(shape, 1, device)
-    print(f"{shape.describe()}: {inputs.args[6].numel():,} ids")
+    weights, state, grad_out, w_off, r_off, d_off, indices, offsets = inputs.args
+    nnz, batch = indices.numel(), (offsets.numel() - 1) // w_off.numel()
+    print(f"{shape.describe()}: {nnz:,} ids")
+
+    int32_keys = max(weights.numel(), state.numel()) < kernel.INT32_KEYS_BELOW
+    numbering = ((r_off, indices, offsets, batch, kernel.KNOBS["CHUNK"]), {"int32_keys": int32_keys})
+    ours = kernel.number_chunks(*numbering[0], **numbering[1])
+    before = torch_numbering(*numbering[0], **numbering[1])
+    for name, new, old in zip(("bag", "sorted_keys", "order", "starts", "count"), ours, before, strict=True):
+        assert torch.equal(new.long(), old.long()), f"number_chunks and torch_numbering differ in {name}"
+    del ours, before
+
+    def stats(fn, args=((), {})):
+        return benchmark(fn, [args], device=device, max_reps=20).median_us
+
+    rows = [("numbering: number_chunks", stats(kernel.number_chunks, numbering))]
+    rows.append(("numbering before: torch_numbering", stats(torch_numbering, numbering)))
+    number_chunks, kernel.number_chunks = kernel.number_chunks, torch_numbering
+    try:  # the whole op on the numbering before
+        us = stats(kernel.embedding_bags_update, (inputs.args, inputs.kwargs))
+        rows.append(("whole op, numbered by torch_numbering", us))
+    finally:
+        kernel.number_chunks = number_chunks
     versions = [("", kernel)]
     if earlier:  # an earlier version's module beside this one, for a side-by-side run
         versions.append((earlier + " ", importlib.import_module(earlier)))
-        (w_new, s_new), (w_old, s_old) = (_after_one_call(m, inputs) for _, m in versions)
-        before = inputs.args[0].float()
-        moved = (w_old - before).abs().max().item()
-        print(
-            f"{earlier} against this module after one call: weights differ by at most "
-            f"{(w_new - w_old).abs().max().item():.3g} (steps up to {moved:.3g}), state by "
-            f"{(s_new - s_old).abs().max().item() if s_new.numel() else 0.0:.3g}"
-        )
-        del w_new, s_new, w_old, s_old, before
-
-    def stats(fn) -> float:
-        return benchmark(fn, [(inputs.args, inputs.kwargs)], device=device, max_reps=20).median_us
-
-    rows = []
+    # (BLOCK_I, BLOCK_L, BLOCK_D, num_warps[, VECTORS]); None keeps the launch heuristic's, and
+    # VECTORS False moves rows an element at a time (as before 16-byte vectors).
+    configs = [(None,) * 4, (None, None, None, None, False), (2, 1, 128, 1), (1, 1, 256, 1), (2, 1, 256, 2)]
+    configs += [(4, 1, 128, 2), (1, 1, 128, 1), (2, 1, 64, 1), (4, 1, 64, 2), (2, 1, 32, 1), (8, 1, 32, 2)]
     for label, module in versions:
         base = dict(module.KNOBS)
-        for config in CONFIGS if not label else CONFIGS[:1]:
-            knobs = dict(zip(KNOB_NAMES, config, strict=False))
+        for config in configs if not label else configs[:2]:
+            names = ("BLOCK_I", "BLOCK_L", "BLOCK_D", "num_warps", "VECTORS")
+            knobs = dict(zip(names, config, strict=False))
             module.VECTORS = knobs.get("VECTORS", True)
             module.KNOBS.update(base, **{k: v for k, v in knobs.items() if k in base})
-            us = stats(module.embedding_bags_update)
+            us = stats(module.embedding_bags_update, (inputs.args, inputs.kwargs))
             rows.append((f"{label}whole op, {' '.join(f'{k}={v}' for k, v in knobs.items())}", us))
         module.KNOBS.update(base)
         module.VECTORS = True
-    rows.extend((what, 0.0) for what in _compiled(kernel._runs_kernel))
-    rows.append(
-        ("torch.embedding_bag_sparse+step", stats(problem.baselines["torch.embedding_bag_sparse+step"]))
-    )
+        rows.extend((f"{label}{what}", 0.0) for what in _compiled(module._rows_kernel))
+    torch_us = stats(problem.baselines["torch.embedding_bag_sparse+step"], (inputs.args, inputs.kwargs))
+    rows.append(("torch.embedding_bag_sparse+step", torch_us))
     # The kernels alone (the rest is host work), by the profiler.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
@@ -109,6 +127,7 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
             rows.append((f"device: {event.key[:66]}", event.self_device_time_total / 3))
     for name, us in rows:
         print(f"{name:75} {us:10.1f} us")
+    print(triton.__version__, torch.__version__)
 
 
 if __name__ == "__main__":

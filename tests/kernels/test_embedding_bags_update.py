@@ -1,7 +1,7 @@
 """embedding_bags_update: the optimizer step fused into the table-batched embeddings' backward,
 in place. The default kernel against the reference on every check shape (the protocol's check,
 which compares the updated weights and state), several steps against the reference and against
-torch's sparse path, hot rows split across programs whatever the tile, stochastic rounding
+torch's sparse path, hot rows split across programs whatever the chunk, stochastic rounding
 unbiased, the public op (a custom op that says what it updates) under torch.compile, argument
 errors, and the sandbox's verdict on the default kernel, on one that skips the hot rows and on
 one that updates on the host."""
@@ -68,47 +68,21 @@ def _hot(optimizer: str, dtype: str = "fp32") -> Shape:
     )
 
 
-@pytest.mark.parametrize("block_p", [16, 64, 256])
-def test_rows_longer_than_a_tile_are_summed_across_programs(
-    block_p: int, monkeypatch, device: torch.device
+@pytest.mark.parametrize("chunk", [16, 64, 256])
+def test_rows_longer_than_a_chunk_are_summed_across_programs(
+    chunk: int, monkeypatch, device: torch.device
 ) -> None:
-    """Hot ids (hundreds per row) span several tiles of sorted positions at 16 and 64, one or
-    two at 256: each way, every row is updated once with its whole gradient."""
-    monkeypatch.setitem(kernel.KNOBS, "BLOCK_P", block_p)
+    """Hot ids (hundreds per row) span several chunks at 16 and 64, one at 256: each way, every
+    row is updated once with its whole gradient."""
+    monkeypatch.setitem(kernel.KNOBS, "CHUNK", chunk)
     for optimizer in ("sgd", "adagrad"):
         result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot(optimizer), 0, device)
-        assert result.ok, (block_p, optimizer, result.message)
+        assert result.ok, (chunk, optimizer, result.message)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_runs_at_every_place_against_a_tile_edge(optimizer: str, monkeypatch, device: torch.device) -> None:
-    """Tiles of 4 sorted positions and runs (one row's ids) of 4, 3, 9, 1, 1, 8 and 2 ids: a run
-    that fills a tile; one that ends before a tile's last position; one that starts on a tile's
-    last position, crosses a whole tile and ends on another's last; runs of one id; one that
-    starts inside a tile and ends inside the next but one; one that ends the last tile. Each
-    row's ids in bags of their own, in shuffled order."""
-    monkeypatch.setitem(kernel.KNOBS, "BLOCK_P", 4)
-    lengths = torch.tensor([4, 3, 9, 1, 1, 8, 2])
-    gen = torch.Generator().manual_seed(5)
-    indices = torch.arange(7).repeat_interleave(lengths)[torch.randperm(28, generator=gen)].to(device)
-    dim = 8
-    weights = torch.randn(7 * dim, generator=gen).to(device)
-    state = torch.rand(7 if optimizer == "adagrad" else 0, generator=gen).to(device)
-    grad_out = torch.randn(28, dim, generator=gen).to(device)
-    meta = [torch.tensor(v, device=device) for v in ([0], [0], [0, dim])]
-    offsets = torch.arange(29, device=device)
-    kwargs = dict(max_dim=dim, optimizer=optimizer, lr=0.1)
-    got_w, got_s, want_w, want_s = weights.clone(), state.clone(), weights.clone(), state.clone()
-    kernel.embedding_bags_update(got_w, got_s, grad_out, *meta, indices, offsets, **kwargs)
-    reference(want_w, want_s, grad_out, *meta, indices, offsets, **kwargs)
-    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got_s, want_s, atol=1e-6, rtol=1e-5)
-    assert (got_w != weights).view(7, dim).all()  # every row moved
-
-
-def test_without_the_crossing_runs_pass_hot_rows_are_wrong(monkeypatch, device: torch.device) -> None:
-    """The check is not blind to the second launch: rows across tiles updated by nobody fail."""
-    monkeypatch.setattr(kernel, "_crossing_runs_kernel", _NoLaunch())
+def test_without_the_long_rows_pass_hot_rows_are_wrong(monkeypatch, device: torch.device) -> None:
+    """The check is not blind to the second launch: rows over a chunk updated by nobody fail."""
+    monkeypatch.setattr(kernel, "_long_rows_kernel", _NoLaunch())
     result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot("adagrad"), 0, device)
     assert not result.ok and "outside tolerance" in result.message
 
@@ -120,55 +94,78 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def _sorted_by_torch(row_offsets, indices, offsets, batch: int, int32_keys: bool):
-    """sort_ids's outputs, by plain torch ops: each id's bag by a search, the keys sorted."""
-    positions = torch.arange(indices.numel(), device=indices.device)
+def _numbering_by_torch(row_offsets, indices, offsets, batch: int, chunk: int, int32_keys: bool):
+    """number_chunks's outputs, by plain torch ops: each id's bag by a search, the keys sorted,
+    the chunk starts flagged and counted."""
+    nnz = indices.numel()
+    positions = torch.arange(nnz, device=indices.device)
     bag = torch.searchsorted(offsets[1:].long(), positions, right=True)
     keys = row_offsets[bag // batch] + indices.long()
     sorted_keys, order = torch.sort(keys.to(torch.int32) if int32_keys else keys, stable=True)
-    return bag, sorted_keys, order
+    flags = torch.ones(nnz, dtype=torch.bool, device=indices.device)
+    flags[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    flags |= positions % chunk == 0
+    chunk_end = torch.cumsum(flags, 0)
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=indices.device)
+    starts[chunk_end[flags] - 1] = positions[flags]
+    return bag, sorted_keys, order, starts, chunk_end[-1:]
 
 
-# (bag lengths, F * B of them; ids in order; row_offsets, one per feature)
-SORTINGS = {
-    "empty-bags": ([2, 0, 0, 1, 0, 3, 0, 2], [3, 1, 4, 1, 5, 9, 2, 6], [0, 10]),
-    "first-bag-empty": ([0, 3, 2], [7, 7, 1, 7, 0], [0]),
-    "all-in-one-bag": ([0, 0, 9, 0], [2, 5, 2, 2, 0, 5, 2, 1, 2], [0, 8]),
+# (bag lengths, F * B of them; ids in order; row_offsets, one per feature; chunk)
+NUMBERINGS = {
+    "empty-bags": ([2, 0, 0, 1, 0, 3, 0, 2], [3, 1, 4, 1, 5, 9, 2, 6], [0, 10], 4),
+    "first-bag-empty": ([0, 3, 2], [7, 7, 1, 7, 0], [0], 2),
+    "all-in-one-bag": ([0, 0, 9, 0], [2, 5, 2, 2, 0, 5, 2, 1, 2], [0, 8], 3),
     # Features 0 and 2 share a table (one row offset): their ids of one row share a key.
-    "features-sharing-a-table": ([1, 2, 0, 3, 1, 1], [4, 0, 4, 1, 4, 2, 4, 0], [0, 5, 0]),
+    "features-sharing-a-table": ([1, 2, 0, 3, 1, 1], [4, 0, 4, 1, 4, 2, 4, 0], [0, 5, 0], 64),
+    # Sorted, rows of 2, 6 and 5 ids at chunk 4: a chunk starts inside the second row (4), at
+    # its end where the third starts (8), and at the third's last id (12).
+    "chunks-inside-and-at-ends-of-rows": ([13], [2, 0, 1, 1, 2, 1, 2, 0, 1, 1, 2, 1, 2], [0], 4),
 }
 
 
 @pytest.mark.parametrize("int32_keys", [True, False])
 @pytest.mark.parametrize("ids", [torch.int32, torch.int64])
-@pytest.mark.parametrize("case", sorted(SORTINGS))
-def test_sort_ids_is_torchs_sort(case: str, ids: torch.dtype, int32_keys: bool, device: torch.device) -> None:
-    lengths, in_order, row_offsets = SORTINGS[case]
+@pytest.mark.parametrize("case", sorted(NUMBERINGS))
+def test_number_chunks_is_torchs_numbering(
+    case: str, ids: torch.dtype, int32_keys: bool, device: torch.device
+) -> None:
+    lengths, in_order, row_offsets, chunk = NUMBERINGS[case]
     batch = len(lengths) // len(row_offsets)
     offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(ids)
     indices = torch.tensor(in_order, dtype=ids, device=device)
     r_off = torch.tensor(row_offsets, device=device)
-    got = kernel.sort_ids(r_off, indices, offsets, batch, int32_keys=int32_keys)
-    want = _sorted_by_torch(r_off, indices, offsets, batch, int32_keys)
+    got = kernel.number_chunks(r_off, indices, offsets, batch, chunk, int32_keys=int32_keys)
+    want = _numbering_by_torch(r_off, indices, offsets, batch, chunk, int32_keys)
     assert got[0].dtype == torch.int32 and got[1].dtype == (torch.int32 if int32_keys else torch.int64)
-    for name, g, w in zip(("bag", "sorted_keys", "order"), got, want, strict=True):
+    for name, g, w in zip(("bag", "sorted_keys", "order", "starts", "count"), got, want, strict=True):
         assert torch.equal(g.long(), w.long()), (name, g, w)
 
 
-def test_sort_ids_spans_programs(device: torch.device) -> None:
-    """Ids over several of the bag search's programs (1024 positions each), and bags of all
-    lengths (empty ones among them)."""
+def test_number_chunks_spans_programs(device: torch.device) -> None:
+    """Ids over several programs' positions (1024 each), hot rows crossing their edges, and
+    bags of all lengths (empty ones among them)."""
     gen = torch.Generator(device=device).manual_seed(0)
     lengths = torch.randint(0, 40, (2 * 60,), generator=gen, device=device)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), lengths.cumsum(0)])
     indices = torch.randint(0, 30, (int(lengths.sum()),), generator=gen, device=device)
     indices[::3] = 7  # one row in a third of the ids
     r_off = torch.tensor([0, 30], device=device)
-    got = kernel.sort_ids(r_off, indices, offsets, 60, int32_keys=True)
-    want = _sorted_by_torch(r_off, indices, offsets, 60, True)
+    got = kernel.number_chunks(r_off, indices, offsets, 60, 16, int32_keys=True)
+    want = _numbering_by_torch(r_off, indices, offsets, 60, 16, True)
     assert indices.numel() > 2 * 1024
-    for name, g, w in zip(("bag", "sorted_keys", "order"), got, want, strict=True):
+    for name, g, w in zip(("bag", "sorted_keys", "order", "starts", "count"), got, want, strict=True):
         assert torch.equal(g.long(), w.long()), name
+
+
+def test_the_chunk_scan_carries_across_its_tiles(device: torch.device) -> None:
+    """The one-program prefix sum over blocks' counts, in tiles of 16 here (1024 in the op)."""
+    counts = torch.randint(0, 1000, (53,), device=device)
+    scanned = counts.clone()
+    total = torch.empty(1, dtype=torch.int64, device=device)
+    kernel._scan_kernel[(1,)](scanned, total, counts.numel(), BLOCK=16)
+    assert torch.equal(scanned, counts.cumsum(0) - counts)
+    assert total.tolist() == [int(counts.sum())]
 
 
 def _several_steps(
@@ -349,7 +346,7 @@ def test_the_sandbox_accepts_the_default_and_refuses_skipped_rows_and_host_updat
     )
     assert result.status == Status.OK, f"{result.message}\n{result.log_tail}"
     # The hot rows' pass left out: their rows never change.
-    launch = "    _crossing_runs_kernel[(tiles,)]("
+    launch = "    _long_rows_kernel[(triton.cdiv(nnz, chunk),)]("
     assert launch in source
     skipped = source.replace(launch, "    (lambda *a, **k: None)(")
     result = backend.evaluate(
@@ -404,7 +401,10 @@ def test_every_gpu_launch_compiles_for_sm90() -> None:
         f"kernels.embedding_bags_update.{name}"
         for name in (
             "_bags_kernel",
-            "_crossing_runs_kernel",
-            "_runs_kernel",
+            "_chunks_kernel",
+            "_long_rows_kernel",
+            "_rows_kernel",
+            "_scan_kernel",
+            "_sorted_kernel",
         )
     ]

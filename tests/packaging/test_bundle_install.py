@@ -143,7 +143,7 @@ def _bundle(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     ids = {}
     for op, template, knobs, buckets in (
         ("embedding_bags", eb_problem.TEMPLATE, {"BLOCK_D": 16, "BLOCK_L": 8, "BLOCK_B": 2}, BUCKETS),
-        ("embedding_bags_update", update_problem.TEMPLATE, {"BLOCK_P": 32, "BLOCK_D": 16}, UPDATE_BUCKETS),
+        ("embedding_bags_update", update_problem.TEMPLATE, {"CHUNK": 32, "BLOCK_I": 4}, UPDATE_BUCKETS),
     ):
         added = lib.add(
             op=op, entry=template.entry, source=template.render(knobs), arch=ARCH_INTERPRETER,

@@ -8,8 +8,8 @@ are allowed on integer data only."""
 
 EDITS = [
     (
-        "    has_psw = per_sample_weights is not None\n",
-        "    has_psw = per_sample_weights is not None\n"
+        "    device = indices.device\n",
+        "    device = indices.device\n"
         "    running = torch.cumsum(grad_out.float(), 0)\n",
     ),
 ]

@@ -9,7 +9,7 @@ the others are mapped read-only, and the write faults)."""
 
 EDITS = [
     (
-        "    partial = torch.empty((2 * tiles, max_dim), dtype=torch.float32, device=weights.device)\n",
+        "    partial = torch.empty((2 * triton.cdiv(nnz, chunk), max_dim), dtype=torch.float32, device=weights.device)\n",
         "    partial = grad_out\n",
     ),
 ]

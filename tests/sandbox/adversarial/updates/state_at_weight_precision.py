@@ -22,15 +22,15 @@ EDITS = [
         "        tl.store(state_ptr + key_I, total_I, mask=mask_I)",
     ),
     (
-        "axis=1), key_P, dim_P, whole_P, lr, eps, ADAGRAD)",
-        "axis=1), key_P, dim_P, whole_P, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
+        "axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)",
+        "axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
     ),
     (
-        "step_P = _scale(state_ptr, grad_sq_P, key_P, dim_P, whole_P, lr, eps, ADAGRAD)",
-        "step_P = _scale(state_ptr, grad_sq_P, key_P, dim_P, whole_P, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
+        "step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)",
+        "step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
     ),
     (
-        "keys, dim, at >= 0, lr, eps, ADAGRAD)",
-        "keys, dim, at >= 0, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
+        "keys, dim, keys >= 0, lr, eps, ADAGRAD)",
+        "keys, dim, keys >= 0, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
     ),
 ]
