@@ -10,14 +10,14 @@ import torch
 L2_FLUSH_BYTES = 128 * 1024 * 1024
 
 # Whether the flush reads its buffer rather than writing it. A written flush (zero_()) leaves
-# the L2 full of its own dirty lines, which the timed call may then write back to HBM in its own
-# window: up to the L2's 50 to 60 MB, some 17 us at an H100's bandwidth, as much as a small
-# call's own traffic. A read flush evicts the same and leaves clean lines. The write is what
-# every recorded figure used; the read is not yet measured on a GPU (evals/studies/flush.py
-# times both, alternately), so the write stays until it is. Turning it on also asks the judge's
-# calibration (sandbox.judge.Calibration.measure) to time a read flush as the runner's meets
-# it, after a call's writes, not after another read.
-READS = False
+# the L2 full of its own dirty lines, which the timed call then writes back to HBM in its own
+# window; a read flush evicts the same and leaves clean lines, and any write-back of the
+# previous call's lines happens in the flush, outside the timed window. On an H200 (BENCHMARKS.md,
+# 2026-12-06, thirty-first session; evals/studies/flush.py), calls of 23 to 76 us timed after
+# a read flush took 3.5 to 4.6 us less than after a written one at every shape, with the same
+# spread. The judge's calibration (sandbox.judge.Calibration.measure) times a read flush as the
+# runner's meets it: after a call's writes, not after another read.
+READS = True
 
 # Taken at import, before any candidate code runs in the runner's process: a torch.sum or a
 # Tensor.zero_ patched later does not turn the flush into nothing. Best effort in that process
