@@ -15,8 +15,8 @@ L2_FLUSH_BYTES = 128 * 1024 * 1024
 # previous call's lines happens in the flush, outside the timed window. On an H200 (BENCHMARKS.md,
 # 2026-12-06, thirty-first session; evals/studies/flush.py), calls of 23 to 76 us timed after
 # a read flush took 3.5 to 4.6 us less than after a written one at every shape, with the same
-# spread. The judge's calibration (sandbox.judge.Calibration.measure) times a read flush as the
-# runner's meets it: after a call's writes, not after another read.
+# spread. (The judge's calibration times read flushes back to back, over clean lines: see
+# sandbox.judge.Calibration.measure.)
 READS = True
 
 # Taken at import, before any candidate code runs in the runner's process: a torch.sum or a

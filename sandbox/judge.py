@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 from sandbox import cgroups, isolation, shared, wire
-from sandbox.flush import L2_FLUSH_BYTES, L2Flush
+from sandbox.flush import L2Flush
 from sandbox.hardware import roofline_seconds
 from sandbox.locks import BaselineClaims, gpu_use
 from sandbox.protocol import (
@@ -1230,19 +1230,18 @@ class Calibration:
             runner.ask({"op": "ping"}, where="ping")
             rtts.append((time.perf_counter() - t0) * 1e6)
         flush = L2Flush(device)
-        # Each flush timed as the runner's meets it at worst: after an L2 full of written lines
-        # (a call's; a written flush leaves its own), which it writes back to HBM in its time.
-        written = None if not flush.reads else torch.empty(L2_FLUSH_BYTES // 4, device=device)
-        events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(10)]
+        # Flushes back to back: a read flush over clean lines, the least one can take. The
+        # runner's meets the timed call's written lines too and writes them back (at most the
+        # L2's, some 15 us on an H200), which PER_CALL_SLACK_US holds: a dearer calibration
+        # would leave that much room per call for work outside the events.
         torch.cuda.synchronize()
-        for start, end in events:
-            if written is not None:
-                written.zero_()
-            start.record()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
             flush()
-            end.record()
-        torch.cuda.synchronize()
-        flush_us = statistics.mean(start.elapsed_time(end) * 1e3 for start, end in events)
+        end.record()
+        end.synchronize()
+        flush_us = start.elapsed_time(end) * 1e3 / 10
         return cls(rtt_us=statistics.median(rtts), flush_us=flush_us)
 
     def audit(self, shape: Shape, wall_us: float, times: list[float]) -> list[float]:
