@@ -1,7 +1,8 @@
 """Where embedding_bags_update's time goes at a timing shape: the numbering of the ids (keys, sort,
 bags, chunk starts) by the kernel's number_chunks beside the torch ops it replaced (checked equal
-first), the whole op with each, the rows kernel and the long-rows kernel timed apart, then the
-whole op at several launch knobs, beside torch's sparse path. One CUDA device; prints a table.
+first), the whole op with each, the op's kernels by the profiler, then the whole op at several
+launch knobs (an earlier version's module first, if named), beside torch's sparse path. One
+CUDA device; rows print as they are measured.
 
     python3 -m evals.studies.update_phases [SHAPE NAME SUBSTRING] [DTYPE] [EARLIER MODULE]
 """
@@ -68,6 +69,11 @@ def torch_numbering(row_offsets, indices, offsets, batch, chunk, *, int32_keys):
     return bag, sorted_keys, order, starts, chunk_end[nnz - 1 :]
 
 
+def _row(name: str, us: float) -> None:
+    """One row of the table, printed as it comes: a run cut short keeps what it measured."""
+    print(f"{name:75} {us:10.1f} us", flush=True)
+
+
 def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = "") -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags_update")
@@ -88,17 +94,25 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
     def stats(fn, args=((), {})):
         return benchmark(fn, [args], device=device, max_reps=20).median_us
 
-    rows = [("numbering: number_chunks", stats(kernel.number_chunks, numbering))]
-    rows.append(("numbering before: torch_numbering", stats(torch_numbering, numbering)))
+    _row("numbering: number_chunks", stats(kernel.number_chunks, numbering))
+    _row("numbering before: torch_numbering", stats(torch_numbering, numbering))
     number_chunks, kernel.number_chunks = kernel.number_chunks, torch_numbering
     try:  # the whole op on the numbering before
         us = stats(kernel.embedding_bags_update, (inputs.args, inputs.kwargs))
-        rows.append(("whole op, numbered by torch_numbering", us))
+        _row("whole op, numbered by torch_numbering", us)
     finally:
         kernel.number_chunks = number_chunks
+    # The kernels alone (the rest is host work), by the profiler.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            kernel.embedding_bags_update(*inputs.args, **inputs.kwargs)
+        torch.cuda.synchronize()
+    for event in prof.key_averages():
+        if event.self_device_time_total > 0:
+            _row(f"device: {event.key[:66]}", event.self_device_time_total / 3)
     versions = [("", kernel)]
-    if earlier:  # an earlier version's module beside this one, for a side-by-side run
-        versions.append((earlier + " ", importlib.import_module(earlier)))
+    if earlier:  # an earlier version's module beside this one, for a side-by-side run (first)
+        versions.insert(0, (earlier + " ", importlib.import_module(earlier)))
     # (BLOCK_I, BLOCK_L, BLOCK_D, num_warps[, VECTORS]); None keeps the launch heuristic's, and
     # VECTORS False moves rows an element at a time (as before 16-byte vectors).
     configs = [(None,) * 4, (None, None, None, None, False), (2, 1, 128, 1), (1, 1, 256, 1), (2, 1, 256, 2)]
@@ -111,22 +125,15 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
             module.VECTORS = knobs.get("VECTORS", True)
             module.KNOBS.update(base, **{k: v for k, v in knobs.items() if k in base})
             us = stats(module.embedding_bags_update, (inputs.args, inputs.kwargs))
-            rows.append((f"{label}whole op, {' '.join(f'{k}={v}' for k, v in knobs.items())}", us))
+            _row(f"{label}whole op, {' '.join(f'{k}={v}' for k, v in knobs.items())}", us)
         module.KNOBS.update(base)
         module.VECTORS = True
-        rows.extend((f"{label}{what}", 0.0) for what in _compiled(module._rows_kernel))
-    torch_us = stats(problem.baselines["torch.embedding_bag_sparse+step"], (inputs.args, inputs.kwargs))
-    rows.append(("torch.embedding_bag_sparse+step", torch_us))
-    # The kernels alone (the rest is host work), by the profiler.
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            kernel.embedding_bags_update(*inputs.args, **inputs.kwargs)
-        torch.cuda.synchronize()
-    for event in prof.key_averages():
-        if event.self_device_time_total > 0:
-            rows.append((f"device: {event.key[:66]}", event.self_device_time_total / 3))
-    for name, us in rows:
-        print(f"{name:75} {us:10.1f} us")
+        for what in _compiled(module._rows_kernel):
+            print(f"{label}{what}")
+    _row(
+        "torch.embedding_bag_sparse+step",
+        stats(problem.baselines["torch.embedding_bag_sparse+step"], (inputs.args, inputs.kwargs)),
+    )
     print(triton.__version__, torch.__version__)
 
 
