@@ -1241,8 +1241,7 @@ class Calibration:
             flush()
         end.record()
         end.synchronize()
-        flush_us = start.elapsed_time(end) * 1e3 / 10
-        return cls(rtt_us=statistics.median(rtts), flush_us=flush_us)
+        return cls(rtt_us=statistics.median(rtts), flush_us=start.elapsed_time(end) * 1e3 / 10)
 
     def audit(self, shape: Shape, wall_us: float, times: list[float]) -> list[float]:
         """Rule timing from outside: the per-call times the runner reports, held to the judge's
