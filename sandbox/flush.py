@@ -11,13 +11,15 @@ L2_FLUSH_BYTES = 128 * 1024 * 1024
 
 # Whether the flush reads its buffer rather than writing it. A written flush (zero_()) leaves
 # the L2 full of its own dirty lines, which the timed call then writes back to HBM in its own
-# window; a read flush evicts the same and leaves clean lines, and any write-back of the
-# previous call's lines happens in the flush, outside the timed window. On an H200 (BENCHMARKS.md,
-# 2026-12-06, thirty-first session; evals/studies/flush.py), calls of 23 to 76 us timed after
-# a read flush took 3.5 to 4.6 us less than after a written one at every shape, with the same
-# spread. (The judge's calibration times read flushes back to back, over clean lines: see
-# sandbox.judge.Calibration.measure.)
-READS = True
+# window. On an H200 (BENCHMARKS.md, 2026-12-06, thirty-first session; evals/studies/flush.py),
+# calls of 23 to 76 us took 3.5 to 4.6 us less after a read flush, at every shape, with the same
+# spread. The write stays the default for the judge's sake. A written flush always evicts a full
+# L2 of dirty lines, whoever wrote them, so it costs the same after every call, and the judge's
+# calibration of it (sandbox.judge.Calibration.measure) holds. A read flush writes back only
+# what the timed call left dirty, up to the L2's, some 15 us, inside the judge's clock but
+# outside the calibration. That charges a candidate its own write-back through the clock's
+# share of its samples. The judge's baselines, timed by their events alone, never pay it.
+READS = False
 
 # Taken at import, before any candidate code runs in the runner's process: a torch.sum or a
 # Tensor.zero_ patched later does not turn the flush into nothing. Best effort in that process

@@ -1230,10 +1230,7 @@ class Calibration:
             runner.ask({"op": "ping"}, where="ping")
             rtts.append((time.perf_counter() - t0) * 1e6)
         flush = L2Flush(device)
-        # Flushes back to back: a read flush over clean lines, the least one can take. The
-        # runner's meets the timed call's written lines too and writes them back (at most the
-        # L2's, some 15 us on an H200), which PER_CALL_SLACK_US holds: a dearer calibration
-        # would leave that much room per call for work outside the events.
+        flush()  # untimed: the first one loads its kernel and meets the buffer's own first writes
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

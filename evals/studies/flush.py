@@ -1,6 +1,6 @@
 """Whether the L2 flush before each timed call costs the call its own time: each op's default
 kernel at each timing shape timed after the flush that reads a 128 MB buffer and after the one
-that writes it (sandbox.flush.L2Flush, either way; the read is the default), alternately,
+that writes it (sandbox.flush.L2Flush, either way; the write is the default), alternately,
 twice each. A written flush leaves the L2 full of dirty lines, which the timed call may write
 back to HBM in its own window. Prints medians and p20-p80 per flush.
 
