@@ -101,20 +101,19 @@ def _sorted_kernel(
 
 
 @triton.jit
-def _bags_kernel(offsets_ptr, bag_ptr, num_bags, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr):
-    """bag[p] = the bag of id p, written by the bags: each of BLOCK_B bags stores its number at its
-    ids' positions, BLOCK_L of them a step, until the block's longest bag ends (an empty bag
-    stores nothing). No load depends on another: a search per id instead (a chain of log2(bags)
-    dependent loads) measured 49 us for 1.7M ids on an H100."""
-    bags_B = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    live_B = bags_B < num_bags
-    start_B = tl.load(offsets_ptr + bags_B, mask=live_B, other=0).to(tl.int64)
-    len_B = tl.load(offsets_ptr + bags_B + 1, mask=live_B, other=0).to(tl.int64) - start_B
-    steps_L = tl.arange(0, BLOCK_L)
-    value_BL = (bags_B[:, None] + 0 * steps_L[None, :]).to(bag_ptr.dtype.element_ty)
-    for j in tl.range(0, tl.max(len_B, axis=0), BLOCK_L):
-        at_BL = j + steps_L[None, :]
-        tl.store(bag_ptr + start_B[:, None] + at_BL, value_BL, mask=at_BL < len_B[:, None])
+def _bags_kernel(offsets_ptr, bag_ptr, nnz, num_bags, steps, BLOCK: tl.constexpr):
+    """bag[p] = the bag of id p: how many bags end at or before p (an empty bag ends where it
+    starts, so it is no id's), by a binary search of `steps` halvings over [0, num_bags]: the
+    same work in every program whatever the bags' lengths, and neighbouring ids take mostly the
+    same path (the same offsets loaded)."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = lo + num_bags
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        past = (lo < hi) & (tl.load(offsets_ptr + mid + 1, mask=lo < hi, other=0) <= pos)
+        lo, hi = tl.where(past, mid + 1, lo), tl.where(past, hi, mid)
+    tl.store(bag_ptr + pos, lo, mask=pos < nnz)
 
 
 @triton.jit
@@ -397,7 +396,7 @@ def number_chunks(
     sorted_keys, order = torch.sort(row_offsets.to(dtype)[feature] + indices.to(dtype), stable=True)
     blocks, bags = triton.cdiv(nnz, 1024), offsets.numel() - 1
     bag = torch.empty(nnz, dtype=torch.int32 if bags < 2**31 else torch.int64, device=device)
-    _bags_kernel[(triton.cdiv(bags, 256),)](offsets, bag, bags, BLOCK_B=256, BLOCK_L=4)
+    _bags_kernel[(blocks,)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=1024)
     before = torch.empty(blocks, dtype=torch.int64, device=device)
     count = torch.empty(1, dtype=torch.int64, device=device)
     starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)
