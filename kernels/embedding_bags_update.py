@@ -101,19 +101,25 @@ def _sorted_kernel(
 
 
 @triton.jit
-def _bags_kernel(offsets_ptr, bag_ptr, nnz, num_bags, steps, BLOCK: tl.constexpr):
-    """bag[p] = the bag of id p: how many bags end at or before p (an empty bag ends where it
-    starts, so it is no id's), by a binary search of `steps` halvings over [0, num_bags]: the
-    same work in every program whatever the bags' lengths, and neighbouring ids take mostly the
-    same path (the same offsets loaded)."""
-    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = lo + num_bags
+def _bag_search(offsets_ptr, pos, lo, hi, steps):
+    """The bag of each position among bags [lo, hi) that holds it: lo plus how many of those
+    end at or before it (an empty bag ends where it starts, so it is no id's), by `steps`
+    halvings."""
     for _ in range(steps):
         mid = (lo + hi) // 2
         past = (lo < hi) & (tl.load(offsets_ptr + mid + 1, mask=lo < hi, other=0) <= pos)
         lo, hi = tl.where(past, mid + 1, lo), tl.where(past, hi, mid)
-    tl.store(bag_ptr + pos, lo, mask=pos < nnz)
+    return lo
+
+
+@triton.jit
+def _bags_kernel(offsets_ptr, bag_ptr, nnz, num_bags, steps, BLOCK: tl.constexpr):
+    """bag[p] = the bag of id p, by a search over all bags: the same work in every program
+    whatever the bags' lengths, and neighbouring ids take mostly the same path (the same offsets
+    loaded)."""
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    tl.store(bag_ptr + pos, _bag_search(offsets_ptr, pos, lo, lo + num_bags, steps), mask=pos < nnz)
 
 
 @triton.jit
@@ -370,6 +376,14 @@ def _config(max_dim: int, interpreted: bool) -> dict:
 INT32_KEYS_BELOW = 2**31
 
 
+def bags_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    """Every one of nnz > 0 ids' bag, by a kernel (int32 below 2^31 bags)."""
+    bags = offsets.numel() - 1
+    bag = torch.empty(nnz, dtype=torch.int32 if bags < 2**31 else torch.int64, device=offsets.device)
+    _bags_kernel[(triton.cdiv(nnz, 1024),)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=1024)
+    return bag
+
+
 def number_chunks(
     row_offsets: torch.Tensor,
     indices: torch.Tensor,
@@ -394,9 +408,7 @@ def number_chunks(
     feature = torch.searchsorted(offsets[batch::batch].contiguous(), positions, right=True, out_int32=True)
     dtype = torch.int32 if int32_keys else torch.int64
     sorted_keys, order = torch.sort(row_offsets.to(dtype)[feature] + indices.to(dtype), stable=True)
-    blocks, bags = triton.cdiv(nnz, 1024), offsets.numel() - 1
-    bag = torch.empty(nnz, dtype=torch.int32 if bags < 2**31 else torch.int64, device=device)
-    _bags_kernel[(blocks,)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=1024)
+    bag, blocks = bags_of(offsets, nnz), triton.cdiv(nnz, 1024)
     before = torch.empty(blocks, dtype=torch.int64, device=device)
     count = torch.empty(1, dtype=torch.int64, device=device)
     starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 import kernels.embedding_bags_update as kernel
+from kernels.embedding_bags_update import _bag_search
 from sandbox.timing import benchmark
 from search_space import get_problem
 
@@ -41,23 +42,13 @@ def _scatter_kernel(offsets_ptr, bag_ptr, num_bags, BLOCK_B: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _search(offsets_ptr, pos, lo, hi, steps):
-    """The bag of each position: how many bags in [lo, hi) end at or before it, plus lo."""
-    for _ in range(steps):
-        mid = (lo + hi) // 2
-        past = (lo < hi) & (tl.load(offsets_ptr + mid + 1, mask=lo < hi, other=0) <= pos)
-        lo, hi = tl.where(past, mid + 1, lo), tl.where(past, hi, mid)
-    return lo
-
-
-@triton.jit
 def _firsts_kernel(
     offsets_ptr, firsts_ptr, blocks, num_bags, steps, BLOCK: tl.constexpr, LANES: tl.constexpr
 ):
     """firsts[k] = the bag of position k * BLOCK, for every block k; firsts[blocks] = num_bags."""
     k = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
     lo = tl.zeros([LANES], dtype=tl.int64)
-    first = _search(offsets_ptr, k * BLOCK, lo, lo + num_bags, steps)
+    first = _bag_search(offsets_ptr, k * BLOCK, lo, lo + num_bags, steps)
     tl.store(firsts_ptr + k, tl.where(k < blocks, first, num_bags), mask=k <= blocks)
 
 
@@ -71,7 +62,8 @@ def _within_kernel(offsets_ptr, firsts_ptr, bag_ptr, nnz, num_bags, BLOCK: tl.co
     last = tl.minimum(tl.load(firsts_ptr + k + 1) + 1, num_bags)  # past the block's last bag
     steps = tl.ceil(tl.log2((last - first + 1).to(tl.float32))).to(tl.int32)
     lo = tl.zeros([BLOCK], dtype=tl.int64) + first
-    tl.store(bag_ptr + pos, _search(offsets_ptr, pos, lo, lo - first + last, steps), mask=pos < nnz)
+    bag = _bag_search(offsets_ptr, pos, lo, lo - first + last, steps)
+    tl.store(bag_ptr + pos, bag, mask=pos < nnz)
 
 
 def scatter(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
@@ -92,13 +84,6 @@ def two_levels(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     return bag
 
 
-def default(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
-    bags = offsets.numel() - 1
-    bag = torch.empty(nnz, dtype=torch.int32, device=offsets.device)
-    kernel._bags_kernel[(triton.cdiv(nnz, BLOCK),)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=BLOCK)
-    return bag
-
-
 def _cases(device: torch.device):
     problem = get_problem("embedding_bags_update")
     for shape in problem.timing_shapes:
@@ -115,9 +100,10 @@ def main() -> None:
     device = torch.device("cuda")
     for name, offsets in _cases(device):
         nnz = int(offsets[-1])
-        want = default(offsets, nnz)
+        want = kernel.bags_of(offsets, nnz)
         print(f"\n{name}: {nnz:,} ids, {offsets.numel() - 1:,} bags", flush=True)
-        for label, fn in (("search (default)", default), ("scatter", scatter), ("two levels", two_levels)):
+        ways = (("search (default)", kernel.bags_of), ("scatter", scatter), ("two levels", two_levels))
+        for label, fn in ways:
             got = fn(offsets, nnz)
             if not torch.equal(got, want):
                 raise SystemExit(f"{label} differs from the default at {name}")
