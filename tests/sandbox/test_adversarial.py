@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from case_headers import header as _header
 
 from sandbox import Candidate, EvalResult, LocalBackend, Status, cgroups, isolation
 from sandbox.isolation import REPO_ROOT
@@ -36,14 +37,6 @@ from search_space.template import parse_source
 
 HERE = Path(__file__).parent / "adversarial"
 CASES = sorted(p for p in HERE.glob("*.py") if p.name != "base.py")
-
-
-def _header(text: str, key: str, default: str | None = None) -> str:
-    line = next((line for line in text.splitlines() if line.startswith(f"# {key}:")), None)
-    if line is None and default is not None:
-        return default
-    assert line is not None, f"no '# {key}:' header"
-    return line.split(":", 1)[1].strip()
 
 
 def _source(path: Path) -> tuple[str, Status, str]:

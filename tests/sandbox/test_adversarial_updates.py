@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from case_headers import header as _header
 
 from sandbox import Candidate, EvalResult, LocalBackend, Status, isolation
 from search_space.template import get_template, parse_source
@@ -38,14 +39,6 @@ ALL = sorted(HERE.glob("*.py"))
 pytestmark = pytest.mark.skipif(
     isolation.bwrap_works() is not None, reason=f"no sandbox: {isolation.bwrap_works()}"
 )
-
-
-def _header(text: str, key: str, default: str | None = None) -> str:
-    line = next((line for line in text.splitlines() if line.startswith(f"# {key}:")), None)
-    if line is None and default is not None:
-        return default
-    assert line is not None, f"no '# {key}:' header"
-    return line.split(":", 1)[1].strip()
 
 
 HOLES = [p for p in ALL if _header(p.read_text(), "hole", "") != ""]
