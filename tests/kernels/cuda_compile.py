@@ -49,7 +49,8 @@ def type_of(value) -> str:
     raise TypeError(f"a kernel argument of type {type(value).__name__}")
 
 
-def main(ops: list[str]) -> dict:
+def main(ops: list[str], dtypes: tuple[str, ...] = ()) -> dict:
+    """Every launch of `ops`' defaults at their check shapes (of `dtypes` only, where given)."""
     compiled: set[str] = set()
     failed: list[list[str]] = []
     seen: set[tuple[str, str]] = set()
@@ -87,7 +88,7 @@ def main(ops: list[str]) -> dict:
     for name in ops:
         problem, op = get_problem(name), get_op(name)
         default = Op.resolve(op.default)
-        for shape in problem.check_shapes:
+        for shape in [s for s in problem.check_shapes if not dtypes or s.dtype in dtypes]:
             inputs = problem.make_inputs(shape, 0, torch.device("cpu"))
             default(*inputs.args, **inputs.kwargs)
     return {"compiled": sorted(compiled), "failed": failed}
