@@ -2,10 +2,10 @@
 the sweeps of earlier sessions did (evals/studies/update_phases.py swept 256 to 512 elements a
 program): a program's gathers are random rows, so the bytes it has in flight between dependent
 loads set how much of the memory's latency is hidden. Each tile is BLOCK_I chunks x BLOCK_L ids
-x BLOCK_D columns on num_warps warps; the whole op is timed (numbering included), its result
-checked against the default tile's (weights and state, from the same copies), and the rows
-kernel's registers and spills printed after each shape. One CUDA device; rows print as they
-are measured.
+x BLOCK_D columns on num_warps warps, its loops in num_stages stages. The whole op is timed
+(numbering included), its result checked against the default tile's (weights and state, from
+the same copies), and the rows kernel's registers and spills printed after each shape.
+One CUDA device; rows print as they are measured.
 
     python3 -m evals.studies.update_tiles [SHAPE NAME SUBSTRING] [DTYPE]
 """
@@ -22,16 +22,20 @@ from sandbox.timing import benchmark
 from search_space import get_problem
 
 TILES = (
-    (8, 1, 32, 2),  # the default on a GPU
-    (16, 1, 32, 2),
-    (32, 1, 32, 2),
-    (32, 1, 32, 4),
-    (64, 1, 32, 4),
-    (16, 1, 64, 2),
-    (32, 1, 64, 4),
-    (16, 2, 32, 2),
+    (8, 1, 32, 2, 1),  # the default on a GPU
+    (16, 1, 32, 2, 1),
+    (32, 1, 32, 2, 1),
+    (32, 1, 32, 4, 1),
+    (64, 1, 32, 4, 1),
+    (16, 1, 64, 2, 1),
+    (32, 1, 64, 4, 1),
+    (16, 2, 32, 2, 1),
+    # Software-pipelined loops: a column block's (or a step's) gathers issued while the last's
+    # are summed.
+    (8, 1, 32, 2, 2),
+    (8, 1, 32, 2, 3),
 )
-NAMES = ("BLOCK_I", "BLOCK_L", "BLOCK_D", "num_warps")
+NAMES = ("BLOCK_I", "BLOCK_L", "BLOCK_D", "num_warps", "num_stages")
 
 
 def _updated(inputs, weights, state, tile) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +69,7 @@ def main(pattern: str = "", dtype: str = "") -> None:
             call = [(inputs.args, inputs.kwargs)]
             us = benchmark(kernel.embedding_bags_update, call, device=device, max_reps=10).median_us
             first = first or us
-            label = " x ".join(map(str, tile[:3])) + f" w{tile[3]}"
+            label = " x ".join(map(str, tile[:3])) + f" w{tile[3]} s{tile[4]}"
             check = "ok" if same else "DIFFERS from the default tile"
             print(f"  {label:16} {us:9.1f} us  {first / us:5.2f}x the default  {check}", flush=True)
         kernel.KNOBS.update(base)
