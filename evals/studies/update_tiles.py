@@ -1,17 +1,25 @@
-"""The fused update's rows kernel at launch tiles that give each program more rows at once than
-the sweeps of earlier sessions did (evals/studies/update_phases.py swept 256 to 512 elements a
-program): a program's gathers are random rows, so the bytes it has in flight between dependent
-loads set how much of the memory's latency is hidden. Each tile is BLOCK_I chunks x BLOCK_L ids
-x BLOCK_D columns on num_warps warps, its loops in num_stages stages. The whole op is timed
-(numbering included), its result checked against the default tile's (weights and state, from
-the same copies), and the rows kernel's registers and spills printed after each shape.
-One CUDA device; rows print as they are measured.
+"""The fused update with and without its singles launch (rows of one id updated whole, straight
+from their sorted positions: kernels.embedding_bags_update.SINGLES), and the rows kernel at
+tiles that give each program more rows at once than earlier sweeps did (evals/studies/
+update_phases.py swept 256 to 512 elements a program): a program's gathers are random rows,
+so the bytes it has in flight between dependent loads set how much of the memory's latency is
+hidden.
 
-    python3 -m evals.studies.update_tiles [SHAPE NAME SUBSTRING] [DTYPE]
+A variant is SINGLES on or off and knob values (BLOCK_I chunks x BLOCK_L ids x BLOCK_D columns
+on num_warps warps, its loops in num_stages stages; BLOCK_P positions a singles program takes,
+on SINGLES_num_warps). The whole op is timed (numbering included), its result checked against
+the first variant's (weights and state, from the same pristine copies), and the kernels'
+registers and spills printed after each shape. One CUDA device; rows print as they are
+measured.
+
+    python3 -m evals.studies.update_tiles [SHAPE NAME SUBSTRING] [DTYPE] [EARLIER MODULE]
+
+An earlier version's module, if named, is timed first (its default), and the rest against it.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import torch
@@ -21,35 +29,48 @@ from evals.studies.update_phases import _compiled
 from sandbox.timing import benchmark
 from search_space import get_problem
 
-TILES = (
-    (8, 1, 32, 2, 1),  # the default on a GPU
-    (16, 1, 32, 2, 1),
-    (32, 1, 32, 2, 1),
-    (32, 1, 32, 4, 1),
-    (64, 1, 32, 4, 1),
-    (16, 1, 64, 2, 1),
-    (32, 1, 64, 4, 1),
-    (16, 2, 32, 2, 1),
+
+def _tile(i: int, l: int, d: int, w: int, s: int = 1) -> dict:  # noqa: E741
+    return {"BLOCK_I": i, "BLOCK_L": l, "BLOCK_D": d, "num_warps": w, "num_stages": s}
+
+
+def _singles(p: int, w: int) -> dict:
+    return {"BLOCK_P": p, "SINGLES_num_warps": w}
+
+
+# (label, SINGLES, knobs); the first is the rows kernel alone at its default tile.
+VARIANTS = (
+    ("rows kernel alone", False, {}),
+    ("singles 8 w4", True, _singles(8, 4)),
+    ("singles 4 w2", True, _singles(4, 2)),
+    ("singles 8 w2", True, _singles(8, 2)),
+    ("singles 16 w4", True, _singles(16, 4)),
+    ("singles 2 w1", True, _singles(2, 1)),
+    ("rows 16x1x32 w2", False, _tile(16, 1, 32, 2)),
+    ("rows 32x1x32 w4", False, _tile(32, 1, 32, 4)),
+    ("rows 16x1x64 w2", False, _tile(16, 1, 64, 2)),
     # Software-pipelined loops: a column block's (or a step's) gathers issued while the last's
     # are summed.
-    (8, 1, 32, 2, 2),
-    (8, 1, 32, 2, 3),
+    ("rows 8x1x32 w2 s2", False, _tile(8, 1, 32, 2, 2)),
 )
-NAMES = ("BLOCK_I", "BLOCK_L", "BLOCK_D", "num_warps", "num_stages")
 
 
-def _updated(inputs, weights, state, tile) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights and state after one call with `tile`, from copies of the pristine ones."""
+def _set(singles: bool, knobs: dict, base: dict) -> None:
+    kernel.SINGLES = singles
+    kernel.KNOBS.update(base, **knobs)
+
+
+def _updated(module, inputs, weights, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and state after one call of module's update, from copies of the pristine ones."""
     w, s = weights.clone(), state.clone()
-    kernel.KNOBS.update(dict(zip(NAMES, tile, strict=True)))
-    kernel.embedding_bags_update(w, s, *inputs.args[2:], **inputs.kwargs)
+    module.embedding_bags_update(w, s, *inputs.args[2:], **inputs.kwargs)
     return w, s
 
 
-def main(pattern: str = "", dtype: str = "") -> None:
+def main(pattern: str = "", dtype: str = "", earlier: str = "") -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags_update")
-    base = dict(kernel.KNOBS)
+    base, singles = dict(kernel.KNOBS), kernel.SINGLES
     for shape in problem.timing_shapes:
         if pattern not in shape.name or (dtype and shape.dtype != dtype):
             continue
@@ -57,22 +78,24 @@ def main(pattern: str = "", dtype: str = "") -> None:
         # Pristine copies: the timed calls update the inputs' own weights and state.
         weights, state = inputs.args[0].clone(), inputs.args[1].clone()
         print(f"\n{shape.describe()}: {inputs.args[6].numel():,} ids", flush=True)
-        expected = _updated(inputs, weights, state, TILES[0])
-        first = None
-        for tile in TILES:
-            got = _updated(inputs, weights, state, tile)
+        expected, first = None, None
+        variants = [(earlier, None, {})] if earlier else []
+        for label, on, knobs in variants + list(VARIANTS):
+            _set(singles if on is None else on, knobs, base)
+            module = importlib.import_module(earlier) if on is None else kernel
+            got = _updated(module, inputs, weights, state)
+            expected = expected or got
             same = all(
                 torch.allclose(g.float(), e.float(), rtol=1e-5, atol=1e-7)
                 for g, e in zip(got, expected, strict=True)
             )
             del got
             call = [(inputs.args, inputs.kwargs)]
-            us = benchmark(kernel.embedding_bags_update, call, device=device, max_reps=10).median_us
+            us = benchmark(module.embedding_bags_update, call, device=device, max_reps=10).median_us
             first = first or us
-            label = " x ".join(map(str, tile[:3])) + f" w{tile[3]} s{tile[4]}"
-            check = "ok" if same else "DIFFERS from the default tile"
-            print(f"  {label:16} {us:9.1f} us  {first / us:5.2f}x the default  {check}", flush=True)
-        kernel.KNOBS.update(base)
+            check = "ok" if same else "DIFFERS from the first"
+            print(f"  {label:20} {us:9.1f} us  {first / us:5.2f}x the first  {check}", flush=True)
+        _set(singles, {}, base)
         for line in _compiled(kernel._rows_kernel):
             print(line)
         del inputs, expected

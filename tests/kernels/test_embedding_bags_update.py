@@ -87,6 +87,42 @@ def test_without_the_long_rows_pass_hot_rows_are_wrong(monkeypatch, device: torc
     assert not result.ok and "outside tolerance" in result.message
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("singles", [False, True])
+def test_with_and_without_the_singles_launch_every_check_shape_passes(
+    singles: bool, monkeypatch, device
+) -> None:
+    """SINGLES on: a launch of its own updates the rows of one id, and the rows kernel's second
+    launch skips them. Off: one launch takes every row."""
+    monkeypatch.setattr(kernel, "SINGLES", singles)
+    for trial, shape in enumerate(PROBLEM.check_shapes):
+        result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
+        assert result.ok, (shape.name, shape.dtype, result.message)
+
+
+class _Dropping:
+    """The rows kernel, whose launches with ROWS == `rows` do nothing."""
+
+    def __init__(self, rows: str) -> None:
+        self.rows, self.real = rows, kernel._rows_kernel
+
+    def __getitem__(self, grid):
+        launch = self.real[grid]
+        return lambda *args, **kwargs: None if kwargs["ROWS"] == self.rows else launch(*args, **kwargs)
+
+
+@pytest.mark.parametrize("rows", ["one", "many"])
+def test_rows_of_one_id_are_left_to_the_singles_launch(rows: str, monkeypatch, device: torch.device) -> None:
+    """The singles launch (ROWS "one") takes the rows of one id, and the second launch (ROWS
+    "many") takes every other row and skips those: with either a no-op, the check fails."""
+    monkeypatch.setattr(kernel, "SINGLES", True)
+    shape = next(s for s in PROBLEM.check_shapes if s.name == "mixed-adagrad" and s.dtype == "fp32")
+    assert check_shape(PROBLEM, kernel.embedding_bags_update, shape, 0, device).ok
+    monkeypatch.setattr(kernel, "_rows_kernel", _Dropping(rows))
+    result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, 0, device)
+    assert not result.ok and "outside tolerance" in result.message, rows
+
+
 class _NoLaunch:
     """A kernel whose launches do nothing (kernel[grid](...) is a no-op)."""
 
@@ -386,10 +422,13 @@ import cuda_compile
 import kernels.embedding_bags_update as module
 config = module._config
 module._config = lambda max_dim, interpreted=False: config(max_dim, False)
+module.SINGLES = True
 first = cuda_compile.main(["embedding_bags_update"])
 # The int64 keys of buffers of 2^31 rows or more: in bf16 alone, whose check shapes take every
-# path (both optimizers, scaled and stochastic), since the keys' type is all that changes.
+# path (both optimizers, scaled and stochastic), since the keys' type is all that changes; and
+# the rows kernel that takes the rows of one id too (SINGLES off).
 module.INT32_KEYS_BELOW = 0
+module.SINGLES = False
 then = cuda_compile.main(["embedding_bags_update"], dtypes=("bf16",))
 print(json.dumps({"compiled": first["compiled"], "failed": first["failed"] + then["failed"]}))
 """
