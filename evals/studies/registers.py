@@ -1,0 +1,109 @@
+"""Registers, spills and 16-byte vector accesses of the embedding kernels' launch tiles, compiled
+for an H100/H200 (sm_90) by Triton's real compiler on any machine, GPU or not: a tile's
+registers bound how many of its programs an SM holds (65536 registers an SM), and so how many
+random row gathers are in flight at once. Pointer arguments are taken as 16-byte aligned, as a
+launch on a GPU specializes them.
+
+    python3 -m evals.studies.registers
+
+Each row: the kernel, its tile, registers a thread and spilled bytes (ptxas -v), the programs
+an SM holds by registers alone (at most 32), and the vector loads and stores in its PTX.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import kernels.embedding_bags as lookup
+import kernels.embedding_bags_update as update
+
+TARGET = GPUTarget("cuda", 90, 32)
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def _ptxas_report(ptx: str) -> tuple[int, int]:
+    """(registers, spill-store bytes) of the PTX's kernel, by the first ptxas of Triton's that
+    takes its PTX version."""
+    with tempfile.TemporaryDirectory() as where:
+        src = Path(where) / "k.ptx"
+        src.write_text(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):
+            done = subprocess.run(
+                [str(_BIN / name), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(src.with_suffix(".o"))],
+                capture_output=True,
+                text=True,
+            )
+            regs = re.search(r"Used (\d+) registers", done.stderr)
+            if done.returncode == 0 and regs:
+                spill = re.search(r"(\d+) bytes spill stores", done.stderr)
+                return int(regs.group(1)), int(spill.group(1)) if spill else 0
+    raise RuntimeError("no ptxas of Triton's took this PTX")
+
+
+def compile_report(fn, types: dict, constexprs: dict, warps: int) -> tuple[int, int, int]:
+    """(registers, spill bytes, vector loads and stores) of fn at these constexprs."""
+    names = fn.arg_names
+    default = {True: "*i64", False: "i32"}  # by whether the name ends in _ptr
+    signature = {
+        n: "constexpr" if n in constexprs else types.get(n, default[n.endswith("_ptr")]) for n in names
+    }
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(source, target=TARGET, options={"num_warps": warps, "num_stages": 1})
+    ptx = kernel.asm["ptx"]
+    regs, spill = _ptxas_report(ptx)
+    return regs, spill, len(re.findall(r"\b(?:ld|st)\.global[\w.:]*\.v[24]\.", ptx))
+
+
+def _update_tiles() -> Iterator[tuple[str, dict, int]]:
+    flags = dict(ADAGRAD=True, SCALED=False, STOCHASTIC=False, CHUNK=64, VEC=8)
+    for rows, i, d, w in [("all", 8, 32, 2), ("many", 8, 32, 2), ("one", 8, 256, 4), ("one", 4, 256, 2)]:
+        yield (
+            f"update rows {rows} {i}x1x{d} w{w}",
+            {**flags, "BLOCK_I": i, "BLOCK_L": 1, "BLOCK_D": d, "ROWS": rows},
+            w,
+        )
+
+
+def _lookup_tiles() -> Iterator[tuple[str, dict, int]]:
+    flags = dict(
+        HAS_PSW=False, MODE_MEAN=False, FEATURES=32, ACC_3D=False, EVICT_ROWS="", NUM_STAGES=1, VEC=8
+    )
+    flags |= dict(FLAT=False, SLICES_TOGETHER=False)
+    for b, ids, d, w in [(64, 1, 64, 2), (64, 1, 64, 4), (32, 1, 64, 2), (16, 1, 64, 1), (32, 2, 64, 2)]:
+        yield f"lookup fwd {b}x{ids}x{d} w{w}", {**flags, "BLOCK_B": b, "BLOCK_L": ids, "BLOCK_D": d}, w
+
+
+UPDATE_TYPES = dict(
+    weights_ptr="*bf16", state_ptr="*fp32", grad_out_ptr="*bf16", keys_ptr="*i32", scale_ptr="*fp32",
+    dim_ptr="*i32", partial_ptr="*fp32", lr="fp32", eps="fp32", misaligned_ptr="*i32",
+)  # fmt: skip
+LOOKUP_TYPES = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indices_ptr", "offsets_ptr")}
+LOOKUP_TYPES |= {"weights_ptr": "*bf16", "psw_ptr": "*bf16", "out_ptr": "*bf16"}
+LOOKUP_TYPES |= {
+    n: "i32" for n in ("stride_out_row", "num_bags", "num_bag_blocks", "num_blocks", "num_features")
+}
+
+
+def main() -> None:
+    print(f"{'kernel and tile (bf16)':34} {'regs':>5} {'spill':>6} {'programs/SM':>12} {'vector ops':>11}")
+    for fn, types, tiles in (
+        (update._rows_kernel, UPDATE_TYPES, _update_tiles()),
+        (lookup._embedding_bags_fwd_kernel, LOOKUP_TYPES, _lookup_tiles()),
+    ):
+        for label, constexprs, warps in tiles:
+            regs, spill, vectors = compile_report(fn, types, constexprs, warps)
+            programs = min(32, 65536 // (regs * 32 * warps))
+            print(f"{label:34} {regs:5} {spill:6} {programs:12} {vectors:11}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
