@@ -12,9 +12,10 @@ the first variant's (weights and state, from the same pristine copies), and the 
 registers and spills printed after each shape. One CUDA device; rows print as they are
 measured.
 
-    python3 -m evals.studies.update_tiles [SHAPE NAME SUBSTRING] [DTYPE] [EARLIER MODULE]
+    python3 -m evals.studies.update_tiles [SHAPE NAME SUBSTRING] [DTYPE] [OTHER MODULES]
 
-An earlier version's module, if named, is timed first (its default), and the rest against it.
+Other versions' modules (comma-separated), if named, are timed first (their defaults), and the
+rest against the first of them.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _updated(module, inputs, weights, state) -> tuple[torch.Tensor, torch.Tensor
     return w, s
 
 
-def main(pattern: str = "", dtype: str = "", earlier: str = "") -> None:
+def main(pattern: str = "", dtype: str = "", others: str = "") -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags_update")
     base, singles = dict(kernel.KNOBS), kernel.SINGLES
@@ -79,10 +80,10 @@ def main(pattern: str = "", dtype: str = "", earlier: str = "") -> None:
         weights, state = inputs.args[0].clone(), inputs.args[1].clone()
         print(f"\n{shape.describe()}: {inputs.args[6].numel():,} ids", flush=True)
         expected, first = None, None
-        variants = [(earlier, None, {})] if earlier else []
+        variants = [(name, None, {}) for name in others.split(",") if name]
         for label, on, knobs in variants + list(VARIANTS):
             _set(singles if on is None else on, knobs, base)
-            module = importlib.import_module(earlier) if on is None else kernel
+            module = importlib.import_module(label) if on is None else kernel
             got = _updated(module, inputs, weights, state)
             expected = expected or got
             same = all(
