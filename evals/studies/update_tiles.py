@@ -45,10 +45,7 @@ VARIANTS = (
     ("singles 8 w4", True, _singles(8, 4)),
     ("singles 4 w2", True, _singles(4, 2)),
     ("singles 8 w2", True, _singles(8, 2)),
-    ("singles 16 w4", True, _singles(16, 4)),
-    ("singles 2 w1", True, _singles(2, 1)),
     ("rows 16x1x32 w2", False, _tile(16, 1, 32, 2)),
-    ("rows 32x1x32 w4", False, _tile(32, 1, 32, 4)),
     ("rows 16x1x64 w2", False, _tile(16, 1, 64, 2)),
     # Software-pipelined loops: a column block's (or a step's) gathers issued while the last's
     # are summed.
