@@ -46,9 +46,8 @@ KNOBS = {
     "SINGLES_num_warps": None,
 }
 VECTORS = True  # False: rows move an element at a time, never in 16-byte vectors (for studies)
-# Rows looked up once (nearly every row of a short-bag batch) updated by a launch of their own,
-# straight from their sorted positions, whole rows at once (the rows kernel's ROWS "one"). Off
-# until measured on a GPU (evals/studies/update_tiles.py).
+# Rows of one id (nearly all of a short-bag batch) by a launch of their own (the module's
+# docstring). Off until measured (evals/studies/update_tiles.py).
 SINGLES = False
 
 
@@ -169,8 +168,8 @@ def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.cons
 
 @triton.jit
 def _weights(weights_ptr, row_at_I, cols_D, mask_ID):
-    """Where a block of columns of BLOCK_I rows lies in weights, and its values in fp32: loaded
-    before the gradients' gathers, so that both are in flight together."""
+    """Where a block of columns of BLOCK_I rows lies in weights, and its values in fp32 (_rows
+    loads them before the gradients' gathers, so that both are in flight together)."""
     where_ID = row_at_I[:, None] + cols_D[None, :]
     return where_ID, tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0).to(tl.float32)
 
@@ -271,15 +270,15 @@ def _rows(
     if widest <= BLOCK_D:
         col_mask_ID = cols_D[None, :] < dim_I[:, None]
         mask_ID = whole_I[:, None] & col_mask_ID
-        at_ID, w_ID = _weights(weights_ptr, row_at_I, cols_D, mask_ID)
+        where_ID, w_ID = _weights(weights_ptr, row_at_I, cols_D, mask_ID)
         grad_ID = _gather_sum(
             grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
             SCALED, BLOCK_L, ALIGN,
         )  # fmt: skip
         step_I = _scale(state_ptr, tl.sum(grad_ID * grad_ID, axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)
-        _apply(weights_ptr, at_ID, w_ID, grad_ID, step_I, mask_ID, seed, STOCHASTIC)
-        where_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
-        tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
+        _apply(weights_ptr, where_ID, w_ID, grad_ID, step_I, mask_ID, seed, STOCHASTIC)
+        part_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
+        tl.store(part_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
     else:
         grad_sq_I = tl.zeros([BLOCK_I], dtype=tl.float32)
         if ADAGRAD:
@@ -294,14 +293,14 @@ def _rows(
         for c0 in range(0, widest, BLOCK_D):
             col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
             mask_ID = whole_I[:, None] & col_mask_ID
-            at_ID, w_ID = _weights(weights_ptr, row_at_I, c0 + cols_D, mask_ID)
+            where_ID, w_ID = _weights(weights_ptr, row_at_I, c0 + cols_D, mask_ID)
             grad_ID = _gather_sum(
                 grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, c0 + cols_D,
                 col_mask_ID, SCALED, BLOCK_L, ALIGN,
             )  # fmt: skip
-            _apply(weights_ptr, at_ID, w_ID, grad_ID, step_I, mask_ID, seed, STOCHASTIC)
-            where_ID = partial_ptr + slot_I[:, None] * partial_stride + (c0 + cols_D)[None, :]
-            tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
+            _apply(weights_ptr, where_ID, w_ID, grad_ID, step_I, mask_ID, seed, STOCHASTIC)
+            part_ID = partial_ptr + slot_I[:, None] * partial_stride + (c0 + cols_D)[None, :]
+            tl.store(part_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
 
 
 @triton.jit
@@ -309,9 +308,9 @@ def _long_rows_kernel(
     weights_ptr, state_ptr, keys_ptr, row_at_ptr, dim_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
     ADAGRAD: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Program c finishes the long row (over CHUNK ids) whose chunks first reach a multiple of
-    CHUNK at position p = c * CHUNK: one that starts at p and runs past p + CHUNK, or one that
-    started inside the previous CHUNK positions and runs into p. Its tile holds a whole row."""
+    """Program c finishes the long row (over CHUNK ids) whose chunks first reach p = c * CHUNK:
+    one that starts at p and runs past p + CHUNK, or one that started inside the previous CHUNK
+    positions and runs into p. Its tile holds a whole row."""
     p = tl.program_id(0).to(tl.int64) * CHUNK
     key = tl.load(keys_ptr + p)
     before = tl.load(keys_ptr + p - 1, mask=p > 0, other=-1)
@@ -339,13 +338,14 @@ def _long_rows_kernel(
             q += CHUNK
         keys = key + tl.zeros([1], dtype=tl.int64)
         step = _scale(state_ptr, tl.sum(grad * grad, axis=1), keys, dim, keys >= 0, lr, eps, ADAGRAD)
-        at, w = _weights(weights_ptr, row_at, cols, mask)
-        _apply(weights_ptr, at, w, grad, step, mask, seed, STOCHASTIC)
+        where, w = _weights(weights_ptr, row_at, cols, mask)
+        _apply(weights_ptr, where, w, grad, step, mask, seed, STOCHASTIC)
 
 
 def _config(max_dim: int, interpreted: bool) -> dict:
     """Launch parameters of the rows kernel. On a GPU (evals/studies/update_phases.py, every
-    update shape, H100, 2026-12-06): 8 chunks x 1 id x 32 columns a step on two warps.
+    update shape, H100, 2026-12-06): 8 chunks x 1 id x 32 columns a step on two warps; SINGLES'
+    BLOCK_P positions a program on SINGLES_num_warps, unmeasured.
     Interpreted (each op of each program a NumPy call), few wide programs of whole rows."""
     if interpreted:
         return {"BLOCK_I": 64, "BLOCK_L": 4, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
