@@ -19,14 +19,13 @@ CHUNK positions, so a chunk holds at most CHUNK ids of one row. Then
 2. one program per CHUNK positions finishes the long row that crosses its position, if any:
    sums its chunks' sums and updates it once.
 
-With SINGLES, a first launch of the rows kernel takes the rows of one id alone, each sorted
-position a chunk (no numbering read), whole rows at once; the second skips them.
+Host code only makes the ids' row keys from the call's integer inputs and sorts them (torch
+ops before any launch, on integers no kernel can have written); kernels find the ids' bags and
+number the chunks. Every launch is sized from the number of ids, so nothing is read back: the
+call never syncs the host.
 
-Host code only makes the ids' row keys and sorts them (torch ops before any launch, on integers
-no kernel can have written: the sandbox refuses host ops on others); kernels find the bags and
-number the chunks. Launches are sized from the number of ids: the call never syncs the host.
-
-This module is also the problem's knob template: a search writes KNOBS; None keeps _config's.
+This module is also the problem's knob template: a search writes values into KNOBS; None keeps
+the launch heuristic (_config) for that knob.
 """
 
 from __future__ import annotations
@@ -42,24 +41,37 @@ KNOBS = {
     "CHUNK": 64,
     "num_warps": None,
     "num_stages": None,
-    "BLOCK_P": None,
-    "SINGLES_num_warps": None,
 }
 VECTORS = True  # False: rows move an element at a time, never in 16-byte vectors (for studies)
-# Rows of one id (nearly all of a short-bag batch) by a launch of their own (the module's
-# docstring). Off until measured (evals/studies/update_tiles.py).
-SINGLES = False
 
 
 @triton.jit
 def _sorted_kernel(
-    order_ptr, bag_ptr, keys_ptr, offsets_ptr, psw_ptr, w_off_ptr, r_off_ptr, d_off_ptr, grad_at_ptr,
-    scale_ptr, row_at_ptr, dim_ptr, misaligned_ptr, nnz, batch, stride_grad,
-    POOL_MEAN: tl.constexpr, HAS_PSW: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """Step 0 (the module's docstring) for BLOCK sorted positions, whose loads overlap: each one's
-    grad_at, scale (per-sample weight, the mean's 1 / length), row_at and dim; and *misaligned
-    where a start or dim is not a multiple of VEC (see _rows_kernel)."""
+    order_ptr,
+    bag_ptr,
+    keys_ptr,
+    offsets_ptr,
+    psw_ptr,
+    w_off_ptr,
+    r_off_ptr,
+    d_off_ptr,
+    grad_at_ptr,
+    scale_ptr,
+    row_at_ptr,
+    dim_ptr,
+    misaligned_ptr,
+    nnz,
+    batch,
+    stride_grad,
+    POOL_MEAN: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    VEC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """What the rows kernel needs of each sorted position p, resolved once here, where the loads
+    of a thousand positions overlap: where its gradient row starts in grad_out, its factor (the
+    per-sample weight, the mean's 1 / length), where its table row starts in weights, and the
+    row's dim; and *misaligned where a start or dim is not a multiple of VEC (see _rows_kernel)."""
     pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = pos < nnz
     i = tl.load(order_ptr + pos, mask=valid, other=0)
@@ -102,8 +114,9 @@ def _bag_search(offsets_ptr, pos, lo, hi, steps):
 
 @triton.jit
 def _bags_kernel(offsets_ptr, bag_ptr, nnz, num_bags, steps, BLOCK: tl.constexpr):
-    """bag[p] = the bag of id p, by a search over all bags: the same work whatever the bags'
-    lengths (neighbouring ids load mostly the same offsets)."""
+    """bag[p] = the bag of id p, by a search over all bags: the same work in every program
+    whatever the bags' lengths, and neighbouring ids take mostly the same path (the same offsets
+    loaded)."""
     pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     lo = tl.zeros([BLOCK], dtype=tl.int64)
     tl.store(bag_ptr + pos, _bag_search(offsets_ptr, pos, lo, lo + num_bags, steps), mask=pos < nnz)
@@ -167,16 +180,11 @@ def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.cons
 
 
 @triton.jit
-def _weights(weights_ptr, row_at_I, cols_D, mask_ID):
-    """Where a block of columns of BLOCK_I rows lies in weights, and its values in fp32 (_rows
-    loads them before the gradients' gathers, so that both are in flight together)."""
+def _apply(weights_ptr, grad_ID, step_I, row_at_I, cols_D, mask_ID, seed, STOCHASTIC: tl.constexpr):
+    """w -= step * grad on a block of columns of BLOCK_I rows (row_at: each row's first element
+    in weights), rounded to the weights' dtype."""
     where_ID = row_at_I[:, None] + cols_D[None, :]
-    return where_ID, tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _apply(weights_ptr, where_ID, w_ID, grad_ID, step_I, mask_ID, seed, STOCHASTIC: tl.constexpr):
-    """w - step * grad stored at where, rounded to the weights' dtype."""
+    w_ID = tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0).to(tl.float32)
     w_ID -= step_I[:, None] * grad_ID
     out = _round(w_ID, where_ID, seed, STOCHASTIC, weights_ptr.dtype.element_ty)
     tl.store(weights_ptr + where_ID, out, mask=mask_ID)
@@ -184,9 +192,19 @@ def _apply(weights_ptr, where_ID, w_ID, grad_ID, step_I, mask_ID, seed, STOCHAST
 
 @triton.jit
 def _gather_sum(
-    grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
-    SCALED: tl.constexpr, BLOCK_L: tl.constexpr, ALIGN: tl.constexpr,
-):  # fmt: skip
+    grad_out_ptr,
+    grad_at_ptr,
+    scale_ptr,
+    begin_I,
+    end_I,
+    valid_I,
+    longest,
+    cols_D,
+    col_mask_ID,
+    SCALED: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
     """The summed gradient of each chunk's ids on a block of columns: [BLOCK_I, BLOCK_D] fp32,
     BLOCK_L ids of every chunk gathered per step. ALIGN divides every gradient row's start
     (see _rows)."""
@@ -212,18 +230,17 @@ def _rows_kernel(
     starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed, misaligned_ptr,
     ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
     VEC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr,
 ):  # fmt: skip
     """_rows, told where every row start and dim is a multiple of VEC elements (16 bytes): the
     starts are loaded from memory, and untold the compiler moves rows an element at a time."""
     if tl.load(misaligned_ptr) == 0:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, VEC, ROWS)  # fmt: skip
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, VEC)  # fmt: skip
     else:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, 1, ROWS)  # fmt: skip
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, 1)  # fmt: skip
 
 
 @triton.jit
@@ -232,53 +249,42 @@ def _rows(
     starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
     ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
-    ROWS: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_I chunks, BLOCK_D columns at a time: when no row of the program is wider than
     BLOCK_D, in one pass; otherwise in two under adagrad (the rows' norms first, then the step:
     the gradients are gathered twice, the second time mostly from L2) and one under SGD. ALIGN
-    divides every row's start and dim (x // ALIGN * ALIGN tells the compiler). ROWS: "all";
-    "many", all but rows of one id; "one", those alone, each sorted position a chunk."""
+    divides every row's start and dim (x // ALIGN * ALIGN tells the compiler)."""
+    count = tl.load(count_ptr)
     chunks_I = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
-    if ROWS == "one":
-        valid_I = chunks_I < nnz
-        begin_I, end_I = chunks_I, chunks_I + 1
-    else:
-        valid_I = chunks_I < tl.load(count_ptr)
-        begin_I = tl.load(starts_ptr + chunks_I, mask=valid_I, other=0)
-        end_I = tl.load(starts_ptr + chunks_I + 1, mask=valid_I, other=0)
+    valid_I = chunks_I < count
+    begin_I = tl.load(starts_ptr + chunks_I, mask=valid_I, other=0)
+    end_I = tl.load(starts_ptr + chunks_I + 1, mask=valid_I, other=0)
     key_I = tl.load(keys_ptr + begin_I, mask=valid_I, other=0)
+    row_at_I = tl.load(row_at_ptr + begin_I, mask=valid_I, other=0) // ALIGN * ALIGN
+    dim_I = tl.load(dim_ptr + begin_I, mask=valid_I, other=0) // ALIGN * ALIGN
     # Whether the chunk holds its row's first id, and its last.
     before_I = tl.load(keys_ptr + begin_I - 1, mask=valid_I & (begin_I > 0), other=-1)
     after_I = tl.load(keys_ptr + end_I, mask=valid_I & (end_I < nnz), other=-1)
     whole_I = valid_I & ((begin_I == 0) | (before_I != key_I)) & ((end_I >= nnz) | (after_I != key_I))
-    if ROWS == "one":
-        valid_I = whole_I
-    elif ROWS == "many":
-        valid_I = valid_I & ~(whole_I & (end_I - begin_I == 1))
-        whole_I = whole_I & valid_I
-    row_at_I = tl.load(row_at_ptr + begin_I, mask=valid_I, other=0) // ALIGN * ALIGN
-    dim_I = tl.load(dim_ptr + begin_I, mask=valid_I, other=0) // ALIGN * ALIGN
     # A long row's chunks leave their sums: slot 2c for the chunk at position c * CHUNK, 2c + 1 for
     # one that starts its row inside [c * CHUNK, (c + 1) * CHUNK) (only a row's first chunk does).
     slot_I = 2 * (begin_I // CHUNK) + (begin_I % CHUNK != 0).to(tl.int64)
     part_I = valid_I & ~whole_I
-    longest = tl.max(tl.where(valid_I, end_I - begin_I, 0), axis=0)
-    # ROWS "one": one pass, BLOCK_D covers every row (partial_stride: max_dim, the dims' bound)
-    widest = 0 if ROWS == "one" else tl.minimum(tl.max(dim_I, axis=0), partial_stride)
+    longest = tl.max(end_I - begin_I, axis=0)
+    widest = tl.minimum(tl.max(dim_I, axis=0), partial_stride)  # max_dim: the caller's bound on dims
     cols_D = tl.arange(0, BLOCK_D)
     if widest <= BLOCK_D:
         col_mask_ID = cols_D[None, :] < dim_I[:, None]
-        mask_ID = whole_I[:, None] & col_mask_ID
-        where_ID, w_ID = _weights(weights_ptr, row_at_I, cols_D, mask_ID)
         grad_ID = _gather_sum(
             grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
             SCALED, BLOCK_L, ALIGN,
         )  # fmt: skip
         step_I = _scale(state_ptr, tl.sum(grad_ID * grad_ID, axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)
-        _apply(weights_ptr, where_ID, w_ID, grad_ID, step_I, mask_ID, seed, STOCHASTIC)
-        part_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
-        tl.store(part_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
+        _apply(
+            weights_ptr, grad_ID, step_I, row_at_I, cols_D, whole_I[:, None] & col_mask_ID, seed, STOCHASTIC
+        )
+        where_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
+        tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
     else:
         grad_sq_I = tl.zeros([BLOCK_I], dtype=tl.float32)
         if ADAGRAD:
@@ -292,25 +298,37 @@ def _rows(
         step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)
         for c0 in range(0, widest, BLOCK_D):
             col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
-            mask_ID = whole_I[:, None] & col_mask_ID
-            where_ID, w_ID = _weights(weights_ptr, row_at_I, c0 + cols_D, mask_ID)
             grad_ID = _gather_sum(
                 grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, c0 + cols_D,
                 col_mask_ID, SCALED, BLOCK_L, ALIGN,
             )  # fmt: skip
-            _apply(weights_ptr, where_ID, w_ID, grad_ID, step_I, mask_ID, seed, STOCHASTIC)
-            part_ID = partial_ptr + slot_I[:, None] * partial_stride + (c0 + cols_D)[None, :]
-            tl.store(part_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
+            mask_ID = whole_I[:, None] & col_mask_ID
+            _apply(weights_ptr, grad_ID, step_I, row_at_I, c0 + cols_D, mask_ID, seed, STOCHASTIC)
+            where_ID = partial_ptr + slot_I[:, None] * partial_stride + (c0 + cols_D)[None, :]
+            tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
 
 
 @triton.jit
 def _long_rows_kernel(
-    weights_ptr, state_ptr, keys_ptr, row_at_ptr, dim_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-    ADAGRAD: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Program c finishes the long row (over CHUNK ids) whose chunks first reach p = c * CHUNK:
-    one that starts at p and runs past p + CHUNK, or one that started inside the previous CHUNK
-    positions and runs into p. Its tile holds a whole row."""
+    weights_ptr,
+    state_ptr,
+    keys_ptr,
+    row_at_ptr,
+    dim_ptr,
+    partial_ptr,
+    partial_stride,
+    nnz,
+    lr,
+    eps,
+    seed,
+    ADAGRAD: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program c finishes the long row (over CHUNK ids) whose chunks first reach a multiple of
+    CHUNK at position p = c * CHUNK: one that starts at p and runs past p + CHUNK, or one that
+    started inside the previous CHUNK positions and runs into p. Its tile holds a whole row."""
     p = tl.program_id(0).to(tl.int64) * CHUNK
     key = tl.load(keys_ptr + p)
     before = tl.load(keys_ptr + p - 1, mask=p > 0, other=-1)
@@ -338,20 +356,18 @@ def _long_rows_kernel(
             q += CHUNK
         keys = key + tl.zeros([1], dtype=tl.int64)
         step = _scale(state_ptr, tl.sum(grad * grad, axis=1), keys, dim, keys >= 0, lr, eps, ADAGRAD)
-        where, w = _weights(weights_ptr, row_at, cols, mask)
-        _apply(weights_ptr, where, w, grad, step, mask, seed, STOCHASTIC)
+        _apply(weights_ptr, grad, step, row_at, cols, mask, seed, STOCHASTIC)
 
 
 def _config(max_dim: int, interpreted: bool) -> dict:
     """Launch parameters of the rows kernel. On a GPU (evals/studies/update_phases.py, every
-    update shape, H100, 2026-12-06): 8 chunks x 1 id x 32 columns a step on two warps; SINGLES'
-    BLOCK_P positions a program on SINGLES_num_warps, unmeasured.
-    Interpreted (each op of each program a NumPy call), few wide programs of whole rows."""
+    update shape, H100, 2026-12-06): small tiles of few registers, 8 chunks x 1 id x 32 columns
+    a step on two warps. Interpreted, where each op of each program is a NumPy call, few wide
+    programs: 64 chunks x 4 ids of whole rows (the check shapes in 0.47x the time of 16 x 8)."""
     if interpreted:
         return {"BLOCK_I": 64, "BLOCK_L": 4, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
-                "num_stages": 1, "BLOCK_P": 64, "SINGLES_num_warps": 1}  # fmt: skip
-    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1, "BLOCK_P": 8,
-            "SINGLES_num_warps": 4}  # fmt: skip
+                "num_stages": 1}  # fmt: skip
+    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1}
 
 
 # Sort keys (each row's index in the state) are int32 when the rows are fewer than this: a radix
@@ -382,7 +398,10 @@ def number_chunks(
     the passes), the keys sorted and their order; starts [nnz + 1], where starts[c] is the first
     sorted position of chunk c (a new one at each row's first id and every `chunk` positions) and
     nnz follows the last; and count [1], the chunks' number, which the kernels read themselves.
-    Torch ops make and sort the keys before any launch (see the module's docstring)."""
+
+    Torch ops make the keys from the call's integer inputs and sort them before any launch: the
+    sandbox's host-compute watch refuses host ops on integers a kernel may have written. Kernels
+    find the bags and number the chunks (a count per block, a scan, the starts)."""
     nnz, device = indices.numel(), indices.device
     positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
     # Each id's feature: how many features end at or before it (a search over F offsets).
@@ -456,17 +475,12 @@ def embedding_bags_update(
     partial = torch.empty((2 * triton.cdiv(nnz, chunk), max_dim), dtype=torch.float32, device=weights.device)
     adagrad = optimizer == "adagrad"
     stochastic = bool(stochastic_rounding)
-    args = (weights, state, grad_out, sorted_keys, grad_at, scale, row_at, dims, starts, count, partial,
-            max_dim, nnz, lr, eps, seed, misaligned)  # fmt: skip
-    flags = dict(ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec)
-    if SINGLES:  # each sorted position a chunk; whole rows at once
-        _rows_kernel[(triton.cdiv(nnz, cfg["BLOCK_P"]),)](
-            *args, **flags, BLOCK_I=cfg["BLOCK_P"], BLOCK_L=1, BLOCK_D=triton.next_power_of_2(max_dim),
-            ROWS="one", num_warps=cfg["SINGLES_num_warps"], num_stages=1,
-        )  # fmt: skip
     _rows_kernel[(triton.cdiv(nnz, cfg["BLOCK_I"]),)](
-        *args, **flags, BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d,
-        ROWS="many" if SINGLES else "all", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        weights, state, grad_out, sorted_keys, grad_at, scale, row_at, dims, starts, count,
+        partial, max_dim, nnz, lr, eps, seed, misaligned,
+        ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
+        BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     _long_rows_kernel[(triton.cdiv(nnz, chunk),)](
         weights, state, sorted_keys, row_at, dims, partial, max_dim, nnz, lr, eps, seed,

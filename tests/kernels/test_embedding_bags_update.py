@@ -2,9 +2,9 @@
 in place. The default kernel against the reference on every check shape (the protocol's check,
 which compares the updated weights and state), several steps against the reference and against
 torch's sparse path, hot rows split across programs whatever the chunk, stochastic rounding
-unbiased, the rows of one id by their own launch (SINGLES) or not, the public op (a custom op
-that says what it updates) under torch.compile, argument errors, and the sandbox's verdict on
-the default kernel, on one that skips the hot rows and on one that updates on the host."""
+unbiased, the public op (a custom op that says what it updates) under torch.compile, argument
+errors, and the sandbox's verdict on the default kernel, on one that skips the hot rows and on
+one that updates on the host."""
 
 from __future__ import annotations
 
@@ -85,71 +85,6 @@ def test_without_the_long_rows_pass_hot_rows_are_wrong(monkeypatch, device: torc
     monkeypatch.setattr(kernel, "_long_rows_kernel", _NoLaunch())
     result = check_shape(PROBLEM, kernel.embedding_bags_update, _hot("adagrad"), 0, device)
     assert not result.ok and "outside tolerance" in result.message
-
-
-@pytest.mark.slow
-def test_the_other_singles_setting_passes_every_check_shape(monkeypatch, device) -> None:
-    """SINGLES on: a launch of its own updates the rows of one id, and the rows kernel's second
-    launch skips them. Off: one launch takes every row. The default's setting is checked above;
-    this one at the GPU's tile (the rows kernel's columns fewer than the rows')."""
-    monkeypatch.setattr(kernel, "SINGLES", not kernel.SINGLES)
-    for name, value in kernel._config(256, interpreted=False).items():
-        monkeypatch.setitem(kernel.KNOBS, name, value)
-    for trial, shape in enumerate(PROBLEM.check_shapes):
-        result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
-        assert result.ok, (shape.name, shape.dtype, result.message)
-
-
-class _Dropping:
-    """The rows kernel, whose launches with ROWS == `rows` do nothing."""
-
-    def __init__(self, rows: str) -> None:
-        self.rows, self.real = rows, kernel._rows_kernel
-
-    def __getitem__(self, grid):
-        launch = self.real[grid]
-        return lambda *args, **kwargs: None if kwargs["ROWS"] == self.rows else launch(*args, **kwargs)
-
-
-@pytest.mark.parametrize("rows", ["one", "many"])
-def test_rows_of_one_id_are_left_to_the_singles_launch(rows: str, monkeypatch, device: torch.device) -> None:
-    """The singles launch (ROWS "one") takes the rows of one id, and the second launch (ROWS
-    "many") takes every other row and skips those: with either a no-op, the check fails."""
-    monkeypatch.setattr(kernel, "SINGLES", True)
-    shape = next(s for s in PROBLEM.check_shapes if s.name == "mixed-adagrad" and s.dtype == "fp32")
-    assert check_shape(PROBLEM, kernel.embedding_bags_update, shape, 0, device).ok
-    monkeypatch.setattr(kernel, "_rows_kernel", _Dropping(rows))
-    result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, 0, device)
-    assert not result.ok and "outside tolerance" in result.message, rows
-
-
-# Feature 0's 65 ids all of its table's one row: its last chunk (CHUNK 64) holds one id but is
-# not a whole row, so the second launch takes it, not the singles launch. Feature 1's ids, on a
-# table of a thousand rows, are nearly all rows of one id.
-_CHUNK_PLUS_ONE = dict(tables=[[1, 16], [1000, 16]], features=[0, 1], batch=2, lengths=[65, 0, 3, 2])
-
-
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_a_rows_last_chunk_of_one_id_is_updated_with_its_row(optimizer: str, monkeypatch, device) -> None:
-    monkeypatch.setattr(kernel, "SINGLES", True)
-    shape = Shape(name="chunk-plus-one", dtype="fp32", params={**_CHUNK_PLUS_ONE, "optimizer": optimizer})
-    result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, 0, device)
-    assert result.ok, result.message
-
-
-def test_stochastic_rounding_draws_the_same_numbers_with_and_without_singles(monkeypatch, device) -> None:
-    """A row of one id is rounded with the same random numbers whichever launch updates it: the
-    weights after an SGD step (no state, so no order of sums) are the same bit for bit."""
-    shape = next(s for s in PROBLEM.check_shapes if s.name == "stochastic-sgd" and s.dtype == "bf16")
-    inputs = PROBLEM.make_inputs(shape, 3, device)
-    updated = []
-    for singles in (False, True):
-        monkeypatch.setattr(kernel, "SINGLES", singles)
-        weights = inputs.args[0].clone()
-        kernel.embedding_bags_update(weights, *inputs.args[1:], **inputs.kwargs)
-        updated.append(weights)
-    assert not torch.equal(updated[0], inputs.args[0])
-    assert torch.equal(updated[0], updated[1])
 
 
 class _NoLaunch:
@@ -452,11 +387,9 @@ import kernels.embedding_bags_update as module
 config = module._config
 module._config = lambda max_dim, interpreted=False: config(max_dim, False)
 first = cuda_compile.main(["embedding_bags_update"])
-# The int64 keys of buffers of 2^31 rows or more, with the other SINGLES setting (the rows
-# kernel's other ROWS modes): in bf16 alone, whose check shapes take every path (both
-# optimizers, scaled and stochastic), since the keys' type is all that changes.
+# The int64 keys of buffers of 2^31 rows or more: in bf16 alone, whose check shapes take every
+# path (both optimizers, scaled and stochastic), since the keys' type is all that changes.
 module.INT32_KEYS_BELOW = 0
-module.SINGLES = not module.SINGLES
 then = cuda_compile.main(["embedding_bags_update"], dtypes=("bf16",))
 print(json.dumps({"compiled": first["compiled"], "failed": first["failed"] + then["failed"]}))
 """
