@@ -3,8 +3,12 @@ benchmarks (bench ops, bench sandbox) are evals/bench_*.py; nothing here is impo
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -31,3 +35,21 @@ def each_op(study: Callable[[str], None], ops: tuple[str, ...]) -> None:
     """`study` of each op named on the command line, or of `ops`."""
     for name in sys.argv[1:] or ops:
         study(name)
+
+
+def module_from_file(path: Path | str, name: str) -> ModuleType:
+    """The Python file at `path` imported as module `name` (registered in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def module_from_source(source: str, name: str, where: Path | None = None) -> ModuleType:
+    """`source` written to `name`.py in `where` (a new temporary directory by default) and imported
+    from there: Triton reads a kernel's source from its file, so an edited kernel needs one."""
+    path = Path(where or tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(source)
+    return module_from_file(path, name)

@@ -17,7 +17,6 @@ besides the kernel).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
 from functools import partial
@@ -26,6 +25,7 @@ from types import ModuleType
 import torch
 
 from evals.bench_attention import graphed, without_bounds
+from evals.studies import module_from_file
 from kernels import attention as current
 from sandbox.protocol import compare, fresh_seed
 from sandbox.timing import benchmark
@@ -147,14 +147,6 @@ CASES = {
         ("bounds, CUDA graph, fwd 128x64 w8 s2", "cur-graph", {**BOUNDS, **_tiles(128, 64, 8, 2)}, None),
     ],
 }
-
-
-def _load_module(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("baseline_attention", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _forward(module: ModuleType, op: str, inputs, options: dict, lse: bool = False):
@@ -301,7 +293,7 @@ def main() -> None:
     device = torch.device("cuda")
     modules = {"cur": current}
     if args.baseline:
-        modules["prev"] = _load_module(args.baseline)
+        modules["prev"] = module_from_file(args.baseline, "baseline_attention")
     t0 = time.time()
     rows = []
     for case in args.case or list(CASES):

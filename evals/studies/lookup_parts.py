@@ -17,7 +17,6 @@ edited copies' are wrong by design. One CUDA device.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 import kernels.embedding_bags as kernel
 from evals.bench_ops import measure_copy_bandwidth
+from evals.studies import module_from_source
 from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
@@ -49,12 +49,7 @@ def _edited(name: str, edits: tuple[tuple[str, str], ...], where: Path):
         if source.count(old) != 1:
             raise SystemExit(f"{name}: not once in kernels/embedding_bags.py: {old.strip()}")
         source = source.replace(old, new)
-    path = where / f"_lookup_{name.replace(' ', '_').replace(',', '')}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_source(source, f"_lookup_{name.replace(' ', '_').replace(',', '')}", where)
 
 
 def main(pattern: str = "") -> None:

@@ -8,30 +8,17 @@ reference, time on the problem's timing shapes. A quick map of the space before 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import random
-import sys
-import tempfile
-from pathlib import Path
 from statistics import geometric_mean
 
 import torch
 
+from evals.studies import module_from_source
 from sandbox.protocol import compare, fresh_seed
 from sandbox.timing import benchmark
 from search_space import get_problem
 from search_space.template import get_template
-
-
-def _load(source: str, name: str):
-    path = Path(tempfile.mkdtemp()) / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -69,7 +56,7 @@ def main() -> None:
     refs = {k: problem.reference(*v[0].args, **v[0].kwargs) for k, v in inputs.items()}
     results = []
     for i, knobs in enumerate(points):
-        mod = _load(template.render(knobs), f"sweep_{i}")
+        mod = module_from_source(template.render(knobs), f"sweep_{i}")
         fn = getattr(mod, template.entry)
         row = []
         for s in shapes:
