@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from case_headers import header as _header
+from case_headers import open_holes_only
 
 from sandbox import Candidate, EvalResult, LocalBackend, Status, isolation
 from search_space.template import get_template, parse_source
@@ -140,9 +141,7 @@ def test_update_attack_is_refused(path: Path, outcomes) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(
-    os.environ.get("RECFORGE_RUN_HOLES") != "1", reason="open holes: RECFORGE_RUN_HOLES=1 runs them"
-)
+@open_holes_only
 @pytest.mark.xfail(strict=True, reason="an open hole of the sandbox: the case is accepted")
 @pytest.mark.parametrize("path", HOLES, ids=[p.stem for p in HOLES])
 def test_open_hole_is_refused(path: Path, tmp_path: Path) -> None:
