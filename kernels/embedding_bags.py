@@ -112,14 +112,21 @@ def _pool_block(
     first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
     HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, ACC_3D: tl.constexpr, EVICT_ROWS: tl.constexpr,
     NUM_STAGES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr, FLAT: tl.constexpr,
+    VEC: tl.constexpr, FLAT: tl.constexpr, SLICE_D: tl.constexpr,
 ):  # fmt: skip
     """One block's pooled bags (_block_of's description of it) into the output. The dims and
     offsets are read from memory, so the compiler cannot know that a row starts on a 16-byte
     boundary and would load and store it an element at a time: where this block's table, dim,
     first column and the output's row stride are all multiples of VEC elements (16 bytes), the
     same code runs on x // VEC * VEC of each (the same values, which the compiler then knows to
-    be multiples of VEC), and its rows move in 16-byte vectors."""
+    be multiples of VEC), and its rows move in 16-byte vectors.
+
+    A misaligned block takes its columns SLICE_D at a time, one slice after another: an element
+    at a time, its whole tile's addresses took nearly twice the registers of the aligned path's
+    vectors (235 against 128 a thread at 64 bags x 64 bf16 columns on two warps, Triton 3.9 for
+    sm_90; evals/studies/registers.py), and a kernel holds the registers of its costlier path,
+    so every program of every call paid for the rare misaligned feature in programs an SM. In
+    slices of 8 columns it takes no more than the aligned path."""
     aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
     if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)
         _pool_rows(
@@ -129,11 +136,12 @@ def _pool_block(
             HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
         )  # fmt: skip
     else:
-        _pool_rows(
-            weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
-            first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
-            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
-        )  # fmt: skip
+        for s in range(0, tl.cdiv(tl.minimum(dim - col_block * BLOCK_D, BLOCK_D), SLICE_D)):
+            _pool_rows(
+                weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+                first_col, dim, col_block * (BLOCK_D // SLICE_D) + s, table, bags_B, limit, start_B, len_B,
+                HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, SLICE_D, FLAT,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -264,6 +272,7 @@ def _embedding_bags_fwd_kernel(
     VEC: tl.constexpr,
     FLAT: tl.constexpr,
     SLICES_TOGETHER: tl.constexpr,
+    SLICE_D: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -289,7 +298,7 @@ def _embedding_bags_fwd_kernel(
         _pool_block(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
             first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
-            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, VEC, FLAT,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, VEC, FLAT, SLICE_D,
         )  # fmt: skip
 
 
@@ -439,6 +448,7 @@ def embedding_bags_forward(
     num_blocks = column_blocks * num_bag_blocks
     # A persistent launch caps the grid (PROGRAMS knob); each program then loops over blocks.
     programs = min(num_blocks, KNOBS["PROGRAMS"] or num_blocks)
+    vec = 16 // weights.element_size() if VECTORS else 1
     _embedding_bags_fwd_kernel[(programs,)](
         weights,
         weight_offsets,
@@ -457,7 +467,10 @@ def embedding_bags_forward(
         FEATURES=triton.next_power_of_2(num_features),
         EVICT_ROWS=KNOBS["EVICT_ROWS"],
         NUM_STAGES=KNOBS["num_stages"],
-        VEC=16 // weights.element_size() if VECTORS else 1,
+        VEC=vec,
+        # A misaligned block's column slice (_pool_block): a VECth of the block's (as few
+        # registers as the aligned path at the default tiles); FLAT's product takes 16 or more.
+        SLICE_D=min(cfg["BLOCK_D"], max(cfg["BLOCK_D"] // vec, 16 if cfg["FLAT"] else 1)),
         num_stages=1,
         **cfg,
     )

@@ -77,7 +77,8 @@ def _lookup_tiles() -> Iterator[tuple[str, dict, int]]:
     )
     flags |= dict(FLAT=False, SLICES_TOGETHER=False)
     for b, ids, d, w in [(64, 1, 64, 2), (64, 1, 64, 4), (32, 1, 64, 2), (16, 1, 64, 1), (32, 2, 64, 2)]:
-        yield f"lookup fwd {b}x{ids}x{d} w{w}", {**flags, "BLOCK_B": b, "BLOCK_L": ids, "BLOCK_D": d}, w
+        tile = {"BLOCK_B": b, "BLOCK_L": ids, "BLOCK_D": d, "SLICE_D": d // flags["VEC"]}
+        yield f"lookup fwd {b}x{ids}x{d} w{w}", {**flags, **tile}, w
 
 
 UPDATE_TYPES = dict(

@@ -554,6 +554,7 @@ fwd_types |= {"weights_ptr": "*bf16", "psw_ptr": "*bf16", "out_ptr": "*bf16"}
 tile = dict(BLOCK_B=64, BLOCK_L=1, BLOCK_D=64, ACC_3D=False)
 fwd = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False, **tile)
 fwd["SLICES_TOGETHER"] = False
+fwd["SLICE_D"] = 8
 bwd_types = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indices_ptr", "offsets_ptr")}
 bwd_types |= {"grad_out_ptr": "*bf16", "psw_ptr": "*bf16", "grad_ptr": "*fp32"}
 bwd = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=16, BLOCK_D=128)
@@ -565,7 +566,7 @@ report = {
     )
     for vec in (1, 8)
 }
-flat = {**fwd, "FLAT": True, "BLOCK_B": 32, "BLOCK_L": 2, "HAS_PSW": True, "VEC": 8}
+flat = {**fwd, "FLAT": True, "BLOCK_B": 32, "BLOCK_L": 2, "HAS_PSW": True, "VEC": 8, "SLICE_D": 16}
 report["flat forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, flat, 2)
 together = {**fwd, "SLICES_TOGETHER": True, "VEC": 8}
 report["together forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, together, 2)
@@ -590,3 +591,43 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
     flat = report["flat forward VEC=8"]
     assert "ld.global.v4.b32" in flat and any(op.startswith("mma") and ".tf32" in op for op in flat), report
     assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(report["together forward VEC=8"]), report
+
+
+FORWARD_REGISTERS = """
+import json, pathlib, tempfile
+import kernels.embedding_bags as module
+from evals.studies import module_from_source
+from evals.studies.registers import LOOKUP_TYPES, compile_report
+
+# The same module with its misaligned path taken out: every block moves its rows in vectors.
+source = pathlib.Path(module.__file__).read_text()
+branch = "    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)\\n"
+assert source.count(branch) == 1
+where = pathlib.Path(tempfile.mkdtemp())
+aligned = module_from_source(source.replace(branch, "    if True:\\n"), "aligned_only", where)
+flags = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False)
+flags |= dict(SLICES_TOGETHER=False)
+report = {}
+for dtype, vec in (("bf16", 8), ("fp32", 4)):
+    types = LOOKUP_TYPES | {n: "*" + dtype for n in ("weights_ptr", "psw_ptr", "out_ptr")}
+    for b, ids, d, acc in ((64, 1, 64, False), (32, 2, 64, False), (16, 2, 64, True)):
+        tile = dict(BLOCK_B=b, BLOCK_L=ids, BLOCK_D=d, ACC_3D=acc, VEC=vec, SLICE_D=d // vec)
+        report[f"{dtype} {b}x{ids}x{d}"] = [
+            compile_report(m._embedding_bags_fwd_kernel, types, {**flags, **tile}, 2)[0]
+            for m in (module, aligned)
+        ]
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_the_misaligned_path_costs_the_forward_no_registers() -> None:
+    """A kernel holds the registers of its costlier path, and the forward's misaligned blocks
+    (rows an element at a time) once took nearly twice its aligned blocks' (235 against 128 a
+    thread at the short bf16 tile), halving the programs an SM holds at every call. In column
+    slices (SLICE_D) they take no more than the aligned path, at each default GPU tile: the
+    kernel's registers (ptxas, sm_90) are within 8 of the same kernel's without that path."""
+    report = in_subprocess(FORWARD_REGISTERS)
+    assert len(report) == 6, report
+    for tile, (regs, aligned_only) in report.items():
+        assert regs <= aligned_only + 8, (tile, report)
