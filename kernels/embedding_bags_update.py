@@ -170,9 +170,10 @@ def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
 @triton.jit
 def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):
     """Each row's step size: SGD's lr, or adagrad's from its state, which this stores back with
-    the row's mean squared gradient added (grad_sq: its sum over the row's columns)."""
+    the row's mean squared gradient added (grad_sq: its sum over the row's columns). Rows out of
+    mask_I take a state of 1, not 0: lr / eps would overflow their unstored lanes' rounding."""
     if ADAGRAD:
-        total_I = tl.load(state_ptr + key_I, mask=mask_I, other=0.0)
+        total_I = tl.load(state_ptr + key_I, mask=mask_I, other=1.0)
         total_I += grad_sq_I / tl.maximum(dim_I, 1).to(tl.float32)
         tl.store(state_ptr + key_I, total_I, mask=mask_I)
         return lr / (tl.sqrt(total_I) + eps)
@@ -230,9 +231,14 @@ def _rows_kernel(
     starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed, misaligned_ptr,
     ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
     VEC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    SLICE_D: tl.constexpr,
 ):  # fmt: skip
     """_rows, told where every row start and dim is a multiple of VEC elements (16 bytes): the
-    starts are loaded from memory, and untold the compiler moves rows an element at a time."""
+    starts are loaded from memory, and untold the compiler moves rows an element at a time.
+    Misaligned, it takes SLICE_D columns at a time (a quarter of BLOCK_D): a kernel holds its
+    costlier path's registers, and element by element at the whole tile that path took a third
+    more (96 against 72 a thread at the default tile, Triton 3.9 for sm_90; a quarter, no more
+    than the aligned path and no spills: evals/studies/registers.py)."""
     if tl.load(misaligned_ptr) == 0:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
@@ -240,7 +246,7 @@ def _rows_kernel(
     else:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, 1)  # fmt: skip
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, SLICE_D, 1)  # fmt: skip
 
 
 @triton.jit
@@ -479,7 +485,7 @@ def embedding_bags_update(
         weights, state, grad_out, sorted_keys, grad_at, scale, row_at, dims, starts, count,
         partial, max_dim, nnz, lr, eps, seed, misaligned,
         ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
-        BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d,
+        BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d, SLICE_D=max(block_d // 4, 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     _long_rows_kernel[(triton.cdiv(nnz, chunk),)](

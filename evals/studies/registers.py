@@ -7,9 +7,10 @@ launch on a GPU specializes them.
     python3 -m evals.studies.registers
 
 Each row: the kernel, its tile, registers a thread and spilled bytes (ptxas -v), the programs
-an SM holds by registers alone (at most 32), and the vector loads and stores in its PTX. The
-counts are this Triton's, and another version's compiler may allocate differently: compare
-tiles within one run, on the GPU hosts' Triton where it matters.
+an SM holds by registers alone (at most 32), the vector loads and stores in its PTX, and the
+registers of the same kernel without its misaligned path (aligned_only): a kernel holds its
+costlier path's registers. The counts are this Triton's, and another version's compiler may
+allocate differently: compare tiles within one run, on the GPU hosts' Triton where it matters.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from triton.compiler import ASTSource
 
 import kernels.embedding_bags as lookup
 import kernels.embedding_bags_update as update
+from evals.studies import module_from_source
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -65,10 +67,29 @@ def compile_report(fn, types: dict, constexprs: dict, warps: int) -> tuple[int, 
     return regs, spill, len(re.findall(r"\b(?:ld|st)\.global[\w.:]*\.v[24]\.", ptx))
 
 
+# Each kernel's test of alignment, whose other branch moves rows an element at a time.
+ALIGNED_BRANCHES = {
+    lookup: "    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)\n",
+    update: "    if tl.load(misaligned_ptr) == 0:\n",
+}
+
+
+def aligned_only(module):
+    """A copy of `module` (a key of ALIGNED_BRANCHES) whose kernels always take the aligned path:
+    the misaligned path compiled out."""
+    source = Path(module.__file__).read_text()
+    branch = ALIGNED_BRANCHES[module]
+    if source.count(branch) != 1:
+        raise ValueError(f"{module.__name__}: its alignment test is not once in its source: {branch!r}")
+    name = module.__name__.rsplit(".", 1)[-1] + "_aligned_only"
+    return module_from_source(source.replace(branch, "    if True:\n"), name)
+
+
 def _update_tiles() -> Iterator[tuple[str, dict, int]]:
     flags = dict(ADAGRAD=True, SCALED=False, STOCHASTIC=False, CHUNK=64, VEC=8)
     for i, d, w in [(8, 32, 2), (16, 32, 2), (32, 32, 4), (16, 64, 2), (8, 256, 4)]:
-        yield f"update rows {i}x1x{d} w{w}", {**flags, "BLOCK_I": i, "BLOCK_L": 1, "BLOCK_D": d}, w
+        tile = {"BLOCK_I": i, "BLOCK_L": 1, "BLOCK_D": d, "SLICE_D": d // 4}  # as the launch's
+        yield f"update rows {i}x1x{d} w{w}", {**flags, **tile}, w
 
 
 def _lookup_tiles() -> Iterator[tuple[str, dict, int]]:
@@ -94,15 +115,18 @@ LOOKUP_TYPES |= {
 
 def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
-    print(f"{'kernel and tile (bf16)':34} {'regs':>5} {'spill':>6} {'programs/SM':>12} {'vector ops':>11}")
-    for fn, types, tiles in (
-        (update._rows_kernel, UPDATE_TYPES, _update_tiles()),
-        (lookup._embedding_bags_fwd_kernel, LOOKUP_TYPES, _lookup_tiles()),
+    head = f"{'regs':>5} {'spill':>6} {'programs/SM':>12} {'vector ops':>11} {'aligned path alone':>19}"
+    print(f"{'kernel and tile (bf16)':34} {head}")
+    for module, kernel, types, tiles in (
+        (update, "_rows_kernel", UPDATE_TYPES, _update_tiles()),
+        (lookup, "_embedding_bags_fwd_kernel", LOOKUP_TYPES, _lookup_tiles()),
     ):
+        alone = aligned_only(module)
         for label, constexprs, warps in tiles:
-            regs, spill, vectors = compile_report(fn, types, constexprs, warps)
+            regs, spill, vectors = compile_report(getattr(module, kernel), types, constexprs, warps)
             programs = min(32, 65536 // (regs * 32 * warps))
-            print(f"{label:34} {regs:5} {spill:6} {programs:12} {vectors:11}", flush=True)
+            aligned = compile_report(getattr(alone, kernel), types, constexprs, warps)[0]
+            print(f"{label:34} {regs:5} {spill:6} {programs:12} {vectors:11} {aligned:19}", flush=True)
 
 
 if __name__ == "__main__":

@@ -594,17 +594,11 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
 
 
 FORWARD_REGISTERS = """
-import json, pathlib, tempfile
+import json
 import kernels.embedding_bags as module
-from evals.studies import module_from_source
-from evals.studies.registers import LOOKUP_TYPES, compile_report
+from evals.studies.registers import LOOKUP_TYPES, aligned_only, compile_report
 
-# The same module with its misaligned path taken out: every block moves its rows in vectors.
-source = pathlib.Path(module.__file__).read_text()
-branch = "    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)\\n"
-assert source.count(branch) == 1
-where = pathlib.Path(tempfile.mkdtemp())
-aligned = module_from_source(source.replace(branch, "    if True:\\n"), "aligned_only", where)
+aligned = aligned_only(module)  # every block's rows in vectors
 flags = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False)
 flags |= dict(SLICES_TOGETHER=False)
 report = {}
