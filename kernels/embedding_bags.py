@@ -318,6 +318,7 @@ def _embedding_bags_bwd_kernel(
     VEC: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SLICE_D: tl.constexpr,
 ):
     keyed = tl.program_id(0).to(tl.int64)  # bag (feature, b) = feature * num_bags + b
     feature = keyed // num_bags
@@ -328,31 +329,33 @@ def _embedding_bags_bwd_kernel(
     table = tl.load(weight_offsets_ptr + feature)
     # As the forward's blocks (_pool_block): where the gradient row and the table's rows start on
     # 16-byte boundaries of grad_out's dtype (VEC elements, a multiple of the fp32 gradient's 4),
-    # the same code runs told so, and moves them in vectors.
+    # the same code runs told so, and moves them in vectors; otherwise SLICE_D columns at a time,
+    # in as few registers as the vectors take.
+    col0 = tl.program_id(1) * BLOCK_D
     aligned = (dim % VEC == 0) & (first_col % VEC == 0) & (table % VEC == 0)
     aligned = aligned & (stride_grad_out_row % VEC == 0)
     if aligned:  # always, where VEC is 1
         _scatter_bag(
             grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row // VEC * VEC,
-            num_bags, keyed, first_col // VEC * VEC, dim // VEC * VEC, table // VEC * VEC,
+            num_bags, keyed, first_col // VEC * VEC, dim // VEC * VEC, table // VEC * VEC, col0,
             HAS_PSW, MODE_MEAN, BLOCK_L, BLOCK_D,
         )  # fmt: skip
     else:
-        _scatter_bag(
-            grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row, num_bags,
-            keyed, first_col, dim, table, HAS_PSW, MODE_MEAN, BLOCK_L, BLOCK_D,
-        )  # fmt: skip
+        for s in range(0, tl.cdiv(tl.minimum(dim - col0, BLOCK_D), SLICE_D)):
+            _scatter_bag(
+                grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row, num_bags,
+                keyed, first_col, dim, table, col0 + s * SLICE_D, HAS_PSW, MODE_MEAN, BLOCK_L, SLICE_D,
+            )  # fmt: skip
 
 
 @triton.jit
 def _scatter_bag(
     grad_out_ptr, indices_ptr, offsets_ptr, psw_ptr, grad_ptr, stride_grad_out_row, num_bags,
-    keyed, first_col, dim, table,
+    keyed, first_col, dim, table, col0,
     HAS_PSW: tl.constexpr, MODE_MEAN: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Bag `keyed`'s gradient row, one column block (the grid's second axis), added into the
-    rows of its ids."""
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    """Bag `keyed`'s gradient row, BLOCK_D columns from col0, added into the rows of its ids."""
+    cols = col0 + tl.arange(0, BLOCK_D)
     col_mask = cols < dim
     table_ptr = grad_ptr + table
     start = tl.load(offsets_ptr + keyed).to(tl.int64)
@@ -515,6 +518,7 @@ def embedding_bags_backward(
             HAS_PSW=has_psw,
             MODE_MEAN=mode == "mean",
             VEC=16 // grad_out.element_size() if VECTORS else 1,
+            SLICE_D=max(cfg["BLOCK_D"] // 4, 1),  # a quarter: 30 registers a thread, 28 aligned (sm_90)
             **cfg,
         )
     return grad.to(grad_out.dtype)

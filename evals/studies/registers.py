@@ -7,9 +7,9 @@ launch on a GPU specializes them.
     python3 -m evals.studies.registers
 
 Each row: the kernel, its tile, registers a thread and spilled bytes (ptxas -v), the programs
-an SM holds by registers alone (at most 32), the vector loads and stores in its PTX, and the
-registers of the same kernel without its misaligned path (aligned_only): a kernel holds its
-costlier path's registers. The counts are this Triton's, and another version's compiler may
+an SM holds (by registers, at most 32 programs and 64 warps), the vector loads and stores in
+its PTX, and the registers of the same kernel without its misaligned path (aligned_only): a
+kernel holds its costlier path's registers. The counts are this Triton's, and another version's compiler may
 allocate differently: compare tiles within one run, on the GPU hosts' Triton where it matters.
 """
 
@@ -67,10 +67,13 @@ def compile_report(fn, types: dict, constexprs: dict, warps: int) -> tuple[int, 
     return regs, spill, len(re.findall(r"\b(?:ld|st)\.global[\w.:]*\.v[24]\.", ptx))
 
 
-# Each kernel's test of alignment, whose other branch moves rows an element at a time.
+# Each module's tests of alignment, whose other branch moves rows an element at a time.
 ALIGNED_BRANCHES = {
-    lookup: "    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)\n",
-    update: "    if tl.load(misaligned_ptr) == 0:\n",
+    lookup: (
+        "    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)\n",
+        "    if aligned:  # always, where VEC is 1\n",
+    ),
+    update: ("    if tl.load(misaligned_ptr) == 0:\n",),
 }
 
 
@@ -78,11 +81,11 @@ def aligned_only(module):
     """A copy of `module` (a key of ALIGNED_BRANCHES) whose kernels always take the aligned path:
     the misaligned path compiled out."""
     source = Path(module.__file__).read_text()
-    branch = ALIGNED_BRANCHES[module]
-    if source.count(branch) != 1:
-        raise ValueError(f"{module.__name__}: its alignment test is not once in its source: {branch!r}")
-    name = module.__name__.rsplit(".", 1)[-1] + "_aligned_only"
-    return module_from_source(source.replace(branch, "    if True:\n"), name)
+    for branch in ALIGNED_BRANCHES[module]:
+        if source.count(branch) != 1:
+            raise ValueError(f"{module.__name__}: an alignment test is not once in its source: {branch!r}")
+        source = source.replace(branch, "    if True:\n")
+    return module_from_source(source, module.__name__.rsplit(".", 1)[-1] + "_aligned_only")
 
 
 def _update_tiles() -> Iterator[tuple[str, dict, int]]:
@@ -102,6 +105,12 @@ def _lookup_tiles() -> Iterator[tuple[str, dict, int]]:
         yield f"lookup fwd {b}x{ids}x{d} w{w}", {**flags, **tile}, w
 
 
+def _backward_tiles() -> Iterator[tuple[str, dict, int]]:
+    flags = dict(HAS_PSW=False, MODE_MEAN=False, VEC=8)
+    for ids, d, w in [(16, 128, 4)]:
+        yield f"lookup bwd {ids}x{d} w{w}", {**flags, "BLOCK_L": ids, "BLOCK_D": d, "SLICE_D": d // 4}, w
+
+
 UPDATE_TYPES = dict(
     weights_ptr="*bf16", state_ptr="*fp32", grad_out_ptr="*bf16", keys_ptr="*i32", scale_ptr="*fp32",
     dim_ptr="*i32", partial_ptr="*fp32", lr="fp32", eps="fp32", misaligned_ptr="*i32",
@@ -111,6 +120,7 @@ LOOKUP_TYPES |= {"weights_ptr": "*bf16", "psw_ptr": "*bf16", "out_ptr": "*bf16"}
 LOOKUP_TYPES |= {
     n: "i32" for n in ("stride_out_row", "num_bags", "num_bag_blocks", "num_blocks", "num_features")
 }
+BACKWARD_TYPES = LOOKUP_TYPES | {"grad_out_ptr": "*bf16", "grad_ptr": "*fp32"}
 
 
 def main() -> None:
@@ -120,11 +130,12 @@ def main() -> None:
     for module, kernel, types, tiles in (
         (update, "_rows_kernel", UPDATE_TYPES, _update_tiles()),
         (lookup, "_embedding_bags_fwd_kernel", LOOKUP_TYPES, _lookup_tiles()),
+        (lookup, "_embedding_bags_bwd_kernel", BACKWARD_TYPES, _backward_tiles()),
     ):
         alone = aligned_only(module)
         for label, constexprs, warps in tiles:
             regs, spill, vectors = compile_report(getattr(module, kernel), types, constexprs, warps)
-            programs = min(32, 65536 // (regs * 32 * warps))
+            programs = min(32, 64 // warps, 65536 // (regs * 32 * warps))  # blocks, warps, registers
             aligned = compile_report(getattr(alone, kernel), types, constexprs, warps)[0]
             print(f"{label:34} {regs:5} {spill:6} {programs:12} {vectors:11} {aligned:19}", flush=True)
 
