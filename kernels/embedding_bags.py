@@ -6,27 +6,21 @@ Backward: grad[weight_offsets[f] + indices[i] * dim_f + c] += psw[i] * grad_out[
 
 One launch serves every feature. A forward program takes one block of bags and one block of
 columns of one feature: the grid numbers every feature's column blocks in turn, so a narrow
-feature launches only the programs its dim needs (a grid over the widest feature's blocks
-launched 60% of its programs past their feature's dim at the timing shapes; on an H100 the
-forward took 0.83x to 0.94x of its time). Inside, it is the single-table kernel
+feature launches only the programs its dim needs (on an H100, 0.83x to 0.94x the time of a grid
+over the widest feature's blocks). Inside, it is the single-table kernel
 (kernels/embedding_bag.py): BLOCK_B bags advance together and gather a [BLOCK_B, BLOCK_L,
 BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
 rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
-launch): each program then loops over blocks, reading the features' dims once. Rows move in
-16-byte vectors wherever a block's table, dim, first output column and the output's row
-stride allow it (_pool_block; the backward's bags likewise): on an H100 that alone made the
-forward 1.2x to 2.0x as fast at one tile, and let wider slices lead (BENCHMARKS.md,
-2026-12-06, twenty-fourth session). A block advances until its longest bag ends, so on skewed
-bags most lanes idle (power-law bags of mean 19 ids in blocks of 32: the longest near 100); the
-FLAT knob (_flat_sums) takes a block's ids in order instead, every lane busy, and sums them into
-their bags on the tensor cores; it measured slower at every timing shape, so it is a knob a
-campaign may try, off by default.
+launch). Rows move in 16-byte vectors wherever a block's table, dim, first output column and
+the output's row stride allow it (_pool_block; the backward's bags likewise: 1.2x to 2.0x as
+fast on an H100). A block advances until its longest bag ends, so on skewed bags most lanes
+idle; the FLAT knob (_flat_sums) takes a block's ids in order instead, every lane busy, and
+sums them into their bags on the tensor cores (slower at every timing shape: off by default).
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
-the widest feature's column blocks: numbering every feature's blocks in turn, as the forward
-does, cost each of its one-bag programs more than the empty ones it saved (forward and
-backward 0.93x to 0.95x as fast on an H100).
+the widest feature's column blocks (numbering every feature's blocks, as the forward does, was
+0.93x to 0.95x as fast on an H100).
 
 This module is also the knob template of both problems (embedding_bags; embedding_bags_backward,
 the GRAD_ knobs): a search writes values into KNOBS; None keeps the launch heuristic
@@ -57,8 +51,7 @@ KNOBS = {
 }
 
 # Rows move in 16-byte vectors wherever a block's alignment allows (_pool_block; the backward's
-# bags likewise, its atomic adds four fp32 at a time); False moves them an element at a time, as
-# before (for studies: evals/studies/bags_tiles.py). Not a knob: a search would only find it slower.
+# likewise); False: an element at a time (for studies). Not a knob: it is only slower.
 VECTORS = True
 
 # A call whose bags hold at most this many ids on average holds short features only (one to three
@@ -121,12 +114,10 @@ def _pool_block(
     same code runs on x // VEC * VEC of each (the same values, which the compiler then knows to
     be multiples of VEC), and its rows move in 16-byte vectors.
 
-    A misaligned block takes its columns SLICE_D at a time, one slice after another: an element
-    at a time, its whole tile's addresses took nearly twice the registers of the aligned path's
-    vectors (235 against 128 a thread at 64 bags x 64 bf16 columns on two warps, Triton 3.9 for
-    sm_90; evals/studies/registers.py), and a kernel holds the registers of its costlier path,
-    so every program of every call paid for the rare misaligned feature in programs an SM. In
-    slices of 8 columns it takes no more than the aligned path."""
+    A misaligned block takes its columns SLICE_D at a time: element by element, its whole tile
+    took nearly twice the aligned path's registers (235 against 128 a thread at the short bf16
+    tile, sm_90: evals/studies/registers.py), and a kernel holds its costlier path's, so every
+    call paid for a rare misaligned feature in programs an SM."""
     aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
     if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)
         _pool_rows(
@@ -183,15 +174,13 @@ def _flat_sums(
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """The bags' sums [BLOCK_B, BLOCK_D], taking the block's ids (contiguous: its bags are) in
-    order, CHUNK at a time whatever bag each is in: no lane waits while the block's longest bag
-    finishes (a block of 32 power-law bags of mean 19 ids runs to about 100). Each chunk's rows
-    go to their bags through a product with the chunk's membership matrix [BLOCK_B, CHUNK] on
-    the tensor cores, in TF32, whose products are exact for 0/1 factors (or bf16 and fp16
+    order, CHUNK at a time whatever bag each is in: no lane waits for the block's longest bag.
+    Each chunk's rows go to their bags through a product with the chunk's membership matrix
+    [BLOCK_B, CHUNK] on the tensor cores, in TF32, exact for 0/1 factors (or bf16 and fp16
     weights) times bf16 or fp16 rows; fp32 rows or weights take three TF32 products (about 22
-    bits). The sums are the tensor cores' fp32 accumulation, not the step loop's order. Every
-    row of a chunk meets every bag's factor, so an inf or NaN in a table row makes NaN of the
-    other bags of its chunk too (the step loop keeps it to its own bag). The ids between the
-    block's first and last are read (ids of other features, where offsets do not increase)."""
+    bits). Every row of a chunk meets every bag's factor, so an inf or NaN in a table row makes
+    NaN of the other bags of its chunk too. The ids between the block's first and last are read
+    (ids of other features, where offsets do not increase)."""
     lo = tl.min(tl.where(live_B, start_B, 1 << 62), axis=0)
     end_B = start_B + len_B
     hi = tl.max(tl.where(live_B, end_B, 0), axis=0)
@@ -388,13 +377,10 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
     """Launch parameters of the forward, from sweeps of its timing shapes (evals/studies/bags_tiles.py).
 
     Column slices of 128 or 256 bytes and many bags: every feature's row is one to four slices,
-    each program keeps many row gathers in flight, and a narrow feature wastes few lanes. Once
-    rows moved in 16-byte vectors, an H100 sweep of every timing shape (BENCHMARKS.md
-    2026-12-06, twenty-fourth session) found 64 columns a slice best in both dtypes: short bags,
-    64 bags x 1 id a step on two warps (bf16 1.02x and 1.18x the 32 x 2 x 64 tile, fp32 1.05x
-    the 64 x 1 x 32 tile before it); bf16 pooled batches (bags of up to 120 ids), 32 bags x 2
-    ids; fp32 pooled batches, 16 bags x 2 ids with the 3D accumulator (1.13x the 32-column
-    slice on one warp before it).
+    each program keeps many row gathers in flight, and a narrow feature wastes few lanes. An
+    H100 sweep of every timing shape (BENCHMARKS.md, 2026-12-06) found 64 columns a slice best
+    in both dtypes: short bags, 64 bags x 1 id a step on two warps; bf16 pooled batches (bags of
+    up to 120 ids), 32 bags x 2 ids; fp32 pooled batches, 16 bags x 2 ids, 3D accumulator.
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
@@ -406,9 +392,7 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
         tile = (16, 2, 64, True)
     else:
         tile = (32, 2, 64, False)
-    # FLAT (the block's ids in chunks of BLOCK_B x BLOCK_L, _flat_sums) stays off: on an H100 it
-    # was 0.45x to 0.79x these tiles at every timing shape (BENCHMARKS.md, twenty-sixth session).
-    # SLICES_TOGETHER stays off: 0.97x to 1.05x these tiles on an H100 (twenty-ninth session).
+    # Off (H100, BENCHMARKS.md): FLAT, 0.45x to 0.79x these tiles; SLICES_TOGETHER, 0.97x to 1.05x.
     names = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")
     return dict(zip(names, tile, strict=True)) | {"num_warps": 2, "FLAT": False, "SLICES_TOGETHER": False}
 
