@@ -126,6 +126,12 @@ def _pool_block(
             bags_B, limit, start_B, len_B,
             HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
         )  # fmt: skip
+    elif SLICE_D == BLOCK_D:
+        _pool_rows(
+            weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+            first_col, dim, col_block, table, bags_B, limit, start_B, len_B,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
+        )  # fmt: skip
     else:
         for s in range(0, tl.cdiv(tl.minimum(dim - col_block * BLOCK_D, BLOCK_D), SLICE_D)):
             _pool_rows(
@@ -397,6 +403,16 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
     return dict(zip(names, tile, strict=True)) | {"num_warps": 2, "FLAT": False, "SLICES_TOGETHER": False}
 
 
+def _slice_d(cfg: dict, vec: int, element_size: int) -> int:
+    """A misaligned block's column slice (_pool_block): a VECth of the block's (as few registers
+    as the aligned path at the default tiles; FLAT's product takes 16 or more), for 2-byte
+    elements. In fp32 the whole block: on an H100 (BENCHMARKS.md, 2026-12-07) the short fp32
+    shape ran at 0.74x with slices, its fewer registers notwithstanding, and the others alike."""
+    if element_size == 4:
+        return cfg["BLOCK_D"]
+    return min(cfg["BLOCK_D"], max(cfg["BLOCK_D"] // vec, 16 if cfg["FLAT"] else 1))
+
+
 def _backward_config(max_dim: int, interpreted: bool = False) -> dict:
     """Launch parameters of the backward: the single-table kernel's 16 ids of up to 128 columns
     on a GPU (untuned here); interpreted, 64 ids of whole rows."""
@@ -455,9 +471,7 @@ def embedding_bags_forward(
         EVICT_ROWS=KNOBS["EVICT_ROWS"],
         NUM_STAGES=KNOBS["num_stages"],
         VEC=vec,
-        # A misaligned block's column slice (_pool_block): a VECth of the block's (as few
-        # registers as the aligned path at the default tiles); FLAT's product takes 16 or more.
-        SLICE_D=min(cfg["BLOCK_D"], max(cfg["BLOCK_D"] // vec, 16 if cfg["FLAT"] else 1)),
+        SLICE_D=_slice_d(cfg, vec, weights.element_size()),
         num_stages=1,
         **cfg,
     )
