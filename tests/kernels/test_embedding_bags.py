@@ -602,18 +602,25 @@ aligned = aligned_only(module)  # every block's rows in vectors
 flags = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False)
 flags |= dict(SLICES_TOGETHER=False)
 report = {}
-for dtype, vec in (("bf16", 8), ("fp32", 4)):
+for dtype, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
     types = LOOKUP_TYPES | {n: "*" + dtype for n in ("weights_ptr", "psw_ptr", "out_ptr")}
-    for b, ids, d, acc in ((64, 1, 64, False), (32, 2, 64, False), (16, 2, 64, True)):
-        tile = dict(BLOCK_B=b, BLOCK_L=ids, BLOCK_D=d, ACC_3D=acc, VEC=vec, SLICE_D=d // vec)
-        report[f"{dtype} {b}x{ids}x{d}"] = [
-            compile_report(m._embedding_bags_fwd_kernel, types, {**flags, **tile}, 2)[0]
-            for m in (module, aligned)
-        ]
+    vec = 16 // size
+    for mean_ids in (1.5, 20.0):  # the short tile, then the pooled one
+        cfg = module._forward_config(64, size, mean_ids)
+        tile = {k: cfg[k] for k in ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")}
+        tile |= dict(VEC=vec, SLICE_D=module._slice_d(cfg, vec, size))
+        if dtype != "fp32":  # fp32's misaligned blocks stay whole (_slice_d)
+            report[f"{dtype} {mean_ids} ids"] = [
+                compile_report(m._embedding_bags_fwd_kernel, types, {**flags, **tile}, cfg["num_warps"])[0]
+                for m in (module, aligned)
+            ]
     types = LOOKUP_TYPES | {"grad_out_ptr": "*" + dtype, "psw_ptr": "*" + dtype, "grad_ptr": "*fp32"}
-    tile = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=16, BLOCK_D=128, VEC=vec, SLICE_D=32)
+    cfg = module._backward_config(256)
+    tile = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=cfg["BLOCK_L"], BLOCK_D=cfg["BLOCK_D"], VEC=vec)
+    tile["SLICE_D"] = max(cfg["BLOCK_D"] // 4, 1)  # as the launch's
     report[f"{dtype} backward"] = [
-        compile_report(m._embedding_bags_bwd_kernel, types, tile, 4)[0] for m in (module, aligned)
+        compile_report(m._embedding_bags_bwd_kernel, types, tile, cfg["num_warps"])[0]
+        for m in (module, aligned)
     ]
 print(json.dumps(report))
 """
@@ -625,9 +632,10 @@ def test_the_misaligned_path_costs_the_kernels_no_registers() -> None:
     (rows an element at a time) once took nearly twice its aligned blocks' (235 against 128 a
     thread at the short bf16 tile), halving the programs an SM holds at every call; the
     backward's, 53 against 28. In column slices (SLICE_D) they take no more than the aligned
-    path, at each default GPU tile: the kernel's registers (ptxas, sm_90) are within 8 of the
-    same kernel's without that path."""
+    path, at each default GPU tile as the launch picks it: the kernel's registers (ptxas,
+    sm_90) are within 8 of the same kernel's without that path. (fp32's forward keeps its
+    misaligned blocks whole, as measured faster: kernels.embedding_bags._slice_d.)"""
     report = in_subprocess(KERNEL_REGISTERS)
-    assert len(report) == 8, report
+    assert len(report) == 7, report
     for tile, (regs, aligned_only) in report.items():
         assert regs <= aligned_only + 8, (tile, report)
