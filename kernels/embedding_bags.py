@@ -114,10 +114,8 @@ def _pool_block(
     same code runs on x // VEC * VEC of each (the same values, which the compiler then knows to
     be multiples of VEC), and its rows move in 16-byte vectors.
 
-    A misaligned block takes its columns SLICE_D at a time: element by element, its whole tile
-    took nearly twice the aligned path's registers (235 against 128 a thread at the short bf16
-    tile, sm_90: evals/studies/registers.py), and a kernel holds its costlier path's, so every
-    call paid for a rare misaligned feature in programs an SM."""
+    A misaligned block takes SLICE_D columns at a time (_slice_d): its whole tile element by
+    element took twice the aligned path's registers, which every call then held."""
     aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
     if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)
         _pool_rows(
@@ -272,13 +270,10 @@ def _embedding_bags_fwd_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # Each feature has num_bag_blocks x cdiv(d, BLOCK_D) blocks (a feature of dim d), numbered
-    # feature by feature (_block_of says in which order within one): no block is launched for
-    # columns past a narrow feature's dim.
-    # `num_blocks` is a bound taken on the host; blocks past the last feature's store nothing.
-    # (One axis: the blocks grow with the features, and a second axis would stop at 65535.) A
-    # program takes blocks p, p + grid, ...: one each when the grid covers them all, several in
-    # a persistent launch.
+    # Each feature has num_bag_blocks x cdiv(d, BLOCK_D) blocks (dim d), numbered feature by
+    # feature (_block_of), on one axis (a second would stop at 65535). `num_blocks` is a bound
+    # taken on the host: blocks past the last feature's store nothing. A program takes blocks
+    # p, p + grid, ...: several in a persistent launch.
     f_F = tl.arange(0, FEATURES)
     in_F = f_F < num_features
     lo_F = tl.load(dim_offsets_ptr + f_F, mask=in_F, other=0)
@@ -324,8 +319,7 @@ def _embedding_bags_bwd_kernel(
     table = tl.load(weight_offsets_ptr + feature)
     # As the forward's blocks (_pool_block): where the gradient row and the table's rows start on
     # 16-byte boundaries of grad_out's dtype (VEC elements, a multiple of the fp32 gradient's 4),
-    # the same code runs told so, and moves them in vectors; otherwise SLICE_D columns at a time,
-    # in as few registers as the vectors take.
+    # the same code runs told so, in vectors; otherwise SLICE_D columns at a time.
     col0 = tl.program_id(1) * BLOCK_D
     aligned = (dim % VEC == 0) & (first_col % VEC == 0) & (table % VEC == 0)
     aligned = aligned & (stride_grad_out_row % VEC == 0)
@@ -404,10 +398,11 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
 
 
 def _slice_d(cfg: dict, vec: int, element_size: int) -> int:
-    """A misaligned block's column slice (_pool_block): a VECth of the block's (as few registers
-    as the aligned path at the default tiles; FLAT's product takes 16 or more), for 2-byte
-    elements. In fp32 the whole block: on an H100 (BENCHMARKS.md, 2026-12-07) the short fp32
-    shape ran at 0.74x with slices, its fewer registers notwithstanding, and the others alike."""
+    """A misaligned block's column slice (_pool_block): a VECth of the block's for 2-byte elements
+    (the aligned path's registers, 128 against 235 a thread at the short bf16 tile for sm_90:
+    evals/studies/registers.py; FLAT's product takes 16 or more); in fp32 the whole block (with
+    slices the short fp32 shape ran at 0.73x on an H100, its fewer registers notwithstanding:
+    BENCHMARKS.md, 2026-12-07)."""
     if element_size == 4:
         return cfg["BLOCK_D"]
     return min(cfg["BLOCK_D"], max(cfg["BLOCK_D"] // vec, 16 if cfg["FLAT"] else 1))
