@@ -12,8 +12,8 @@ over the widest feature's blocks). Inside, it is the single-table kernel
 BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
 rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
 launch). Rows move in 16-byte vectors wherever a block's table, dim, first output column and
-the output's row stride allow it (_pool_block; the backward's bags likewise: 1.2x to 2.0x as
-fast on an H100). A block advances until its longest bag ends, so on skewed bags most lanes
+the output's row stride allow it (_pool_block: the forward 1.2x to 2.0x as fast on an H100; the
+backward's bags likewise). A block advances until its longest bag ends, so on skewed bags most lanes
 idle; the FLAT knob (_flat_sums) takes a block's ids in order instead, every lane busy, and
 sums them into their bags on the tensor cores (slower at every timing shape: off by default).
 
@@ -131,6 +131,7 @@ def _pool_block(
             HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
         )  # fmt: skip
     else:
+        tl.static_assert(BLOCK_D % SLICE_D == 0)
         for s in range(0, tl.cdiv(tl.minimum(dim - col_block * BLOCK_D, BLOCK_D), SLICE_D)):
             _pool_rows(
                 weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,

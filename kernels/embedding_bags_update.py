@@ -171,7 +171,7 @@ def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
 def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):
     """Each row's step size: SGD's lr, or adagrad's from its state, which this stores back with
     the row's mean squared gradient added (grad_sq: its sum over the row's columns). Rows out of
-    mask_I take a state of 1, not 0: lr / eps would overflow their unstored lanes' rounding."""
+    mask_I take a state of 1, not 0: lr / eps can overflow fp16 in their unstored lanes."""
     if ADAGRAD:
         total_I = tl.load(state_ptr + key_I, mask=mask_I, other=1.0)
         total_I += grad_sq_I / tl.maximum(dim_I, 1).to(tl.float32)

@@ -27,8 +27,8 @@ def main(problem_name: str, other: str, pattern: str = "") -> None:
     if problem.updates:
         raise SystemExit(f"{problem_name} updates its arguments in place: time it with update_tiles")
     template = get_template(problem_name)
-    modules = {other: importlib.import_module(other), "default": importlib.import_module(template.source_module)}
-    entries = {label: getattr(module, template.entry) for label, module in modules.items()}
+    modules = {other: other, "default": template.source_module}
+    entries = {label: getattr(importlib.import_module(m), template.entry) for label, m in modules.items()}
     for shape in [s for s in problem.timing_shapes if pattern in s.name]:
         inputs = problem.make_inputs(shape, 1, device)
         call = (inputs.args, inputs.kwargs)
