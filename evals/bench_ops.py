@@ -138,7 +138,8 @@ def run_op_benchmark(
         fresh = run.fresh_inputs(problem, shape, checks=CHECKED_CALLS)
         nbytes, nflops = problem.bytes(shape), problem.flops(shape)
         results = {}
-        for name, fn in _providers(problem, lib, device, shape).items():
+        providers = _providers(problem, lib, device, shape)
+        for name, fn in [(n, f) for n, f in providers.items() if n not in (without or ())]:
             checked = Checked()
             # Each call to its end event on the current stream, as the judge times candidates and
             # baselines: torch's ops and the library's Triton launches stay on it (a library

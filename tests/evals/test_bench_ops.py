@@ -66,6 +66,14 @@ def test_an_update_is_checked_against_the_reference_on_its_inputs_before_the_cal
     assert row["correct"] and row["checked_calls"] >= 1, row
 
 
+def test_a_provider_named_in_without_is_left_out(monkeypatch) -> None:
+    kernel = _kernel("jagged_to_padded_dense")
+    monkeypatch.setattr(bench_ops, "_providers", lambda *args: {"kept": kernel, "left out": kernel})
+    console = Console(file=io.StringIO())
+    rows = run_op_benchmark("jagged_to_padded_dense", console=console, without=["left out"])
+    assert {r["provider"] for r in rows} == {"kept"}
+
+
 @pytest.mark.parametrize("op", ["embedding_bags", "jagged_to_padded_dense"])
 def test_fresh_inputs_are_sets_of_their_own_of_the_warm_ups_forms(op: str) -> None:
     problem = get_problem(op)
