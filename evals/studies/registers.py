@@ -9,8 +9,12 @@ launch on a GPU specializes them.
 Each row: the kernel, its tile, registers a thread and spilled bytes (ptxas -v), the programs
 an SM holds (by registers, at most 32 programs and 64 warps), the vector loads and stores in
 its PTX, and the registers of the same kernel without its misaligned path (aligned_only): a
-kernel holds its costlier path's registers. The counts are this Triton's, and another version's compiler may
-allocate differently: compare tiles within one run, on the GPU hosts' Triton where it matters.
+kernel holds its costlier path's registers. The counts are this Triton's: another version's
+compiler allocates differently. For the GPU hosts' Triton on a CPU host (it reproduced the 166
+registers ncu counted for the short bf16 lookup on an H100, where Triton 3.9 gives 128):
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:$PWD python3 -m evals.studies.registers
 """
 
 from __future__ import annotations
