@@ -630,7 +630,7 @@ print(json.dumps(report))
 def test_the_misaligned_path_costs_the_kernels_no_registers() -> None:
     """A kernel holds the registers of its costlier path, and the forward's misaligned blocks
     (rows an element at a time) once took nearly twice its aligned blocks' (235 against 128 a
-    thread at the short bf16 tile), halving the programs an SM holds at every call; the
+    thread at the short bf16 tile, Triton 3.9), halving the programs an SM holds at every call; the
     backward's, 53 against 28. In column slices (SLICE_D) they take about the aligned path's,
     at each default GPU tile as the launch picks it: the kernel's registers (ptxas, sm_90) are
     within 8 of the same kernel's without that path. (fp32's forward keeps its

@@ -438,7 +438,7 @@ print(json.dumps(report))
 def test_the_misaligned_path_costs_the_rows_kernel_no_registers() -> None:
     """A kernel holds the registers of its costlier path: the rows kernel's misaligned rows (an
     element at a time) took a third more than its aligned rows at the default tile (96 against
-    72 a thread, bf16 adagrad), and so every call held fewer programs an SM. A quarter of the
+    72 a thread, bf16 adagrad, Triton 3.9), and so every call held fewer programs an SM. A quarter of the
     tile's columns at a time, they take about as many: the kernel's registers (ptxas, sm_90) are
     within 8 of the same kernel's without that path, and it spills no more."""
     report = in_subprocess(ROWS_REGISTERS)
