@@ -20,7 +20,7 @@ from pathlib import Path
 
 import kernels.embedding_bags as kernel
 from evals.studies import beside, module_from_source
-from evals.studies.registers import LOOKUP_TYPES, compile_report
+from evals.studies.registers import LOOKUP_TYPES, compile_report, lookup_launch
 
 GENERAL = """    acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     acc_BLD = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
@@ -54,14 +54,11 @@ def edited():
 def registers(module) -> list[tuple[str, int, int]]:
     """(tile, registers, spilled bytes) of `module`'s forward at the short and pooled bf16 tiles."""
     rows = []
-    flags = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, VEC=8)
     for mean_ids in (1.5, 20.0):
-        cfg = kernel._forward_config(64, 2, mean_ids)
-        tile = {k: cfg[k] for k in ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "FLAT", "SLICES_TOGETHER")}
-        constexprs = flags | tile | {"SLICE_D": kernel._slice_d(cfg, 8, 2)}
-        fn = module._embedding_bags_fwd_kernel
-        regs, spill, _ = compile_report(fn, LOOKUP_TYPES, constexprs, cfg["num_warps"])
-        rows.append((f"{cfg['BLOCK_B']}x{cfg['BLOCK_L']}x{cfg['BLOCK_D']}", regs, spill))
+        constexprs, warps = lookup_launch(2, mean_ids)
+        regs, spill, _ = compile_report(module._embedding_bags_fwd_kernel, LOOKUP_TYPES, constexprs, warps)
+        tile = "x".join(str(constexprs[k]) for k in ("BLOCK_B", "BLOCK_L", "BLOCK_D"))
+        rows.append((tile, regs, spill))
     return rows
 
 

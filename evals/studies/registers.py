@@ -92,6 +92,25 @@ def aligned_only(module):
     return module_from_source(source, module.__name__.rsplit(".", 1)[-1] + "_aligned_only")
 
 
+def lookup_launch(element_size: int, mean_ids: float) -> tuple[dict, int]:
+    """The forward's constexprs and warps as its launch picks them on a GPU, for a call of
+    `mean_ids` ids a bag (up to 32 features of up to 64 columns, sums, no per-sample weights)."""
+    cfg = lookup._forward_config(64, element_size, mean_ids)
+    vec = 16 // element_size
+    constexprs = {k: cfg[k] for k in ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "FLAT", "SLICES_TOGETHER")}
+    constexprs |= dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, VEC=vec)
+    constexprs["SLICE_D"] = lookup._slice_d(cfg, vec, element_size)
+    return constexprs, cfg["num_warps"]
+
+
+def backward_launch(element_size: int) -> tuple[dict, int]:
+    """The backward's constexprs and warps as its launch picks them on a GPU (sums, no weights)."""
+    cfg = lookup._backward_config(256)
+    constexprs = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=cfg["BLOCK_L"], BLOCK_D=cfg["BLOCK_D"])
+    constexprs |= dict(VEC=16 // element_size, SLICE_D=max(cfg["BLOCK_D"] // 4, 1))  # as the launch's
+    return constexprs, cfg["num_warps"]
+
+
 def _update_tiles() -> Iterator[tuple[str, dict, int]]:
     flags = dict(ADAGRAD=True, SCALED=False, STOCHASTIC=False, CHUNK=64, VEC=8)
     for i, d, w in [(8, 32, 2), (16, 32, 2), (32, 32, 4), (16, 64, 2), (8, 256, 4)]:
@@ -131,12 +150,13 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     head = f"{'regs':>5} {'spill':>6} {'programs/SM':>12} {'vector ops':>11} {'aligned path alone':>19}"
     print(f"{'kernel and tile (bf16)':34} {head}")
+    alone_of = {module: aligned_only(module) for module in (update, lookup)}
     for module, kernel, types, tiles in (
         (update, "_rows_kernel", UPDATE_TYPES, _update_tiles()),
         (lookup, "_embedding_bags_fwd_kernel", LOOKUP_TYPES, _lookup_tiles()),
         (lookup, "_embedding_bags_bwd_kernel", BACKWARD_TYPES, _backward_tiles()),
     ):
-        alone = aligned_only(module)
+        alone = alone_of[module]
         for label, constexprs, warps in tiles:
             regs, spill, vectors = compile_report(getattr(module, kernel), types, constexprs, warps)
             programs = min(32, 64 // warps, 65536 // (regs * 32 * warps))  # blocks, warps, registers

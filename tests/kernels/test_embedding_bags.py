@@ -596,31 +596,23 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
 KERNEL_REGISTERS = """
 import json
 import kernels.embedding_bags as module
-from evals.studies.registers import LOOKUP_TYPES, aligned_only, compile_report
+from evals.studies.registers import LOOKUP_TYPES, aligned_only, backward_launch, compile_report, lookup_launch
 
 aligned = aligned_only(module)  # every block's rows in vectors
-flags = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False)
-flags |= dict(SLICES_TOGETHER=False)
 report = {}
 for dtype, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
-    types = LOOKUP_TYPES | {n: "*" + dtype for n in ("weights_ptr", "psw_ptr", "out_ptr")}
-    vec = 16 // size
-    for mean_ids in (1.5, 20.0):  # the short tile, then the pooled one
-        cfg = module._forward_config(64, size, mean_ids)
-        tile = {k: cfg[k] for k in ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")}
-        tile |= dict(VEC=vec, SLICE_D=module._slice_d(cfg, vec, size))
-        if dtype != "fp32":  # fp32's misaligned blocks stay whole (_slice_d)
+    if dtype != "fp32":  # fp32's misaligned blocks stay whole (_slice_d)
+        types = LOOKUP_TYPES | {n: "*" + dtype for n in ("weights_ptr", "psw_ptr", "out_ptr")}
+        for mean_ids in (1.5, 20.0):  # the short tile, then the pooled one
+            constexprs, warps = lookup_launch(size, mean_ids)
             report[f"{dtype} {mean_ids} ids"] = [
-                compile_report(m._embedding_bags_fwd_kernel, types, {**flags, **tile}, cfg["num_warps"])[0]
+                compile_report(m._embedding_bags_fwd_kernel, types, constexprs, warps)[0]
                 for m in (module, aligned)
             ]
     types = LOOKUP_TYPES | {"grad_out_ptr": "*" + dtype, "psw_ptr": "*" + dtype, "grad_ptr": "*fp32"}
-    cfg = module._backward_config(256)
-    tile = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=cfg["BLOCK_L"], BLOCK_D=cfg["BLOCK_D"], VEC=vec)
-    tile["SLICE_D"] = max(cfg["BLOCK_D"] // 4, 1)  # as the launch's
+    constexprs, warps = backward_launch(size)
     report[f"{dtype} backward"] = [
-        compile_report(m._embedding_bags_bwd_kernel, types, tile, cfg["num_warps"])[0]
-        for m in (module, aligned)
+        compile_report(m._embedding_bags_bwd_kernel, types, constexprs, warps)[0] for m in (module, aligned)
     ]
 print(json.dumps(report))
 """
