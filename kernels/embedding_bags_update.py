@@ -154,6 +154,21 @@ def _scan_kernel(counts_ptr, total_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _uniform(seed, where):
+    """A uniform draw in [0, 1) for each element of a [R, C] tile of weights (where: each one's
+    place in weights). Philox gives four numbers a call: elements 4k to 4k + 3 of a row take the
+    four of one call, counted by the first one's place (rows never overlap, so no two groups
+    share a count), a quarter of the calls of one draw an element."""
+    R: tl.constexpr = where.shape[0]
+    C: tl.constexpr = where.shape[1]
+    if C % 4 != 0:
+        return tl.rand(seed, where)
+    first = tl.min(tl.reshape(where, [R, C // 4, 4]), axis=2)
+    u0, u1, u2, u3 = tl.rand4x(seed, first)
+    return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [R, C])
+
+
+@triton.jit
 def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """fp32 w in the weights' dtype: to nearest, or stochastically (unbiased): rounded toward zero,
     then one unit away from zero with probability the remainder's fraction of that unit."""
@@ -162,7 +177,7 @@ def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
         high = (low.to(tl.int16, bitcast=True) + 1).to(OUT_DTYPE, bitcast=True)
         low32, high32 = low.to(tl.float32), high.to(tl.float32)
         frac = tl.abs(w - low32) / tl.maximum(tl.abs(high32 - low32), 1e-38)
-        up = tl.rand(seed, where) < frac
+        up = _uniform(seed, where) < frac
         return tl.where(up, high, low)
     return w.to(OUT_DTYPE)
 
