@@ -13,15 +13,14 @@ CHUNK positions, so a chunk holds at most CHUNK ids of one row. Then
 1. each program sums the gradients of BLOCK_I chunks, BLOCK_D columns at a time (a
    [BLOCK_I, BLOCK_L, BLOCK_D] tile of gathered gradient rows per step; rows wider than
    BLOCK_D take a second pass under adagrad, whose step needs the row's norm). A row whose
-   ids all lie in its chunk (nearly every row: most are looked up once or twice) is updated
-   there and then; a longer row (a hot id, held by many bags) leaves its chunks' sums in a
+   ids all lie in its chunk (most rows: they are looked up once or twice) is updated
+   at once; a longer row (a hot id, held by many bags) leaves its chunks' sums in a
    buffer;
 2. one program per CHUNK positions finishes the long row that crosses its position, if any:
    sums its chunks' sums and updates it once.
 
-Host code only makes the ids' row keys from the call's integer inputs and sorts them (torch
-ops before any launch, on integers no kernel can have written); kernels find the ids' bags and
-number the chunks. Every launch is sized from the number of ids, so nothing is read back: the
+Host code only makes the ids' row keys and sorts them (torch ops on the call's integer inputs,
+before any launch); kernels find the ids' bags and number the chunks. Every launch is sized from the number of ids, so nothing is read back: the
 call never syncs the host.
 
 This module is also the problem's knob template: a search writes values into KNOBS; None keeps
@@ -154,31 +153,32 @@ def _scan_kernel(counts_ptr, total_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _uniform(seed, where):
-    """A uniform draw in [0, 1) for each element of a [R, C] tile of weights (where: each one's
-    place in weights). Philox gives four numbers a call: elements 4k to 4k + 3 of a row take the
-    four of one call, counted by the first one's place (rows never overlap, so no two groups
-    share a count), a quarter of the calls of one draw an element."""
-    R: tl.constexpr = where.shape[0]
-    C: tl.constexpr = where.shape[1]
-    if C % 4 != 0:
-        return tl.rand(seed, where)
-    first = tl.min(tl.reshape(where, [R, C // 4, 4]), axis=2)
-    u0, u1, u2, u3 = tl.rand4x(seed, first)
-    return tl.reshape(tl.join(tl.join(u0, u1), tl.join(u2, u3)), [R, C])
+def _bits(seed, where):
+    """32 random bits for each weight (where: its place in weights) and step (seed), by an integer
+    hash (Philox's ten rounds made the update 1.12x slower: evals/studies/update_rounding.py)."""
+    x = (where & 0xFFFFFFFF).to(tl.uint32) ^ (where >> 32).to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32)
+    x ^= tl.cast(seed, tl.uint32) * tl.full([], 0x85EBCA6B, tl.uint32)
+    x = (x ^ (x >> 16)) * tl.full([], 0x7FEB352D, tl.uint32)
+    x = (x ^ (x >> 15)) * tl.full([], 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
 
 
 @triton.jit
 def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """fp32 w in the weights' dtype: to nearest, or stochastically (unbiased): rounded toward zero,
-    then one unit away from zero with probability the remainder's fraction of that unit."""
+    """fp32 w in the weights' dtype: to nearest, or stochastically (unbiased): one unit away from
+    zero with probability the remainder's fraction of that unit. bf16 is fp32's upper half: 16
+    random bits added to the lower half carry into the upper with exactly that probability."""
     if STOCHASTIC:
+        if OUT_DTYPE.is_bf16():
+            up = w.to(tl.uint32, bitcast=True) + (_bits(seed, where) & 0xFFFF)
+            rounded = (up & 0xFFFF0000).to(tl.float32, bitcast=True)
+            return tl.where(w == w, rounded, w).to(OUT_DTYPE)  # NaN stays NaN
         low = w.to(OUT_DTYPE, fp_downcast_rounding="rtz")
         high = (low.to(tl.int16, bitcast=True) + 1).to(OUT_DTYPE, bitcast=True)
         low32, high32 = low.to(tl.float32), high.to(tl.float32)
         frac = tl.abs(w - low32) / tl.maximum(tl.abs(high32 - low32), 1e-38)
-        up = _uniform(seed, where) < frac
-        return tl.where(up, high, low)
+        u = (_bits(seed, where) >> 8).to(tl.float32) * (1.0 / 16777216.0)  # 24 bits: [0, 1)
+        return tl.where(u < frac, high, low)
     return w.to(OUT_DTYPE)
 
 
@@ -251,9 +251,7 @@ def _rows_kernel(
     """_rows, told where every row start and dim is a multiple of VEC elements (16 bytes): the
     starts are loaded from memory, and untold the compiler moves rows an element at a time.
     Misaligned, it takes SLICE_D columns at a time (a quarter of BLOCK_D): a kernel holds its
-    costlier path's registers, and element by element at the whole tile that path took a third
-    more (96 against 72 a thread at the default tile, Triton 3.9 for sm_90; a quarter, no more
-    than the aligned path and no spills: evals/studies/registers.py)."""
+    costlier path's registers, a third more at the whole tile (evals/studies/registers.py)."""
     if tl.load(misaligned_ptr) == 0:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
@@ -381,10 +379,10 @@ def _long_rows_kernel(
 
 
 def _config(max_dim: int, interpreted: bool) -> dict:
-    """Launch parameters of the rows kernel. On a GPU (evals/studies/update_phases.py, every
-    update shape, H100, 2026-12-06): small tiles of few registers, 8 chunks x 1 id x 32 columns
-    a step on two warps. Interpreted, where each op of each program is a NumPy call, few wide
-    programs: 64 chunks x 4 ids of whole rows (the check shapes in 0.47x the time of 16 x 8)."""
+    """Launch parameters of the rows kernel. On a GPU (update_phases.py and update_tiles.py in
+    evals/studies, every update shape on an H100): small tiles of few registers, 8 chunks x 1 id
+    x 32 columns a step on two warps; wider ones were slower. Interpreted, where each op of each
+    program is a NumPy call, few wide programs: 64 chunks x 4 ids of whole rows."""
     if interpreted:
         return {"BLOCK_I": 64, "BLOCK_L": 4, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
                 "num_stages": 1}  # fmt: skip

@@ -1,0 +1,65 @@
+"""What a feature of 4 columns costs a bf16 batch (WORKLOAD.md: dims from 4 to 256 mixed in one
+batch). In bf16 a row of 4 is 8 bytes: with one such feature, the output's (and grad_out's)
+rows of odd samples start off 16-byte boundaries, and so do the rows of every feature after it.
+The embedding kernels move rows in 16-byte vectors only where a block's starts allow, so such a
+batch may take their misaligned path everywhere, which no timing shape reaches.
+
+Each bf16 timing shape of the lookup and of the fused update is timed as it is and with one
+short feature of 4 columns (a table of 10,000 rows) appended: the added bytes are a fraction of
+a percent, so the shares of the copy bandwidth compare directly. The lookup's outputs are
+checked against the reference. One CUDA device.
+
+    python3 -m evals.studies.odd_dims [SHAPE NAME SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from evals.bench_ops import measure_copy_bandwidth
+from sandbox.protocol import compare
+from sandbox.timing import benchmark
+from search_space import get_problem
+from search_space.problem import Shape
+from search_space.template import get_template
+
+
+def with_dim4(shape: Shape) -> Shape:
+    """`shape` with one more feature, of one to three ids, on a new table of 10,000 rows x 4."""
+    p = dict(shape.params)
+    p["tables"] = [*p["tables"], [10_000, 4]]
+    p["features"] = [*p["features"], len(p["tables"]) - 1]
+    p["max_lens"] = [*p["max_lens"], 3]
+    return Shape.of(f"{shape.name}+dim4", shape.dtype, **p)
+
+
+def main(pattern: str = "") -> None:
+    device = torch.device("cuda")
+    copy_bw = measure_copy_bandwidth(device)
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
+    for name in ("embedding_bags", "embedding_bags_update"):
+        problem, template = get_problem(name), get_template(name)
+        entry = getattr(__import__(template.source_module, fromlist=["_"]), template.entry)
+        for base in problem.timing_shapes:
+            if base.dtype != "bf16" or pattern not in base.name:
+                continue
+            for shape in (base, with_dim4(base)):
+                inputs = problem.make_inputs(shape, 1, device)
+                check = "-"
+                if not problem.updates:
+                    want = problem.reference(*inputs.args, **inputs.kwargs)
+                    tol, scale = problem.closeness(shape.dtype, inputs, want)
+                    ok, details = compare(entry(*inputs.args, **inputs.kwargs), want, tol, scale)
+                    check = "ok" if ok else f"WRONG: {details['message'][:60]}"
+                    del want
+                us = benchmark(entry, [(inputs.args, inputs.kwargs)], device=device, max_reps=20).median_us
+                share = problem.bytes(shape) / (us * 1e-6) / copy_bw
+                print(f"{name:22} {shape.name:34} {us:9.1f} us {share:5.0%} of copy  {check}", flush=True)
+                del inputs
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
