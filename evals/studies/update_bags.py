@@ -1,4 +1,4 @@
-"""The update's bag of every id (kernels.embedding_bags_update._bags_kernel, a binary search per id
+"""The update's bag of every id (kernels.kit.embeddings._bags_kernel, a binary search per id
 over all bags' ends: log2(bags) dependent loads, 49 us of the short bf16 shape's 1077 us on an
 H100) against two ways that shorten the chain of dependent loads:
 
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels.embedding_bags_update as kernel
-from kernels.embedding_bags_update import _bag_search
+import kernels.kit.embeddings as numbering
+from kernels.kit.embeddings import _bag_search
 from sandbox.timing import benchmark
 from search_space import get_problem
 
@@ -100,9 +100,9 @@ def main() -> None:
     device = torch.device("cuda")
     for name, offsets in _cases(device):
         nnz = int(offsets[-1])
-        want = kernel.bags_of(offsets, nnz)
+        want = numbering.bags_of(offsets, nnz)
         print(f"\n{name}: {nnz:,} ids, {offsets.numel() - 1:,} bags", flush=True)
-        ways = (("search (default)", kernel.bags_of), ("scatter", scatter), ("two levels", two_levels))
+        ways = (("search (default)", numbering.bags_of), ("scatter", scatter), ("two levels", two_levels))
         for label, fn in ways:
             got = fn(offsets, nnz)
             if not torch.equal(got, want):

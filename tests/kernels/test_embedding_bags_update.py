@@ -13,6 +13,7 @@ import torch
 from cuda_compile import in_subprocess
 
 import kernels.embedding_bags_update as kernel
+import kernels.kit.embeddings as numbering
 from kernels import ops
 from sandbox import Candidate, LocalBackend, Status, isolation
 from sandbox.protocol import check_shape
@@ -135,7 +136,7 @@ def test_number_chunks_is_torchs_numbering(
     offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(ids)
     indices = torch.tensor(in_order, dtype=ids, device=device)
     r_off = torch.tensor(row_offsets, device=device)
-    got = kernel.number_chunks(r_off, indices, offsets, batch, chunk, int32_keys=int32_keys)
+    got = numbering.number_chunks(r_off, indices, offsets, batch, chunk, int32_keys=int32_keys)
     want = _numbering_by_torch(r_off, indices, offsets, batch, chunk, int32_keys)
     assert got[0].dtype == torch.int32 and got[1].dtype == (torch.int32 if int32_keys else torch.int64)
     for name, g, w in zip(("bag", "sorted_keys", "order", "starts", "count"), got, want, strict=True):
@@ -151,7 +152,7 @@ def test_number_chunks_spans_programs(device: torch.device) -> None:
     indices = torch.randint(0, 30, (int(lengths.sum()),), generator=gen, device=device)
     indices[::3] = 7  # one row in a third of the ids
     r_off = torch.tensor([0, 30], device=device)
-    got = kernel.number_chunks(r_off, indices, offsets, 60, 16, int32_keys=True)
+    got = numbering.number_chunks(r_off, indices, offsets, 60, 16, int32_keys=True)
     want = _numbering_by_torch(r_off, indices, offsets, 60, 16, True)
     assert indices.numel() > 2 * 1024
     for name, g, w in zip(("bag", "sorted_keys", "order", "starts", "count"), got, want, strict=True):
@@ -163,7 +164,7 @@ def test_the_chunk_scan_carries_across_its_tiles(device: torch.device) -> None:
     counts = torch.randint(0, 1000, (53,), device=device)
     scanned = counts.clone()
     total = torch.empty(1, dtype=torch.int64, device=device)
-    kernel._scan_kernel[(1,)](scanned, total, counts.numel(), BLOCK=16)
+    numbering._scan_kernel[(1,)](scanned, total, counts.numel(), BLOCK=16)
     assert torch.equal(scanned, counts.cumsum(0) - counts)
     assert total.tolist() == [int(counts.sum())]
 
@@ -406,15 +407,11 @@ def test_every_gpu_launch_compiles_for_sm90() -> None:
     report = in_subprocess(COMPILE_GPU_LAUNCHES)
     assert report["failed"] == [], report["failed"]
     assert report["compiled"] == [
-        f"kernels.embedding_bags_update.{name}"
-        for name in (
-            "_bags_kernel",
-            "_chunks_kernel",
-            "_long_rows_kernel",
-            "_rows_kernel",
-            "_scan_kernel",
-            "_sorted_kernel",
-        )
+        *(
+            f"kernels.embedding_bags_update.{k}"
+            for k in ("_long_rows_kernel", "_rows_kernel", "_sorted_kernel")
+        ),
+        *(f"kernels.kit.embeddings.{k}" for k in ("_bags_kernel", "_chunks_kernel", "_scan_kernel")),
     ]
 
 

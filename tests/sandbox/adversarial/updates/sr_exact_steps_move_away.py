@@ -10,8 +10,13 @@ against how many an honest rounding puts there (the slack over the gap: a handfu
 # timing: no
 
 EDITS = [
-    (
-        "        up = tl.rand(seed, where) < frac\n",
-        "        up = (tl.rand(seed, where) < frac) | (frac == 0.0)\n",
+    (  # bf16: a whole unit added where the kept half is the exact value
+        "            up = w.to(tl.uint32, bitcast=True) + (_bits(seed, where) & 0xFFFF)\n",
+        "            bits = w.to(tl.uint32, bitcast=True)\n"
+        "            up = bits + tl.where((bits & 0xFFFF) == 0, 0x10000, _bits(seed, where) & 0xFFFF)\n",
+    ),
+    (  # fp16
+        "        return tl.where(u < frac, high, low)\n",
+        "        return tl.where((u < frac) | (frac == 0.0), high, low)\n",
     ),
 ]

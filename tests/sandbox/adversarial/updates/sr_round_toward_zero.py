@@ -10,8 +10,6 @@ Refused: the problem's verify counts how often weights round up against their ex
 # timing: no
 
 EDITS = [
-    (
-        "        up = tl.rand(seed, where) < frac\n        return tl.where(up, high, low)",
-        "        return low",
-    ),
+    ("(_bits(seed, where) & 0xFFFF)", "0"),  # bf16: the kept half alone
+    ("        return tl.where(u < frac, high, low)\n", "        return low\n"),  # fp16
 ]
