@@ -6,25 +6,23 @@ Backward: grad[weight_offsets[f] + indices[i] * dim_f + c] += psw[i] * grad_out[
 
 One launch serves every feature. A forward program takes one block of bags and one block of
 columns of one feature: the grid numbers every feature's column blocks in turn, so a narrow
-feature launches only the programs its dim needs (on an H100, 0.83x to 0.94x the time of a grid
-over the widest feature's blocks). Inside, it is the single-table kernel
+feature launches only the programs its dim needs. Inside, it is the single-table kernel
 (kernels/embedding_bag.py): BLOCK_B bags advance together and gather a [BLOCK_B, BLOCK_L,
 BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
 rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
 launch). Rows move in 16-byte vectors wherever a block's table, dim, first output column and
-the output's row stride allow it (_pool_block: the forward 1.2x to 2.0x as fast on an H100; the
-backward's bags likewise). A block advances until its longest bag ends, so on skewed bags most lanes
-idle; the FLAT knob (_flat_sums) takes a block's ids in order instead, every lane busy, and
-sums them into their bags on the tensor cores (slower at every timing shape: off by default).
+the output's row stride allow it (_pool_block; the backward's bags likewise). A block advances
+until its longest bag ends, so on skewed bags most lanes idle; the FLAT knob (_flat_sums) takes
+a block's ids in order instead, every lane busy, and sums them into their bags on the tensor
+cores (slower at every timing shape: off by default).
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
-the widest feature's column blocks (numbering every feature's blocks, as the forward does, was
-0.93x to 0.95x as fast on an H100).
+the widest feature's column blocks (faster than the forward's numbering on an H100).
 
 This module is also the knob template of both problems (embedding_bags; embedding_bags_backward,
 the GRAD_ knobs): a search writes values into KNOBS; None keeps the launch heuristic
-(_forward_config, _backward_config) for that knob, which is what the default kernels run.
+(_forward_config, _backward_config) for that knob.
 Arguments are checked by the op (search_space.embedding_bags).
 """
 
@@ -114,8 +112,10 @@ def _pool_block(
     same code runs on x // VEC * VEC of each (the same values, which the compiler then knows to
     be multiples of VEC), and its rows move in 16-byte vectors.
 
-    A misaligned block takes SLICE_D columns at a time (_slice_d): its whole tile element by
-    element took twice the aligned path's registers, which every call then held."""
+    A misaligned block takes SLICE_D columns at a time (_slice_d): element by element, its whole
+    tile took twice the aligned path's registers. In 2-byte dtypes, one whose starts are
+    multiples of VEC / 2 (a dim-4 feature's 8-byte rows shift the later columns so) moves in
+    8-byte vectors, HD columns at a time (evals/studies/odd_dims.py)."""
     aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
     if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)
         _pool_rows(
@@ -132,12 +132,25 @@ def _pool_block(
         )  # fmt: skip
     else:
         tl.static_assert(BLOCK_D % SLICE_D == 0)
-        for s in range(0, tl.cdiv(tl.minimum(dim - col_block * BLOCK_D, BLOCK_D), SLICE_D)):
-            _pool_rows(
-                weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
-                first_col, dim, col_block * (BLOCK_D // SLICE_D) + s, table, bags_B, limit, start_B, len_B,
-                HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, SLICE_D, FLAT,
-            )  # fmt: skip
+        H: tl.constexpr = VEC // 2
+        # A quarter where BLOCK_L > 1: half took 162 registers a thread (aligned: 128).
+        HD: tl.constexpr = BLOCK_D // 2 if BLOCK_L == 1 else BLOCK_D // 4
+        if (dim % H == 0) & (table % H == 0) & (first_col % H == 0) & (stride_out_row % H == 0):
+            for s in range(0, tl.cdiv(tl.minimum(dim - col_block * BLOCK_D, BLOCK_D), HD)):
+                _pool_rows(
+                    weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row // H * H,
+                    first_col // H * H, dim // H * H, col_block * (BLOCK_D // HD) + s, table // H * H,
+                    bags_B, limit, start_B, len_B,
+                    HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, HD, FLAT,
+                )  # fmt: skip
+        else:
+            for s in range(0, tl.cdiv(tl.minimum(dim - col_block * BLOCK_D, BLOCK_D), SLICE_D)):
+                _pool_rows(
+                    weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
+                    first_col, dim, col_block * (BLOCK_D // SLICE_D) + s, table,
+                    bags_B, limit, start_B, len_B,
+                    HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, SLICE_D, FLAT,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -181,11 +194,9 @@ def _flat_sums(
     """The bags' sums [BLOCK_B, BLOCK_D], taking the block's ids (contiguous: its bags are) in
     order, CHUNK at a time whatever bag each is in: no lane waits for the block's longest bag.
     Each chunk's rows go to their bags through a product with the chunk's membership matrix
-    [BLOCK_B, CHUNK] on the tensor cores, in TF32, exact for 0/1 factors (or bf16 and fp16
-    weights) times bf16 or fp16 rows; fp32 rows or weights take three TF32 products (about 22
-    bits). Every row of a chunk meets every bag's factor, so an inf or NaN in a table row makes
-    NaN of the other bags of its chunk too. The ids between the block's first and last are read
-    (ids of other features, where offsets do not increase)."""
+    [BLOCK_B, CHUNK] on the tensor cores: TF32, exact for 0/1 (or 16-bit) factors times 16-bit
+    rows; fp32 takes three TF32 products (about 22 bits). An inf or NaN in a table row makes NaN
+    of the other bags of its chunk too."""
     lo = tl.min(tl.where(live_B, start_B, 1 << 62), axis=0)
     end_B = start_B + len_B
     hi = tl.max(tl.where(live_B, end_B, 0), axis=0)
@@ -377,9 +388,7 @@ def _whole_row(max_dim: int) -> int:
 def _forward_config(max_dim: int, element_size: int, mean_ids: float, interpreted: bool = False) -> dict:
     """Launch parameters of the forward, from sweeps of its timing shapes (evals/studies/bags_tiles.py).
 
-    Column slices of 128 or 256 bytes and many bags: every feature's row is one to four slices,
-    each program keeps many row gathers in flight, and a narrow feature wastes few lanes. An
-    H100 sweep of every timing shape (BENCHMARKS.md, 2026-12-06) found 64 columns a slice best
+    An H100 sweep of every timing shape (BENCHMARKS.md, 2026-12-06) found 64 columns a slice best
     in both dtypes: short bags, 64 bags x 1 id a step on two warps; bf16 pooled batches (bags of
     up to 120 ids), 32 bags x 2 ids; fp32 pooled batches, 16 bags x 2 ids, 3D accumulator.
 
@@ -400,10 +409,8 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
 
 def _slice_d(cfg: dict, vec: int, element_size: int) -> int:
     """A misaligned block's column slice (_pool_block): a VECth of the block's for 2-byte elements
-    (the aligned path's registers, 128 against 235 a thread at the short bf16 tile for sm_90:
-    evals/studies/registers.py; FLAT's product takes 16 or more); in fp32 the whole block (with
-    slices the short fp32 shape ran at 0.73x on an H100, its fewer registers notwithstanding:
-    BENCHMARKS.md, 2026-12-07)."""
+    (the aligned path's registers: evals/studies/registers.py; FLAT's product takes 16 or more);
+    in fp32 the whole block (with slices the short fp32 shape ran at 0.73x on an H100)."""
     if element_size == 4:
         return cfg["BLOCK_D"]
     return min(cfg["BLOCK_D"], max(cfg["BLOCK_D"] // vec, 16 if cfg["FLAT"] else 1))

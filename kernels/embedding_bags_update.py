@@ -73,7 +73,8 @@ def _sorted_kernel(
     """What the rows kernel needs of each sorted position p, resolved once here, where the loads
     of a thousand positions overlap: where its gradient row starts in grad_out, its factor (the
     per-sample weight, the mean's 1 / length), where its table row starts in weights, and the
-    row's dim; and *misaligned where a start or dim is not a multiple of VEC (see _rows_kernel)."""
+    row's dim; and *misaligned, 1 where a start or dim is not a multiple of VEC but all are of
+    VEC / 2, 2 where not even that (see _rows_kernel)."""
     pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = pos < nnz
     i = tl.load(order_ptr + pos, mask=valid, other=0)
@@ -97,9 +98,14 @@ def _sorted_kernel(
     row_at = tl.load(w_off_ptr + f, mask=valid, other=0) + row * dim
     tl.store(row_at_ptr + pos, row_at, mask=valid)
     tl.store(dim_ptr + pos, dim.to(tl.int32), mask=valid)
-    odd = (grad_at % VEC != 0) | (row_at % VEC != 0) | (dim % VEC != 0)
-    if tl.max((valid & odd).to(tl.int32), axis=0) > 0:
-        tl.atomic_max(misaligned_ptr, 1)
+    starts = grad_at | row_at | dim
+    odd = (valid & (starts % VEC != 0)).to(tl.int32)
+    if VEC >= 4:  # 1 where only VEC / 2 (8 bytes) divides them, 2 where not even that
+        odd += (valid & (starts % (VEC // 2) != 0)).to(tl.int32)
+    else:
+        odd *= 2
+    if tl.max(odd, axis=0) > 0:
+        tl.atomic_max(misaligned_ptr, tl.max(odd, axis=0))
 
 
 @triton.jit
@@ -196,16 +202,24 @@ def _rows_kernel(
     starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed, misaligned_ptr,
     ADAGRAD: tl.constexpr, SCALED: tl.constexpr, STOCHASTIC: tl.constexpr, CHUNK: tl.constexpr,
     VEC: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-    SLICE_D: tl.constexpr,
+    SLICE_D: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """_rows, told where every row start and dim is a multiple of VEC elements (16 bytes): the
     starts are loaded from memory, and untold the compiler moves rows an element at a time.
     Misaligned, it takes SLICE_D columns at a time (a quarter of BLOCK_D): a kernel holds its
-    costlier path's registers, a third more at the whole tile (evals/studies/registers.py)."""
-    if tl.load(misaligned_ptr) == 0:
+    costlier path's registers, a third more at the whole tile (evals/studies/registers.py).
+    Where HALF = VEC / 2 elements (8 bytes: a bf16 row of 4) divides every start and dim, half
+    a block at a time in 8-byte vectors (a dim-4 feature sends a batch there: odd_dims.py); in
+    2-byte dtypes only (HALF 1: compiled out), as fp32's 8-byte rows have 2 columns."""
+    misaligned = tl.load(misaligned_ptr)
+    if misaligned == 0:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
               ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, VEC)  # fmt: skip
+    elif (HALF > 1) & (misaligned == 1):
+        _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
+              starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, max(BLOCK_D // 2, 1), HALF)  # fmt: skip
     else:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
@@ -407,6 +421,7 @@ def embedding_bags_update(
         partial, max_dim, nnz, lr, eps, seed, misaligned,
         ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
         BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d, SLICE_D=max(block_d // 4, 1),
+        HALF=vec // 2 if weights.element_size() == 2 else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     _long_rows_kernel[(triton.cdiv(nnz, chunk),)](

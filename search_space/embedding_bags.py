@@ -228,6 +228,8 @@ CHECKS = (
     # Features 0 and 2 share table 0, features 1 and 4 table 1.
     ("shared-weighted", dict(tables=[[70, 64], [40, 16], [90, 200]], features=[0, 1, 0, 2, 1], batch=6,
                              max_lens=[5, 1, 12, 3, 2], weighted=True, index_dtype="int32")),
+    # Dims of no multiple of 4 (rows and columns an element at a time) among 8-byte ones.
+    ("odd-dims", dict(tables=[[40, 6], [30, 4], [50, 3], [20, 16]], batch=5, max_lens=[3, 2, 4, 1])),
 )  # fmt: skip
 
 

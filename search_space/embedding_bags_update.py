@@ -287,6 +287,15 @@ def _check_shapes(dtype: str, optimizer: str) -> tuple[Shape, ...]:
         # Every id one of the last two rows: rows held by many bags (split across programs).
         _s(f"hot-rows-{optimizer}", dtype, **_MIXED, **o, batch=40, max_lens=[2, 8, 1, 30, 3], hot_rows=2),
         _s(f"mean-{optimizer}", dtype, **_WIDE, **o, batch=5, max_lens=[6, 9], pooling="mean"),
+        # Dims of no multiple of 4 (rows an element at a time) among 8-byte ones.
+        _s(
+            f"odd-dims-{optimizer}",
+            dtype,
+            tables=[[40, 6], [30, 4], [50, 3]],
+            **o,
+            batch=6,
+            max_lens=[3, 2, 4],
+        ),
         _s(
             f"weighted-int32-{optimizer}",
             dtype,

@@ -7,18 +7,21 @@ batch may take their misaligned path everywhere, which no timing shape reaches.
 Each bf16 timing shape of the lookup and of the fused update is timed as it is and with one
 short feature of 4 columns (a table of 10,000 rows) appended: the added bytes are a fraction of
 a percent, so the shares of the copy bandwidth compare directly. The lookup's outputs are
-checked against the reference. One CUDA device.
+checked against the reference; another version of the update, against the default's result.
+One CUDA device.
 
-    python3 -m evals.studies.odd_dims [SHAPE NAME SUBSTRING]
+    python3 -m evals.studies.odd_dims [SHAPE NAME SUBSTRING] [LOOKUP MODULE] [UPDATE MODULE]
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import torch
 
 from evals.bench_ops import measure_copy_bandwidth
+from evals.studies.update_tiles import _close, _updated
 from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
@@ -35,29 +38,42 @@ def with_dim4(shape: Shape) -> Shape:
     return Shape.of(f"{shape.name}+dim4", shape.dtype, **p)
 
 
-def main(pattern: str = "") -> None:
+def main(pattern: str = "", lookup_other: str = "", update_other: str = "") -> None:
+    """Each shape's default kernel, and after it another version of its module if named (a copy
+    under evals/studies); the update's other version checked against the default's result."""
     device = torch.device("cuda")
     copy_bw = measure_copy_bandwidth(device)
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    for name in ("embedding_bags", "embedding_bags_update"):
+    for name, other in (("embedding_bags", lookup_other), ("embedding_bags_update", update_other)):
         problem, template = get_problem(name), get_template(name)
-        entry = getattr(__import__(template.source_module, fromlist=["_"]), template.entry)
+        modules = [("default", importlib.import_module(template.source_module))]
+        modules += [(other, importlib.import_module(other))] if other else []
         for base in problem.timing_shapes:
             if base.dtype != "bf16" or pattern not in base.name:
                 continue
             for shape in (base, with_dim4(base)):
                 inputs = problem.make_inputs(shape, 1, device)
-                check = "-"
-                if not problem.updates:
-                    want = problem.reference(*inputs.args, **inputs.kwargs)
-                    tol, scale = problem.closeness(shape.dtype, inputs, want)
-                    ok, details = compare(entry(*inputs.args, **inputs.kwargs), want, tol, scale)
-                    check = "ok" if ok else f"WRONG: {details['message'][:60]}"
-                    del want
-                us = benchmark(entry, [(inputs.args, inputs.kwargs)], device=device, max_reps=20).median_us
-                share = problem.bytes(shape) / (us * 1e-6) / copy_bw
-                print(f"{name:22} {shape.name:34} {us:9.1f} us {share:5.0%} of copy  {check}", flush=True)
-                del inputs
+                want = None if problem.updates else problem.reference(*inputs.args, **inputs.kwargs)
+                first = None
+                for label, module in modules:
+                    entry = getattr(module, template.entry)
+                    if problem.updates:
+                        got = _updated(module, inputs, inputs.args[0].clone(), inputs.args[1].clone())
+                        first = first or got
+                        ok = all(_close(g, f) for g, f in zip(got, first, strict=True))
+                        check = "same as the default" if ok else "DIFFERS from the default"
+                        del got
+                    else:
+                        tol, scale = problem.closeness(shape.dtype, inputs, want)
+                        ok, details = compare(entry(*inputs.args, **inputs.kwargs), want, tol, scale)
+                        check = "ok" if ok else f"WRONG: {details['message'][:60]}"
+                    call = [(inputs.args, inputs.kwargs)]
+                    us = benchmark(entry, call, device=device, max_reps=20).median_us
+                    share = problem.bytes(shape) / (us * 1e-6) / copy_bw
+                    print(
+                        f"{name:22} {shape.name:34} {label:28} {us:9.1f} us {share:5.0%}  {check}", flush=True
+                    )
+                del inputs, want, first
                 torch.cuda.empty_cache()
 
 

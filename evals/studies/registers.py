@@ -77,7 +77,7 @@ ALIGNED_BRANCHES = {
         "    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)\n",
         "    if aligned:  # always, where VEC is 1\n",
     ),
-    update: ("    if tl.load(misaligned_ptr) == 0:\n",),
+    update: ("    if misaligned == 0:\n",),
 }
 
 
@@ -112,7 +112,7 @@ def backward_launch(element_size: int) -> tuple[dict, int]:
 
 
 def _update_tiles() -> Iterator[tuple[str, dict, int]]:
-    flags = dict(ADAGRAD=True, SCALED=False, STOCHASTIC=False, CHUNK=64, VEC=8)
+    flags = dict(ADAGRAD=True, SCALED=False, STOCHASTIC=False, CHUNK=64, VEC=8, HALF=4)
     for i, d, w in [(8, 32, 2), (16, 32, 2), (32, 32, 4), (16, 64, 2), (8, 256, 4)]:
         tile = {"BLOCK_I": i, "BLOCK_L": 1, "BLOCK_D": d, "SLICE_D": d // 4}  # as the launch's
         yield f"update rows {i}x1x{d} w{w}", {**flags, **tile}, w

@@ -429,6 +429,7 @@ for dtype, vec in (("bf16", 8), ("fp32", 4)):
     types = UPDATE_TYPES | {"weights_ptr": "*" + dtype, "grad_out_ptr": "*" + dtype}
     for adagrad in (True, False):
         flags = dict(ADAGRAD=adagrad, SCALED=True, STOCHASTIC=dtype == "bf16", CHUNK=64, VEC=vec)
+        flags["HALF"] = vec // 2 if dtype == "bf16" else 1  # as the launch's
         report[f"{dtype} {'adagrad' if adagrad else 'sgd'}"] = [
             compile_report(m._rows_kernel, types, {**flags, **tile}, cfg["num_warps"])[:2]
             for m in (module, aligned)
