@@ -626,8 +626,16 @@ def test_the_misaligned_path_costs_the_kernels_no_registers() -> None:
     backward's, 53 against 28. In column slices (SLICE_D) they take about the aligned path's,
     at each default GPU tile as the launch picks it: the kernel's registers (ptxas, sm_90) are
     within 8 of the same kernel's without that path. (fp32's forward keeps its
-    misaligned blocks whole, as measured faster: kernels.embedding_bags._slice_d.)"""
+    misaligned blocks whole, as measured faster: kernels.embedding_bags._slice_d.)
+
+    One tile has a bound of its own: the pooled 2-byte tile, whose 8-byte path (rows of 8-byte
+    alignment, half a block at a time) takes 162 registers against 128 under this Triton (3.9)
+    and 126 against 126 under the GPU hosts' (3.6, evals/studies/registers.py). Measured on an
+    H100 it ran 1.35x as fast as quarter-block slices, which held 128 here (BENCHMARKS.md,
+    2026-12-07, thirty-fourth session), so the bound is this compiler's figure for it: a rise
+    past it still fails."""
     report = in_subprocess(KERNEL_REGISTERS)
     assert len(report) == 7, report
+    own = {"bf16 20.0 ids": 162, "fp16 20.0 ids": 162}
     for tile, (regs, aligned_only) in report.items():
-        assert regs <= aligned_only + 8, (tile, report)
+        assert regs <= max(aligned_only + 8, own.get(tile, 0)), (tile, report)
