@@ -110,8 +110,10 @@ def _sorted_kernel(
 
 @triton.jit
 def _bits(seed, where):
-    """32 random bits for each weight (where: its place in weights) and step (seed), by an integer
-    hash (Philox's ten rounds made the update 1.12x slower: evals/studies/update_rounding.py)."""
+    """32 random bits for each weight (where: its place in weights) and step (seed's low 32 bits),
+    by an integer hash (Philox's ten rounds made the update 1.12x slower: update_rounding.py in
+    evals/studies). Places past 2^32 fold their upper half into one word: in weights of more
+    elements, some pairs of places draw the same bits (each still rounds without bias)."""
     x = (where & 0xFFFFFFFF).to(tl.uint32) ^ (where >> 32).to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32)
     x ^= tl.cast(seed, tl.uint32) * tl.full([], 0x85EBCA6B, tl.uint32)
     x = (x ^ (x >> 16)) * tl.full([], 0x7FEB352D, tl.uint32)
@@ -209,7 +211,7 @@ def _rows_kernel(
     Misaligned, it takes SLICE_D columns at a time (a quarter of BLOCK_D): a kernel holds its
     costlier path's registers, a third more at the whole tile (evals/studies/registers.py).
     Where HALF = VEC / 2 elements (8 bytes: a bf16 row of 4) divides every start and dim, half
-    a block at a time in 8-byte vectors (a dim-4 feature sends a batch there: odd_dims.py); in
+    a block at a time in vectors of up to 8 bytes (a dim-4 feature sends a batch there: odd_dims.py); in
     2-byte dtypes only (HALF 1: compiled out), as fp32's 8-byte rows have 2 columns."""
     misaligned = tl.load(misaligned_ptr)
     if misaligned == 0:
