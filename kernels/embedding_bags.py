@@ -195,7 +195,7 @@ def _flat_sums(
     Each chunk's rows go to their bags through a product with the chunk's membership matrix
     [BLOCK_B, CHUNK] on the tensor cores: TF32, exact for 0/1 (or 16-bit) factors times 16-bit
     rows; fp32 takes three TF32 products (about 22 bits). An inf or NaN in a table row makes NaN
-    of the other bags of its chunk too."""
+    of the other bags of its chunk too. Ids between the block's first and last are read."""
     lo = tl.min(tl.where(live_B, start_B, 1 << 62), axis=0)
     end_B = start_B + len_B
     hi = tl.max(tl.where(live_B, end_B, 0), axis=0)

@@ -211,8 +211,9 @@ def _rows_kernel(
     Misaligned, it takes SLICE_D columns at a time (a quarter of BLOCK_D): a kernel holds its
     costlier path's registers, a third more at the whole tile (evals/studies/registers.py).
     Where HALF = VEC / 2 elements (8 bytes: a bf16 row of 4) divides every start and dim, half
-    a block at a time in vectors of up to 8 bytes (a dim-4 feature sends a batch there: odd_dims.py); in
-    2-byte dtypes only (HALF 1: compiled out), as fp32's 8-byte rows have 2 columns."""
+    a block at a time in vectors of up to 8 bytes (a dim-4 feature sends a batch there:
+    odd_dims.py); in 2-byte dtypes only (HALF 1: compiled out), as fp32's 8-byte rows have 2
+    columns."""
     misaligned = tl.load(misaligned_ptr)
     if misaligned == 0:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,

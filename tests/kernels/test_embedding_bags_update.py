@@ -228,9 +228,9 @@ def test_stochastic_rounding_is_unbiased(device: torch.device) -> None:
     exact = 1.0 + 0.25 * ulp
     # 4800 Bernoulli(1/4) draws in units of ulp: a standard error of 0.00625 ulp.
     assert abs(mean - exact) < 0.04 * ulp, (mean, exact)
-    # Each element its own draw (neighbours share a generator call): two independent draws
-    # agree with probability 1/16 + 9/16 = 0.625, over 4500 neighbour pairs give or take 0.007;
-    # a draw shared by a row's four neighbours would agree in 12 pairs of 15.
+    # Each element its own draw: two independent draws agree with probability 1/16 + 9/16 =
+    # 0.625, over 4500 neighbour pairs give or take 0.007; one draw shared by four neighbours (a
+    # generator call spread too thin) would agree in 12 pairs of 15.
     up = torch.stack(rounded) > 1.0
     agree = (up[:, 1:] == up[:, :-1]).float().mean().item()
     assert abs(agree - 0.625) < 0.05, agree
