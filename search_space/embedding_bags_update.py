@@ -358,6 +358,9 @@ _MIXED_TIMING = dict(
 
 TIMING_SHAPES = (
     _s("b64k-20f-short-adagrad", "bf16", **_SHORT, batch=65_536),
+    forward.with_narrow_feature(
+        _s("b64k-20f-short-adagrad", "bf16", **_SHORT, batch=65_536), "b64k-21f-short-d4-adagrad"
+    ),
     _s("b64k-25f-mixed-adagrad", "bf16", **_MIXED_TIMING, batch=65_536),
     _s("b64k-25f-mixed-adagrad", "fp32", **_MIXED_TIMING, batch=65_536),
     _s("b128k-20f-short-sgd", "bf16", **_SHORT, batch=131_072, optimizer="sgd", stochastic_rounding=True),
