@@ -45,16 +45,21 @@ def _providers():
     torch_update = embedding_bags_update.PROBLEM.baselines["torch.embedding_bag_sparse+step"]
 
     def step(forward, update):
+        """One call of the lookup, then one of the update, on an update's inputs (either may be
+        None: that op is left out)."""
+
         def call(inputs):
-            args, kwargs = _forward_args(inputs)
-            forward(*args, **kwargs)
-            update(*inputs.args, **inputs.kwargs)
+            if forward is not None:
+                args, kwargs = _forward_args(inputs)
+                forward(*args, **kwargs)
+            if update is not None:
+                update(*inputs.args, **inputs.kwargs)
 
         return call
 
     return {
-        "forward": lambda inputs: ops.embedding_bags(*_forward_args(inputs)[0], **_forward_args(inputs)[1]),
-        "update": lambda inputs: ops.embedding_bags_update(*inputs.args, **inputs.kwargs),
+        "forward": step(ops.embedding_bags, None),
+        "update": step(None, ops.embedding_bags_update),
         "forward + update": step(ops.embedding_bags, ops.embedding_bags_update),
         "torch forward + update": step(torch_forward, torch_update),
     }
