@@ -104,8 +104,9 @@ def _sorted_kernel(
         odd += (valid & (starts % (VEC // 2) != 0)).to(tl.int32)
     else:
         odd *= 2
-    if tl.max(odd, axis=0) > 0:
-        tl.atomic_max(misaligned_ptr, tl.max(odd, axis=0))
+    level = tl.max(odd, axis=0)
+    if level > 0:
+        tl.atomic_max(misaligned_ptr, level)
 
 
 @triton.jit
@@ -424,7 +425,7 @@ def embedding_bags_update(
         partial, max_dim, nnz, lr, eps, seed, misaligned,
         ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
         BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d, SLICE_D=max(block_d // 4, 1),
-        HALF=vec // 2 if weights.element_size() == 2 else 1,
+        HALF=vec // 2 if vec == 8 else 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     _long_rows_kernel[(triton.cdiv(nnz, chunk),)](
