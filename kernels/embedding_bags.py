@@ -115,7 +115,7 @@ def _pool_block(
     A misaligned block takes SLICE_D columns at a time (_slice_d): element by element, its whole
     tile took twice the aligned path's registers. In 2-byte dtypes, one whose starts are
     multiples of VEC / 2 (a dim-4 feature's 8-byte rows shift the later columns so) moves in
-    8-byte vectors, half a block at a time (evals/studies/odd_dims.py)."""
+    8-byte vectors (odd_dims.py), a block at a time, or half at one id a step (registers)."""
     aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
     if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)
         _pool_rows(
@@ -133,7 +133,7 @@ def _pool_block(
     else:
         tl.static_assert(BLOCK_D % SLICE_D == 0)
         H: tl.constexpr = VEC // 2
-        HD: tl.constexpr = BLOCK_D // 2
+        HD: tl.constexpr = BLOCK_D if BLOCK_L > 1 else BLOCK_D // 2
         if (dim % H == 0) & (table % H == 0) & (first_col % H == 0) & (stride_out_row % H == 0):
             for s in range(0, tl.cdiv(tl.minimum(dim - col_block * BLOCK_D, BLOCK_D), HD)):
                 _pool_rows(

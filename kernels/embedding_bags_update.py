@@ -142,12 +142,20 @@ def _round(w, where, seed, STOCHASTIC: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):
-    """Each row's step size: SGD's lr, or adagrad's from its state, which this stores back with
-    the row's mean squared gradient added (grad_sq: its sum over the row's columns). Rows out of
-    mask_I take a state of 1, not 0: lr / eps can overflow fp16 in their unstored lanes."""
+def _state(state_ptr, key_I, mask_I, ADAGRAD: tl.constexpr):
+    """Each row's adagrad state, loaded before its gradients are gathered (so that the two loads'
+    latencies overlap); rows out of mask_I take 1, not 0: lr / eps can overflow fp16 in their
+    unstored lanes. SGD keeps no state."""
     if ADAGRAD:
-        total_I = tl.load(state_ptr + key_I, mask=mask_I, other=1.0)
+        return tl.load(state_ptr + key_I, mask=mask_I, other=1.0)
+    return tl.zeros(key_I.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):
+    """Each row's step size: SGD's lr, or adagrad's from its state total_I, which this stores back
+    with the row's mean squared gradient added (grad_sq: its sum over the row's columns)."""
+    if ADAGRAD:
         total_I += grad_sq_I / tl.maximum(dim_I, 1).to(tl.float32)
         tl.store(state_ptr + key_I, total_I, mask=mask_I)
         return lr / (tl.sqrt(total_I) + eps)
@@ -155,12 +163,10 @@ def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.cons
 
 
 @triton.jit
-def _apply(weights_ptr, grad_ID, step_I, row_at_I, cols_D, mask_ID, seed, STOCHASTIC: tl.constexpr):
-    """w -= step * grad on a block of columns of BLOCK_I rows (row_at: each row's first element
-    in weights), rounded to the weights' dtype."""
-    where_ID = row_at_I[:, None] + cols_D[None, :]
-    w_ID = tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0).to(tl.float32)
-    w_ID -= step_I[:, None] * grad_ID
+def _apply(weights_ptr, w_ID, grad_ID, step_I, where_ID, mask_ID, seed, STOCHASTIC: tl.constexpr):
+    """w -= step * grad on a block of columns of BLOCK_I rows (w_ID: their weights, loaded from
+    where_ID before the gradients were gathered), rounded to the weights' dtype."""
+    w_ID = w_ID.to(tl.float32) - step_I[:, None] * grad_ID
     out = _round(w_ID, where_ID, seed, STOCHASTIC, weights_ptr.dtype.element_ty)
     tl.store(weights_ptr + where_ID, out, mask=mask_ID)
 
@@ -211,10 +217,10 @@ def _rows_kernel(
     starts are loaded from memory, and untold the compiler moves rows an element at a time.
     Misaligned, it takes SLICE_D columns at a time (a quarter of BLOCK_D): a kernel holds its
     costlier path's registers, a third more at the whole tile (evals/studies/registers.py).
-    Where HALF = VEC / 2 elements (8 bytes: a bf16 row of 4) divides every start and dim, half
-    a block at a time in vectors of up to 8 bytes (a dim-4 feature sends a batch there:
-    odd_dims.py); in 2-byte dtypes only (HALF 1: compiled out), as fp32's 8-byte rows have 2
-    columns."""
+    Where HALF = VEC / 2 elements (8 bytes: a bf16 row of 4) divides every start and dim, the
+    same tile in vectors of up to 8 bytes, as the default tile's aligned path's (a thread holds
+    4 columns): a dim-4 feature sends a batch there (odd_dims.py); half blocks ran 1.22x its
+    time. In 2-byte dtypes only (HALF 1: compiled out): fp32's 8-byte rows have 2 columns."""
     misaligned = tl.load(misaligned_ptr)
     if misaligned == 0:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
@@ -223,7 +229,7 @@ def _rows_kernel(
     elif (HALF > 1) & (misaligned == 1):
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
-              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, max(BLOCK_D // 2, 1), HALF)  # fmt: skip
+              ADAGRAD, SCALED, STOCHASTIC, CHUNK, BLOCK_I, BLOCK_L, BLOCK_D, HALF)  # fmt: skip
     else:
         _rows(weights_ptr, state_ptr, grad_out_ptr, keys_ptr, grad_at_ptr, scale_ptr, row_at_ptr, dim_ptr,
               starts_ptr, count_ptr, partial_ptr, partial_stride, nnz, lr, eps, seed,
@@ -260,16 +266,19 @@ def _rows(
     longest = tl.max(end_I - begin_I, axis=0)
     widest = tl.minimum(tl.max(dim_I, axis=0), partial_stride)  # max_dim: the caller's bound on dims
     cols_D = tl.arange(0, BLOCK_D)
+    total_I = _state(state_ptr, key_I, whole_I, ADAGRAD)
     if widest <= BLOCK_D:
         col_mask_ID = cols_D[None, :] < dim_I[:, None]
+        mask_ID = whole_I[:, None] & col_mask_ID
+        where_ID = row_at_I[:, None] + cols_D[None, :]
+        w_ID = tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0)
         grad_ID = _gather_sum(
             grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, cols_D, col_mask_ID,
             SCALED, BLOCK_L, ALIGN,
         )  # fmt: skip
-        step_I = _scale(state_ptr, tl.sum(grad_ID * grad_ID, axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)
-        _apply(
-            weights_ptr, grad_ID, step_I, row_at_I, cols_D, whole_I[:, None] & col_mask_ID, seed, STOCHASTIC
-        )
+        grad_sq_I = tl.sum(grad_ID * grad_ID, axis=1)
+        step_I = _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)
+        _apply(weights_ptr, w_ID, grad_ID, step_I, where_ID, mask_ID, seed, STOCHASTIC)
         where_ID = partial_ptr + slot_I[:, None] * partial_stride + cols_D[None, :]
         tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
     else:
@@ -282,15 +291,17 @@ def _rows(
                     col_mask_ID, SCALED, BLOCK_L, ALIGN,
                 )  # fmt: skip
                 grad_sq_I += tl.sum(grad_ID * grad_ID, axis=1)
-        step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)
+        step_I = _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)
         for c0 in range(0, widest, BLOCK_D):
             col_mask_ID = (c0 + cols_D)[None, :] < dim_I[:, None]
+            mask_ID = whole_I[:, None] & col_mask_ID
+            where_ID = row_at_I[:, None] + (c0 + cols_D)[None, :]
+            w_ID = tl.load(weights_ptr + where_ID, mask=mask_ID, other=0.0)
             grad_ID = _gather_sum(
                 grad_out_ptr, grad_at_ptr, scale_ptr, begin_I, end_I, valid_I, longest, c0 + cols_D,
                 col_mask_ID, SCALED, BLOCK_L, ALIGN,
             )  # fmt: skip
-            mask_ID = whole_I[:, None] & col_mask_ID
-            _apply(weights_ptr, grad_ID, step_I, row_at_I, c0 + cols_D, mask_ID, seed, STOCHASTIC)
+            _apply(weights_ptr, w_ID, grad_ID, step_I, where_ID, mask_ID, seed, STOCHASTIC)
             where_ID = partial_ptr + slot_I[:, None] * partial_stride + (c0 + cols_D)[None, :]
             tl.store(where_ID, grad_ID, mask=part_I[:, None] & col_mask_ID)
 
@@ -332,6 +343,10 @@ def _long_rows_kernel(
         dim = tl.load(dim_ptr + at)
         cols = tl.arange(0, BLOCK_D)
         mask = cols[None, :] < dim[:, None]
+        where = row_at[:, None] + cols[None, :]
+        w = tl.load(weights_ptr + where, mask=mask, other=0.0)
+        keys = key + tl.zeros([1], dtype=tl.int64)
+        total = _state(state_ptr, keys, keys >= 0, ADAGRAD)
         grad = tl.zeros([1, BLOCK_D], dtype=tl.float32)
         if from_before:  # the row's first chunk, inside the previous CHUNK positions
             slot = 2 * (p // CHUNK - 1) + 1
@@ -341,9 +356,8 @@ def _long_rows_kernel(
             slot = 2 * (q // CHUNK)
             grad += tl.load(partial_ptr + slot * partial_stride + cols[None, :], mask=mask, other=0.0)
             q += CHUNK
-        keys = key + tl.zeros([1], dtype=tl.int64)
-        step = _scale(state_ptr, tl.sum(grad * grad, axis=1), keys, dim, keys >= 0, lr, eps, ADAGRAD)
-        _apply(weights_ptr, grad, step, row_at, cols, mask, seed, STOCHASTIC)
+        step = _scale(state_ptr, total, tl.sum(grad * grad, axis=1), keys, dim, keys >= 0, lr, eps, ADAGRAD)
+        _apply(weights_ptr, w, grad, step, where, mask, seed, STOCHASTIC)
 
 
 def _config(max_dim: int, interpreted: bool) -> dict:

@@ -1,11 +1,17 @@
-"""The update's bag of every id (kernels.kit.embeddings._bags_kernel, a binary search per id
-over all bags' ends: log2(bags) dependent loads, 49 us of the short bf16 shape's 1077 us on an
-H100) against two ways that shorten the chain of dependent loads:
+"""The update's bag of every id: the kit's default (kernels.kit.embeddings.bags_of: each bag
+that holds ids marks its first, then a running maximum over blocks of 2048 ids, each block's
+carry found by one search; its work is the ids' and bags' number) against
 
-- "scatter": each bag writes its number at its ids' positions, 4 a step, so no load depends
-  on another; but a program's work is its block's longest bag;
+- "search": a binary search per id over all bags' ends (log2(bags) dependent loads; the kit's
+  default until the thirty-fifth session: 64 us at the short bf16 shape on an H100);
+- "scatter 4 a step": each bag writes its number at its ids' positions, 4 a step, so no load
+  depends on another; but a program's work is its block's longest bag (every id in one bag:
+  42 ms; a step at a time, 1024 bags a program, 25 us at the short shape but 0.39 s there);
 - "two levels": the bag of each block's first position by a search per block (a few thousand),
   then each position searches its block's bags only (log2 of the bags in 1024 ids).
+
+(A count of the bags' ends by torch's index_add_ and a cumsum ran 44 to 78 us at the timing
+shapes and 0.93 ms with every id in one bag: its atomic adds all hit two places.)
 
 Each against the default's output (equal, or the run stops), then timed, at each update timing
 shape's bags and at two skewed ones: every id in one bag, and an id per bag. One CUDA device;
@@ -21,11 +27,29 @@ import triton
 import triton.language as tl
 
 import kernels.kit.embeddings as numbering
-from kernels.kit.embeddings import _bag_search
 from sandbox.timing import benchmark
 from search_space import get_problem
 
 BLOCK = 1024
+
+
+@triton.jit
+def _bag_search(offsets_ptr, pos, lo, hi, steps):
+    """The bag of each position among bags [lo, hi) that holds it: lo plus how many of those
+    end at or before it (an empty bag ends where it starts, so it is no id's), by `steps`
+    halvings."""
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        past = (lo < hi) & (tl.load(offsets_ptr + mid + 1, mask=lo < hi, other=0) <= pos)
+        lo, hi = tl.where(past, mid + 1, lo), tl.where(past, hi, mid)
+    return lo
+
+
+@triton.jit
+def _search_kernel(offsets_ptr, bag_ptr, nnz, num_bags, steps, BLOCK: tl.constexpr):
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    tl.store(bag_ptr + pos, _bag_search(offsets_ptr, pos, lo, lo + num_bags, steps), mask=pos < nnz)
 
 
 @triton.jit
@@ -66,6 +90,13 @@ def _within_kernel(offsets_ptr, firsts_ptr, bag_ptr, nnz, num_bags, BLOCK: tl.co
     tl.store(bag_ptr + pos, bag, mask=pos < nnz)
 
 
+def search(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    bags = offsets.numel() - 1
+    bag = torch.empty(nnz, dtype=torch.int32, device=offsets.device)
+    _search_kernel[(triton.cdiv(nnz, BLOCK),)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=BLOCK)
+    return bag
+
+
 def scatter(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     bags = offsets.numel() - 1
     bag = torch.empty(nnz, dtype=torch.int32, device=offsets.device)
@@ -102,7 +133,12 @@ def main() -> None:
         nnz = int(offsets[-1])
         want = numbering.bags_of(offsets, nnz)
         print(f"\n{name}: {nnz:,} ids, {offsets.numel() - 1:,} bags", flush=True)
-        ways = (("search (default)", numbering.bags_of), ("scatter", scatter), ("two levels", two_levels))
+        ways = (
+            ("default", numbering.bags_of),
+            ("search", search),
+            ("scatter 4 a step", scatter),
+            ("two levels", two_levels),
+        )
         for label, fn in ways:
             got = fn(offsets, nnz)
             if not torch.equal(got, want):

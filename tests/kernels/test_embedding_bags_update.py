@@ -159,6 +159,30 @@ def test_number_chunks_spans_programs(device: torch.device) -> None:
         assert torch.equal(g.long(), w.long()), name
 
 
+@pytest.mark.parametrize("case", ["mixed", "one-long-bag", "empty-runs"])
+def test_bags_of_carries_bags_across_blocks(case: str, device: torch.device) -> None:
+    """Each id's bag (the kit's marks of bag starts and their running maximum over blocks of
+    2048 ids) against a search: bags of every length, one bag over several blocks among
+    thousands of empty ones, and runs of empty bags at block edges."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    if case == "mixed":
+        lengths = torch.randint(0, 12, (1500,), generator=gen, device=device)
+    elif case == "one-long-bag":
+        lengths = torch.zeros(5000, dtype=torch.int64, device=device)
+        lengths[2500] = 3 * 2048 + 5
+    else:
+        lengths = torch.randint(1, 4, (4000,), generator=gen, device=device)
+        lengths[torch.randint(0, 4000, (1500,), generator=gen, device=device)] = 0
+        lengths[1000:1700] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), lengths.cumsum(0)])
+    nnz = int(offsets[-1])
+    assert nnz > 2 * 2048
+    positions = torch.arange(nnz, device=device)
+    want = torch.searchsorted(offsets[1:], positions, right=True)
+    got = numbering.bags_of(offsets, nnz)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+
+
 def test_the_chunk_scan_carries_across_its_tiles(device: torch.device) -> None:
     """The one-program prefix sum over blocks' counts, in tiles of 16 here (1024 in the op)."""
     counts = torch.randint(0, 1000, (53,), device=device)
@@ -411,7 +435,10 @@ def test_every_gpu_launch_compiles_for_sm90() -> None:
             f"kernels.embedding_bags_update.{k}"
             for k in ("_long_rows_kernel", "_rows_kernel", "_sorted_kernel")
         ),
-        *(f"kernels.kit.embeddings.{k}" for k in ("_bags_kernel", "_chunks_kernel", "_scan_kernel")),
+        *(
+            f"kernels.kit.embeddings.{k}"
+            for k in ("_bag_starts_kernel", "_bags_kernel", "_chunks_kernel", "_scan_kernel")
+        ),
     ]
 
 
