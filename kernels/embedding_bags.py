@@ -5,16 +5,13 @@ Backward: grad[weight_offsets[f] + indices[i] * dim_f + c] += psw[i] * grad_out[
           (/ len(bag) for mean), W_f row r = weights[weight_offsets[f] + r * dim_f :][:dim_f]
 
 One launch serves every feature. A forward program takes one block of bags and one block of
-columns of one feature: the grid numbers every feature's column blocks in turn, so a narrow
-feature launches only the programs its dim needs. Inside, it is the single-table kernel
-(kernels/embedding_bag.py): BLOCK_B bags advance together and gather a [BLOCK_B, BLOCK_L,
-BLOCK_D] tile of rows per step (many independent loads in flight hide HBM latency on random
-rows), accumulated in fp32, rounded once. The PROGRAMS knob caps the grid (a persistent
-launch). Rows move in 16-byte vectors wherever a block's table, dim, first output column and
-the output's row stride allow it (_pool_block; the backward's bags likewise). A block advances
-until its longest bag ends, so on skewed bags most lanes idle; the FLAT knob (_flat_sums) takes
-a block's ids in order instead, every lane busy, and sums them into their bags on the tensor
-cores (slower at every timing shape: off by default).
+columns of one feature (a narrow feature launches only the programs its dim needs): BLOCK_B bags
+advance together and gather a [BLOCK_B, BLOCK_L, BLOCK_D] tile of rows per step (many loads in
+flight hide HBM latency on random rows), accumulated in fp32, rounded once. PROGRAMS caps the
+grid (a persistent launch). Rows move in 16-byte vectors wherever alignment allows (_pool_block;
+the backward likewise). A block advances until its longest bag ends; FLAT (_flat_sums) takes a
+block's ids in order instead, every lane busy, summed into bags on the tensor cores (slower at
+every timing shape: off by default).
 
 The backward scatters with fp32 atomics into a dense fp32 gradient of every table: ids repeat
 within and across bags, and features share tables. Its launch keeps one program per bag over
@@ -106,21 +103,27 @@ def _pool_block(
     VEC: tl.constexpr, FLAT: tl.constexpr, SLICE_D: tl.constexpr,
 ):  # fmt: skip
     """One block's pooled bags (_block_of's description of it) into the output. The dims and
-    offsets are read from memory, so the compiler cannot know that a row starts on a 16-byte
-    boundary and would load and store it an element at a time: where this block's table, dim,
-    first column and the output's row stride are all multiples of VEC elements (16 bytes), the
-    same code runs on x // VEC * VEC of each (the same values, which the compiler then knows to
-    be multiples of VEC), and its rows move in 16-byte vectors.
-
-    A misaligned block takes SLICE_D columns at a time (_slice_d): element by element, its whole
-    tile took twice the aligned path's registers. In 2-byte dtypes, one whose starts are
-    multiples of VEC / 2 (a dim-4 feature's 8-byte rows shift the later columns so) moves in
-    8-byte vectors (odd_dims.py), a block at a time, or half at one id a step (registers)."""
-    aligned = (dim % VEC == 0) & (table % VEC == 0) & (first_col % VEC == 0) & (stride_out_row % VEC == 0)
-    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)
+    offsets are read from memory, so the compiler would move rows an element at a time: where
+    this block's table, dim, first column and the output's row stride are multiples of VEC
+    elements (16 bytes), the same code runs on x // VEC * VEC of each (which the compiler then
+    knows), in 16-byte vectors. In 2-byte dtypes, where only the output's starts are multiples
+    of VEC / 2 (a dim-4 feature shifts every later column and odd sample's row so: odd_dims.py),
+    table rows still move so, and sums go out in 8 bytes. Other blocks take SLICE_D columns at
+    a time (_slice_d; whole tiles took twice the registers), in 8-byte vectors where all starts
+    allow, whole blocks, or half at one id a step (registers)."""
+    H: tl.constexpr = max(VEC // 2, 1)
+    rows = (dim % VEC == 0) & (table % VEC == 0)
+    if rows & (first_col % VEC == 0) & (stride_out_row % VEC == 0):  # always where VEC is 1
         _pool_rows(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row // VEC * VEC,
             first_col // VEC * VEC, dim // VEC * VEC, col_block, table // VEC * VEC,
+            bags_B, limit, start_B, len_B,
+            HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
+        )  # fmt: skip
+    elif (VEC == 8) & rows & (first_col % H == 0) & (stride_out_row % H == 0):
+        _pool_rows(
+            weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row // H * H,
+            first_col // H * H, dim // VEC * VEC, col_block, table // VEC * VEC,
             bags_B, limit, start_B, len_B,
             HAS_PSW, MODE_MEAN, ACC_3D, EVICT_ROWS, NUM_STAGES, BLOCK_B, BLOCK_L, BLOCK_D, FLAT,
         )  # fmt: skip
@@ -132,7 +135,6 @@ def _pool_block(
         )  # fmt: skip
     else:
         tl.static_assert(BLOCK_D % SLICE_D == 0)
-        H: tl.constexpr = VEC // 2
         HD: tl.constexpr = BLOCK_D if BLOCK_L > 1 else BLOCK_D // 2
         if (dim % H == 0) & (table % H == 0) & (first_col % H == 0) & (stride_out_row % H == 0):
             for s in range(0, tl.cdiv(tl.minimum(dim - col_block * BLOCK_D, BLOCK_D), HD)):

@@ -230,6 +230,9 @@ CHECKS = (
                              max_lens=[5, 1, 12, 3, 2], weighted=True, index_dtype="int32")),
     # Dims of no multiple of 4 (rows and columns an element at a time) among 8-byte ones.
     ("odd-dims", dict(tables=[[40, 6], [30, 4], [50, 3], [20, 16]], batch=5, max_lens=[3, 2, 4, 1])),
+    # A feature of 4 columns first: in 2-byte dtypes the later features' output columns, and odd
+    # samples' rows, start 8 bytes off 16; their tables' rows do not.
+    ("dim-4-first", dict(tables=[[30, 4], [40, 16], [50, 32]], batch=5, max_lens=[2, 3, 1])),
 )  # fmt: skip
 
 

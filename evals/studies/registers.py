@@ -74,7 +74,7 @@ def compile_report(fn, types: dict, constexprs: dict, warps: int) -> tuple[int, 
 # Each module's tests of alignment, whose other branch moves rows an element at a time.
 ALIGNED_BRANCHES = {
     lookup: (
-        "    if aligned:  # always, where VEC is 1 (rows an element at a time: VECTORS off)\n",
+        "    if rows & (first_col % VEC == 0) & (stride_out_row % VEC == 0):  # always where VEC is 1\n",
         "    if aligned:  # always, where VEC is 1\n",
     ),
     update: ("    if misaligned == 0:\n",),

@@ -1,0 +1,55 @@
+"""The table-batched lookup's forward kernel by the profiler, beside another version of its module,
+alternately, three times, at each timing shape: device time, which leaves out the host's launch
+gaps and the clocks' drift between samples (wall-clock timings of the same calls spread by 5 to
+10% in some runs on the H100 this was written on, where the kernels' device times agreed within
+0.2%). The outputs are checked by evals/studies/beside.py and `bench ops`; this times only.
+
+    git show COMMIT:kernels/embedding_bags.py > evals/studies/_bags_before.py
+    python3 -m evals.studies.lookup_profile evals.studies._bags_before [SHAPE NAME SUBSTRING] [DTYPE]
+
+One CUDA device; rows print as they are measured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+import kernels.embedding_bags as kernel
+from search_space import get_problem
+
+CALLS = 10
+
+
+def forward_kernel_us(module, inputs) -> float:
+    """Device microseconds of the forward kernel in one call of module's embedding_bags_forward."""
+    for _ in range(3):
+        module.embedding_bags_forward(*inputs.args, **inputs.kwargs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            module.embedding_bags_forward(*inputs.args, **inputs.kwargs)
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages() if "fwd_kernel" in e.key) / CALLS
+
+
+def main(other: str, pattern: str = "", dtype: str = "") -> None:
+    device = torch.device("cuda")
+    problem = get_problem("embedding_bags")
+    versions = ((other, importlib.import_module(other)), ("default", kernel))
+    for shape in problem.timing_shapes:
+        if pattern not in shape.name or (dtype and shape.dtype != dtype):
+            continue
+        inputs = problem.make_inputs(shape, 1, device)
+        print(f"\n{shape.name} {shape.dtype}", flush=True)
+        for _ in range(3):
+            for label, module in versions:
+                print(f"  {label:32} {forward_kernel_us(module, inputs):9.1f} us", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
