@@ -108,9 +108,9 @@ def _pool_block(
     elements (16 bytes), the same code runs on x // VEC * VEC of each (which the compiler then
     knows), in 16-byte vectors. In 2-byte dtypes, where only the output's starts are multiples
     of VEC / 2 (a dim-4 feature shifts every later column and odd sample's row so: odd_dims.py),
-    table rows still move so, and sums go out in 8 bytes. Other blocks take SLICE_D columns at
-    a time (_slice_d; whole tiles took twice the registers), in 8-byte vectors where all starts
-    allow, whole blocks, or half at one id a step (registers)."""
+    table rows still move so, and sums go out in 8 bytes. Where all starts allow 8 bytes only,
+    HD columns (the block, or half at one id a step: registers) in 8-byte vectors; else SLICE_D
+    columns at a time (_slice_d; whole tiles took twice the registers)."""
     H: tl.constexpr = max(VEC // 2, 1)
     rows = (dim % VEC == 0) & (table % VEC == 0)
     if rows & (first_col % VEC == 0) & (stride_out_row % VEC == 0):  # always where VEC is 1

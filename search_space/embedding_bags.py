@@ -342,6 +342,10 @@ def _knob_constraints(knobs: dict) -> str | None:
             )
         if knobs["ACC_3D"] or knobs["num_stages"] != 1:
             return "FLAT takes neither ACC_3D nor num_stages > 1 (the step loop's)"
+        if knobs["BLOCK_L"] is None and cols < 32:
+            # Short batches take one id a step, where a 2-byte block of 8-byte rows takes half
+            # its columns (kernels/embedding_bags.py, _pool_block): fewer than the product's 16.
+            return f"FLAT takes BLOCK_D >= 32 unless BLOCK_L is set, not {cols}"
     return single.TEMPLATE.constraint(knobs)
 
 

@@ -53,12 +53,14 @@ def _scan_kernel(counts_ptr, total_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bag_starts_kernel(offsets_ptr, bag_ptr, num_bags, BLOCK: tl.constexpr):
-    """bag[p] = b at the first id p of every bag b that holds any (no other bag starts there)."""
+def _bag_starts_kernel(offsets_ptr, bag_ptr, nnz, num_bags, BLOCK: tl.constexpr):
+    """bag[p] = b at the first id p of every bag b that holds any (no other bag starts there);
+    never past nnz, whatever the offsets (the update's op does not read them to check)."""
     b = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     start = tl.load(offsets_ptr + b, mask=b < num_bags, other=0)
     end = tl.load(offsets_ptr + b + 1, mask=b < num_bags, other=0)
-    tl.store(bag_ptr + start, b.to(bag_ptr.dtype.element_ty), mask=(b < num_bags) & (start < end))
+    live = (b < num_bags) & (start < end) & (start >= 0) & (start < nnz)
+    tl.store(bag_ptr + start, b.to(bag_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -91,7 +93,7 @@ def bags_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     of the bags' ends by atomic adds, 0.9 ms with many empty bags at one place)."""
     bags = offsets.numel() - 1
     bag = torch.full((nnz,), -1, dtype=torch.int32 if bags < 2**31 else torch.int64, device=offsets.device)
-    _bag_starts_kernel[(triton.cdiv(bags, 1024),)](offsets, bag, bags, BLOCK=1024)
+    _bag_starts_kernel[(triton.cdiv(bags, 1024),)](offsets, bag, nnz, bags, BLOCK=1024)
     _bags_kernel[(triton.cdiv(nnz, 2048),)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=2048)
     return bag
 

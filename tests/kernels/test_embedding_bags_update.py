@@ -170,10 +170,10 @@ def test_bags_of_carries_bags_across_blocks(case: str, device: torch.device) -> 
     elif case == "one-long-bag":
         lengths = torch.zeros(5000, dtype=torch.int64, device=device)
         lengths[2500] = 3 * 2048 + 5
-    else:
-        lengths = torch.randint(1, 4, (4000,), generator=gen, device=device)
-        lengths[torch.randint(0, 4000, (1500,), generator=gen, device=device)] = 0
-        lengths[1000:1700] = 0
+    else:  # 700 empty bags at each of the block edges 2048 and 4096, then bags of 0 to 3 ids
+        one, empty = torch.ones(2048, dtype=torch.int64), torch.zeros(700, dtype=torch.int64)
+        rest = torch.randint(0, 4, (1500,), generator=torch.Generator().manual_seed(1))
+        lengths = torch.cat([one, empty, one, empty, rest]).to(device)
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), lengths.cumsum(0)])
     nnz = int(offsets[-1])
     assert nnz > 2 * 2048
@@ -181,6 +181,21 @@ def test_bags_of_carries_bags_across_blocks(case: str, device: torch.device) -> 
     want = torch.searchsorted(offsets[1:], positions, right=True)
     got = numbering.bags_of(offsets, nnz)
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+
+
+def test_bag_marks_stay_within_the_ids_whatever_the_offsets(device: torch.device) -> None:
+    """The update's op does not read offsets to check them (no sync): marks of bags that start
+    at or past nnz (offsets running past it, or negative) are not written, so a buffer of nnz
+    is never written past. Here the buffer has room past nnz, which must stay as it was."""
+    offsets = torch.tensor([0, 2, 3, 7, 9, 12, 12, 40], device=device)  # nnz 3: bags 3 on past it
+    nnz, guard = 3, torch.full((64,), -7, dtype=torch.int32, device=device)
+    numbering._bag_starts_kernel[(1,)](offsets, guard, nnz, offsets.numel() - 1, BLOCK=1024)
+    assert guard[:nnz].tolist() == [0, -7, 1]
+    assert (guard[nnz:] == -7).all()
+    negative = torch.tensor([0, 1, -5, 2], device=device)
+    guard.fill_(-7)
+    numbering._bag_starts_kernel[(1,)](negative, guard, 2, 3, BLOCK=1024)
+    assert guard[:2].tolist() == [0, -7] and (guard[2:] == -7).all()
 
 
 def test_the_chunk_scan_carries_across_its_tiles(device: torch.device) -> None:

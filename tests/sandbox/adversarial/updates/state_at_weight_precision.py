@@ -13,8 +13,8 @@ Refused: each updated argument is compared under its own dtype's tolerance (the 
 # The state's store is in `_scale`, which is not given the weights: the edits pass their dtype.
 EDITS = [
     (
-        "def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):",
-        "def _scale(state_ptr, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr, LOW: tl.constexpr):",
+        "def _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr):",
+        "def _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, mask_I, lr, eps, ADAGRAD: tl.constexpr, LOW: tl.constexpr):",
     ),
     (
         "        tl.store(state_ptr + key_I, total_I, mask=mask_I)",
@@ -22,12 +22,18 @@ EDITS = [
         "        tl.store(state_ptr + key_I, total_I, mask=mask_I)",
     ),
     (
-        "axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD)",
-        "axis=1), key_I, dim_I, whole_I, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
+        "        grad_sq_I = tl.sum(grad_ID * grad_ID, axis=1)\n"
+        "        step_I = _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)",
+        "        grad_sq_I = tl.sum(grad_ID * grad_ID, axis=1)\n"
+        "        step_I = _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD, "
+        "weights_ptr.dtype.element_ty)",
     ),
     (
-        "step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)",
-        "step_I = _scale(state_ptr, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD, weights_ptr.dtype.element_ty)",
+        "                grad_sq_I += tl.sum(grad_ID * grad_ID, axis=1)\n"
+        "        step_I = _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD)",
+        "                grad_sq_I += tl.sum(grad_ID * grad_ID, axis=1)\n"
+        "        step_I = _scale(state_ptr, total_I, grad_sq_I, key_I, dim_I, whole_I, lr, eps, ADAGRAD, "
+        "weights_ptr.dtype.element_ty)",
     ),
     (
         "keys, dim, keys >= 0, lr, eps, ADAGRAD)",
