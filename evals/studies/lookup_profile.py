@@ -18,21 +18,13 @@ import sys
 import torch
 
 import kernels.embedding_bags as kernel
+from evals.studies.update_profile import profiled
 from search_space import get_problem
-
-CALLS = 10
 
 
 def forward_kernel_us(module, inputs) -> float:
     """Device microseconds of the forward kernel in one call of module's embedding_bags_forward."""
-    for _ in range(3):
-        module.embedding_bags_forward(*inputs.args, **inputs.kwargs)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            module.embedding_bags_forward(*inputs.args, **inputs.kwargs)
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages() if "fwd_kernel" in e.key) / CALLS
+    return sum(us for key, us in profiled(module.embedding_bags_forward, inputs) if "fwd_kernel" in key)
 
 
 def main(other: str, pattern: str = "", dtype: str = "") -> None:

@@ -34,8 +34,9 @@ from search_space import get_problem
 CALLS = 5
 
 
-def _profiled(fn, inputs) -> list[tuple[str, float]]:
-    """(kernel name, device microseconds per call) of each kernel of `fn`'s calls, most first."""
+def profiled(fn, inputs) -> list[tuple[str, float]]:
+    """(kernel name, device microseconds per call) of each kernel of `fn`'s calls on `inputs`,
+    most first (lookup_profile.py uses it too)."""
     for _ in range(2):
         fn(*inputs.args, **inputs.kwargs)
     torch.cuda.synchronize()
@@ -58,7 +59,7 @@ def main(pattern: str = "", others: str = "") -> None:
         inputs = problem.make_inputs(shape, 1, device)
         weights, state = inputs.args[0].clone(), inputs.args[1].clone()
         print(f"\n{shape.name} {shape.dtype}: {inputs.args[6].numel():,} ids", flush=True)
-        kernels = _profiled(kernel.embedding_bags_update, inputs)
+        kernels = profiled(kernel.embedding_bags_update, inputs)
         for key, us in kernels:
             print(f"  default: {key[:70]:70} {us:9.1f} us", flush=True)
         print(f"  default: {'all kernels':70} {sum(us for _, us in kernels):9.1f} us", flush=True)
@@ -69,7 +70,7 @@ def main(pattern: str = "", others: str = "") -> None:
                 expected = expected or got
                 same = all(_close(g, e) for g, e in zip(got, expected, strict=True))
                 del got
-                kernels = _profiled(module.embedding_bags_update, inputs)
+                kernels = profiled(module.embedding_bags_update, inputs)
                 rows = sum(us for key, us in kernels if key.startswith("_rows_kernel"))
                 total = sum(us for _, us in kernels)
                 check = "ok" if same else "DIFFERS from the first"
