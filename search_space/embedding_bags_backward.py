@@ -88,35 +88,35 @@ TOLERANCES = {
     "fp16": Tolerance(atol=2e-3, rtol=2e-3, norm_rtol=1e-3, row_rtol=2**-9, row_atol=2**-14),
 }
 
-# The backward kernel's knobs, in the KNOBS dict of kernels/embedding_bags.py beside the forward's.
+# The knobs of kernels/embedding_bags_backward.py (its KNOBS dict).
 KNOBS = (
-    Knob("GRAD_BLOCK_L", (None, 4, 8, 16, 32, 64), default=None, help="ids of a bag scattered per step"),
+    Knob("BLOCK_L", (None, 4, 8, 16, 32, 64), default=None, help="ids of a bag scattered per step"),
     Knob(
-        "GRAD_BLOCK_D",
+        "BLOCK_D",
         (None, 16, 32, 64, 128, 256),
         default=None,
-        help="gradient columns per program; a program covers ceil(D / GRAD_BLOCK_D) of a row",
+        help="gradient columns per program; a program covers ceil(D / BLOCK_D) of a row",
     ),
-    Knob("GRAD_num_warps", (None, 1, 2, 4, 8), default=None, help="warps per program"),
+    Knob("num_warps", (None, 1, 2, 4, 8), default=None, help="warps per program"),
 )
 
 
 def _knob_constraints(knobs: dict) -> str | None:
     """Bounds of the update tile, where it is fixed (a knob left to the heuristic takes its value
     per call)."""
-    if knobs["GRAD_BLOCK_L"] is None or knobs["GRAD_BLOCK_D"] is None:
+    if knobs["BLOCK_L"] is None or knobs["BLOCK_D"] is None:
         return None
-    tile, warps = knobs["GRAD_BLOCK_L"] * knobs["GRAD_BLOCK_D"], knobs["GRAD_num_warps"] or 4
+    tile, warps = knobs["BLOCK_L"] * knobs["BLOCK_D"], knobs["num_warps"] or 4
     if tile > 8192:
-        return f"GRAD_BLOCK_L * GRAD_BLOCK_D = {tile} > 8192 elements: the update tile spills registers"
+        return f"BLOCK_L * BLOCK_D = {tile} > 8192 elements: the update tile spills registers"
     if tile < 32 * warps:
-        return f"GRAD_BLOCK_L * GRAD_BLOCK_D = {tile} is smaller than {warps} warps of 32 lanes"
+        return f"BLOCK_L * BLOCK_D = {tile} is smaller than {warps} warps of 32 lanes"
     return None
 
 
 TEMPLATE = KnobTemplate(
     problem=NAME,
-    source_module="kernels.embedding_bags",
+    source_module="kernels.embedding_bags_backward",
     entry=ENTRY,
     knobs=KNOBS,
     constraint=_knob_constraints,
@@ -174,7 +174,7 @@ def _cost(
 OP = Op(
     name=NAME,
     problem=PROBLEM,
-    default="kernels.embedding_bags:embedding_bags_backward",
+    default="kernels.embedding_bags_backward:embedding_bags_backward",
     fake=_fake,
     bucket=_call_bucket,
     bounds=("total_dim", "max_dim"),

@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kernels.embedding_bags as lookup
+import kernels.embedding_bags_backward as backward
 import kernels.embedding_bags_update as update
 from evals.studies import module_from_source
 
@@ -75,8 +76,8 @@ def compile_report(fn, types: dict, constexprs: dict, warps: int) -> tuple[int, 
 ALIGNED_BRANCHES = {
     lookup: (
         "    if rows & (first_col % VEC == 0) & (stride_out_row % VEC == 0):  # always where VEC is 1\n",
-        "    if aligned:  # always, where VEC is 1\n",
     ),
+    backward: ("    if aligned:  # always, where VEC is 1\n",),
     update: ("    if misaligned == 0:\n",),
 }
 
@@ -105,7 +106,7 @@ def lookup_launch(element_size: int, mean_ids: float) -> tuple[dict, int]:
 
 def backward_launch(element_size: int) -> tuple[dict, int]:
     """The backward's constexprs and warps as its launch picks them on a GPU (sums, no weights)."""
-    cfg = lookup._backward_config(256)
+    cfg = backward._backward_config(256)
     constexprs = dict(HAS_PSW=False, MODE_MEAN=False, BLOCK_L=cfg["BLOCK_L"], BLOCK_D=cfg["BLOCK_D"])
     constexprs |= dict(VEC=16 // element_size, SLICE_D=max(cfg["BLOCK_D"] // 4, 1))  # as the launch's
     return constexprs, cfg["num_warps"]
@@ -150,11 +151,11 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     head = f"{'regs':>5} {'spill':>6} {'programs/SM':>12} {'vector ops':>11} {'aligned path alone':>19}"
     print(f"{'kernel and tile (bf16)':34} {head}")
-    alone_of = {module: aligned_only(module) for module in (update, lookup)}
+    alone_of = {module: aligned_only(module) for module in (update, lookup, backward)}
     for module, kernel, types, tiles in (
         (update, "_rows_kernel", UPDATE_TYPES, _update_tiles()),
         (lookup, "_embedding_bags_fwd_kernel", LOOKUP_TYPES, _lookup_tiles()),
-        (lookup, "_embedding_bags_bwd_kernel", BACKWARD_TYPES, _backward_tiles()),
+        (backward, "_embedding_bags_bwd_kernel", BACKWARD_TYPES, _backward_tiles()),
     ):
         alone = alone_of[module]
         for label, constexprs, warps in tiles:

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels.embedding_bags as module
+import kernels.embedding_bags_backward as backward_module
 from kernels import ops
 from kernels.registry import DISPATCHER
 from sandbox.protocol import check_shape, compare
@@ -76,7 +77,7 @@ def test_the_gpu_launch_configuration_passes_too(
 ) -> None:
     """Interpreted, the kernels launch few wide programs; the tiles a GPU launches are checked
     here too, forward and backward."""
-    forward, backward = module._forward_config, module._backward_config
+    forward, backward = module._forward_config, backward_module._backward_config
     picked = []
 
     def gpu_forward_config(dim, size, ids, interpreted):
@@ -84,7 +85,7 @@ def test_the_gpu_launch_configuration_passes_too(
         return picked[-1]
 
     monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
-    monkeypatch.setattr(module, "_backward_config", lambda dim, interpreted: backward(dim))
+    monkeypatch.setattr(backward_module, "_backward_config", lambda dim, interpreted: backward(dim))
     for problem in (PROBLEM, BACKWARD):
         result = check_shape(problem, ops.op(problem.name), shape, 0, DEVICE)
         assert result.ok, (problem.name, result.message)
@@ -318,19 +319,17 @@ def test_knobs_a_search_writes_take_effect(tmp_path: Path) -> None:
     knobs = {"BLOCK_B": 2, "BLOCK_L": 4, "BLOCK_D": 16, "ACC_3D": True}
     forward = _load(TEMPLATE.render(knobs), tmp_path, "searched_forward")
     grad_template = get_template(BACKWARD.name)
-    backward = _load(
-        grad_template.render({"GRAD_BLOCK_L": 8, "GRAD_BLOCK_D": 16}), tmp_path, "searched_backward"
-    )
+    backward = _load(grad_template.render({"BLOCK_L": 8, "BLOCK_D": 16}), tmp_path, "searched_backward")
     shape = _shape("mixed-dims", "bf16")
     assert check_shape(PROBLEM, forward.embedding_bags_forward, shape, 0, DEVICE).ok
     assert check_shape(BACKWARD, backward.embedding_bags_backward, shape, 0, DEVICE).ok
 
 
-def test_the_kernel_module_passes_the_screen_for_both_problems() -> None:
-    """What a campaign starts from: the template for the forward, the module for the gradient."""
-    source = TEMPLATE.render({})
-    assert screen_problem(source, "embedding_bags_forward", PROBLEM) == []
-    assert screen_problem(source, "embedding_bags_backward", BACKWARD) == []
+def test_the_kernel_modules_pass_the_screen() -> None:
+    """What a campaign starts from: each problem's template at its defaults."""
+    assert screen_problem(TEMPLATE.render({}), "embedding_bags_forward", PROBLEM) == []
+    grad_source = get_template(BACKWARD.name).render({})
+    assert screen_problem(grad_source, "embedding_bags_backward", BACKWARD) == []
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -518,9 +517,10 @@ COMPILE_GPU_LAUNCHES = """
 import json
 import cuda_compile
 import kernels.embedding_bags as module
-forward, backward = module._forward_config, module._backward_config
+import kernels.embedding_bags_backward as backward_module
+forward, backward = module._forward_config, backward_module._backward_config
 module._forward_config = lambda dim, size, ids, interpreted=False: forward(dim, size, ids)
-module._backward_config = lambda dim, interpreted=False: backward(dim)
+backward_module._backward_config = lambda dim, interpreted=False: backward(dim)
 print(json.dumps(cuda_compile.main(["embedding_bags", "embedding_bags_backward"])))
 """
 
@@ -531,8 +531,8 @@ def test_every_gpu_launch_compiles_for_sm90() -> None:
     report = in_subprocess(COMPILE_GPU_LAUNCHES)
     assert report["failed"] == [], report["failed"]
     assert report["compiled"] == [
-        "kernels.embedding_bags._embedding_bags_bwd_kernel",
         "kernels.embedding_bags._embedding_bags_fwd_kernel",
+        "kernels.embedding_bags_backward._embedding_bags_bwd_kernel",
     ]
 
 
@@ -544,6 +544,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.embedding_bags as module
+import kernels.embedding_bags_backward as backward_module
 
 def memory_ops(fn, types, constexprs, warps):
     names = fn.arg_names
@@ -567,7 +568,7 @@ report = {
     f"{name} VEC={vec}": memory_ops(fn, types, {**consts, "VEC": vec}, warps)
     for name, fn, types, consts, warps in (
         ("forward", module._embedding_bags_fwd_kernel, fwd_types, fwd, 2),
-        ("backward", module._embedding_bags_bwd_kernel, bwd_types, bwd, 4),
+        ("backward", backward_module._embedding_bags_bwd_kernel, bwd_types, bwd, 4),
     )
     for vec in (1, 8)
 }
@@ -601,9 +602,11 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
 KERNEL_REGISTERS = """
 import json
 import kernels.embedding_bags as module
+import kernels.embedding_bags_backward as backward_module
 from evals.studies.registers import LOOKUP_TYPES, aligned_only, backward_launch, compile_report, lookup_launch
 
 aligned = aligned_only(module)  # every block's rows in vectors
+backward_aligned = aligned_only(backward_module)
 report = {}
 for dtype, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
     if dtype != "fp32":  # fp32's misaligned blocks stay whole (_slice_d)
@@ -617,7 +620,8 @@ for dtype, size in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
     types = LOOKUP_TYPES | {"grad_out_ptr": "*" + dtype, "psw_ptr": "*" + dtype, "grad_ptr": "*fp32"}
     constexprs, warps = backward_launch(size)
     report[f"{dtype} backward"] = [
-        compile_report(m._embedding_bags_bwd_kernel, types, constexprs, warps)[0] for m in (module, aligned)
+        compile_report(m._embedding_bags_bwd_kernel, types, constexprs, warps)[0]
+        for m in (backward_module, backward_aligned)
     ]
 print(json.dumps(report))
 """
