@@ -1,11 +1,11 @@
-"""The table-batched lookup's forward kernel by the profiler, beside another version of its module,
+"""The table-batched lookup's forward kernel by the profiler, beside other versions of its module,
 alternately, three times, at each timing shape: device time, which leaves out the host's launch
 gaps and the clocks' drift between samples (wall-clock timings of the same calls spread by 5 to
 10% in some runs on the H100 this was written on, where the kernels' device times agreed within
 0.2%). The outputs are checked by evals/studies/beside.py and `bench ops`; this times only.
 
     git show COMMIT:kernels/embedding_bags.py > evals/studies/_bags_before.py
-    python3 -m evals.studies.lookup_profile evals.studies._bags_before [SHAPE NAME SUBSTRING] [DTYPE]
+    python3 -m evals.studies.lookup_profile evals.studies._bags_before[,OTHERS] [SHAPE NAME SUBSTRING] [DTYPE]
 
 One CUDA device; rows print as they are measured.
 """
@@ -27,10 +27,11 @@ def forward_kernel_us(module, inputs) -> float:
     return sum(us for key, us in profiled(module.embedding_bags_forward, inputs) if "fwd_kernel" in key)
 
 
-def main(other: str, pattern: str = "", dtype: str = "") -> None:
+def main(others: str, pattern: str = "", dtype: str = "") -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags")
-    versions = ((other, importlib.import_module(other)), ("default", kernel))
+    versions = [(name, importlib.import_module(name)) for name in others.split(",") if name]
+    versions.append(("default", kernel))
     for shape in problem.timing_shapes:
         if pattern not in shape.name or (dtype and shape.dtype != dtype):
             continue

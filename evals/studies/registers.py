@@ -136,8 +136,9 @@ def _backward_tiles() -> Iterator[tuple[str, dict, int]]:
 
 
 UPDATE_TYPES = dict(
-    weights_ptr="*bf16", state_ptr="*fp32", grad_out_ptr="*bf16", keys_ptr="*i32", scale_ptr="*fp32",
-    dim_ptr="*i32", partial_ptr="*fp32", lr="fp32", eps="fp32", misaligned_ptr="*i32",
+    weights_ptr="*bf16", state_ptr="*fp32", grad_out_ptr="*bf16", grad_at_ptr="*i32", scale_ptr="*fp32",
+    c_key_ptr="*i32", c_row_at_ptr="*i32", c_dim_ptr="*i32", c_grad_at_ptr="*i32", c_scale_ptr="*fp32",
+    partial_ptr="*fp32", lr="fp32", eps="fp32", misaligned_ptr="*i32",
 )  # fmt: skip
 LOOKUP_TYPES = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indices_ptr", "offsets_ptr")}
 LOOKUP_TYPES |= {"weights_ptr": "*bf16", "psw_ptr": "*bf16", "out_ptr": "*bf16"}

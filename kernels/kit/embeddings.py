@@ -2,14 +2,21 @@
 embeddings (kernels/embedding_bags_update.py) and any candidate of it build their per-row work on,
 on the device and without a host sync.
 
-`number_chunks` gives every id its bag, sorts the ids by their row's key (a row's index in the
-row-wise state, unique across tables: row_offsets[feature] + id) so that a row's ids lie
-together, and cuts the sorted ids into chunks, a new one at each row's first id and at every
-multiple of `chunk` positions: a chunk holds at most `chunk` ids of one row, and a row of more
-(a hot id) spans several.
+Every id gets its bag, the ids are sorted by their row's key (a row's index in the row-wise
+state, unique across tables: row_offsets[feature] + id) so that a row's ids lie together, and
+the sorted ids are cut into chunks, a new one at each row's first id and at every multiple of
+`chunk` positions: a chunk holds at most `chunk` ids of one row, and a row of more (a hot id)
+spans several.
 
     bag, sorted_keys, order, starts, count = number_chunks(row_offsets, indices, offsets, batch,
                                                            chunk, int32_keys=True)
+
+or in steps, for a kernel that numbers the chunks while it resolves each sorted position:
+
+    bag, sorted_keys, order = sort_by_row(row_offsets, indices, offsets, batch, int32_keys=True)
+    before, count = count_chunks(sorted_keys, chunk)
+    # then, in a kernel of CHUNK_BLOCK positions a program:
+    #     pos, valid, key, row_start, new, chunk_of = chunk_numbers(keys_ptr, before_ptr, ...)
 """
 
 from __future__ import annotations
@@ -18,26 +25,42 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["bags_of", "number_chunks"]
+__all__ = ["CHUNK_BLOCK", "bags_of", "chunk_numbers", "count_chunks", "number_chunks", "sort_by_row"]
+
+# Sorted positions a program of the chunk numbering takes (count_chunks; chunk_numbers' BLOCK).
+CHUNK_BLOCK = 1024
+
+
+@triton.jit
+def chunk_numbers(keys_ptr, before_ptr, block, nnz, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Block `block` of BLOCK (= CHUNK_BLOCK) sorted positions: pos, valid (pos < nnz), their
+    keys, row_start (the row's first id), new (a chunk's first: a row's first id, or a multiple
+    of CHUNK), and chunk_of, the chunk that each new position starts (after count_chunks, whose
+    before[block] counts the chunks of earlier blocks; before_ptr None: not computed, 0)."""
+    pos = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = pos < nnz
+    key = tl.load(keys_ptr + pos, mask=valid, other=0)
+    prior = tl.load(keys_ptr + pos - 1, mask=valid & (pos > 0), other=0)
+    row_start = valid & ((pos == 0) | (key != prior))
+    new = row_start | (valid & (pos % CHUNK == 0))
+    chunk_of = tl.cumsum(new.to(tl.int32), axis=0) - 1
+    if before_ptr is not None:
+        chunk_of = tl.load(before_ptr + block) + chunk_of
+    return pos, valid, key, row_start, new, chunk_of
 
 
 @triton.jit
 def _chunks_kernel(
     keys_ptr, before_ptr, starts_ptr, nnz, COUNT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """The chunks that start in block k of BLOCK sorted positions (one at a row's first id and at
-    every multiple of CHUNK): COUNT, how many, into before[k]; else starts[c] = the first position
-    of chunk c, numbered from before[k], the count of earlier blocks' (after _scan_kernel)."""
-    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = pos < nnz
-    key = tl.load(keys_ptr + pos, mask=valid, other=0)
-    prior = tl.load(keys_ptr + pos - 1, mask=valid & (pos > 0), other=0)
-    new = valid & ((pos % CHUNK == 0) | (key != prior))
+    """The chunks that start in block k of BLOCK sorted positions: COUNT, how many, into
+    before[k]; else starts[c] = the first position of chunk c (after _scan_kernel)."""
     if COUNT:
+        _, _, _, _, new, _ = chunk_numbers(keys_ptr, None, tl.program_id(0), nnz, CHUNK, BLOCK)
         tl.store(before_ptr + tl.program_id(0), tl.sum(new.to(tl.int64), axis=0))
     else:
-        chunks = tl.load(before_ptr + tl.program_id(0)) + tl.cumsum(new.to(tl.int32), axis=0) - 1
-        tl.store(starts_ptr + chunks, pos, mask=new)
+        pos, _, _, _, new, chunk_of = chunk_numbers(keys_ptr, before_ptr, tl.program_id(0), nnz, CHUNK, BLOCK)
+        tl.store(starts_ptr + chunk_of, pos, mask=new)
 
 
 @triton.jit
@@ -98,6 +121,34 @@ def bags_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     return bag
 
 
+def sort_by_row(
+    row_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, batch: int, *, int32_keys: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """nnz > 0 ids' bags (int32 below 2^31 bags), their rows' keys sorted (int32 where the rows
+    allow, for a sort of half the passes), and the keys' order.
+
+    Torch ops make the keys from the call's integer inputs and sort them before any launch: the
+    sandbox's host-compute watch refuses host ops on integers a kernel may have written."""
+    nnz, device = indices.numel(), indices.device
+    positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
+    # Each id's feature: how many features end at or before it (a search over F offsets).
+    feature = torch.searchsorted(offsets[batch::batch].contiguous(), positions, right=True, out_int32=True)
+    dtype = torch.int32 if int32_keys else torch.int64
+    sorted_keys, order = torch.sort(row_offsets.to(dtype)[feature] + indices.to(dtype), stable=True)
+    return bags_of(offsets, nnz), sorted_keys, order
+
+
+def count_chunks(sorted_keys: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """before [cdiv(nnz, CHUNK_BLOCK)], the chunks that start in earlier blocks of CHUNK_BLOCK
+    sorted positions, and count [1], the chunks' number (read by kernels, never by the host)."""
+    nnz, blocks = sorted_keys.numel(), triton.cdiv(sorted_keys.numel(), CHUNK_BLOCK)
+    before = torch.empty(blocks, dtype=torch.int64, device=sorted_keys.device)
+    count = torch.empty(1, dtype=torch.int64, device=sorted_keys.device)
+    _chunks_kernel[(blocks,)](sorted_keys, before, before, nnz, COUNT=True, CHUNK=chunk, BLOCK=CHUNK_BLOCK)
+    _scan_kernel[(1,)](before, count, blocks, BLOCK=1024)
+    return before, count
+
+
 def number_chunks(
     row_offsets: torch.Tensor,
     indices: torch.Tensor,
@@ -107,26 +158,14 @@ def number_chunks(
     *,
     int32_keys: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The numbering of nnz > 0 ids (on the device, no sync): every id's bag (int32 below 2^31
-    bags); its row's key (its index in the state; int32 where the rows allow, for a sort of half
-    the passes), the keys sorted and their order; starts [nnz + 1], where starts[c] is the first
-    sorted position of chunk c (a new one at each row's first id and every `chunk` positions) and
-    nnz follows the last; and count [1], the chunks' number, which the kernels read themselves.
-
-    Torch ops make the keys from the call's integer inputs and sort them before any launch: the
-    sandbox's host-compute watch refuses host ops on integers a kernel may have written. Kernels
-    find the bags and number the chunks (a count per block, a scan, the starts)."""
-    nnz, device = indices.numel(), indices.device
-    positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
-    # Each id's feature: how many features end at or before it (a search over F offsets).
-    feature = torch.searchsorted(offsets[batch::batch].contiguous(), positions, right=True, out_int32=True)
-    dtype = torch.int32 if int32_keys else torch.int64
-    sorted_keys, order = torch.sort(row_offsets.to(dtype)[feature] + indices.to(dtype), stable=True)
-    bag, blocks = bags_of(offsets, nnz), triton.cdiv(nnz, 1024)
-    before = torch.empty(blocks, dtype=torch.int64, device=device)
-    count = torch.empty(1, dtype=torch.int64, device=device)
-    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=device)
-    _chunks_kernel[(blocks,)](sorted_keys, before, starts, nnz, COUNT=True, CHUNK=chunk, BLOCK=1024)
-    _scan_kernel[(1,)](before, count, blocks, BLOCK=1024)
-    _chunks_kernel[(blocks,)](sorted_keys, before, starts, nnz, COUNT=False, CHUNK=chunk, BLOCK=1024)
+    """The numbering of nnz > 0 ids (on the device, no sync): sort_by_row's bag, sorted keys
+    and order; starts [nnz + 1], where starts[c] is the first sorted position of chunk c and nnz
+    follows the last; and count_chunks' count."""
+    bag, sorted_keys, order = sort_by_row(row_offsets, indices, offsets, batch, int32_keys=int32_keys)
+    nnz = sorted_keys.numel()
+    before, count = count_chunks(sorted_keys, chunk)
+    starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=sorted_keys.device)
+    _chunks_kernel[(before.numel(),)](
+        sorted_keys, before, starts, nnz, COUNT=False, CHUNK=chunk, BLOCK=CHUNK_BLOCK
+    )
     return bag, sorted_keys, order, starts, count

@@ -54,6 +54,16 @@ def test_int64_keys_pass_every_check_shape(monkeypatch, device) -> None:
         assert result.ok, (shape.name, shape.dtype, result.message)
 
 
+@pytest.mark.slow
+def test_int64_places_pass_every_check_shape(monkeypatch, device) -> None:
+    """Buffers of 2^31 elements or more keep the places of their rows (a gradient row's start in
+    grad_out, a table row's in weights) in int64: the same kernels on the other place type."""
+    monkeypatch.setattr(kernel, "INT32_PLACES_BELOW", 0)
+    for trial, shape in enumerate(PROBLEM.check_shapes):
+        result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
+        assert result.ok, (shape.name, shape.dtype, result.message)
+
+
 def _hot(optimizer: str, dtype: str = "fp32") -> Shape:
     return Shape(
         name="hot",
@@ -433,9 +443,11 @@ import kernels.embedding_bags_update as module
 config = module._config
 module._config = lambda max_dim, interpreted=False: config(max_dim, False)
 first = cuda_compile.main(["embedding_bags_update"])
-# The int64 keys of buffers of 2^31 rows or more: in bf16 alone, whose check shapes take every
-# path (both optimizers, scaled and stochastic), since the keys' type is all that changes.
+# The int64 keys and places of buffers of 2^31 rows or elements or more: in bf16 alone, whose
+# check shapes take every path (both optimizers, scaled and stochastic), since the types are all
+# that changes.
 module.INT32_KEYS_BELOW = 0
+module.INT32_PLACES_BELOW = 0
 then = cuda_compile.main(["embedding_bags_update"], dtypes=("bf16",))
 print(json.dumps({"compiled": first["compiled"], "failed": first["failed"] + then["failed"]}))
 """
