@@ -262,8 +262,8 @@ def _rows(
     row_at_I = tl.load(c_row_at_ptr + chunks_I, mask=in_I, other=0) // ALIGN * ALIGN
     dim_I = tl.load(c_dim_ptr + chunks_I, mask=in_I, other=0)
     first_I = tl.load(c_grad_at_ptr + chunks_I, mask=in_I, other=0)
-    first_s_I = tl.load(c_scale_ptr + chunks_I, mask=in_I, other=0.0) if SCALED else first_I
     valid_I = begin_I < nnz
+    first_s_I = tl.load(c_scale_ptr + chunks_I, mask=valid_I, other=0.0) if SCALED else first_I
     dim_I = tl.where(valid_I, dim_I, 0) // ALIGN * ALIGN
     whole_I = valid_I & (key_I >= 0)  # the record's key is -1 for a long row's chunk
     # A long row's chunks leave their sums: slot 2c for the chunk at position c * CHUNK, 2c + 1 for
