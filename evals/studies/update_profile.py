@@ -49,10 +49,15 @@ def profiled(fn, inputs) -> list[tuple[str, float]]:
 
 
 def main(pattern: str = "", others: str = "") -> None:
+    versions = [(name, importlib.import_module(name)) for name in others.split(",") if name]
+    beside([*versions, ("default", kernel)], pattern)
+
+
+def beside(versions: list, pattern: str = "", kernel_name: str = "_rows_kernel") -> None:
+    """The default's kernels one by one, then `kernel_name` and all kernels of each version
+    ((label, module) pairs), alternately, twice, at each timing shape whose name holds `pattern`."""
     device = torch.device("cuda")
     problem = get_problem("embedding_bags_update")
-    versions = [(name, importlib.import_module(name)) for name in others.split(",") if name]
-    versions.append(("default", kernel))
     for shape in problem.timing_shapes:
         if pattern not in shape.name:
             continue
@@ -71,10 +76,10 @@ def main(pattern: str = "", others: str = "") -> None:
                 same = all(_close(g, e) for g, e in zip(got, expected, strict=True))
                 del got
                 kernels = profiled(module.embedding_bags_update, inputs)
-                rows = sum(us for key, us in kernels if key.startswith("_rows_kernel"))
+                one = sum(us for key, us in kernels if key.startswith(kernel_name))
                 total = sum(us for _, us in kernels)
                 check = "ok" if same else "DIFFERS from the first"
-                line = f"  {label:32} rows kernel {rows:8.1f} us  all kernels {total:8.1f} us  {check}"
+                line = f"  {label:32} {kernel_name} {one:8.1f} us  all kernels {total:8.1f} us  {check}"
                 print(line, flush=True)
         del inputs, expected
         torch.cuda.empty_cache()
