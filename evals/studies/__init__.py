@@ -53,3 +53,14 @@ def module_from_source(source: str, name: str, where: Path | None = None) -> Mod
     path = Path(where or tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(source)
     return module_from_file(path, name)
+
+
+def edited_module(module: ModuleType, edits, name: str, where: Path | None = None) -> ModuleType:
+    """A copy of `module`'s source with `edits` made ((old, new) pairs, each once in it), imported
+    as `name` from a file of its own (module_from_source)."""
+    source = Path(module.__file__).read_text()
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise SystemExit(f"{name}: not once in {module.__name__}: {old.strip()}")
+        source = source.replace(old, new)
+    return module_from_source(source, name, where)

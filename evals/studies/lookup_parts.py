@@ -25,7 +25,7 @@ import torch
 
 import kernels.embedding_bags as kernel
 from evals.bench_ops import measure_copy_bandwidth
-from evals.studies import module_from_source
+from evals.studies import edited_module
 from sandbox.protocol import compare
 from sandbox.timing import benchmark
 from search_space import get_problem
@@ -44,12 +44,7 @@ VARIANTS = {"one row": (ROWS,), "no output": (OUTPUT,), "one row, no output": (R
 def _edited(name: str, edits: tuple[tuple[str, str], ...], where: Path):
     """A copy of kernels/embedding_bags.py with `edits` made, imported from a file of its own
     (Triton reads a kernel's source from its file)."""
-    source = Path(kernel.__file__).read_text()
-    for old, new in edits:
-        if source.count(old) != 1:
-            raise SystemExit(f"{name}: not once in kernels/embedding_bags.py: {old.strip()}")
-        source = source.replace(old, new)
-    return module_from_source(source, f"_lookup_{name.replace(' ', '_').replace(',', '')}", where)
+    return edited_module(kernel, edits, f"_lookup_{name.replace(' ', '_').replace(',', '')}", where)
 
 
 def main(pattern: str = "") -> None:

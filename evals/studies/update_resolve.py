@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import kernels.embedding_bags_update as kernel
-from evals.studies import module_from_source
+from evals.studies import edited_module
 from evals.studies.update_profile import beside
 
 INT32_BAGS = (
@@ -42,12 +42,7 @@ VARIANTS = {"int32 bags": INT32_BAGS, "8 warps": EIGHT_WARPS, "both": INT32_BAGS
 def edited(name: str, edits: tuple[tuple[str, str], ...], where: Path):
     """A copy of kernels/embedding_bags_update.py with `edits` made, imported from a file of its
     own (Triton reads a kernel's source from its file)."""
-    source = Path(kernel.__file__).read_text()
-    for old, new in edits:
-        if source.count(old) != 1:
-            raise SystemExit(f"{name}: not once in kernels/embedding_bags_update.py: {old.strip()}")
-        source = source.replace(old, new)
-    return module_from_source(source, f"_update_{name.replace(' ', '_')}", where)
+    return edited_module(kernel, edits, f"_update_{name.replace(' ', '_')}", where)
 
 
 def main(pattern: str = "") -> None:
