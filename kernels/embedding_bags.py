@@ -1,15 +1,14 @@
-"""Table-batched pooled embedding lookup: the library's default kernels (search_space/embedding_bags.py).
+"""Table-batched pooled embedding lookup: the library's default kernel (search_space/embedding_bags.py).
 
-Forward:  out[b, dim_offsets[f] + c] = reduce_{i in bag (f, b)} psw[i] * W_f[indices[i], c]
-Backward: grad[weight_offsets[f] + indices[i] * dim_f + c] += psw[i] * grad_out[b, dim_offsets[f] + c]
-          (/ len(bag) for mean), W_f row r = weights[weight_offsets[f] + r * dim_f :][:dim_f]
+out[b, dim_offsets[f] + c] = reduce_{i in bag (f, b)} psw[i] * W_f[indices[i], c],
+W_f row r = weights[weight_offsets[f] + r * dim_f :][:dim_f]
 
 One launch serves every feature. A forward program takes one block of bags and one block of
 columns of one feature (a narrow feature launches only the programs its dim needs): BLOCK_B bags
 advance together and gather a [BLOCK_B, BLOCK_L, BLOCK_D] tile of rows per step (many loads in
 flight hide HBM latency on random rows), accumulated in fp32, rounded once. PROGRAMS caps the
-grid (a persistent launch). Rows move in 16-byte vectors wherever alignment allows (_pool_block;
-the backward likewise). A block advances until its longest bag ends; FLAT (_flat_sums) takes a
+grid (a persistent launch). Rows move in 16-byte vectors wherever alignment allows
+(_pool_block). A block advances until its longest bag ends; FLAT (_flat_sums) takes a
 block's ids in order instead, every lane busy, summed into bags on the tensor cores (slower at
 every timing shape: off by default).
 

@@ -110,9 +110,10 @@ def _scatter_bag(
 def _backward_config(max_dim: int, interpreted: bool = False) -> dict:
     """Launch parameters of the backward: the single-table kernel's 16 ids of up to 128 columns
     on a GPU (untuned here); interpreted, 64 ids of whole rows."""
+    row = triton.next_power_of_2(max(max_dim, 16))
     if interpreted:
-        return {"BLOCK_L": 64, "BLOCK_D": min(triton.next_power_of_2(max(max_dim, 16)), 1024), "num_warps": 4}
-    return {"BLOCK_L": 16, "BLOCK_D": min(triton.next_power_of_2(max(max_dim, 16)), 128), "num_warps": 4}
+        return {"BLOCK_L": 64, "BLOCK_D": min(row, 1024), "num_warps": 4}
+    return {"BLOCK_L": 16, "BLOCK_D": min(row, 128), "num_warps": 4}
 
 
 def embedding_bags_backward(

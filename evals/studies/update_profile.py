@@ -7,7 +7,7 @@ by up to 30% on the H100 this was written on).
 
 Each version's result is checked against the first's (weights and state, to an ulp of their
 dtype, from the same pristine copies). Another version is a copy of kernels/embedding_bags_update.py
-under evals/studies; to hold its numbering too, point its import of number_chunks at a copy of
+under evals/studies; to hold its numbering too, point its import of the kit at a copy of
 the kit's module:
 
     git show COMMIT:kernels/embedding_bags_update.py > evals/studies/_update_before.py
