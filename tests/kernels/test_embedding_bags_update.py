@@ -36,28 +36,22 @@ def test_the_default_kernel_passes_every_check_shape(device: torch.device) -> No
 def test_column_blocks_narrower_than_the_rows_pass_every_check_shape(
     monkeypatch, device: torch.device
 ) -> None:
-    """The GPU's tile, whose columns are fewer than the rows' (of up to 256, 32 at a time):
-    rows wider than a block take two passes under adagrad (norm, then step), one under SGD."""
-    for name, value in kernel._config(256, interpreted=False).items():
-        monkeypatch.setitem(kernel.KNOBS, name, value)
+    """The GPU tile's columns, fewer than the rows' (of up to 256, 32 at a time): rows wider than
+    a block take two passes under adagrad (norm, then step), one under SGD. (Its other sizes, few
+    chunks a program, would cost the interpreter time: on a GPU every test here runs them, and
+    test_every_gpu_launch_compiles_for_sm90 compiles them.)"""
+    monkeypatch.setitem(kernel.KNOBS, "BLOCK_D", kernel._config(256, interpreted=False)["BLOCK_D"])
     for trial, shape in enumerate(PROBLEM.check_shapes):
         result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
         assert result.ok, (shape.name, shape.dtype, result.message)
 
 
 @pytest.mark.slow
-def test_int64_keys_pass_every_check_shape(monkeypatch, device) -> None:
-    """Buffers of 2^31 rows or more sort int64 keys: the same kernels on the other key type."""
+def test_int64_keys_and_places_pass_every_check_shape(monkeypatch, device) -> None:
+    """Tables of 2^31 rows or more sort int64 keys, and buffers of 2^31 elements or more keep the
+    places of their rows (a gradient row's start in grad_out, a table row's in weights) in int64:
+    the same kernels on the other types."""
     monkeypatch.setattr(numbering, "INT32_KEYS_BELOW", 0)
-    for trial, shape in enumerate(PROBLEM.check_shapes):
-        result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
-        assert result.ok, (shape.name, shape.dtype, result.message)
-
-
-@pytest.mark.slow
-def test_int64_places_pass_every_check_shape(monkeypatch, device) -> None:
-    """Buffers of 2^31 elements or more keep the places of their rows (a gradient row's start in
-    grad_out, a table row's in weights) in int64: the same kernels on the other place type."""
     monkeypatch.setattr(kernel, "INT32_PLACES_BELOW", 0)
     for trial, shape in enumerate(PROBLEM.check_shapes):
         result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
@@ -247,56 +241,43 @@ def test_several_steps_match_the_reference_and_torchs_sparse_path(
 
 @pytest.mark.slow
 def test_stochastic_rounding_is_unbiased(device: torch.device) -> None:
-    """One sgd step that lands a quarter of the way between two bf16 values: rounded to nearest
-    it never moves; stochastically, its mean over many seeds is the exact fp32 result."""
-    weights0 = torch.full((8 * 32,), 1.0, dtype=torch.bfloat16, device=device)
+    """An sgd step that lands a quarter of the way between two bf16 values, on 30 rows of 32 at
+    each of five seeds: rounded to nearest it never moves; stochastically, its mean over the
+    draws is the exact fp32 result."""
+    rows, steps = 30, 5
+    weights0 = torch.full(((rows + 4) * 32,), 1.0, dtype=torch.bfloat16, device=device)
     ulp = 2.0**-7  # bf16's spacing just below 2, above 1
-    grad_out = torch.full((1, 32), -0.25 * ulp / 0.5, dtype=torch.bfloat16, device=device)
+    grad_out = torch.full((rows, 32), -0.25 * ulp / 0.5, dtype=torch.bfloat16, device=device)
     meta = [torch.tensor(v, device=device) for v in ([0], [0], [0, 32])]
-    indices = torch.tensor([5], device=device)
-    offsets = torch.tensor([0, 1], device=device)
+    indices = torch.arange(rows, device=device)  # bag b holds row b, once
+    offsets = torch.arange(rows + 1, device=device)
+
+    def step(weights: torch.Tensor, **rounding) -> None:
+        args = (torch.zeros(0, device=device), grad_out, *meta, indices, offsets)
+        ops.embedding_bags_update(weights, *args, max_dim=32, optimizer="sgd", lr=0.5, **rounding)
+
     rounded = []
-    for seed in range(150):  # rows of 32: each call draws 32 times
+    for seed in range(steps):
         weights = weights0.clone()
-        ops.embedding_bags_update(
-            weights,
-            torch.zeros(0, device=device),
-            grad_out,
-            *meta,
-            indices,
-            offsets,
-            max_dim=32,
-            optimizer="sgd",
-            lr=0.5,
-            stochastic_rounding=True,
-            seed=seed,
-        )
-        row = weights[5 * 32 : 6 * 32].float()
-        assert set(row.tolist()) <= {1.0, 1.0 + ulp}
-        rounded.append(row)
-        assert torch.equal(weights[: 5 * 32], weights0[: 5 * 32])  # other rows untouched
-    mean = torch.stack(rounded).mean().item()
+        step(weights, stochastic_rounding=True, seed=seed)
+        drawn = weights[: rows * 32].float().view(rows, 32)
+        assert set(drawn.flatten().tolist()) <= {1.0, 1.0 + ulp}
+        rounded.append(drawn)
+        assert torch.equal(weights[rows * 32 :], weights0[rows * 32 :])  # other rows untouched
+    assert not torch.equal(rounded[0], rounded[1])  # another seed, other draws
+    mean = torch.cat(rounded).mean().item()
     exact = 1.0 + 0.25 * ulp
     # 4800 Bernoulli(1/4) draws in units of ulp: a standard error of 0.00625 ulp.
     assert abs(mean - exact) < 0.04 * ulp, (mean, exact)
     # Each element its own draw: two independent draws agree with probability 1/16 + 9/16 =
     # 0.625, over 4650 neighbour pairs give or take 0.007; one draw shared by four neighbours (a
-    # generator call spread too thin) would agree in 24 pairs of 31.
-    up = torch.stack(rounded) > 1.0
-    agree = (up[:, 1:] == up[:, :-1]).float().mean().item()
-    assert abs(agree - 0.625) < 0.05, agree
+    # generator call spread too thin) would agree in 24 pairs of 31. Likewise down a column (a
+    # draw shared by rows).
+    up = torch.cat(rounded) > 1.0
+    for agree in ((up[:, 1:] == up[:, :-1]).float().mean(), (up[1:] == up[:-1]).float().mean()):
+        assert abs(agree.item() - 0.625) < 0.05, agree
     nearest = weights0.clone()
-    ops.embedding_bags_update(
-        nearest,
-        torch.zeros(0, device=device),
-        grad_out,
-        *meta,
-        indices,
-        offsets,
-        max_dim=32,
-        optimizer="sgd",
-        lr=0.5,
-    )
+    step(nearest)
     assert torch.equal(nearest, weights0)
 
 
