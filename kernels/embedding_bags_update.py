@@ -387,6 +387,11 @@ def _places(buffer: torch.Tensor) -> torch.dtype:
     return torch.int32 if buffer.numel() < INT32_PLACES_BELOW else torch.int64
 
 
+# Sort keys (each row's index in the state) are int32 when the rows are fewer than this: a radix
+# sort of half the passes. Rows number at most the weights' elements (a row holds at least one)
+# or the state's entries, whichever is more.
+INT32_KEYS_BELOW = 2**31
+
 
 def embedding_bags_update(
     weights: torch.Tensor,
@@ -418,8 +423,8 @@ def embedding_bags_update(
     cfg = {name: value if KNOBS[name] is None else KNOBS[name] for name, value in cfg.items()}
     chunk = KNOBS["CHUNK"]
     block_d = min(cfg["BLOCK_D"], triton.next_power_of_2(max_dim))
-    rows = state.numel() if optimizer == "adagrad" else weights.numel()  # a row: 1 element or more
-    bag, sorted_keys, order = sort_by_row(row_offsets, indices, offsets, batch, rows=rows)
+    int32_keys = max(weights.numel(), state.numel()) < INT32_KEYS_BELOW
+    bag, sorted_keys, order = sort_by_row(row_offsets, indices, offsets, batch, int32_keys=int32_keys)
     before, _ = count_chunks(sorted_keys, chunk)
     device = indices.device
     # Each sorted position resolved once, and the chunks' records (see _sorted_kernel): places in

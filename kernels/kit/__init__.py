@@ -13,9 +13,8 @@ Modules: `attention`, the attention families' device helpers, checks, host-side 
 public launchers (which take the kernels' launch function); `attention_forward`, their forward
 kernel, which forward candidates start from and gradient candidates run for the statistics
 their backward reads; `embeddings`, the numbering of sorted ids that the fused embedding update
-builds on; `sort`, a radix sort of integer keys of a known width, with their order; `tiles`,
-the tile multiply-accumulate of the GEMM-shaped kernels (grouped GEMM, Wukong's block), its
-operand precision picked from the operands.
+builds on; `tiles`, the tile multiply-accumulate of the GEMM-shaped kernels (grouped
+GEMM, Wukong's block), its operand precision picked from the operands.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import hashlib
 import importlib
 from pathlib import Path
 
-MODULES = ("attention", "attention_forward", "embeddings", "sort", "tiles")
+MODULES = ("attention", "attention_forward", "embeddings", "tiles")
 # What a candidate may import of a module whose text candidates start from (a candidate binds no
 # dunder name, so such a module declares no __all__); the others' is their __all__.
 LISTED = {"attention_forward": ("launch_forward",)}

@@ -9,11 +9,11 @@ the sorted ids are cut into chunks, a new one at each row's first id and at ever
 spans several.
 
     bag, sorted_keys, order, starts, count = number_chunks(row_offsets, indices, offsets, batch,
-                                                           chunk, rows=rows)
+                                                           chunk, int32_keys=True)
 
 or in steps, for a kernel that numbers the chunks while it resolves each sorted position:
 
-    bag, sorted_keys, order = sort_by_row(row_offsets, indices, offsets, batch, rows=rows)
+    bag, sorted_keys, order = sort_by_row(row_offsets, indices, offsets, batch, int32_keys=True)
     before, count = count_chunks(sorted_keys, chunk)
     # then, in a kernel of CHUNK_BLOCK positions a program:
     #     pos, valid, key, row_start, new, chunk_of = chunk_numbers(keys_ptr, before_ptr, ...)
@@ -25,14 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kit.sort import sort_pairs
-
 __all__ = ["CHUNK_BLOCK", "bags_of", "chunk_numbers", "count_chunks", "number_chunks", "sort_by_row"]
 
 # Sorted positions a program of the chunk numbering takes (count_chunks; chunk_numbers' BLOCK).
 CHUNK_BLOCK = 1024
-# Keys are int32 where all of them (rows' indices in the state) lie below this.
-INT32_KEYS_BELOW = 2**31
 
 
 @triton.jit
@@ -125,29 +121,21 @@ def bags_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     return bag
 
 
-@triton.jit
-def _keys_kernel(row_offsets_ptr, indices_ptr, bag_ptr, keys_ptr, nnz, batch, BLOCK: tl.constexpr):
-    """keys[p] = row_offsets[feature] + indices[p], the feature being bag[p] // batch."""
-    p = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    feature = tl.load(bag_ptr + p, mask=p < nnz, other=0) // batch
-    key = tl.load(row_offsets_ptr + feature, mask=p < nnz, other=0).to(keys_ptr.dtype.element_ty)
-    key += tl.load(indices_ptr + p, mask=p < nnz, other=0).to(keys_ptr.dtype.element_ty)
-    tl.store(keys_ptr + p, key, mask=p < nnz)
-
-
 def sort_by_row(
-    row_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, batch: int, *, rows: int
+    row_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor, batch: int, *, int32_keys: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """nnz > 0 ids' bags (int32 below 2^31 bags), their rows' keys sorted (int32 below
-    INT32_KEYS_BELOW), and the keys' order (int32 below 2^31 ids), for ids whose keys lie
-    in [0, rows): the kit's radix sort (kernels/kit/sort.py), in the passes the rows' bits need."""
-    nnz = indices.numel()
-    bag = bags_of(offsets, nnz)
-    key_dtype = torch.int32 if rows - 1 < INT32_KEYS_BELOW else torch.int64
-    keys = torch.empty(nnz, dtype=key_dtype, device=indices.device)
-    _keys_kernel[(triton.cdiv(nnz, 1024),)](row_offsets, indices, bag, keys, nnz, batch, BLOCK=1024)
-    sorted_keys, order = sort_pairs(keys, max(rows - 1, 1).bit_length())
-    return bag, sorted_keys, order
+    """nnz > 0 ids' bags (int32 below 2^31 bags), their rows' keys sorted (int32 where the rows
+    allow, for a sort of half the passes), and the keys' order.
+
+    Torch ops make the keys from the call's integer inputs and sort them before any launch: the
+    sandbox's host-compute watch refuses host ops on integers a kernel may have written."""
+    nnz, device = indices.numel(), indices.device
+    positions = torch.arange(nnz, dtype=offsets.dtype, device=device)
+    # Each id's feature: how many features end at or before it (a search over F offsets).
+    feature = torch.searchsorted(offsets[batch::batch].contiguous(), positions, right=True, out_int32=True)
+    dtype = torch.int32 if int32_keys else torch.int64
+    sorted_keys, order = torch.sort(row_offsets.to(dtype)[feature] + indices.to(dtype), stable=True)
+    return bags_of(offsets, nnz), sorted_keys, order
 
 
 def count_chunks(sorted_keys: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,12 +156,12 @@ def number_chunks(
     batch: int,
     chunk: int,
     *,
-    rows: int,
+    int32_keys: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The numbering of nnz > 0 ids (on the device, no sync): sort_by_row's bag, sorted keys
     and order; starts [nnz + 1], where starts[c] is the first sorted position of chunk c and nnz
     follows the last; and count_chunks' count."""
-    bag, sorted_keys, order = sort_by_row(row_offsets, indices, offsets, batch, rows=rows)
+    bag, sorted_keys, order = sort_by_row(row_offsets, indices, offsets, batch, int32_keys=int32_keys)
     nnz = sorted_keys.numel()
     before, count = count_chunks(sorted_keys, chunk)
     starts = torch.full((nnz + 1,), nnz, dtype=torch.int64, device=sorted_keys.device)

@@ -51,7 +51,7 @@ def test_int64_keys_and_places_pass_every_check_shape(monkeypatch, device) -> No
     """Tables of 2^31 rows or more sort int64 keys, and buffers of 2^31 elements or more keep the
     places of their rows (a gradient row's start in grad_out, a table row's in weights) in int64:
     the same kernels on the other types."""
-    monkeypatch.setattr(numbering, "INT32_KEYS_BELOW", 0)
+    monkeypatch.setattr(kernel, "INT32_KEYS_BELOW", 0)
     monkeypatch.setattr(kernel, "INT32_PLACES_BELOW", 0)
     for trial, shape in enumerate(PROBLEM.check_shapes):
         result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
@@ -100,8 +100,8 @@ class _NoLaunch:
 
 
 def _numbering_by_torch(row_offsets, indices, offsets, batch: int, chunk: int, int32_keys: bool):
-    """number_chunks's outputs, by plain torch ops: each id's bag by a search, the keys sorted
-    (torch's stable sort), the chunk starts flagged and counted."""
+    """number_chunks's outputs, by plain torch ops: each id's bag by a search, the keys sorted,
+    the chunk starts flagged and counted."""
     nnz = indices.numel()
     positions = torch.arange(nnz, device=indices.device)
     bag = torch.searchsorted(offsets[1:].long(), positions, right=True)
@@ -129,21 +129,19 @@ NUMBERINGS = {
 }
 
 
-# The tables' rows in all, a bound on the keys: the fewest the case's keys allow, or 2^33 (int64
-# keys in five passes of the radix sort).
-@pytest.mark.parametrize("rows", ["fewest", 2**33])
+@pytest.mark.parametrize("int32_keys", [True, False])
 @pytest.mark.parametrize("ids", [torch.int32, torch.int64])
 @pytest.mark.parametrize("case", sorted(NUMBERINGS))
-def test_number_chunks_is_torchs_numbering(case: str, ids: torch.dtype, rows, device: torch.device) -> None:
+def test_number_chunks_is_torchs_numbering(
+    case: str, ids: torch.dtype, int32_keys: bool, device: torch.device
+) -> None:
     lengths, in_order, row_offsets, chunk = NUMBERINGS[case]
     batch = len(lengths) // len(row_offsets)
     offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(ids)
     indices = torch.tensor(in_order, dtype=ids, device=device)
     r_off = torch.tensor(row_offsets, device=device)
-    int32_keys = rows == "fewest"
+    got = numbering.number_chunks(r_off, indices, offsets, batch, chunk, int32_keys=int32_keys)
     want = _numbering_by_torch(r_off, indices, offsets, batch, chunk, int32_keys)
-    rows = int(want[1].max()) + 1 if int32_keys else rows
-    got = numbering.number_chunks(r_off, indices, offsets, batch, chunk, rows=rows)
     assert got[0].dtype == torch.int32 and got[1].dtype == (torch.int32 if int32_keys else torch.int64)
     for name, g, w in zip(("bag", "sorted_keys", "order", "starts", "count"), got, want, strict=True):
         assert torch.equal(g.long(), w.long()), (name, g, w)
@@ -158,7 +156,7 @@ def test_number_chunks_spans_programs(device: torch.device) -> None:
     indices = torch.randint(0, 30, (int(lengths.sum()),), generator=gen, device=device)
     indices[::3] = 7  # one row in a third of the ids
     r_off = torch.tensor([0, 30], device=device)
-    got = numbering.number_chunks(r_off, indices, offsets, 60, 16, rows=60)
+    got = numbering.number_chunks(r_off, indices, offsets, 60, 16, int32_keys=True)
     want = _numbering_by_torch(r_off, indices, offsets, 60, 16, True)
     assert indices.numel() > 2 * 1024
     for name, g, w in zip(("bag", "sorted_keys", "order", "starts", "count"), got, want, strict=True):
@@ -423,16 +421,13 @@ COMPILE_GPU_LAUNCHES = """
 import json
 import cuda_compile
 import kernels.embedding_bags_update as module
-import kernels.kit.embeddings as kit
-import kernels.kit.sort as sort
-sort.INTERPRETED = sort.CONFIG  # the radix sort's GPU configuration
 config = module._config
 module._config = lambda max_dim, interpreted=False: config(max_dim, False)
 first = cuda_compile.main(["embedding_bags_update"])
 # The int64 keys and places of buffers of 2^31 rows or elements or more: in bf16 alone, whose
 # check shapes take every path (both optimizers, scaled and stochastic), since the types are all
 # that changes.
-kit.INT32_KEYS_BELOW = 0
+module.INT32_KEYS_BELOW = 0
 module.INT32_PLACES_BELOW = 0
 then = cuda_compile.main(["embedding_bags_update"], dtypes=("bf16",))
 print(json.dumps({"compiled": first["compiled"], "failed": first["failed"] + then["failed"]}))
@@ -450,9 +445,8 @@ def test_every_gpu_launch_compiles_for_sm90() -> None:
         ),
         *(
             f"kernels.kit.embeddings.{k}"
-            for k in ("_bag_starts_kernel", "_bags_kernel", "_chunks_kernel", "_keys_kernel", "_scan_kernel")
+            for k in ("_bag_starts_kernel", "_bags_kernel", "_chunks_kernel", "_scan_kernel")
         ),
-        *(f"kernels.kit.sort.{k}" for k in ("_counts_scan_kernel", "_digits_kernel", "_scatter_kernel")),
     ]
 
 
