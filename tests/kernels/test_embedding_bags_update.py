@@ -47,12 +47,13 @@ def test_column_blocks_narrower_than_the_rows_pass_every_check_shape(
 
 
 @pytest.mark.slow
-def test_int64_keys_and_places_pass_every_check_shape(monkeypatch, device) -> None:
-    """Tables of 2^31 rows or more sort int64 keys, and buffers of 2^31 elements or more keep the
-    places of their rows (a gradient row's start in grad_out, a table row's in weights) in int64:
-    the same kernels on the other types."""
-    monkeypatch.setattr(kernel, "INT32_KEYS_BELOW", 0)
-    monkeypatch.setattr(kernel, "INT32_PLACES_BELOW", 0)
+@pytest.mark.parametrize("wide", [("places",), ("places", "keys")], ids=["places", "keys-and-places"])
+def test_int64_places_and_keys_pass_every_check_shape(wide: tuple[str, ...], monkeypatch, device) -> None:
+    """Buffers of 2^31 elements or more keep the places of their rows (a gradient row's start in
+    grad_out, a table row's in weights) in int64, and tables of 2^31 rows or more (so of as many
+    elements) sort int64 keys too: the same kernels on the other types."""
+    for name in wide:
+        monkeypatch.setattr(kernel, f"INT32_{name.upper()}_BELOW", 0)
     for trial, shape in enumerate(PROBLEM.check_shapes):
         result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
         assert result.ok, (shape.name, shape.dtype, result.message)
