@@ -1,6 +1,6 @@
 """Where embedding_bags_update's time goes at a timing shape: the numbering of the ids (keys, sort,
-bags, chunk starts) by the kernel's number_chunks beside the torch ops it replaced (checked equal
-first), the whole op with each, the op's kernels by the profiler, then the whole op at several
+bags, chunk starts) by the kit's number_chunks beside the torch ops it replaced (checked equal
+first), the op's kernels by the profiler, then the whole op at several
 launch knobs (an earlier version's module first, if named), beside torch's sparse path. One
 CUDA device; rows print as they are measured.
 
@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 import kernels.embedding_bags_update as kernel
+import kernels.kit.embeddings as kit
 from sandbox.timing import benchmark
 from search_space import get_problem
 
@@ -85,7 +86,7 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
 
     int32_keys = max(weights.numel(), state.numel()) < kernel.INT32_KEYS_BELOW
     numbering = ((r_off, indices, offsets, batch, kernel.KNOBS["CHUNK"]), {"int32_keys": int32_keys})
-    ours = kernel.number_chunks(*numbering[0], **numbering[1])
+    ours = kit.number_chunks(*numbering[0], **numbering[1])
     before = torch_numbering(*numbering[0], **numbering[1])
     for name, new, old in zip(("bag", "sorted_keys", "order", "starts", "count"), ours, before, strict=True):
         assert torch.equal(new.long(), old.long()), f"number_chunks and torch_numbering differ in {name}"
@@ -94,14 +95,8 @@ def main(pattern: str = "b64k-20f-short", dtype: str = "bf16", earlier: str = ""
     def stats(fn, args=((), {})):
         return benchmark(fn, [args], device=device, max_reps=20).median_us
 
-    _row("numbering: number_chunks", stats(kernel.number_chunks, numbering))
+    _row("numbering: number_chunks", stats(kit.number_chunks, numbering))
     _row("numbering before: torch_numbering", stats(torch_numbering, numbering))
-    number_chunks, kernel.number_chunks = kernel.number_chunks, torch_numbering
-    try:  # the whole op on the numbering before
-        us = stats(kernel.embedding_bags_update, (inputs.args, inputs.kwargs))
-        _row("whole op, numbered by torch_numbering", us)
-    finally:
-        kernel.number_chunks = number_chunks
     # The kernels alone (the rest is host work), by the profiler.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
