@@ -67,11 +67,12 @@ def _sorted_kernel(
     tl.store(starts_ptr + chunk, pos, mask=new)
     later = valid & ~new
     i = tl.load(order_ptr + pos, mask=valid, other=0)
-    b = tl.load(bag_ptr + i, mask=valid, other=0).to(tl.int64)
+    b = tl.load(bag_ptr + i, mask=valid, other=0)
     f = b // batch
     col0 = tl.load(d_off_ptr + f, mask=valid, other=0)
     dim = tl.load(d_off_ptr + f + 1, mask=valid, other=0) - col0
-    grad_at = ((b - f * batch) * stride_grad + col0).to(grad_at_ptr.dtype.element_ty)
+    place = grad_at_ptr.dtype.element_ty
+    grad_at = (b - f * batch).to(place) * stride_grad + col0.to(place)
     tl.store(grad_at_ptr + pos, grad_at, mask=later)
     tl.store(c_grad_at_ptr + chunk, grad_at, mask=new)
     if HAS_PSW or POOL_MEAN:
@@ -445,7 +446,7 @@ def embedding_bags_update(
         order, bag, sorted_keys, before, offsets, per_sample_weights if has_psw else scale, weight_offsets,
         row_offsets, dim_offsets, starts, grad_at, scale, c_key, c_row_at, c_dim, c_grad_at, c_scale,
         long_row_at, long_dim, misaligned, nnz, batch, grad_out.stride(0),
-        POOL_MEAN=pooling == "mean", HAS_PSW=has_psw, CHUNK=chunk, VEC=vec, BLOCK=CHUNK_BLOCK,
+        POOL_MEAN=pooling == "mean", HAS_PSW=has_psw, CHUNK=chunk, VEC=vec, BLOCK=CHUNK_BLOCK, num_warps=8,
     )  # fmt: skip
     partial = torch.empty((2 * triton.cdiv(nnz, chunk), max_dim), dtype=torch.float32, device=weights.device)
     adagrad = optimizer == "adagrad"
