@@ -33,15 +33,16 @@ def test_the_default_kernel_passes_every_check_shape(device: torch.device) -> No
 
 
 @pytest.mark.slow
-def test_column_blocks_narrower_than_the_rows_pass_every_check_shape(
-    monkeypatch, device: torch.device
-) -> None:
-    """The GPU tile's columns, fewer than the rows' (of up to 256, 32 at a time): rows wider than
-    a block take two passes under adagrad (norm, then step), one under SGD. (Its other sizes, few
-    chunks a program, would cost the interpreter time: on a GPU every test here runs them, and
-    test_every_gpu_launch_compiles_for_sm90 compiles them.)"""
-    monkeypatch.setitem(kernel.KNOBS, "BLOCK_D", kernel._config(256, interpreted=False)["BLOCK_D"])
-    for trial, shape in enumerate(PROBLEM.check_shapes):
+def test_the_gpus_tile_passes_every_bf16_check_shape(monkeypatch, device: torch.device) -> None:
+    """The GPU's tile (few chunks a program, one id a step, 32 columns of rows of up to 256):
+    rows wider than a block take two passes under adagrad (norm, then step), one under SGD. On
+    the bf16 check shapes, which take every path (both optimizers, scaled and stochastic); the
+    rest would only cost the interpreter time (on a GPU every test here runs this tile)."""
+    for name, value in kernel._config(256, interpreted=False).items():
+        monkeypatch.setitem(kernel.KNOBS, name, value)
+    shapes = [shape for shape in PROBLEM.check_shapes if shape.dtype == "bf16"]
+    assert {shape.params.get("optimizer", "adagrad") for shape in shapes} == {"adagrad", "sgd"}
+    for trial, shape in enumerate(shapes):
         result = check_shape(PROBLEM, kernel.embedding_bags_update, shape, trial, device)
         assert result.ok, (shape.name, shape.dtype, result.message)
 
