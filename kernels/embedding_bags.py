@@ -7,10 +7,10 @@ One launch serves every feature. A forward program takes one block of bags and o
 columns of one feature (a narrow feature launches only the programs its dim needs): BLOCK_B bags
 advance together and gather a [BLOCK_B, BLOCK_L, BLOCK_D] tile of rows per step (many loads in
 flight hide HBM latency on random rows), accumulated in fp32, rounded once. PROGRAMS caps the
-grid (a persistent launch). Rows move in 16-byte vectors wherever alignment allows
-(_pool_block). A block advances until its longest bag ends; FLAT (_flat_sums) takes a
-block's ids in order instead, every lane busy, summed into bags on the tensor cores (slower at
-every timing shape: off by default).
+grid (a persistent launch; by default in 16-bit types over 96K blocks, _programs). Rows move in
+16-byte vectors wherever alignment allows (_pool_block). A block advances until its longest bag
+ends; FLAT (_flat_sums) takes a block's ids in order instead, every lane busy, summed into bags
+on the tensor cores (slower at every timing shape: off by default).
 
 The tables' dense gradient (the unfused path's) is kernels/embedding_bags_backward.py's.
 
@@ -334,6 +334,14 @@ def _slice_d(cfg: dict, vec: int, element_size: int) -> int:
     return min(cfg["BLOCK_D"], max(cfg["BLOCK_D"] // vec, 16 if cfg["FLAT"] else 1))
 
 
+def _programs(num_blocks: int, element_size: int) -> int:
+    """The grid where PROGRAMS is None: a program a block, but in 16-bit types over 96K blocks a
+    program per 48 (on an H100: 1.10x at b256k-f20-short, 1.05x at b256k-f20-mixed-weighted,
+    0.99x at b128k-f32-mixed; fp32 lost 1% to 4%, and fewer blocks lost 9% or more a program
+    per 16 or 32: BENCHMARKS.md, 2026-12-07, thirty-seventh session)."""
+    return num_blocks // 48 if element_size == 2 and num_blocks >= 96 * 1024 else num_blocks
+
+
 def embedding_bags_forward(
     weights: torch.Tensor,
     weight_offsets: torch.Tensor,
@@ -362,8 +370,8 @@ def embedding_bags_forward(
     column_blocks = (total_dim + num_features * (cfg["BLOCK_D"] - 1)) // cfg["BLOCK_D"]
     num_bag_blocks = triton.cdiv(num_bags, cfg["BLOCK_B"])
     num_blocks = column_blocks * num_bag_blocks
-    # A persistent launch caps the grid (PROGRAMS knob); each program then loops over blocks.
-    programs = min(num_blocks, KNOBS["PROGRAMS"] or num_blocks)
+    # A persistent launch caps the grid (PROGRAMS); each program then loops over blocks.
+    programs = min(num_blocks, KNOBS["PROGRAMS"] or _programs(num_blocks, weights.element_size()))
     vec = 16 // weights.element_size() if VECTORS else 1
     _embedding_bags_fwd_kernel[(programs,)](
         weights,

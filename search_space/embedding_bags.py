@@ -362,7 +362,7 @@ TEMPLATE = KnobTemplate(
             "PROGRAMS",
             (None, 132 * 8, 132 * 16, 132 * 32),
             default=None,
-            help="programs in a persistent grid, each looping over blocks (None: one program a block)",
+            help="programs in a persistent grid, each looping over blocks (None: the launch heuristic's)",
         ),
         Knob(
             "FLAT",
