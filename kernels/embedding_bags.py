@@ -15,7 +15,7 @@ on the tensor cores (slower at every timing shape: off by default).
 The tables' dense gradient (the unfused path's) is kernels/embedding_bags_backward.py's.
 
 This module is also the problem's knob template: a search writes values into KNOBS; None keeps
-the launch heuristic (_forward_config) for that knob.
+the launch heuristic (_forward_config; _programs for PROGRAMS) for that knob.
 Arguments are checked by the op (search_space.embedding_bags).
 """
 
@@ -335,11 +335,14 @@ def _slice_d(cfg: dict, vec: int, element_size: int) -> int:
 
 
 def _programs(num_blocks: int, element_size: int) -> int:
-    """The grid where PROGRAMS is None: a program a block, but in 16-bit types over 96K blocks a
-    program per 48 (on an H100: 1.10x at b256k-f20-short, 1.05x at b256k-f20-mixed-weighted,
-    0.99x at b128k-f32-mixed; fp32 lost 1% to 4%, and fewer blocks lost 9% or more a program
-    per 16 or 32: BENCHMARKS.md, 2026-12-07, thirty-seventh session)."""
-    return num_blocks // 48 if element_size == 2 and num_blocks >= 96 * 1024 else num_blocks
+    """The grid where PROGRAMS is None: a program a block, but in 16-bit types from 96K blocks a
+    program per 48 of them, 2112 at least (bf16 on an H100: 1.10x at b256k-f20-short, 1.05x at
+    b256k-f20-mixed-weighted, 0.99x at b128k-f32-mixed; in fp32 it lost 1% to 4%, and below 96K
+    blocks grids of 16 or 32 programs an SM lost 9% or more: BENCHMARKS.md, 2026-12-07,
+    thirty-seventh session)."""
+    if element_size == 2 and num_blocks >= 96 * 1024:
+        return max(2112, num_blocks // 48)
+    return num_blocks
 
 
 def embedding_bags_forward(

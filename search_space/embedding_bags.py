@@ -360,9 +360,10 @@ TEMPLATE = KnobTemplate(
         *single.KNOBS,
         Knob(
             "PROGRAMS",
-            (None, 132 * 8, 132 * 16, 132 * 32),
+            (None, 132 * 8, 132 * 16, 132 * 32, 2**31 - 1),
             default=None,
-            help="programs in a persistent grid, each looping over blocks (None: the launch heuristic's)",
+            help="programs in a persistent grid, each looping over blocks, capped at one a block "
+            "(2**31 - 1: a program a block; None: the launch heuristic's)",
         ),
         Knob(
             "FLAT",
