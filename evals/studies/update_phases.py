@@ -1,8 +1,8 @@
 """Where embedding_bags_update's time goes at a timing shape: the numbering of the ids (keys, sort,
 bags, chunk starts) by the kit's number_chunks beside the torch ops it replaced (checked equal
-first), the op's kernels by the profiler, then the whole op at several
-launch knobs (an earlier version's module first, if named), beside torch's sparse path. One
-CUDA device; rows print as they are measured.
+first), the op's kernels by the profiler, then the whole op at several launch knobs (an earlier
+version's module first, if named), beside torch's sparse path. One CUDA device; rows print as
+they are measured.
 
     python3 -m evals.studies.update_phases [SHAPE NAME SUBSTRING] [DTYPE] [EARLIER MODULE]
 """
