@@ -11,6 +11,9 @@ the call's kernels, each version's result checked against the default's):
 
     python3 -m evals.studies.update_resolve [SHAPE NAME SUBSTRING]
 
+The edits apply to the module up to 1ba1f0f; since 919b68e its default holds both (on an
+H100, 1.30x to 1.35x that kernel: BENCHMARKS.md, 2026-12-07, thirty-seventh session).
+
 One CUDA device; rows print as they are measured.
 """
 
@@ -39,15 +42,12 @@ EIGHT_WARPS = ((" VEC=vec, BLOCK=CHUNK_BLOCK,\n", " VEC=vec, BLOCK=CHUNK_BLOCK, 
 VARIANTS = {"int32 bags": INT32_BAGS, "8 warps": EIGHT_WARPS, "both": INT32_BAGS + EIGHT_WARPS}
 
 
-def edited(name: str, edits: tuple[tuple[str, str], ...], where: Path):
-    """A copy of kernels/embedding_bags_update.py with `edits` made, imported from a file of its
-    own (Triton reads a kernel's source from its file)."""
-    return edited_module(kernel, edits, f"_update_{name.replace(' ', '_')}", where)
-
-
 def main(pattern: str = "") -> None:
     with tempfile.TemporaryDirectory() as where:
-        versions = [(name, edited(name, edits, Path(where))) for name, edits in VARIANTS.items()]
+        versions = [
+            (name, edited_module(kernel, edits, f"_update_{name.replace(' ', '_')}", Path(where)))
+            for name, edits in VARIANTS.items()
+        ]
         beside([*versions, ("default", kernel)], pattern, kernel_name="_sorted_kernel")
 
 
