@@ -43,6 +43,7 @@ KNOBS = {
     "CHUNK": 64,
     "num_warps": None,
     "num_stages": None,
+    "maxnreg": None,
 }
 VECTORS = True  # False: rows move an element at a time, never in 16-byte vectors (for studies)
 
@@ -221,11 +222,10 @@ def _rows_kernel(
     """_rows, told where every row start and dim is a multiple of VEC elements (16 bytes): the
     starts are loaded from memory, and untold the compiler moves rows an element at a time.
     Misaligned, it takes SLICE_D columns at a time (a quarter of BLOCK_D): a kernel holds its
-    costlier path's registers, a third more at the whole tile (evals/studies/registers.py).
+    costlier path's registers (evals/studies/registers.py).
     Where HALF = VEC / 2 elements (8 bytes: a bf16 row of 4) divides every start and dim, the
-    same tile in vectors of up to 8 bytes, as the default tile's aligned path's (a thread holds
-    4 columns): a dim-4 feature sends a batch there (odd_dims.py); half blocks ran 1.22x its
-    time. In 2-byte dtypes only (HALF 1: compiled out): fp32's 8-byte rows have 2 columns."""
+    same tile in vectors of up to 8 bytes (a thread holds 4 columns): a dim-4 feature sends a
+    batch there (odd_dims.py). In 2-byte dtypes only (HALF 1: compiled out)."""
     misaligned = tl.load(misaligned_ptr)
     if misaligned == 0:
         _rows(weights_ptr, state_ptr, grad_out_ptr, grad_at_ptr, scale_ptr, starts_ptr, c_key_ptr,
@@ -369,14 +369,15 @@ def _long_rows_kernel(
 
 
 def _config(max_dim: int, interpreted: bool) -> dict:
-    """Launch parameters of the rows kernel. On a GPU (update_phases.py and update_tiles.py in
-    evals/studies, every update shape on an H100): small tiles of few registers, 8 chunks x 1 id
-    x 32 columns a step on two warps; wider ones were slower. Interpreted, where each op of each
-    program is a NumPy call, few wide programs: 64 chunks x 4 ids of whole rows."""
+    """Launch parameters of the rows kernel. On a GPU (studies on an H100: update_tiles.py;
+    BENCHMARKS.md, 2026-12-07): 8 chunks x 1 id x 32 columns a step on two warps (wider tiles
+    were slower), held to 48 registers a thread (bf16 adagrad took 53: 21 programs an SM, not
+    18; 1.06x this kernel, 1.04x the call). Interpreted, each op a NumPy call: few wide
+    programs, 64 chunks x 4 ids of whole rows."""
     if interpreted:
         return {"BLOCK_I": 64, "BLOCK_L": 4, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
-                "num_stages": 1}  # fmt: skip
-    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1}
+                "num_stages": 1, "maxnreg": None}  # fmt: skip
+    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1, "maxnreg": 48}
 
 
 # Places in a buffer (a gradient row's start in grad_out, a table row's in weights) are int32 in
@@ -457,7 +458,7 @@ def embedding_bags_update(
         ADAGRAD=adagrad, SCALED=scaled, STOCHASTIC=stochastic, CHUNK=chunk, VEC=vec,
         BLOCK_I=cfg["BLOCK_I"], BLOCK_L=cfg["BLOCK_L"], BLOCK_D=block_d, SLICE_D=max(block_d // 4, 1),
         HALF=vec // 2 if vec == 8 else 1,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], maxnreg=cfg["maxnreg"],
     )  # fmt: skip
     _long_rows_kernel[(triton.cdiv(nnz, chunk),)](
         weights, state, sorted_keys, long_row_at, long_dim, partial, max_dim, nnz, lr, eps, seed,

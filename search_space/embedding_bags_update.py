@@ -563,6 +563,12 @@ KNOBS = (
         help="most ids of one row a program sums: longer rows (hot ids) are split across programs",
     ),
     Knob("num_warps", (None, 1, 2, 4, 8), default=None, help="warps per program"),
+    Knob(
+        "maxnreg",
+        (None, 32, 40, 48, 56, 64, 255),
+        default=None,
+        help="most registers a thread of the rows kernel holds (more programs an SM; the rest spill)",
+    ),
 )
 
 

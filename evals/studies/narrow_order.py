@@ -1,0 +1,72 @@
+"""Why a bf16 batch with one narrow feature looks up slower, and whether the order of the lookup's
+blocks helps: the forward kernel by the profiler (device time; lookup_profile.py) at
+b64k-f26-short with one more short feature of D columns (D = 4, 8, 12, 16 beside none) and at
+every bf16 timing shape, for the default module and other versions of it, alternately, three
+times. Each version's output is compared with the default's (equal to the bit: the same sums,
+stored by other programs).
+
+A narrow feature shifts the rows of odd samples: by 8 bytes for D = 4 or 12 (the 8-byte store
+path), by 16 for D = 8 (16-byte vectors still, but a row's features then start and end inside
+32-byte sectors, written by different programs), not at all for D = 16. Comparing D = 4, 8 and
+16 separates the cost of 8-byte stores from that of part-written sectors.
+
+    python3 -m evals.studies.narrow_order evals.studies._bags_other[,OTHERS]
+
+One CUDA device; rows print as they are measured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+import kernels.embedding_bags as kernel
+from evals.studies.lookup_profile import forward_kernel_us
+from search_space import get_problem
+from search_space.problem import Shape
+
+ROUNDS = 3
+
+
+def with_feature(shape: Shape, dim: int) -> Shape:
+    """`shape` with one more short feature (one to three ids) of `dim` columns on a table of its
+    own of 10,000 rows (embedding_bags.with_narrow_feature, for any dim)."""
+    p = dict(shape.params)
+    p["tables"] = [*p["tables"], [10_000, dim]]
+    p["features"] = [*p["features"], len(p["tables"]) - 1]
+    p["max_lens"] = [*p["max_lens"], 3]
+    return Shape.of(f"{shape.name}+d{dim}", shape.dtype, **p)
+
+
+def shapes() -> list[Shape]:
+    problem = get_problem("embedding_bags")
+    base = next(s for s in problem.timing_shapes if s.name == "b64k-f26-short")
+    narrow = [with_feature(base, dim) for dim in (4, 8, 12, 16)]
+    return [*narrow, *(s for s in problem.timing_shapes if s.dtype == "bf16")]
+
+
+def main(others: str) -> None:
+    device = torch.device("cuda")
+    problem = get_problem("embedding_bags")
+    versions = [("default", kernel)]
+    versions += [(name.rsplit(".", 1)[-1], importlib.import_module(name)) for name in others.split(",") if name]
+    for shape in shapes():
+        inputs = problem.make_inputs(shape, 1, device)
+        expected = kernel.embedding_bags_forward(*inputs.args, **inputs.kwargs)
+        total_dim = expected.shape[1]
+        print(f"\n{shape.name} {shape.dtype}: total dim {total_dim} ({total_dim % 16} past 16)", flush=True)
+        for label, module in versions[1:]:
+            same = torch.equal(module.embedding_bags_forward(*inputs.args, **inputs.kwargs), expected)
+            print(f"  {label}: output {'equal' if same else 'DIFFERS'}", flush=True)
+        del expected
+        for _ in range(ROUNDS):
+            for label, module in versions:
+                print(f"  {label:24} {forward_kernel_us(module, inputs):9.1f} us", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
