@@ -7,10 +7,12 @@ One launch serves every feature. A forward program takes one block of bags and o
 columns of one feature (a narrow feature launches only the programs its dim needs): BLOCK_B bags
 advance together and gather a [BLOCK_B, BLOCK_L, BLOCK_D] tile of rows per step (many loads in
 flight hide HBM latency on random rows), accumulated in fp32, rounded once. PROGRAMS caps the
-grid (a persistent launch; by default in 16-bit types from 96K blocks, _programs). Rows move in
-16-byte vectors wherever alignment allows (_pool_block). A block advances until its longest bag
-ends; FLAT (_flat_sums) takes a block's ids in order instead, every lane busy, summed into bags
-on the tensor cores (slower at every timing shape: off by default).
+grid (a persistent launch; by default in 16-bit types from 96K blocks, _programs). Blocks go
+feature by feature, or bag block by bag block where output rows are cut off 32-byte sectors
+(BAGS_MAJOR, _block_of). Rows move in 16-byte vectors wherever alignment allows (_pool_block).
+A block advances until its longest bag ends; FLAT (_flat_sums) takes a block's ids in order
+instead, every lane busy, summed into bags on the tensor cores (slower at every timing shape:
+off by default).
 
 The tables' dense gradient (the unfused path's) is kernels/embedding_bags_backward.py's.
 
@@ -36,6 +38,8 @@ KNOBS = {
     "PROGRAMS": None,
     "FLAT": None,
     "SLICES_TOGETHER": None,
+    "BAGS_MAJOR": None,
+    "maxnreg": None,
 }
 
 # Rows move in 16-byte vectors wherever a block's alignment allows (_pool_block); False: an element
@@ -51,15 +55,19 @@ SHORT_MEAN_IDS = 2.0
 def _block_of(
     p, num_blocks, num_bag_blocks, num_bags, num_features, f_F, lo_F, dim_F, blocks_F, ends_F,
     weight_offsets_ptr, offsets_ptr, BLOCK_B: tl.constexpr, SLICES_TOGETHER: tl.constexpr,
+    BAGS_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """Block p: its feature's first output column and dim, its column block, its table's offset,
     its bags, their bound (0 past the last block or feature: nothing is loaded or stored), and
     the bags' starts and lengths (the block's loads of the offsets).
 
-    Blocks are numbered feature by feature. Within a feature, either every bag block of column
+    Blocks are numbered feature by feature: within a feature, either every bag block of column
     block 0, then of column block 1, ... (the slices of one row are read num_bag_blocks programs
     apart), or (SLICES_TOGETHER) every column block of bag block 0, then of bag block 1, ...: the
-    slices of a row are read by neighbouring programs, at about the same time."""
+    slices of a row are read by neighbouring programs, at about the same time. Or (BAGS_MAJOR,
+    where SLICES_TOGETHER is off) bag block by bag block, each one's features and column blocks
+    in turn (blocks past the last bag block store nothing): neighbouring programs write the
+    parts of the same output rows."""
     if SLICES_TOGETHER:
         feature = tl.sum((ends_F * num_bag_blocks <= p).to(tl.int32), axis=0)
         feature = tl.where(p < num_blocks, feature, num_features)
@@ -69,12 +77,17 @@ def _block_of(
         col_block = q % slices
         bag_block = q // slices
     else:
-        block = p // num_bag_blocks
+        if BAGS_MAJOR:
+            column_blocks = tl.maximum(tl.max(ends_F, axis=0), 1)
+            block = p % column_blocks
+            bag_block = p // column_blocks
+        else:
+            block = p // num_bag_blocks
+            bag_block = p % num_bag_blocks
         feature = tl.sum((ends_F <= block).to(tl.int32), axis=0)
         feature = tl.where(p < num_blocks, feature, num_features)
         this_F = f_F == feature
         col_block = block - tl.sum(tl.where(this_F, ends_F - blocks_F, 0), axis=0)
-        bag_block = p % num_bag_blocks
     first_col = tl.sum(tl.where(this_F, lo_F, 0), axis=0)
     dim = tl.sum(tl.where(this_F, dim_F, 0), axis=0)  # 0 past the last feature
     table = tl.load(weight_offsets_ptr + tl.minimum(feature, num_features - 1))
@@ -271,6 +284,7 @@ def _embedding_bags_fwd_kernel(
     VEC: tl.constexpr,
     FLAT: tl.constexpr,
     SLICES_TOGETHER: tl.constexpr,
+    BAGS_MAJOR: tl.constexpr,
     SLICE_D: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -290,6 +304,7 @@ def _embedding_bags_fwd_kernel(
         first_col, dim, col_block, table, bags_B, limit, start_B, len_B = _block_of(
             p, num_blocks, num_bag_blocks, num_bags, num_features,
             f_F, lo_F, dim_F, blocks_F, ends_F, weight_offsets_ptr, offsets_ptr, BLOCK_B, SLICES_TOGETHER,
+            BAGS_MAJOR,
         )  # fmt: skip
         _pool_block(
             weights_ptr, indices_ptr, psw_ptr, out_ptr, stride_out_row,
@@ -308,10 +323,13 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
 
     An H100 sweep of every timing shape (BENCHMARKS.md, 2026-12-06) found 64 columns a slice best
     in both dtypes: short bags, 64 bags x 1 id a step on two warps; bf16 pooled batches (bags of
-    up to 120 ids), 32 bags x 2 ids; fp32 pooled batches, 16 bags x 2 ids, 3D accumulator.
+    up to 120 ids), 32 bags x 2 ids, held to 128 registers a thread (with per-sample weights it
+    took more: 1.13x at b256k-f20-mixed-weighted; the short tile's 166 lost 5% to 12% held so);
+    fp32 pooled batches, 16 bags x 2 ids, 3D accumulator.
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
     wide programs run fastest: 16 bags x 16 ids of whole rows per step."""
+    maxnreg = None
     if interpreted:
         tile = (16, 16, _whole_row(max_dim), False)
     elif mean_ids <= SHORT_MEAN_IDS:
@@ -319,10 +337,11 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
     elif element_size == 4:
         tile = (16, 2, 64, True)
     else:
-        tile = (32, 2, 64, False)
+        tile, maxnreg = (32, 2, 64, False), 128
     # Off (H100, BENCHMARKS.md): FLAT, 0.45x to 0.79x these tiles; SLICES_TOGETHER, 0.97x to 1.05x.
     names = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")
-    return dict(zip(names, tile, strict=True)) | {"num_warps": 2, "FLAT": False, "SLICES_TOGETHER": False}
+    fixed = {"num_warps": 2, "FLAT": False, "SLICES_TOGETHER": False, "maxnreg": maxnreg}
+    return dict(zip(names, tile, strict=True)) | fixed
 
 
 def _slice_d(cfg: dict, vec: int, element_size: int) -> int:
@@ -343,6 +362,17 @@ def _programs(num_blocks: int, element_size: int) -> int:
     if element_size == 2 and num_blocks >= 96 * 1024:
         return max(2112, num_blocks // 48)
     return num_blocks
+
+
+def _bags_major(total_dim: int, element_size: int) -> bool:
+    """The block order where BAGS_MAJOR is None: bag block by bag block where the output's rows
+    start off 32-byte sectors (a feature of 4 or 8 bf16 columns puts odd samples' there), whose
+    parts other programs write; written close together, a sector is whole in L2 before it goes
+    to memory (BENCHMARKS.md, 2026-12-07, thirty-eighth session: H100, 1.09x at b64k-f27-short-d4,
+    1.15x at b256k-f20-short with a dim-4 feature; at aligned rows this order lost 5% to 12%).
+    Features of such dims inside a row of aligned stride are not seen here (the dims are on the
+    device): they keep the features' order."""
+    return total_dim * element_size % 32 != 0
 
 
 def embedding_bags_forward(
@@ -376,6 +406,9 @@ def embedding_bags_forward(
     # A persistent launch caps the grid (PROGRAMS); each program then loops over blocks.
     programs = min(num_blocks, KNOBS["PROGRAMS"] or _programs(num_blocks, weights.element_size()))
     vec = 16 // weights.element_size() if VECTORS else 1
+    bags_major = KNOBS["BAGS_MAJOR"]
+    if bags_major is None:
+        bags_major = _bags_major(total_dim, weights.element_size())
     _embedding_bags_fwd_kernel[(programs,)](
         weights,
         weight_offsets,
@@ -396,6 +429,7 @@ def embedding_bags_forward(
         NUM_STAGES=KNOBS["num_stages"],
         VEC=vec,
         SLICE_D=_slice_d(cfg, vec, weights.element_size()),
+        BAGS_MAJOR=bags_major,
         num_stages=1,
         **cfg,
     )

@@ -379,6 +379,20 @@ TEMPLATE = KnobTemplate(
             help="the column slices of a block's rows read by neighbouring programs, at about the "
             "same time (else num_bag_blocks programs apart)",
         ),
+        Knob(
+            "BAGS_MAJOR",
+            (None, False, True),
+            default=None,
+            help="blocks numbered bag block by bag block, each one's features in turn (else feature "
+            "by feature; None: where the output's rows start off 32-byte sectors); SLICES_TOGETHER "
+            "takes precedence",
+        ),
+        Knob(
+            "maxnreg",
+            (None, 64, 96, 128, 160, 255),
+            default=None,
+            help="most registers a thread holds (more programs an SM; the rest spill)",
+        ),
     ),
     constraint=_knob_constraints,
 )

@@ -1,9 +1,9 @@
-"""Why a bf16 batch with one narrow feature looks up slower, and whether the order of the lookup's
+"""Why a batch with one narrow feature looks up slower, and whether the order of the lookup's
 blocks helps: the forward kernel by the profiler (device time; lookup_profile.py) at
-b64k-f26-short with one more short feature of D columns (D = 4, 8, 12, 16 beside none) and at
-every bf16 timing shape, for the default module and other versions of it, alternately, three
-times. Each version's output is compared with the default's (equal to the bit: the same sums,
-stored by other programs).
+b64k-f26-short with one more short feature of D columns (D = 4, 8, 12, 16 beside none), at the
+other timing shapes with one of 4, and at every timing shape, for the default module
+and other versions of it, alternately, three times. Each version's output is compared with the
+default's (equal to the bit: the same sums, stored by other programs).
 
 A narrow feature shifts the rows of odd samples: by 8 bytes for D = 4 or 12 (the 8-byte store
 path), by 16 for D = 8 (16-byte vectors still, but a row's features then start and end inside
@@ -30,28 +30,40 @@ from search_space.problem import Shape
 ROUNDS = 3
 
 
-def with_feature(shape: Shape, dim: int) -> Shape:
-    """`shape` with one more short feature (one to three ids) of `dim` columns on a table of its
-    own of 10,000 rows (embedding_bags.with_narrow_feature, for any dim)."""
+def with_features(shape: Shape, dims: list[int], first: int = 0) -> Shape:
+    """`shape` with more short features (one to three ids), one per entry of `dims` and of as many
+    columns, each on a table of its own of 10,000 rows (embedding_bags.with_narrow_feature, for
+    any dims): the first `first` of them before the shape's features, the others after."""
     p = dict(shape.params)
-    p["tables"] = [*p["tables"], [10_000, dim]]
-    p["features"] = [*p["features"], len(p["tables"]) - 1]
-    p["max_lens"] = [*p["max_lens"], 3]
-    return Shape.of(f"{shape.name}+d{dim}", shape.dtype, **p)
+    tables, features, lens = list(p["tables"]), list(p["features"]), list(p["max_lens"])
+    for i, dim in enumerate(dims):
+        tables.append([10_000, dim])
+        at = i if i < first else len(features)
+        features.insert(at, len(tables) - 1)
+        lens.insert(at, 3)
+    p |= {"tables": tables, "features": features, "max_lens": lens}
+    where = f"{first} first" if first else "after"
+    return Shape.of(f"{shape.name}+d{'+d'.join(map(str, dims))} ({where})", shape.dtype, **p)
 
 
 def shapes() -> list[Shape]:
-    problem = get_problem("embedding_bags")
-    base = next(s for s in problem.timing_shapes if s.name == "b64k-f26-short")
-    narrow = [with_feature(base, dim) for dim in (4, 8, 12, 16)]
-    return [*narrow, *(s for s in problem.timing_shapes if s.dtype == "bf16")]
+    """The narrow features after b64k-f26-short's (D = 4, 8, 12, 16), and four of 4 columns, one
+    before the others (every later feature's columns off by 8 bytes, the rows' stride not), then
+    one of 4 after each other timing shape's (fp32's: 16 bytes), then the timing shapes."""
+    timing = get_problem("embedding_bags").timing_shapes
+    base = timing[0]
+    narrow = [with_features(base, [dim]) for dim in (4, 8, 12, 16)]
+    narrow.append(with_features(base, [4, 4, 4, 4], first=1))
+    narrow += [with_features(s, [4]) for s in timing[2:]]
+    return [*narrow, *timing]
 
 
 def main(others: str) -> None:
     device = torch.device("cuda")
     problem = get_problem("embedding_bags")
     versions = [("default", kernel)]
-    versions += [(name.rsplit(".", 1)[-1], importlib.import_module(name)) for name in others.split(",") if name]
+    for name in filter(None, others.split(",")):
+        versions.append((name.rsplit(".", 1)[-1], importlib.import_module(name)))
     for shape in shapes():
         inputs = problem.make_inputs(shape, 1, device)
         expected = kernel.embedding_bags_forward(*inputs.args, **inputs.kwargs)

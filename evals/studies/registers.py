@@ -100,6 +100,7 @@ def lookup_launch(element_size: int, mean_ids: float) -> tuple[dict, int]:
     vec = 16 // element_size
     constexprs = {k: cfg[k] for k in ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "FLAT", "SLICES_TOGETHER")}
     constexprs |= dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, VEC=vec)
+    constexprs["BAGS_MAJOR"] = False  # the launch's for rows of 32-byte multiples
     constexprs["SLICE_D"] = lookup._slice_d(cfg, vec, element_size)
     return constexprs, cfg["num_warps"]
 
@@ -123,7 +124,7 @@ def _lookup_tiles() -> Iterator[tuple[str, dict, int]]:
     flags = dict(
         HAS_PSW=False, MODE_MEAN=False, FEATURES=32, ACC_3D=False, EVICT_ROWS="", NUM_STAGES=1, VEC=8
     )
-    flags |= dict(FLAT=False, SLICES_TOGETHER=False)
+    flags |= dict(FLAT=False, SLICES_TOGETHER=False, BAGS_MAJOR=False)
     for b, ids, d, w in [(64, 1, 64, 2), (64, 1, 64, 4), (32, 1, 64, 2), (16, 1, 64, 1), (32, 2, 64, 2)]:
         tile = {"BLOCK_B": b, "BLOCK_L": ids, "BLOCK_D": d, "SLICE_D": d // flags["VEC"]}
         yield f"lookup fwd {b}x{ids}x{d} w{w}", {**flags, **tile}, w

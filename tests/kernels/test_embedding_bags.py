@@ -173,19 +173,25 @@ def test_a_persistent_launch_covers_every_block(
 
 
 @pytest.mark.parametrize("programs", [None, 3])
-def test_a_rows_slices_read_together_cover_every_block(programs, monkeypatch, empty_library) -> None:
+@pytest.mark.parametrize(
+    "order", [{"SLICES_TOGETHER": True}, {"BAGS_MAJOR": True}, {"BAGS_MAJOR": False}], ids=str
+)
+def test_every_order_of_blocks_covers_every_block(order, programs, monkeypatch, empty_library) -> None:
     """SLICES_TOGETHER numbers a feature's blocks column block fastest (a row's slices read by
-    neighbouring programs): at the GPU's tiles (dims of one to four column blocks, a dim that is
-    not a multiple of the block, two to five bag blocks a feature) every bag and column still
-    comes out right, in a grid of one program a block and in a persistent one, whose host bound
-    runs past the last feature."""
+    neighbouring programs), BAGS_MAJOR bag block by bag block (each one's features in turn),
+    and without either feature by feature (the launch picks between the last two by the
+    output's alignment, and these batches' dims, 4 among them, would take BAGS_MAJOR): at the
+    GPU's tiles (dims of one to four column blocks, a dim that is not a multiple of the block,
+    two to five bag blocks a feature) every bag and column still comes out right, in a grid of
+    one program a block and in a persistent one, whose host bound runs past the last feature."""
     forward = module._forward_config
 
     def gpu_forward_config(dim, size, ids, interpreted):
         return forward(dim, size, ids)
 
     monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
-    monkeypatch.setitem(module.KNOBS, "SLICES_TOGETHER", True)
+    for knob, value in order.items():
+        monkeypatch.setitem(module.KNOBS, knob, value)
     monkeypatch.setitem(module.KNOBS, "PROGRAMS", programs)
     many_blocks = [
         _explicit("short-150", "fp32", THREE_TABLES, [i * 5 % 4 for i in range(3 * 150)]),  # 64 bags a block
@@ -194,6 +200,19 @@ def test_a_rows_slices_read_together_cover_every_block(programs, monkeypatch, em
     for shape in many_blocks:
         result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
         assert result.ok, (shape.name, result.message)
+
+
+@pytest.mark.parametrize(
+    ("total_dim", "element_size", "bags_major"),
+    [(2560, 2, False), (2564, 2, True), (2568, 2, True), (2576, 2, False), (2004, 4, True), (2000, 4, False)],
+)
+def test_blocks_go_bag_block_by_bag_block_where_rows_are_off_sectors(
+    total_dim: int, element_size: int, bags_major: bool
+) -> None:
+    """The launch's block order: bag block by bag block where the output's rows start off
+    32-byte sectors (a bf16 feature of 4 or 8 columns moves odd samples' rows by 8 or 16
+    bytes), else feature by feature."""
+    assert module._bags_major(total_dim, element_size) is bags_major
 
 
 def test_the_launch_regime_is_the_buckets() -> None:
@@ -560,6 +579,7 @@ fwd_types |= {"weights_ptr": "*bf16", "psw_ptr": "*bf16", "out_ptr": "*bf16"}
 tile = dict(BLOCK_B=64, BLOCK_L=1, BLOCK_D=64, ACC_3D=False)
 fwd = dict(HAS_PSW=False, MODE_MEAN=False, FEATURES=32, EVICT_ROWS="", NUM_STAGES=1, FLAT=False, **tile)
 fwd["SLICES_TOGETHER"] = False
+fwd["BAGS_MAJOR"] = False
 fwd["SLICE_D"] = 8
 bwd_types = {n: "*i64" for n in ("weight_offsets_ptr", "dim_offsets_ptr", "indices_ptr", "offsets_ptr")}
 bwd_types |= {"grad_out_ptr": "*bf16", "psw_ptr": "*bf16", "grad_ptr": "*fp32"}
@@ -576,6 +596,8 @@ flat = {**fwd, "FLAT": True, "BLOCK_B": 32, "BLOCK_L": 2, "HAS_PSW": True, "VEC"
 report["flat forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, flat, 2)
 together = {**fwd, "SLICES_TOGETHER": True, "VEC": 8}
 report["together forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, together, 2)
+bags_major = {**fwd, "BAGS_MAJOR": True, "VEC": 8}
+report["bags-major forward VEC=8"] = memory_ops(module._embedding_bags_fwd_kernel, fwd_types, bags_major, 2)
 print(json.dumps(report))
 """
 
@@ -586,7 +608,8 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
     compiler move rows in 16-byte vectors (v4 of 32 bits; the backward's fp32 atomic adds four
     at a time): with it (VEC 8 for bf16) the PTX holds them, without it (VEC 1) it does not.
     The FLAT forward compiles for sm_90 too, its sums on the tensor cores, and so does the
-    forward whose blocks take a row's slices together (SLICES_TOGETHER), its rows in vectors."""
+    forward whose blocks take a row's slices together (SLICES_TOGETHER), or go bag block by bag
+    block (BAGS_MAJOR), its rows in vectors."""
     report = in_subprocess(VECTOR_PTX)
     for name in ("forward", "backward"):
         assert not any(".v4." in op for op in report[f"{name} VEC=1"]), report
@@ -596,7 +619,8 @@ def test_aligned_rows_compile_to_16_byte_vectors() -> None:
     # FLAT, weighted: rows in vectors too, summed into bags by TF32 tensor-core products.
     flat = report["flat forward VEC=8"]
     assert "ld.global.v4.b32" in flat and any(op.startswith("mma") and ".tf32" in op for op in flat), report
-    assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(report["together forward VEC=8"]), report
+    for order in ("together", "bags-major"):
+        assert {"ld.global.v4.b32", "st.global.v4.b32"} <= set(report[f"{order} forward VEC=8"]), report
 
 
 KERNEL_REGISTERS = """
