@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kit.embeddings import register_cap
+
 KNOBS = {
     "BLOCK_B": None,
     "BLOCK_L": None,
@@ -291,9 +293,9 @@ def _embedding_bags_fwd_kernel(
     BLOCK_D: tl.constexpr,
 ):
     # Each feature has num_bag_blocks x cdiv(d, BLOCK_D) blocks (dim d), numbered feature by
-    # feature (_block_of), on one axis (a second would stop at 65535). `num_blocks` is a bound
-    # taken on the host: blocks past the last feature's store nothing. A program takes blocks
-    # p, p + grid, ...: several in a persistent launch.
+    # feature or bag block by bag block (_block_of), on one axis (a second would stop at 65535).
+    # `num_blocks` is a bound taken on the host: blocks past the last feature's (or bag block's)
+    # store nothing. A program takes blocks p, p + grid, ...: several in a persistent launch.
     f_F = tl.arange(0, FEATURES)
     in_F = f_F < num_features
     lo_F = tl.load(dim_offsets_ptr + f_F, mask=in_F, other=0)
@@ -323,8 +325,9 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
 
     An H100 sweep of every timing shape (BENCHMARKS.md, 2026-12-06) found 64 columns a slice best
     in both dtypes: short bags, 64 bags x 1 id a step on two warps; bf16 pooled batches (bags of
-    up to 120 ids), 32 bags x 2 ids, held to 128 registers a thread (with per-sample weights it
-    took more: 1.13x at b256k-f20-mixed-weighted; the short tile's 166 lost 5% to 12% held so);
+    up to 120 ids), 32 bags x 2 ids, in 16-bit types held to 128 registers a thread under Triton
+    3.6 (with per-sample weights it took more: 1.13x at b256k-f20-mixed-weighted; the short
+    tile's 166 lost 5% to 12% held so; no cap under other Tritons: the kit's register_cap);
     fp32 pooled batches, 16 bags x 2 ids, 3D accumulator.
 
     Interpreted (CPU tensors), each op of each program is a NumPy call whatever its tile, so few
@@ -337,7 +340,7 @@ def _forward_config(max_dim: int, element_size: int, mean_ids: float, interprete
     elif element_size == 4:
         tile = (16, 2, 64, True)
     else:
-        tile, maxnreg = (32, 2, 64, False), 128
+        tile, maxnreg = (32, 2, 64, False), register_cap(128)
     # Off (H100, BENCHMARKS.md): FLAT, 0.45x to 0.79x these tiles; SLICES_TOGETHER, 0.97x to 1.05x.
     names = ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D")
     fixed = {"num_warps": 2, "FLAT": False, "SLICES_TOGETHER": False, "maxnreg": maxnreg}
@@ -365,14 +368,15 @@ def _programs(num_blocks: int, element_size: int) -> int:
 
 
 def _bags_major(total_dim: int, element_size: int) -> bool:
-    """The block order where BAGS_MAJOR is None: bag block by bag block where the output's rows
-    start off 32-byte sectors (a feature of 4 or 8 bf16 columns puts odd samples' there), whose
-    parts other programs write; written close together, a sector is whole in L2 before it goes
-    to memory (BENCHMARKS.md, 2026-12-07, thirty-eighth session: H100, 1.09x at b64k-f27-short-d4,
-    1.15x at b256k-f20-short with a dim-4 feature; at aligned rows this order lost 5% to 12%).
-    Features of such dims inside a row of aligned stride are not seen here (the dims are on the
-    device): they keep the features' order."""
-    return total_dim * element_size % 32 != 0
+    """The block order where BAGS_MAJOR is None: in 16-bit types, bag block by bag block where
+    the output's rows start off 32-byte sectors (a feature of 4, 8 or 12 columns puts most rows
+    there), whose parts other programs write; written close together, a sector is whole in L2
+    before it goes to memory (BENCHMARKS.md, 2026-12-07, thirty-eighth session: H100, 1.09x at
+    b64k-f27-short-d4, 1.15x at b256k-f20-short with a dim-4 feature; at aligned rows this order
+    lost 5% to 12%). fp32 keeps the features' order: there it was timed only in a form with costs
+    of its own. Features of such dims inside a row of aligned stride are not seen here (the dims
+    are on the device): they keep the features' order too."""
+    return element_size == 2 and total_dim * element_size % 32 != 0
 
 
 def embedding_bags_forward(

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kit.embeddings import CHUNK_BLOCK, chunk_numbers, count_chunks, sort_by_row
+from kernels.kit.embeddings import CHUNK_BLOCK, chunk_numbers, count_chunks, register_cap, sort_by_row
 
 KNOBS = {
     "BLOCK_I": None,
@@ -371,13 +371,14 @@ def _long_rows_kernel(
 def _config(max_dim: int, interpreted: bool) -> dict:
     """Launch parameters of the rows kernel. On a GPU (studies on an H100: update_tiles.py;
     BENCHMARKS.md, 2026-12-07): 8 chunks x 1 id x 32 columns a step on two warps (wider tiles
-    were slower), held to 48 registers a thread (bf16 adagrad took 53: 21 programs an SM, not
-    18; 1.06x this kernel, 1.04x the call). Interpreted, each op a NumPy call: few wide
-    programs, 64 chunks x 4 ids of whole rows."""
+    were slower), held to 48 registers a thread under Triton 3.6 (bf16 adagrad took 53: 21
+    programs an SM, not 18; 1.06x this kernel; the kit's register_cap: none under others).
+    Interpreted, each op a NumPy call: few wide programs, 64 chunks x 4 ids of whole rows."""
     if interpreted:
         return {"BLOCK_I": 64, "BLOCK_L": 4, "BLOCK_D": triton.next_power_of_2(max_dim), "num_warps": 1,
                 "num_stages": 1, "maxnreg": None}  # fmt: skip
-    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1, "maxnreg": 48}
+    return {"BLOCK_I": 8, "BLOCK_L": 1, "BLOCK_D": 32, "num_warps": 2, "num_stages": 1,
+            "maxnreg": register_cap(48)}  # fmt: skip
 
 
 # Places in a buffer (a gradient row's start in grad_out, a table row's in weights) are int32 in
@@ -389,9 +390,8 @@ def _places(buffer: torch.Tensor) -> torch.dtype:
     return torch.int32 if buffer.numel() < INT32_PLACES_BELOW else torch.int64
 
 
-# Sort keys (each row's index in the state) are int32 when the rows are fewer than this: a radix
-# sort of half the passes. Rows number at most the weights' elements (a row holds at least one)
-# or the state's entries, whichever is more.
+# Sort keys (each row's index in the state) are int32 below this many rows (at most the weights'
+# elements or the state's entries, whichever is more): a radix sort of half the passes.
 INT32_KEYS_BELOW = 2**31
 
 

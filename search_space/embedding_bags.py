@@ -330,7 +330,10 @@ FLAT_OPERAND_LIMIT = 8192
 def _knob_constraints(knobs: dict) -> str | None:
     """The single-table kernel's tile bounds; with FLAT, the tensor-core product's: 16 bags or
     more, operands within FLAT_OPERAND_LIMIT, and neither ACC_3D nor pipelining (the step loop's
-    alone: with FLAT they would only repeat a point of the search)."""
+    alone: with FLAT they would only repeat a point of the search), and no BAGS_MAJOR with
+    SLICES_TOGETHER (which orders the blocks itself)."""
+    if knobs.get("SLICES_TOGETHER") and knobs.get("BAGS_MAJOR") is not None:
+        return "SLICES_TOGETHER orders the blocks itself: BAGS_MAJOR takes None with it"
     if knobs.get("FLAT"):
         bags, ids, cols = knobs["BLOCK_B"] or 64, knobs["BLOCK_L"] or 2, knobs["BLOCK_D"] or 64
         if bags < 16:
@@ -391,7 +394,9 @@ TEMPLATE = KnobTemplate(
             "maxnreg",
             (None, 64, 96, 128, 160, 255),
             default=None,
-            help="most registers a thread holds (more programs an SM; the rest spill)",
+            help="most registers a thread holds (more programs an SM; the rest spill); 255: no cap in "
+            "effect; None: the launch heuristic's (128 for the pooled 16-bit tile under Triton 3.6, "
+            "else none)",
         ),
     ),
     constraint=_knob_constraints,

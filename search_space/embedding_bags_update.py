@@ -567,7 +567,8 @@ KNOBS = (
         "maxnreg",
         (None, 32, 40, 48, 56, 64, 255),
         default=None,
-        help="most registers a thread of the rows kernel holds (more programs an SM; the rest spill)",
+        help="most registers a thread of the rows kernel holds (more programs an SM; the rest spill); "
+        "255: no cap in effect; None: the launch heuristic's (48 on a GPU under Triton 3.6, else none)",
     ),
 )
 

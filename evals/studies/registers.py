@@ -95,7 +95,8 @@ def aligned_only(module):
 
 def lookup_launch(element_size: int, mean_ids: float) -> tuple[dict, int]:
     """The forward's constexprs and warps as its launch picks them on a GPU, for a call of
-    `mean_ids` ids a bag (up to 32 features of up to 64 columns, sums, no per-sample weights)."""
+    `mean_ids` ids a bag (up to 32 features of up to 64 columns, sums, no per-sample weights;
+    rows of 32-byte multiples; registers uncapped, whatever its maxnreg)."""
     cfg = lookup._forward_config(64, element_size, mean_ids)
     vec = 16 // element_size
     constexprs = {k: cfg[k] for k in ("BLOCK_B", "BLOCK_L", "BLOCK_D", "ACC_3D", "FLAT", "SLICES_TOGETHER")}

@@ -13,8 +13,9 @@ Modules: `attention`, the attention families' device helpers, checks, host-side 
 public launchers (which take the kernels' launch function); `attention_forward`, their forward
 kernel, which forward candidates start from and gradient candidates run for the statistics
 their backward reads; `embeddings`, the numbering of sorted ids that the fused embedding update
-builds on; `tiles`, the tile multiply-accumulate of the GEMM-shaped kernels (grouped
-GEMM, Wukong's block), its operand precision picked from the operands.
+builds on, and the embedding kernels' register caps; `tiles`, the tile multiply-accumulate of
+the GEMM-shaped kernels (grouped GEMM, Wukong's block), its operand precision picked from the
+operands.
 """
 
 from __future__ import annotations

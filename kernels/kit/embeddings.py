@@ -17,6 +17,8 @@ or in steps, for a kernel that numbers the chunks while it resolves each sorted 
     before, count = count_chunks(sorted_keys, chunk)
     # then, in a kernel of CHUNK_BLOCK positions a program:
     #     pos, valid, key, row_start, new, chunk_of = chunk_numbers(keys_ptr, before_ptr, ...)
+
+Also the embedding kernels' register caps (register_cap), which hold for one Triton only.
 """
 
 from __future__ import annotations
@@ -25,10 +27,30 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CHUNK_BLOCK", "bags_of", "chunk_numbers", "count_chunks", "number_chunks", "sort_by_row"]
+__all__ = [
+    "CHUNK_BLOCK",
+    "bags_of",
+    "chunk_numbers",
+    "count_chunks",
+    "number_chunks",
+    "register_cap",
+    "sort_by_row",
+]
 
 # Sorted positions a program of the chunk numbering takes (count_chunks; chunk_numbers' BLOCK).
 CHUNK_BLOCK = 1024
+
+# The Triton the embedding kernels' register caps were measured under (an H100, BENCHMARKS.md,
+# 2026-12-07): another version allocates otherwise (3.9 takes 168 registers a thread for the
+# pooled lookup tile where 3.6 takes 126, and 70 or more for the update's rows kernel where 3.6
+# takes 53), so the same cap would spill there.
+CAPS_MEASURED_UNDER = "3.6."
+
+
+def register_cap(registers: int) -> int | None:
+    """A launch's maxnreg: `registers` under the Triton the cap was measured with, else None (no
+    cap). Candidates read it here: their screen refuses version attributes."""
+    return registers if triton.__version__.startswith(CAPS_MEASURED_UNDER) else None
 
 
 @triton.jit

@@ -56,7 +56,8 @@ def main(ops: list[str], dtypes: tuple[str, ...] = ()) -> dict:
     seen: set[tuple[str, str]] = set()
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+        options = {k: v for k, v in options.items() if v is not None}
         values = dict(zip([p.name for p in self.params], args, strict=False)) | kwargs
         signature, constexprs = {}, {}
         for p in self.params:

@@ -150,15 +150,26 @@ def test_flat_takes_the_products_bounds() -> None:
     assert TEMPLATE.constraint({**flat, "BLOCK_B": 16, "BLOCK_L": 4, "BLOCK_D": 16}) is None
 
 
+def test_one_order_of_blocks_at_a_time() -> None:
+    """SLICES_TOGETHER orders the blocks itself, so BAGS_MAJOR beside it would only repeat a
+    point of the search: the template takes it with None alone."""
+    together = {**TEMPLATE.defaults(), "SLICES_TOGETHER": True}
+    assert TEMPLATE.constraint(together) is None
+    for bags_major in (False, True):
+        assert "BAGS_MAJOR" in TEMPLATE.constraint({**together, "BAGS_MAJOR": bags_major})
+        assert TEMPLATE.constraint({**TEMPLATE.defaults(), "BAGS_MAJOR": bags_major}) is None
+
+
 @pytest.mark.parametrize("programs", [5, 1])
 @pytest.mark.parametrize("vectors", [True, False])
+@pytest.mark.parametrize("bags_major", [False, True])
 def test_a_persistent_launch_covers_every_block(
-    programs: int, vectors: bool, monkeypatch, empty_library
+    programs: int, vectors: bool, bags_major: bool, monkeypatch, empty_library
 ) -> None:
     """With the grid capped (the PROGRAMS knob), each program loops over blocks p, p + grid, ...:
     every bag and column still comes out right at the GPU's tiles (many blocks a feature), and
     the blocks of the host's bound past the last feature store nothing; rows moved in vectors or
-    an element at a time alike."""
+    an element at a time alike, blocks in either order."""
     forward = module._forward_config
 
     def gpu_forward_config(dim, size, ids, interpreted):
@@ -166,6 +177,7 @@ def test_a_persistent_launch_covers_every_block(
 
     monkeypatch.setattr(module, "_forward_config", gpu_forward_config)
     monkeypatch.setitem(module.KNOBS, "PROGRAMS", programs)
+    monkeypatch.setitem(module.KNOBS, "BAGS_MAJOR", bags_major)
     monkeypatch.setattr(module, "VECTORS", vectors)
     for shape, _ in GPU_BRANCHES:
         result = check_shape(PROBLEM, ops.op(PROBLEM.name), shape, 0, DEVICE)
@@ -204,14 +216,22 @@ def test_every_order_of_blocks_covers_every_block(order, programs, monkeypatch, 
 
 @pytest.mark.parametrize(
     ("total_dim", "element_size", "bags_major"),
-    [(2560, 2, False), (2564, 2, True), (2568, 2, True), (2576, 2, False), (2004, 4, True), (2000, 4, False)],
+    [
+        (2560, 2, False),
+        (2564, 2, True),
+        (2568, 2, True),
+        (2572, 2, True),
+        (2576, 2, False),
+        (2004, 4, False),
+        (2000, 4, False),
+    ],
 )
 def test_blocks_go_bag_block_by_bag_block_where_rows_are_off_sectors(
     total_dim: int, element_size: int, bags_major: bool
 ) -> None:
-    """The launch's block order: bag block by bag block where the output's rows start off
-    32-byte sectors (a bf16 feature of 4 or 8 columns moves odd samples' rows by 8 or 16
-    bytes), else feature by feature."""
+    """The launch's block order: in 16-bit types, bag block by bag block where the output's rows
+    start off 32-byte sectors (a feature of 4 or 8 bf16 columns moves them by 8 or 16 bytes a
+    row), else feature by feature; fp32 keeps the features' order (not timed otherwise)."""
     assert module._bags_major(total_dim, element_size) is bags_major
 
 

@@ -486,3 +486,14 @@ def test_the_misaligned_path_costs_the_rows_kernel_no_registers() -> None:
     assert len(report) == 4, report
     for flags, ((regs, spill), (aligned_regs, aligned_spill)) in report.items():
         assert regs <= aligned_regs + 8 and spill <= aligned_spill, (flags, report)
+
+
+@pytest.mark.parametrize(("version", "cap"), [("3.6.0", 48), ("3.9.0", None), ("3.60.0", None)])
+def test_register_caps_hold_under_the_triton_they_were_measured_with(version, cap, monkeypatch) -> None:
+    """A register cap is a measurement of one compiler's allocation (the kit's register_cap):
+    under another Triton, which allocates otherwise and would spill under it, the launch has no
+    cap, and the rows kernel's launch parameters say so."""
+    monkeypatch.setattr(numbering.triton, "__version__", version)
+    assert numbering.register_cap(48) == cap
+    assert kernel._config(256, interpreted=False)["maxnreg"] == cap
+    assert kernel._config(256, interpreted=True)["maxnreg"] is None
