@@ -8,8 +8,8 @@ columns of one feature (a narrow feature launches only the programs its dim need
 advance together and gather a [BLOCK_B, BLOCK_L, BLOCK_D] tile of rows per step (many loads in
 flight hide HBM latency on random rows), accumulated in fp32, rounded once. PROGRAMS caps the
 grid (a persistent launch; by default in 16-bit types from 96K blocks, _programs). Blocks go
-feature by feature, or bag block by bag block where output rows are cut off 32-byte sectors
-(BAGS_MAJOR, _block_of). Rows move in 16-byte vectors wherever alignment allows (_pool_block).
+feature by feature, or bag block by bag block where 16-bit output rows start off 32-byte
+sectors (BAGS_MAJOR, _block_of). Rows move in 16-byte vectors wherever alignment allows (_pool_block).
 A block advances until its longest bag ends; FLAT (_flat_sums) takes a block's ids in order
 instead, every lane busy, summed into bags on the tensor cores (slower at every timing shape:
 off by default).

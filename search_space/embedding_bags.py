@@ -387,8 +387,8 @@ TEMPLATE = KnobTemplate(
             (None, False, True),
             default=None,
             help="blocks numbered bag block by bag block, each one's features in turn (else feature "
-            "by feature; None: where the output's rows start off 32-byte sectors); SLICES_TOGETHER "
-            "takes precedence",
+            "by feature; None: in 16-bit types where the output's rows start off 32-byte sectors); "
+            "SLICES_TOGETHER takes precedence",
         ),
         Knob(
             "maxnreg",
