@@ -192,7 +192,7 @@ def test_every_order_of_blocks_covers_every_block(order, programs, monkeypatch, 
     """SLICES_TOGETHER numbers a feature's blocks column block fastest (a row's slices read by
     neighbouring programs), BAGS_MAJOR bag block by bag block (each one's features in turn),
     and without either feature by feature (the launch picks between the last two by the
-    output's alignment, and these batches' dims, 4 among them, would take BAGS_MAJOR): at the
+    output's alignment: the bf16 batch's dims, 4 among them, would take BAGS_MAJOR): at the
     GPU's tiles (dims of one to four column blocks, a dim that is not a multiple of the block,
     two to five bag blocks a feature) every bag and column still comes out right, in a grid of
     one program a block and in a persistent one, whose host bound runs past the last feature."""
