@@ -22,14 +22,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 import kernels.embedding_bags as kernel
 from evals.studies import edited_module
-from evals.studies.lookup_profile import forward_kernel_us
+from evals.studies.lookup_profile import beside
 from search_space import get_problem
-
-ROUNDS = 3
 
 EXACT_GRID = [
     (
@@ -48,28 +44,13 @@ EARLY_END = [
 
 
 def main(pattern: str = "") -> None:
-    device = torch.device("cuda")
-    problem = get_problem("embedding_bags")
     versions = [
         ("default", kernel),
         ("exact grid", edited_module(kernel, EXACT_GRID, "_bags_exact_grid")),
         ("early end", edited_module(kernel, EARLY_END, "_bags_early_end")),
     ]
-    for shape in problem.timing_shapes:
-        if pattern not in shape.name:
-            continue
-        inputs = problem.make_inputs(shape, 1, device)
-        expected = kernel.embedding_bags_forward(*inputs.args, **inputs.kwargs)
-        print(f"\n{shape.name} {shape.dtype}", flush=True)
-        for label, module in versions[1:]:
-            same = torch.equal(module.embedding_bags_forward(*inputs.args, **inputs.kwargs), expected)
-            print(f"  {label}: output {'equal' if same else 'DIFFERS'}", flush=True)
-        del expected
-        for _ in range(ROUNDS):
-            for label, module in versions:
-                print(f"  {label:24} {forward_kernel_us(module, inputs):9.1f} us", flush=True)
-        del inputs
-        torch.cuda.empty_cache()
+    shapes = get_problem("embedding_bags").timing_shapes
+    beside(versions, [s for s in shapes if pattern in s.name], check=True)
 
 
 if __name__ == "__main__":

@@ -21,27 +21,42 @@ import kernels.embedding_bags as kernel
 from evals.studies.update_profile import profiled
 from search_space import get_problem
 
+ROUNDS = 3
+
 
 def forward_kernel_us(module, inputs) -> float:
     """Device microseconds of the forward kernel in one call of module's embedding_bags_forward."""
     return sum(us for key, us in profiled(module.embedding_bags_forward, inputs) if "fwd_kernel" in key)
 
 
-def main(others: str, pattern: str = "", dtype: str = "") -> None:
+def beside(versions: list, shapes, check: bool = False) -> None:
+    """At each of `shapes`: with `check`, each version's output against the first's (bit for
+    bit), then every version's forward kernel ((label, module) pairs), alternately, ROUNDS times."""
     device = torch.device("cuda")
     problem = get_problem("embedding_bags")
-    versions = [(name, importlib.import_module(name)) for name in others.split(",") if name]
-    versions.append(("default", kernel))
-    for shape in problem.timing_shapes:
-        if pattern not in shape.name or (dtype and shape.dtype != dtype):
-            continue
+    for shape in shapes:
         inputs = problem.make_inputs(shape, 1, device)
         print(f"\n{shape.name} {shape.dtype}", flush=True)
-        for _ in range(3):
+        if check:
+            expected = versions[0][1].embedding_bags_forward(*inputs.args, **inputs.kwargs)
+            total_dim = expected.shape[1]
+            print(f"  total dim {total_dim} ({total_dim % 16} past 16)", flush=True)
+            for label, module in versions[1:]:
+                same = torch.equal(module.embedding_bags_forward(*inputs.args, **inputs.kwargs), expected)
+                print(f"  {label}: output {'equal' if same else 'DIFFERS'}", flush=True)
+            del expected
+        for _ in range(ROUNDS):
             for label, module in versions:
                 print(f"  {label:32} {forward_kernel_us(module, inputs):9.1f} us", flush=True)
         del inputs
         torch.cuda.empty_cache()
+
+
+def main(others: str, pattern: str = "", dtype: str = "") -> None:
+    versions = [(name, importlib.import_module(name)) for name in others.split(",") if name]
+    versions.append(("default", kernel))
+    shapes = get_problem("embedding_bags").timing_shapes
+    beside(versions, [s for s in shapes if pattern in s.name and (not dtype or s.dtype == dtype)])
 
 
 if __name__ == "__main__":

@@ -20,14 +20,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-import torch
-
 import kernels.embedding_bags as kernel
-from evals.studies.lookup_profile import forward_kernel_us
+from evals.studies.lookup_profile import beside
 from search_space import get_problem
 from search_space.problem import Shape
-
-ROUNDS = 3
 
 
 def with_features(shape: Shape, dims: list[int], first: int = 0) -> Shape:
@@ -59,25 +55,10 @@ def shapes() -> list[Shape]:
 
 
 def main(others: str) -> None:
-    device = torch.device("cuda")
-    problem = get_problem("embedding_bags")
     versions = [("default", kernel)]
     for name in filter(None, others.split(",")):
         versions.append((name.rsplit(".", 1)[-1], importlib.import_module(name)))
-    for shape in shapes():
-        inputs = problem.make_inputs(shape, 1, device)
-        expected = kernel.embedding_bags_forward(*inputs.args, **inputs.kwargs)
-        total_dim = expected.shape[1]
-        print(f"\n{shape.name} {shape.dtype}: total dim {total_dim} ({total_dim % 16} past 16)", flush=True)
-        for label, module in versions[1:]:
-            same = torch.equal(module.embedding_bags_forward(*inputs.args, **inputs.kwargs), expected)
-            print(f"  {label}: output {'equal' if same else 'DIFFERS'}", flush=True)
-        del expected
-        for _ in range(ROUNDS):
-            for label, module in versions:
-                print(f"  {label:24} {forward_kernel_us(module, inputs):9.1f} us", flush=True)
-        del inputs
-        torch.cuda.empty_cache()
+    beside(versions, shapes(), check=True)
 
 
 if __name__ == "__main__":
