@@ -517,10 +517,13 @@ class LocalBackend(WorkerBackend):
                 status=Status.RUNTIME_ERROR, message=f"unreadable judge result: {exc}"[:2000], **base
             )
         # The backend's share of the judge's life: its start (spawn: forked, or a process of its
-        # own started) and its exit (from its result's writing to its reaping). The file's mtime
-        # comes from the kernel's coarse clock (a tick of several ms early at most), so the exit
-        # is held to what the wall time leaves beside the other phases.
-        phases = {"spawn": spawn, **result.phase_s}
+        # own started) and its exit (from its result's writing to its reaping). Both are held to
+        # what the wall time leaves beside the judge's own phases: a forked judge's clock starts
+        # before the server's answer reaches this process (on a loaded host, half a second
+        # after), and the file's mtime comes from the kernel's coarse clock (a tick of several ms
+        # early at most).
+        left = max(0.0, wall - sum(result.phase_s.values()))
+        phases = {"spawn": min(spawn, left), **result.phase_s}
         with contextlib.suppress(OSError):
             left = wall - sum(phases.values())
             phases["exit"] = max(0.0, min(reaped - result_path.stat().st_mtime, left))
