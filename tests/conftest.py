@@ -17,12 +17,68 @@ if not torch.cuda.is_available():
     # One intra-op thread: the suite's workers (one per core) run beside each other and beside
     # the sandbox's judges and runners, and spinning idle threads slow everyone on a small host.
     torch.set_num_threads(1)
+    # The interpreter without its re-patching of triton.language at each helper call (40% of
+    # test_attention.py's time): interpreter_calls.py says why that changes nothing else.
+    import interpreter_calls
+
+    interpreter_calls.install()
 
 if TYPE_CHECKING:
     from kernels.registry import KernelLibrary
 
 
+# The files that take longest on a 2-core CPU machine (about 20 s or more each, in `make test`),
+# longest first. With `--dist loadfile` pytest-xdist gives each worker a file at a time, in the
+# order of the collection: these go first, and the many short files last, where they even out
+# the two workers' ends (in xdist's own order, most tests first, a minute-long file of three tests
+# came last and ran alone). A file not named here goes after them, by its number of tests.
+LONGEST_FIRST = [
+    "sandbox/test_adversarial.py",
+    "kernels/test_embedding_bags_update.py",
+    "kernels/test_attention.py",
+    "sandbox/test_adversarial_updates.py",
+    "sandbox/test_judge.py",
+    "agent/test_campaign.py",
+    "model/test_sharding.py",
+    "kernels/test_embedding_bags.py",
+    "sandbox/test_local_backend.py",
+    "agent/test_llm_campaign.py",
+    "agent/test_llm_kills.py",
+    "model/test_model_training.py",
+    "sandbox/test_ray_backend.py",
+    "model/test_gem.py",
+    "kernels/test_jagged_transforms.py",
+    "sandbox/test_judge_server.py",
+    "ops/test_plugin_op.py",
+    "search_space/test_attention_templates.py",
+    "kernels/test_attention_ops.py",
+    "agent/test_llm_units.py",
+    "sandbox/test_adversarial_unscreened.py",
+    "search_space/test_attention_problems.py",
+    "agent/test_review.py",
+    "agent/test_model_campaign.py",
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist reorders the files of --dist loadfile by their number of tests unless told to keep
+    # the collection's order, which pytest_collection_modifyitems sets.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """`items` reordered file by file, LONGEST_FIRST's files first (each file's own order kept)."""
+    tests = Path(__file__).parent
+    rank = {tests / name: i for i, name in enumerate(LONGEST_FIRST)}
+    count: dict[Path, int] = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    items.sort(key=lambda item: (rank.get(item.path, len(rank)), -count[item.path]))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _longest_first(items)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     skip_two = pytest.mark.skip(reason=f"needs two CUDA GPUs; this host has {gpus}")
