@@ -522,9 +522,12 @@ class LocalBackend(WorkerBackend):
         # before the server's answer reaches this process (on a loaded host, half a second
         # after), and the file's mtime comes from the kernel's coarse clock (a tick of several ms
         # early at most).
+        # The exit first: it is measured apart from the spawn, which only its overlap inflates.
         left = max(0.0, wall - sum(result.phase_s.values()))
-        phases = {"spawn": min(spawn, left), **result.phase_s}
+        exit_s = None
         with contextlib.suppress(OSError):
-            left = wall - sum(phases.values())
-            phases["exit"] = max(0.0, min(reaped - result_path.stat().st_mtime, left))
+            exit_s = max(0.0, min(reaped - result_path.stat().st_mtime, left))
+        phases = {"spawn": min(spawn, left - (exit_s or 0.0)), **result.phase_s}
+        if exit_s is not None:
+            phases["exit"] = exit_s
         return result.model_copy(update={"wall_s": wall, "phase_s": phases})

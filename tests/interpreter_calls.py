@@ -65,11 +65,16 @@ def install() -> None:
             stack.pop()
 
     def call_once_patched(self, *args, **kwargs):
-        stack, wanted = getattr(_state, "patched", None), languages_of(self.fn)
+        stack = getattr(_state, "patched", None)
+        if not stack:  # outside a launch: the interpreter's own call
+            return call(self, *args, **kwargs)
+        # The modules as the interpreter's own call finds them: after the rewrite, which gives a
+        # function's module the interpreter's globals (triton.language among them) the first time.
+        fn = self.rewrite()
+        wanted = languages_of(self.fn)
         # (None of them: the interpreter's own call refuses it, and does here.)
-        if stack and wanted and wanted <= stack[-1]:
+        if wanted and wanted <= stack[-1]:
             # The interpreter's own call, less its _patch_lang(self.fn).
-            fn = self.rewrite()
             try:
                 return fn(*args, **kwargs)
             except Exception as e:

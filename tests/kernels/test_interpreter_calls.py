@@ -34,7 +34,10 @@ def _kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     x = _row(x_ptr, row, n, BLOCK)
     total = tl.sum(_scaled(x, 2.0), axis=0)  # tl.sum: a helper of triton.language's own
     peak = tl.max(tl.abs(_scaled(x, 0.5)), axis=0)
-    tl.store(out_ptr + row, total + peak * tl.cdiv(n, BLOCK))
+    # tl.zeros: a helper of triton.language.standard that calls a builtin of triton.language.core,
+    # a module the launch's own patching leaves alone (a call that skipped it would fail).
+    zero = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
+    tl.store(out_ptr + row, total + peak * tl.cdiv(n, BLOCK) + zero)
 
 
 def _run(x: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,7 @@ def test_default_template_is_ok(outcomes) -> None:
     phases = {"spawn", "setup", "init", "start", "load", "check", "timing", "finish", "exit"}
     assert phases <= set(result.phase_s) <= phases | {"lock_wait"}
     assert 0 <= result.phase_s["exit"] < result.wall_s and 0 < result.phase_s["spawn"] < result.wall_s
-    assert 0 < sum(result.phase_s.values()) <= result.wall_s
+    assert 0 < sum(result.phase_s.values()) <= result.wall_s + 1e-9  # (a sum's rounding)
     # The time the lock was held, by kind: none where there is no GPU to lock.
     if torch.cuda.is_available():
         assert set(result.gpu_held_s) == {"exclusive", "shared"} and min(result.gpu_held_s.values()) > 0
