@@ -130,14 +130,26 @@ def _bags_kernel(offsets_ptr, bag_ptr, nnz, num_bags, steps, BLOCK: tl.constexpr
     tl.store(bag_ptr + pos, bag, mask=pos < nnz)
 
 
-def bags_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+def bags_of(offsets: torch.Tensor, nnz: int, *, kernels: bool | None = None) -> torch.Tensor:
     """Every one of nnz > 0 ids' bag (int32 below 2^31 bags), for offsets that run from 0 to nnz
     and never decrease: each bag that holds ids marks its first, then a running maximum. Its
     work is the ids' and bags' number whatever the bags' lengths (evals/studies/update_bags.py:
     a search per id took up to 2x the time; a scatter by bags, a block's longest bag; a count
-    of the bags' ends by atomic adds, 0.9 ms with many empty bags at one place)."""
+    of the bags' ends by atomic adds, 0.9 ms with many empty bags at one place).
+
+    `kernels` None: those kernels on a GPU, and on a CPU a search over the bags' ends (the call's
+    offsets) by torch, which gives the same bags: Triton's interpreter runs the running maximum
+    (an associative scan of a function of its own) one id at a time in Python, half of the
+    update's time at its check shapes. True or False: the kernels, or the search, anywhere."""
     bags = offsets.numel() - 1
-    bag = torch.full((nnz,), -1, dtype=torch.int32 if bags < 2**31 else torch.int64, device=offsets.device)
+    dtype = torch.int32 if bags < 2**31 else torch.int64
+    if kernels is None:
+        kernels = offsets.device.type != "cpu"
+    if not kernels:
+        positions = torch.arange(nnz, dtype=offsets.dtype, device=offsets.device)
+        ends = offsets[1:].contiguous()
+        return torch.searchsorted(ends, positions, right=True, out_int32=dtype == torch.int32)
+    bag = torch.full((nnz,), -1, dtype=dtype, device=offsets.device)
     _bag_starts_kernel[(triton.cdiv(bags, 1024),)](offsets, bag, nnz, bags, BLOCK=1024)
     _bags_kernel[(triton.cdiv(nnz, 2048),)](offsets, bag, nnz, bags, bags.bit_length(), BLOCK=2048)
     return bag

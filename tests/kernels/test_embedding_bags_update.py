@@ -168,8 +168,8 @@ def test_number_chunks_spans_programs(device: torch.device) -> None:
 @pytest.mark.parametrize("case", ["mixed", "one-long-bag", "empty-runs"])
 def test_bags_of_carries_bags_across_blocks(case: str, device: torch.device) -> None:
     """Each id's bag (the kit's marks of bag starts and their running maximum over blocks of
-    2048 ids) against a search: bags of every length, one bag over several blocks among
-    thousands of empty ones, and runs of empty bags at block edges."""
+    2048 ids, interpreted on a CPU too) against a search: bags of every length, one bag over
+    several blocks among thousands of empty ones, and runs of empty bags at block edges."""
     gen = torch.Generator(device=device).manual_seed(1)
     if case == "mixed":
         lengths = torch.randint(0, 12, (1500,), generator=gen, device=device)
@@ -185,8 +185,9 @@ def test_bags_of_carries_bags_across_blocks(case: str, device: torch.device) -> 
     assert nnz > 2 * 2048
     positions = torch.arange(nnz, device=device)
     want = torch.searchsorted(offsets[1:], positions, right=True)
-    got = numbering.bags_of(offsets, nnz)
-    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    # The kernels (which a CPU interprets), and what the op runs here (a search on a CPU).
+    for got in (numbering.bags_of(offsets, nnz, kernels=True), numbering.bags_of(offsets, nnz)):
+        assert got.dtype == torch.int32 and torch.equal(got.long(), want)
 
 
 def test_bag_marks_stay_within_the_ids_whatever_the_offsets(device: torch.device) -> None:
@@ -420,11 +421,14 @@ def test_an_update_that_returns_something_is_wrong(device: torch.device) -> None
 # configuration (tests/kernels/cuda_compile.py compiles what a launcher picks for DEVICE tensors:
 # here the interpreter's few wide programs).
 COMPILE_GPU_LAUNCHES = """
+import functools
 import json
 import cuda_compile
 import kernels.embedding_bags_update as module
+import kernels.kit.embeddings as kit
 config = module._config
 module._config = lambda max_dim, interpreted=False: config(max_dim, False)
+kit.bags_of = functools.partial(kit.bags_of, kernels=True)  # a GPU's bags, not a CPU's search
 first = cuda_compile.main(["embedding_bags_update"])
 # The int64 keys and places of buffers of 2^31 rows or elements or more: in bf16 alone, whose
 # check shapes take every path (both optimizers, scaled and stochastic), since the types are all
