@@ -5,8 +5,8 @@ the launch's length; each call of a @triton.jit helper from inside the kernel th
 again (triton/runtime/interpreter.py, InterpretedFunction.__call__, in Triton 3.9): a scan of
 every member of triton.language, its core, tensor and math modules, which finds nothing left to
 patch and rebinds a few interpreter helpers to equal copies. On the attention kernels, whose
-helpers are called a few times per tile, that was 40% of the CPU time of
-tests/kernels/test_attention.py.
+helpers are called a few times per tile, tests/kernels/test_attention.py took 114 s on one core
+with that re-patching and 84 s without.
 
 `install` skips that second patching where it would change nothing: in a call made while a launch
 of this thread runs, from a function whose language modules the launch (or an earlier call in it,
