@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from sandbox import confine, host_ops, interpreter_memory, shared, wire
+from sandbox import confine, host_ops, interpreter_calls, interpreter_memory, shared, wire
 from sandbox.flush import L2Flush
 from sandbox.poison import poison
 
@@ -163,6 +163,7 @@ class Runner:
         self.host_copies_compute = message.get("host_copies_compute") is True
         host_ops.prepare_triton(_kernel_classes())
         if self.device == "cpu":  # Triton interprets: its kernels' pointers are host addresses
+            interpreter_calls.install()  # first: interpreter_memory's launch wrapper stays outermost
             interpreter_memory.install()
         self._cap_device_memory(message.get("gpu_memory_bytes"))
         if self.device == "cuda" and self._flush is None:

@@ -1,16 +1,17 @@
-"""tests/interpreter_calls.py, which the test processes run the interpreter with: a kernel whose
-helpers (its own and triton.language's) are called in every program gives the bytes the
-interpreter's own calls give, with triton.language patched once per launch and language module
-instead of at every call."""
+"""sandbox/interpreter_calls.py, which the test processes and the sandbox's runners run the
+interpreter with: a kernel whose helpers (its own and triton.language's) are called in every
+program gives the bytes the interpreter's own calls give, with triton.language patched once per
+launch and language module instead of at every call."""
 
 from __future__ import annotations
 
-import interpreter_calls
 import pytest
 import torch
 import triton
 import triton.language as tl
 from triton.runtime import interpreter
+
+from sandbox import interpreter_calls
 
 pytestmark = pytest.mark.skipif(
     not interpreter_calls.STOCK, reason="not installed here (a GPU host, or another Triton)"

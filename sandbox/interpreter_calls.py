@@ -1,4 +1,4 @@
-"""Device-function calls in Triton's interpreter without its repeated set-up, for this test process.
+"""Device-function calls in Triton's interpreter without its repeated set-up.
 
 Interpreted, a launch patches triton.language (its builtins, for the interpreter's semantics) for
 the launch's length; each call of a @triton.jit helper from inside the kernel then patches it
@@ -11,8 +11,10 @@ with that re-patching and 84 s without.
 `install` skips that second patching where it would change nothing: in a call made while a launch
 of this thread runs, from a function whose language modules the launch (or an earlier call in it,
 whose patches stay) has patched already. Everything else, and every other Triton, goes the
-interpreter's own way. Only the test processes (conftest.py) install it: the sandbox's runners run
-the interpreter as it is.
+interpreter's own way. The test processes (tests/conftest.py) and the sandbox's runners on a CPU
+(sandbox/runner.py, before interpreter_memory wraps the same launch) install it. It changes which
+Python runs around a helper call, not what the helper computes or may touch: the memory bounds
+check every access of the helper's body as before.
 """
 
 from __future__ import annotations
