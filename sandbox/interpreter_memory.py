@@ -8,16 +8,32 @@ pointer argument could read or write the runner's own objects (its functions, it
 state) and so run any Python in it. Here every load, store and atomic of an interpreted launch
 is checked against the address ranges of that launch's tensor arguments (their whole storages,
 tensor descriptors' bases included) before it runs, masked-off lanes excepted; anything else
-raises. Installed by the runner before any candidate code exists; it fails closed where the
-interpreter's shape is not the one it knows.
+raises.
+
+The interpreter also lends a kernel's module its own names: where it rewrites a kernel
+(FunctionRewriter._compile_and_exec) it copies every global of its module that the kernel's
+module lacks into that module, numpy and its C extension among them, whose raw loads and stores
+no bound checks. A candidate that leaves a name unbound when its first kernel is rewritten (bound
+only after the launch, or deleted) would reach them. Here the rewrite lends only the names its
+own transform writes into the kernel (REWRITE_NAMES); any other name a kernel reads is its
+module's or undefined.
+
+Installed by the runner before any candidate code exists; it fails closed where the interpreter's
+shape is not the one it knows.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import numpy as np
 import torch
+
+# The names the interpreter's rewrite of a kernel's source writes into it (its ASTTransformer: each
+# assignment through interpreter_semantic.to_tensor, each chained comparison through
+# _InterpreterComparison): all a rewritten kernel may take from the interpreter's module.
+REWRITE_NAMES = ("interpreter_semantic", "_InterpreterComparison")
 
 _launch = threading.local()  # .ranges: [(start, end)] of the launch being interpreted, or None
 _np_dtype = None  # the interpreter's element-type-to-numpy map, bound by install()
@@ -36,13 +52,25 @@ def install() -> None:
         (builder, name)
         for name in ("create_masked_load", "create_masked_store", "create_atomic_cas", "create_atomic_rmw")
     ]
-    missing = [f"{cls.__name__}.{name}" for cls, name in needed if not callable(cls.__dict__.get(name))]
+    rewriter = getattr(interp, "FunctionRewriter", None)
+    needed.append((rewriter, "_compile_and_exec"))
+    missing = [
+        f"{getattr(cls, '__name__', 'FunctionRewriter')}.{name}"
+        for cls, name in needed
+        if not callable(getattr(cls, "__dict__", {}).get(name))
+    ]
+    missing += [name for name in REWRITE_NAMES if not hasattr(interp, name)]
     if missing:
         raise RuntimeError(
             f"this Triton's interpreter has no {', '.join(missing)}: its memory cannot be bounded"
         )
+    if "_compile_and_exec(" not in inspect.getsource(rewriter.rewrite_ast):
+        raise RuntimeError(
+            "this Triton's interpreter rewrites kernels otherwise: the names it lends cannot be bounded"
+        )
     if getattr(executor.__call__, "recforge_bounded", False):
         return
+    rewriter._compile_and_exec = _lending_only({name: getattr(interp, name) for name in REWRITE_NAMES})
     global _np_dtype
     _np_dtype = interp._get_np_dtype
     executor._init_args_hst = _recording_ranges(executor._init_args_hst)
@@ -51,6 +79,22 @@ def install() -> None:
     builder.create_masked_store = _checked(builder.create_masked_store, pointer=0, mask=2)
     builder.create_atomic_cas = _checked(builder.create_atomic_cas, pointer=0, mask=None)
     builder.create_atomic_rmw = _checked(builder.create_atomic_rmw, pointer=1, mask=3)
+
+
+def _lending_only(lent: dict):
+    """FunctionRewriter._compile_and_exec, lending the kernel's module only `lent`'s names (where
+    it lacks them) in place of every global of the interpreter's module."""
+
+    def compile_and_exec(self, transformed_ast):
+        code = compile(transformed_ast, filename=self.filename, mode="exec")
+        local_namespace = {**self.kwargs}
+        fn_globals = self.fn.__globals__
+        for name, value in lent.items():
+            fn_globals.setdefault(name, value)
+        exec(code, fn_globals, local_namespace)
+        return local_namespace[self.fn.__name__]
+
+    return compile_and_exec
 
 
 def _storage_range(t: torch.Tensor) -> tuple[int, int]:

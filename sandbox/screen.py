@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from sandbox.candidate import Candidate
+from sandbox.interpreter_memory import REWRITE_NAMES
 from sandbox.result import EvalResult, Status
 from search_space.template import parse_source
 
@@ -317,6 +318,10 @@ class _Screen:
             # as the language's).
             elif name in self.aliases:
                 self.flag("aliases", node, f"{name} names {self.aliases[name]} and is bound again")
+            # Rule names: the interpreter's rewrite of a kernel calls these names of the kernel's
+            # module (sandbox.interpreter_memory.REWRITE_NAMES); the module never binds them.
+            elif name in REWRITE_NAMES:
+                self.flag("names", node, f"binds {name}, a name Triton's interpreter writes into kernels")
             self.bound.add(name)
 
     def bindings(self) -> Iterator[tuple[str, ast.AST]]:
@@ -406,6 +411,8 @@ class _Screen:
                 # probe its surroundings (the depth of the stack under the host-compute watch,
                 # which launches fail) and act on what it finds; a kernel has nothing to catch.
                 self.flag("statements", node, "try statement")
+            elif isinstance(node, ast.Delete):
+                self.check_delete(node)
             elif isinstance(node, ast.Call):
                 self.check_call(node)
             elif isinstance(node, ast.BinOp | ast.AugAssign) and isinstance(node.op, ast.MatMult):
@@ -432,6 +439,18 @@ class _Screen:
         },
         "triton.Config": {"pre_hook"},
     }
+
+    def check_delete(self, node: ast.Delete) -> None:
+        # Rule names: no module-level name is deleted. The rule takes a name that a module-level
+        # statement binds as bound everywhere; deleted, the name is missing from the module's
+        # globals, where Triton's interpreter may put a name of its own (interpreter_memory.py).
+        declared = {
+            n for g in ast.walk(self.tree) if isinstance(g, ast.Global | ast.Nonlocal) for n in g.names
+        }
+        for target in node.targets:
+            for name in (n for n in ast.walk(target) if isinstance(n, ast.Name)):
+                if self.scope_of(name) is self.tree or name.id in declared:
+                    self.flag("names", node, f"deletes {name.id}, a module-level name")
 
     def check_call(self, node: ast.Call) -> None:
         path = self.dotted(node.func)

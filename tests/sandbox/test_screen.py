@@ -703,3 +703,24 @@ def test_a_module_name_bound_only_in_dead_code_is_undefined() -> None:
     the candidate's module: a name bound only where the code never runs would read them."""
     source = _with_body("x = _patch_attr") + "\nif False:\n    _patch_attr = None\n"
     assert "names" in _rules(source)
+
+
+@pytest.mark.parametrize(
+    "source, line, detail",
+    [
+        (_with_header("x = 0\ndel x"), 2, "deletes x, a module-level name"),
+        (_with_body("global x; del x"), BODY_LINE, "deletes x, a module-level name"),
+        (_with_header("interpreter_semantic = 0"), 1, "binds interpreter_semantic"),
+        (_with_body("_InterpreterComparison = 1"), BODY_LINE, "binds _InterpreterComparison"),
+    ],
+    ids=["del-at-module-level", "del-of-a-global", "binds-interpreter-semantic", "binds-comparison"],
+)
+def test_module_names_the_interpreter_could_fill_are_rejected(source: str, line: int, detail: str) -> None:
+    """A deleted module-level name is missing from the module's globals, where Triton's
+    interpreter writes names of its own; the names its rewrite writes are never bound."""
+    violations = screen(source, ENTRY)
+    assert [(v.rule, v.line) for v in violations if detail in v.detail] == [("names", line)], violations
+
+
+def test_a_local_name_may_be_deleted() -> None:
+    assert screen(_with_body("y = weight.shape[0]; del y"), ENTRY) == []
