@@ -76,9 +76,9 @@ def install() -> None:
     executor._init_args_hst = _recording_ranges(executor._init_args_hst)
     executor.__call__ = _one_launch(executor.__call__)
     builder.create_masked_load = _checked(builder.create_masked_load, pointer=0, mask=1)
-    builder.create_masked_store = _checked(builder.create_masked_store, pointer=0, mask=2)
-    builder.create_atomic_cas = _checked(builder.create_atomic_cas, pointer=0, mask=None)
-    builder.create_atomic_rmw = _checked(builder.create_atomic_rmw, pointer=1, mask=3)
+    builder.create_masked_store = _checked(builder.create_masked_store, pointer=0, mask=2, values=(1,))
+    builder.create_atomic_cas = _checked(builder.create_atomic_cas, pointer=0, mask=None, values=(1, 2))
+    builder.create_atomic_rmw = _checked(builder.create_atomic_rmw, pointer=1, mask=3, values=(2,))
 
 
 def _lending_only(lent: dict):
@@ -132,20 +132,24 @@ def _one_launch(call):
     return wrapper
 
 
-def _checked(op, *, pointer: int, mask: int | None):
+def _checked(op, *, pointer: int, mask: int | None, values: tuple[int, ...] = ()):
     """`op`(self, *handles) with the pointer handle at position `pointer` (and the mask handle at
-    `mask`) checked: every active lane's element lies inside one of the launch's ranges."""
+    `mask`) checked: every active lane's element lies inside one of the launch's ranges. An element
+    is as wide as the widest of the pointer's element type and the value handles at `values`: the
+    interpreter's C extension moves each value at its own width (Triton casts a store's value to
+    the pointer's type, but not an atomic_cas's compare and value, nor a descriptor scatter's)."""
 
     def wrapper(self, *args, **kwargs):
         ptrs = args[pointer]
         active = None if mask is None or args[mask] is None else np.asarray(args[mask].data, dtype=bool)
-        _check(ptrs, active)
+        widths = [np.asarray(args[i].data).dtype.itemsize for i in values]
+        _check(ptrs, active, max([_element_bytes(ptrs), *widths]))
         return op(self, *args, **kwargs)
 
     return wrapper
 
 
-def _check(ptrs, active) -> None:
+def _check(ptrs, active, width: int) -> None:
     ranges = getattr(_launch, "ranges", None)
     if ranges is None:
         raise OutOfBounds("a memory access outside any interpreted launch")
@@ -156,7 +160,7 @@ def _check(ptrs, active) -> None:
         addresses = addresses.reshape(-1)
     if addresses.size == 0:
         return
-    itemsize = np.uint64(_element_bytes(ptrs))
+    itemsize = np.uint64(width)
     inside = np.zeros(addresses.shape, dtype=bool)
     for start, end in ranges:
         inside |= (addresses >= np.uint64(start)) & (addresses + itemsize <= np.uint64(end))

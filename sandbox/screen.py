@@ -367,6 +367,12 @@ class _Screen:
                     self.bad_aliases.add(local)
             elif _is_dunder(local) or (hasattr(builtins, local) and local not in ALLOWED_BUILTINS):
                 self.flag("imports", node, f"import as {local}, a builtin's or dunder name")
+            # Rule names: an alias counts as bound everywhere, so never one of the names the
+            # interpreter's rewrite writes into a module (bound by an import that never runs).
+            elif local in REWRITE_NAMES:
+                self.flag(
+                    "names", node, f"import as {local}, a name Triton's interpreter writes into kernels"
+                )
             # Rule aliases: one name, one module (`import torch as tl` in one function would
             # otherwise make tl.load torch.load there).
             elif self.aliases.get(local, target) != target:
