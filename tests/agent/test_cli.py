@@ -212,3 +212,13 @@ def test_campaign_list_keeps_ids_whole_at_80_columns(tmp_path, monkeypatch) -> N
     assert "…" not in result.output and max(len(line) for line in result.output.splitlines()) <= 80
     first_cells = [line.split("│")[1].strip() for line in result.output.splitlines() if line.count("│") > 2]
     assert long_id in "".join(first_cells)  # the id, folded over lines, every character kept
+
+
+def test_an_error_naming_a_config_section_keeps_its_brackets(tmp_path) -> None:
+    config = tmp_path / "no_llm.toml"
+    config.write_text(
+        'name = "x"\nproblems = ["embedding_bag"]\n[budget]\nmax_evaluations = 1\nmax_wall_s = 10\n'
+    )
+    result = runner.invoke(app, ["llm", "check", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "has no [llm] section: nothing to check" in result.output, result.output

@@ -6,8 +6,7 @@ TritonSemantic and the kernel reads it (and `_InterpreterComparison` the same wa
 the screen admits (load, store, atomic_*, cast ...) reach only the bounded builder today, so this
 is a gap in the names rule, not an escape by itself; any future lent or injected global would be
 readable the same way.
-Expected once held: an import may not alias a name of REWRITE_NAMES (or an alias counts as defined
-only where its import binds it), and the screen refuses the case."""
+Held: the screen refuses an import alias named in interpreter_memory.REWRITE_NAMES (rule names)."""
 # expect: static_rejected | interpreter_semantic
 # expect-gpu: static_rejected | interpreter_semantic
 # base: yes

@@ -10,8 +10,9 @@ the second writes them back unchanged (any other value would corrupt the allocat
 a neighbouring object: a heap overflow in the runner, with no bound at all on what is read).
 The same width gap holds for tensor_descriptor.scatter (its value is not cast either: an int8
 descriptor scattered with int64 values writes 7 bytes past its last element).
-Expected once held: each access is checked with the width the C extension uses (cmp's / the
-value's itemsize, or the semantic casts them), so the import's launch is refused."""
+Held: interpreter_memory checks each access at the widest of the pointer's element and the values
+the C extension moves (a store's value, an atomic's compare and value), so the import's launch is
+refused."""
 # expect: compile_error | outside every tensor its launch was given
 # expect-gpu: compile_error |
 # base: yes
