@@ -47,29 +47,23 @@ def install() -> None:
     """Wrap the interpreter's launch and memory operations (once per process)."""
     from triton.runtime import interpreter as interp
 
-    executor, builder = interp.GridExecutor, interp.InterpreterBuilder
-    needed = [(executor, "__call__"), (executor, "_init_args_hst")] + [
+    executor, builder, rewriter = interp.GridExecutor, interp.InterpreterBuilder, interp.FunctionRewriter
+    needed = [(executor, "__call__"), (executor, "_init_args_hst"), (rewriter, "_compile_and_exec")] + [
         (builder, name)
         for name in ("create_masked_load", "create_masked_store", "create_atomic_cas", "create_atomic_rmw")
     ]
-    rewriter = getattr(interp, "FunctionRewriter", None)
-    needed.append((rewriter, "_compile_and_exec"))
-    missing = [
-        f"{getattr(cls, '__name__', 'FunctionRewriter')}.{name}"
-        for cls, name in needed
-        if not callable(getattr(cls, "__dict__", {}).get(name))
-    ]
+    missing = [f"{cls.__name__}.{name}" for cls, name in needed if not callable(cls.__dict__.get(name))]
     missing += [name for name in REWRITE_NAMES if not hasattr(interp, name)]
     if missing:
         raise RuntimeError(
             f"this Triton's interpreter has no {', '.join(missing)}: its memory cannot be bounded"
         )
+    if getattr(executor.__call__, "recforge_bounded", False):
+        return
     if "_compile_and_exec(" not in inspect.getsource(rewriter.rewrite_ast):
         raise RuntimeError(
             "this Triton's interpreter rewrites kernels otherwise: the names it lends cannot be bounded"
         )
-    if getattr(executor.__call__, "recforge_bounded", False):
-        return
     rewriter._compile_and_exec = _lending_only({name: getattr(interp, name) for name in REWRITE_NAMES})
     global _np_dtype
     _np_dtype = interp._get_np_dtype

@@ -233,6 +233,7 @@ class _Screen:
         self.aliases: dict[str, str] = {}  # import alias -> dotted name
         self.bad_aliases: set[str] = set()  # aliases of imports already rejected
         self.bound: set[str] = set()
+        self.declared: set[str] = set()  # names a global or nonlocal statement declares
         self.annotations: set[ast.AST] = set()
         self.decorators: set[ast.AST] = set()
         self.kernel_nodes: set[ast.AST] = set()
@@ -298,6 +299,8 @@ class _Screen:
                     self.decorators.update(node.decorator_list)
             elif isinstance(node, ast.AnnAssign):
                 self.annotations.update(ast.walk(node.annotation))
+            elif isinstance(node, ast.Global | ast.Nonlocal):
+                self.declared.update(node.names)
         for node in self.tree.body:
             if isinstance(node, ast.FunctionDef) and self.is_kernel(node):
                 # The body alone: decorators (heuristics, configs' pre-hooks) and defaults run on
@@ -450,12 +453,9 @@ class _Screen:
         # Rule names: no module-level name is deleted. The rule takes a name that a module-level
         # statement binds as bound everywhere; deleted, the name is missing from the module's
         # globals, where Triton's interpreter may put a name of its own (interpreter_memory.py).
-        declared = {
-            n for g in ast.walk(self.tree) if isinstance(g, ast.Global | ast.Nonlocal) for n in g.names
-        }
         for target in node.targets:
             for name in (n for n in ast.walk(target) if isinstance(n, ast.Name)):
-                if self.scope_of(name) is self.tree or name.id in declared:
+                if self.scope_of(name) is self.tree or name.id in self.declared:
                     self.flag("names", node, f"deletes {name.id}, a module-level name")
 
     def check_call(self, node: ast.Call) -> None:
